@@ -1,0 +1,375 @@
+//! Extent sub-allocator: bookkeeping of aligned byte ranges over `[0, len)`, with no memory of
+//! its own. Each tier arena (device memory, pinned host memory, a disk file) carves its tensors
+//! out of one big reservation with it.
+//!
+//! Free ranges live in two ordered sets: by offset (to find the neighbours to merge with on
+//! free) and by `(len, offset)` (to find the best fit on alloc). Both operations are O(log n) in
+//! the number of free ranges.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+/// Best-fit allocator of aligned extents over the range [0, len), with coalescing.
+///
+/// Every offset handed out and every reserved size is a multiple of `align`, so free ranges
+/// always start on an `align` boundary and no padding is ever needed. When `len` is not a
+/// multiple of `align`, the tail past the last boundary is never handed out.
+#[derive(Debug)]
+pub(crate) struct ExtentAllocator {
+    /// Free ranges: offset -> length. Never two adjacent ones (they are merged on free).
+    free: BTreeMap<u64, u64>,
+    /// The same ranges as `(length, offset)`, so the smallest fit is one range query away.
+    by_size: BTreeSet<(u64, u64)>,
+    /// Sum of the reserved sizes of live extents.
+    used: u64,
+    /// Length given to `new`.
+    len: u64,
+    /// `len` rounded down to `align`: the part that can be handed out.
+    usable: u64,
+    align: u64,
+}
+
+impl ExtentAllocator {
+    /// `align` is a power of two (256 for device memory, 4096 for host and disk).
+    pub(crate) fn new(len: u64, align: u64) -> Self {
+        assert!(align.is_power_of_two(), "alignment {align} is not a power of two");
+        let usable = len & !(align - 1);
+        let mut a = ExtentAllocator {
+            free: BTreeMap::new(),
+            by_size: BTreeSet::new(),
+            used: 0,
+            len,
+            usable,
+            align,
+        };
+        if usable > 0 {
+            a.insert_free(0, usable);
+        }
+        a
+    }
+
+    /// Reserves round_up(max(size,1), align) bytes; returns the offset (a multiple of align), or
+    /// None when no free range is big enough. Best fit (smallest free range that fits; ties ->
+    /// lowest offset).
+    pub(crate) fn alloc(&mut self, size: u64) -> Option<u64> {
+        let need = self.round(size)?;
+        // (len, offset) order: the first entry at or after (need, 0) is the smallest range that
+        // fits, and among equal lengths the lowest offset.
+        let &(flen, off) = self.by_size.range((need, 0)..).next()?;
+        self.remove_free(off, flen);
+        if flen > need {
+            self.insert_free(off + need, flen - need);
+        }
+        self.used += need;
+        Some(off)
+    }
+
+    /// Frees what `alloc(size)` returned at `offset` (same `size` as given to alloc); merges with
+    /// free neighbours. Freeing something not allocated is a bug: it trips a debug assertion, and
+    /// in release builds it is ignored so the free lists stay consistent.
+    pub(crate) fn free(&mut self, offset: u64, size: u64) {
+        let live = self.is_live(offset, size);
+        debug_assert!(
+            live,
+            "free of an extent that is not allocated: offset {offset}, size {size}"
+        );
+        if !live {
+            return;
+        }
+        let need = self.reserved_size(size);
+        self.used -= need;
+        let (mut start, mut end) = (offset, offset + need);
+        if let Some((&poff, &plen)) = self.free.range(..start).next_back() {
+            if poff + plen == start {
+                self.remove_free(poff, plen);
+                start = poff;
+            }
+        }
+        if let Some(&nlen) = self.free.get(&end) {
+            self.remove_free(end, nlen);
+            end += nlen;
+        }
+        self.insert_free(start, end - start);
+    }
+
+    /// Reserved size for a request of `size`: round_up(max(size,1), align). Saturates at
+    /// `u64::MAX` (which no allocator can satisfy) when the rounding overflows.
+    pub(crate) fn reserved_size(&self, size: u64) -> u64 {
+        self.round(size).unwrap_or(u64::MAX)
+    }
+
+    /// Sum of the reserved sizes of the live extents.
+    pub(crate) fn used(&self) -> u64 {
+        self.used
+    }
+
+    /// The length given to [`ExtentAllocator::new`].
+    pub(crate) fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// Largest free range, 0 if none. A request of at most this many bytes succeeds.
+    pub(crate) fn largest_free(&self) -> u64 {
+        self.by_size.last().map_or(0, |&(l, _)| l)
+    }
+
+    /// Number of free ranges (a measure of fragmentation).
+    pub(crate) fn free_ranges(&self) -> usize {
+        self.free.len()
+    }
+
+    fn round(&self, size: u64) -> Option<u64> {
+        size.max(1).checked_next_multiple_of(self.align)
+    }
+
+    /// Whether `[offset, offset + reserved_size(size))` could be a live extent: aligned, inside
+    /// the usable range, and overlapping no free range. Checking this before a free is what
+    /// keeps a bad free from corrupting the free lists.
+    fn is_live(&self, offset: u64, size: u64) -> bool {
+        let Some(need) = self.round(size) else {
+            return false;
+        };
+        let Some(end) = offset.checked_add(need) else {
+            return false;
+        };
+        if offset & (self.align - 1) != 0 || end > self.usable || need > self.used {
+            return false;
+        }
+        // Free ranges are disjoint and sorted, so only the last one starting before `end` can
+        // reach into the extent.
+        match self.free.range(..end).next_back() {
+            Some((&foff, &flen)) => foff + flen <= offset,
+            None => true,
+        }
+    }
+
+    fn insert_free(&mut self, off: u64, len: u64) {
+        self.free.insert(off, len);
+        self.by_size.insert((len, off));
+    }
+
+    fn remove_free(&mut self, off: u64, len: u64) {
+        self.free.remove(&off);
+        self.by_size.remove(&(len, off));
+    }
+
+    /// The free ranges as `(offset, len)`, by offset.
+    #[cfg(test)]
+    fn ranges(&self) -> Vec<(u64, u64)> {
+        self.free.iter().map(|(&o, &l)| (o, l)).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn alloc_free_coalesce() {
+        let mut a = ExtentAllocator::new(4096, 256);
+        let x = a.alloc(256).unwrap();
+        let y = a.alloc(256).unwrap();
+        let z = a.alloc(256).unwrap();
+        assert_eq!((x, y, z), (0, 256, 512));
+        assert_eq!(a.used(), 768);
+        assert_eq!(a.free_ranges(), 1);
+        a.free(y, 256);
+        assert_eq!(a.free_ranges(), 2);
+        a.free(x, 256);
+        // x and y merged into one hole before z.
+        assert_eq!(a.ranges(), vec![(0, 512), (768, 4096 - 768)]);
+        a.free(z, 256);
+        assert_eq!(a.ranges(), vec![(0, 4096)]);
+        assert_eq!(a.used(), 0);
+        assert_eq!(a.largest_free(), 4096);
+    }
+
+    #[test]
+    fn sizes_round_up_to_alignment() {
+        let mut a = ExtentAllocator::new(1 << 20, 4096);
+        assert_eq!(a.reserved_size(0), 4096);
+        assert_eq!(a.reserved_size(1), 4096);
+        assert_eq!(a.reserved_size(4096), 4096);
+        assert_eq!(a.reserved_size(4097), 8192);
+        assert_eq!(a.reserved_size(u64::MAX), u64::MAX);
+        let x = a.alloc(1).unwrap();
+        let y = a.alloc(5000).unwrap();
+        let z = a.alloc(0).unwrap();
+        assert_eq!((x, y, z), (0, 4096, 3 * 4096));
+        assert!([x, y, z].iter().all(|o| o % 4096 == 0));
+        assert_eq!(a.used(), 4 * 4096);
+        a.free(y, 5000);
+        assert_eq!(a.used(), 2 * 4096);
+        assert_eq!(a.alloc(u64::MAX), None);
+    }
+
+    #[test]
+    fn unaligned_length_leaves_tail_unused() {
+        let mut a = ExtentAllocator::new(1000, 256);
+        assert_eq!(a.len(), 1000);
+        assert_eq!(a.largest_free(), 768);
+        assert_eq!(a.alloc(769), None);
+        assert_eq!(a.alloc(768), Some(0));
+        assert_eq!(a.largest_free(), 0);
+        assert_eq!(a.free_ranges(), 0);
+        assert_eq!(a.alloc(1), None);
+        let empty = ExtentAllocator::new(100, 256);
+        assert_eq!((empty.largest_free(), empty.free_ranges()), (0, 0));
+    }
+
+    #[test]
+    fn exhaustion_and_reuse() {
+        let mut a = ExtentAllocator::new(1024, 256);
+        let offs: Vec<u64> = (0..4).map(|_| a.alloc(200).unwrap()).collect();
+        assert_eq!(a.alloc(1), None);
+        assert_eq!(a.used(), 1024);
+        a.free(offs[2], 200);
+        assert_eq!(a.alloc(300), None, "one hole of 256 cannot hold 512");
+        assert_eq!(a.alloc(256), Some(offs[2]));
+    }
+
+    #[test]
+    fn best_fit_picks_smallest_hole_then_lowest_offset() {
+        let mut a = ExtentAllocator::new(16 * 256, 256);
+        // Extents, in 256-byte units: [0,3) [3,4) [4,5) [5,6) [6,8) [8,9) [9,12), then [12,16) free.
+        let sizes = [3, 1, 1, 1, 2, 1, 3];
+        let offs: Vec<u64> = sizes.iter().map(|s| a.alloc(s * 256).unwrap()).collect();
+        a.free(offs[0], 3 * 256);
+        a.free(offs[4], 2 * 256);
+        a.free(offs[6], 3 * 256);
+        // Holes of 3 units @0, 2 @6, and 7 @9 ([9,12) merged with the free tail).
+        assert_eq!(a.ranges(), vec![(0, 768), (6 * 256, 512), (9 * 256, 7 * 256)]);
+        assert_eq!(a.alloc(256), Some(6 * 256), "smallest hole that fits");
+        assert_eq!(a.alloc(512), Some(0), "the hole of 3 beats the hole of 7");
+        assert_eq!(a.alloc(512), Some(9 * 256));
+        // Holes now: 1 @2, 1 @7, 5 @11. Ties go to the lowest offset.
+        assert_eq!(a.alloc(100), Some(2 * 256));
+        assert_eq!(a.alloc(100), Some(7 * 256));
+        assert_eq!(a.largest_free(), 5 * 256);
+    }
+
+    #[test]
+    #[cfg(debug_assertions)]
+    #[should_panic(expected = "not allocated")]
+    fn double_free_is_caught_in_debug() {
+        let mut a = ExtentAllocator::new(4096, 256);
+        let x = a.alloc(256).unwrap();
+        a.free(x, 256);
+        a.free(x, 256);
+    }
+
+    #[test]
+    #[cfg(not(debug_assertions))]
+    fn double_free_is_ignored_in_release() {
+        let mut a = ExtentAllocator::new(4096, 256);
+        let x = a.alloc(256).unwrap();
+        let y = a.alloc(256).unwrap();
+        a.free(x, 256);
+        a.free(x, 256);
+        a.free(x + 1, 256);
+        assert_eq!(a.used(), 256);
+        assert_eq!(a.ranges(), vec![(0, 256), (512, 4096 - 512)]);
+        a.free(y, 256);
+        assert_eq!(a.ranges(), vec![(0, 4096)]);
+    }
+
+    #[test]
+    fn bad_free_checks_hold() {
+        let mut a = ExtentAllocator::new(4096, 256);
+        let x = a.alloc(512).unwrap();
+        assert!(a.is_live(x, 512));
+        assert!(!a.is_live(x + 1, 256), "unaligned");
+        assert!(!a.is_live(512, 256), "free range");
+        assert!(!a.is_live(4096, 256), "out of range");
+        assert!(!a.is_live(0, 1024), "reaches into a free range");
+        assert!(!a.is_live(!255, 256), "overflow");
+    }
+
+    /// xorshift64*: enough randomness for a shuffle of operations, and no dependency.
+    struct Rng(u64);
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            self.0 ^= self.0 >> 12;
+            self.0 ^= self.0 << 25;
+            self.0 ^= self.0 >> 27;
+            self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+        }
+        fn below(&mut self, n: u64) -> u64 {
+            self.next() % n
+        }
+    }
+
+    /// Checks every invariant of `a` against `live` (offset -> requested size of live extents).
+    fn check(a: &ExtentAllocator, live: &BTreeMap<u64, u64>) {
+        let ranges = a.ranges();
+        let mut by_size: Vec<(u64, u64)> = ranges.iter().map(|&(o, l)| (l, o)).collect();
+        by_size.sort_unstable();
+        assert_eq!(by_size, a.by_size.iter().copied().collect::<Vec<_>>(), "index out of sync");
+        let used: u64 = live.values().map(|&s| a.reserved_size(s)).sum();
+        assert_eq!(a.used(), used);
+        let free: u64 = ranges.iter().map(|r| r.1).sum();
+        assert_eq!(used + free, a.usable);
+        assert_eq!(a.largest_free(), ranges.iter().map(|r| r.1).max().unwrap_or(0));
+        assert_eq!(a.free_ranges(), ranges.len());
+        for w in ranges.windows(2) {
+            assert!(w[0].0 + w[0].1 < w[1].0, "free ranges overlap or touch: {w:?}");
+        }
+        // Live extents and free ranges together tile [0, usable) with no overlap.
+        let mut all: Vec<(u64, u64)> = ranges.clone();
+        all.extend(live.iter().map(|(&o, &s)| (o, a.reserved_size(s))));
+        all.sort_unstable();
+        let mut at = 0;
+        for (o, l) in all {
+            assert_eq!(o % a.align, 0);
+            assert_eq!(o, at, "gap or overlap at {o}");
+            at = o + l;
+        }
+        assert_eq!(at, a.usable);
+    }
+
+    #[test]
+    fn randomized_against_shadow() {
+        for (seed, align, len) in
+            [(1u64, 256u64, 1 << 20), (7, 4096, (1 << 22) + 123), (42, 256, 300_000)]
+        {
+            let mut rng = Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
+            let mut a = ExtentAllocator::new(len, align);
+            let mut live: BTreeMap<u64, u64> = BTreeMap::new();
+            let mut fails = 0;
+            for _ in 0..5000 {
+                if live.is_empty() || rng.below(100) < 55 {
+                    // Mostly small requests, some large ones, to force splits and failures.
+                    let size = match rng.below(10) {
+                        0 => rng.below(len / 4),
+                        1..=3 => rng.below(8 * align),
+                        _ => rng.below(2 * align),
+                    };
+                    let need = a.reserved_size(size);
+                    let before = a.ranges();
+                    let expect = before.iter().filter(|r| r.1 >= need).min_by_key(|r| (r.1, r.0));
+                    match a.alloc(size) {
+                        Some(off) => {
+                            assert_eq!(Some(off), expect.map(|r| r.0), "not the best fit");
+                            assert!(live.insert(off, size).is_none());
+                        }
+                        None => {
+                            assert!(expect.is_none(), "alloc failed with a fitting hole");
+                            fails += 1;
+                        }
+                    }
+                } else {
+                    let i = rng.below(live.len() as u64) as usize;
+                    let (&off, &size) = live.iter().nth(i).unwrap();
+                    live.remove(&off);
+                    a.free(off, size);
+                }
+                check(&a, &live);
+            }
+            assert!(fails > 0, "the test never exhausted the allocator");
+            for (off, size) in std::mem::take(&mut live) {
+                a.free(off, size);
+            }
+            check(&a, &live);
+            assert_eq!(a.free_ranges(), 1);
+        }
+    }
+}

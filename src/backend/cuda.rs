@@ -1,0 +1,216 @@
+//! The CUDA backend, over cudarc's driver API (loaded at run time).
+//!
+//! Device memory comes from `cuMemAlloc`, pinned memory from `cuMemHostAlloc(PORTABLE)` (not
+//! write-combined: the CPU reads it back, and write-combined memory is slow to read), mapped memory
+//! from `cuMemHostAlloc(DEVICEMAP | PORTABLE)` with its device address from
+//! `cuMemHostGetDevicePointer`. cudarc has no safe wrapper for the last two, so they are wrapped
+//! here. Copies are `cuMemcpy*Async` on two dedicated streams (host-to-device, device-to-host) so
+//! that both copy engines can run at once.
+
+use std::ffi::c_void;
+use std::sync::Arc;
+
+use cudarc::driver::{result, sys, CudaContext, CudaEvent, CudaStream, DriverError};
+
+use super::{Addr, Block, BlockOwner, MemKind, RawStream};
+use crate::error::{Error, Result};
+use crate::types::Tier;
+
+/// Whether the CUDA driver library can be loaded on this machine. Checked before any cudarc call,
+/// which would panic without it.
+pub(crate) fn driver_present() -> bool {
+    // SAFETY: is_culib_present only tries to dlopen the driver library and closes it again.
+    unsafe { sys::is_culib_present() }
+}
+
+/// Number of CUDA devices, or why there are none.
+pub(crate) fn device_count() -> std::result::Result<usize, String> {
+    if !driver_present() {
+        return Err("the CUDA driver library (libcuda.so) was not found".into());
+    }
+    result::init().map_err(|e| format!("cuInit failed: {e}"))?;
+    match result::device::get_count() {
+        Ok(0) => Err("the CUDA driver reports no devices".into()),
+        Ok(n) => Ok(n as usize),
+        Err(e) => Err(format!("cuDeviceGetCount failed: {e}")),
+    }
+}
+
+/// The CUDA backend: a context and the two copy streams.
+pub(crate) struct CudaBackend {
+    pub(crate) ctx: Arc<CudaContext>,
+    pub(crate) h2d: RawStream,
+    pub(crate) d2h: RawStream,
+}
+
+fn cu(call: &'static str) -> impl FnOnce(DriverError) -> Error {
+    move |e| Error::cuda(call, e)
+}
+
+impl CudaBackend {
+    /// Opens device `ordinal` (its primary context, which other libraries share).
+    pub(crate) fn new(ordinal: usize) -> Result<CudaBackend> {
+        let count = device_count().map_err(Error::NoGpu)?;
+        if ordinal >= count {
+            return Err(Error::NoGpu(format!(
+                "device {ordinal} asked for, but the driver reports {count} device(s)"
+            )));
+        }
+        let ctx = CudaContext::new(ordinal).map_err(cu("cuDevicePrimaryCtxRetain"))?;
+        Self::from_context(ctx)
+    }
+
+    /// Uses a context the caller already has (a trainer sharing its own).
+    pub(crate) fn from_context(ctx: Arc<CudaContext>) -> Result<CudaBackend> {
+        let h2d = ctx.new_stream().map_err(cu("cuStreamCreate"))?;
+        let d2h = ctx.new_stream().map_err(cu("cuStreamCreate"))?;
+        Ok(CudaBackend { ctx, h2d: RawStream::Cuda(h2d), d2h: RawStream::Cuda(d2h) })
+    }
+
+    pub(crate) fn alloc(&self, kind: MemKind, len: usize) -> Result<Block> {
+        let len = len.max(1);
+        self.ctx.bind_to_thread().map_err(cu("cuCtxSetCurrent"))?;
+        let oom = |tier: Tier, e: DriverError, call: &'static str| {
+            if e.0 == sys::cudaError_enum::CUDA_ERROR_OUT_OF_MEMORY {
+                Error::OutOfMemory { tier, bytes: len as u64 }
+            } else {
+                Error::cuda(call, e)
+            }
+        };
+        let owner = BlockOwner::Cuda(self.ctx.clone());
+        match kind {
+            MemKind::Device => {
+                // SAFETY: the context is current; the memory is owned by the returned Block and
+                // freed once in its Drop (free_block).
+                let dev = unsafe { result::malloc_sync(len) }
+                    .map_err(|e| oom(Tier::Device, e, "cuMemAlloc"))?;
+                Ok(Block { host: std::ptr::null_mut(), dev, len, kind, owner })
+            }
+            MemKind::Pinned => {
+                // SAFETY: the context is current; PORTABLE makes the memory pinned for every
+                // context; the pointer is owned by the returned Block and freed in its Drop.
+                let host = unsafe { result::malloc_host(len, sys::CU_MEMHOSTALLOC_PORTABLE) }
+                    .map_err(|e| oom(Tier::Pinned, e, "cuMemHostAlloc"))?;
+                Ok(Block { host: host as *mut u8, dev: 0, len, kind, owner })
+            }
+            MemKind::Mapped => {
+                let flags = sys::CU_MEMHOSTALLOC_PORTABLE | sys::CU_MEMHOSTALLOC_DEVICEMAP;
+                // SAFETY: as for Pinned; DEVICEMAP also maps it into the device address space.
+                let host = unsafe { result::malloc_host(len, flags) }
+                    .map_err(|e| oom(Tier::Mapped, e, "cuMemHostAlloc"))?;
+                let mut block = Block { host: host as *mut u8, dev: 0, len, kind, owner };
+                let mut dev: sys::CUdeviceptr = 0;
+                // SAFETY: `host` was allocated with DEVICEMAP just above, in the current context;
+                // flags must be 0 (CUDA docs of cuMemHostGetDevicePointer).
+                unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dev, host, 0) }
+                    .result()
+                    .map_err(cu("cuMemHostGetDevicePointer"))?;
+                block.dev = dev;
+                Ok(block)
+            }
+        }
+    }
+
+    pub(crate) fn new_stream(&self) -> Result<RawStream> {
+        let s = self.ctx.new_stream().map_err(cu("cuStreamCreate"))?;
+        Ok(RawStream::Cuda(s))
+    }
+
+    pub(crate) fn describe(&self) -> String {
+        let name = self.ctx.name().unwrap_or_else(|_| "unknown device".into());
+        let total = self.ctx.total_mem().map(|b| b as u64).unwrap_or(0);
+        format!(
+            "cuda: device {} ({name}, {} HBM)",
+            self.ctx.ordinal(),
+            crate::types::format_size(total)
+        )
+    }
+}
+
+/// Frees a block allocated by [`CudaBackend::alloc`]. Errors are recorded in the context (cudarc's
+/// Drop-error slot) and surface through `Store::check_err`.
+pub(crate) fn free_block(ctx: &Arc<CudaContext>, b: &Block) {
+    ctx.record_err(ctx.bind_to_thread());
+    match b.kind {
+        // SAFETY: `dev` came from cuMemAlloc in `alloc`, is freed once (Block's Drop), and the
+        // store has waited for every copy and view touching it before dropping its arena.
+        MemKind::Device => ctx.record_err(unsafe { result::free_sync(b.dev) }),
+        // SAFETY: `host` came from cuMemHostAlloc in `alloc` and is freed once, after all use.
+        MemKind::Pinned | MemKind::Mapped => {
+            ctx.record_err(unsafe { result::free_host(b.host as *mut c_void) })
+        }
+    }
+}
+
+/// Issues an async copy on `s`.
+///
+/// # Safety
+/// See [`RawStream::copy`](super::RawStream::copy): both ranges valid for `len` bytes until the
+/// copy completes, host addresses page-locked, no host-to-host copy.
+pub(crate) unsafe fn copy_async(
+    s: &Arc<CudaStream>,
+    dst: Addr,
+    src: Addr,
+    len: usize,
+) -> Result<()> {
+    if len == 0 {
+        return Ok(());
+    }
+    s.context().bind_to_thread().map_err(cu("cuCtxSetCurrent"))?;
+    let cs = s.cu_stream();
+    // SAFETY (all three): the caller guarantees the ranges are valid, pinned where host, and
+    // untouched until the copy completes; the stream belongs to the current context.
+    let r = match (dst, src) {
+        (Addr::Dev(d), Addr::Host(h)) => unsafe {
+            (sys::cuMemcpyHtoDAsync_v2(d, h as *const c_void, len, cs), "cuMemcpyHtoDAsync")
+        },
+        (Addr::Host(h), Addr::Dev(d)) => unsafe {
+            (sys::cuMemcpyDtoHAsync_v2(h as *mut c_void, d, len, cs), "cuMemcpyDtoHAsync")
+        },
+        (Addr::Dev(d), Addr::Dev(sr)) => unsafe {
+            (sys::cuMemcpyDtoDAsync_v2(d, sr, len, cs), "cuMemcpyDtoDAsync")
+        },
+        (Addr::Host(_), Addr::Host(_)) => {
+            return Err(Error::InvalidArgument(
+                "host-to-host copies are done on the CPU, not on a CUDA stream".into(),
+            ))
+        }
+    };
+    r.0.result().map_err(cu(r.1))
+}
+
+/// Records a (timing-free) event after the work issued so far on `s`.
+pub(crate) fn record(s: &Arc<CudaStream>) -> Result<Arc<CudaEvent>> {
+    s.record_event(None).map(Arc::new).map_err(cu("cuEventRecord"))
+}
+
+/// Store memory lent to cudarc as a `CudaSlice<u8>` that cudarc never frees: dropping it leaks the
+/// slice (cudarc's `leak`), which only makes the slice's stream wait for cudarc's events on it.
+pub(crate) struct BorrowedSlice(Option<cudarc::driver::CudaSlice<u8>>);
+
+impl BorrowedSlice {
+    /// Lends `len` bytes at `ptr`. The caller (a view) keeps that memory allocated and unmoved for
+    /// as long as this value lives.
+    pub(crate) fn new(stream: &Arc<CudaStream>, ptr: u64, len: usize) -> BorrowedSlice {
+        // SAFETY: `ptr..ptr + len` is device-accessible memory of the store (a Device extent or
+        // the device mapping of a Mapped extent) that the view holding this value keeps alive;
+        // the slice is leaked, never freed by cudarc (Drop below).
+        BorrowedSlice(Some(unsafe { stream.upgrade_device_ptr::<u8>(ptr, len) }))
+    }
+
+    pub(crate) fn get(&self) -> &cudarc::driver::CudaSlice<u8> {
+        self.0.as_ref().expect("present until drop")
+    }
+
+    pub(crate) fn get_mut(&mut self) -> &mut cudarc::driver::CudaSlice<u8> {
+        self.0.as_mut().expect("present until drop")
+    }
+}
+
+impl Drop for BorrowedSlice {
+    fn drop(&mut self) {
+        if let Some(s) = self.0.take() {
+            s.leak();
+        }
+    }
+}

@@ -1,0 +1,157 @@
+//! Verification kernels: a checksum and a fill pattern computed *on the device* over a view's
+//! memory, with host references to compare against.
+//!
+//! On the CUDA backend they are CUDA C (`cuda/verify.cu`) compiled at run time with NVRTC (which
+//! must be installed: `libnvrtc.so`); on the host backend they run over the view's host memory.
+//!
+//! ```
+//! use strata::{kernels::{self, Kernels}, DType, Store, Tier};
+//! # fn main() -> strata::Result<()> {
+//! let store = Store::builder().host_backend().capacity(Tier::Device, 1 << 20).build()?;
+//! let data: Vec<u8> = (0..4096u32).map(|i| i as u8).collect();
+//! let id = store.put("t", DType::U8, &[4096], &data)?;
+//! let k = Kernels::new(&store)?;
+//! let s = store.stream()?;
+//! let v = store.device_view(id, &s)?;
+//! assert_eq!(k.checksum(&v, 1)?, kernels::checksum_host(&data, 1));
+//! # Ok(()) }
+//! ```
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaFunction, CudaModule, LaunchConfig, PushKernelArg};
+
+use crate::error::{Error, Result};
+use crate::store::Store;
+use crate::view::DeviceView;
+
+const SOURCE: &str = include_str!("../../cuda/verify.cu");
+
+/// The verification kernels, ready to launch on a store's backend.
+pub struct Kernels {
+    cuda: Option<CudaKernels>,
+}
+
+struct CudaKernels {
+    _module: Arc<CudaModule>,
+    checksum: CudaFunction,
+    fill: CudaFunction,
+}
+
+/// Host reference of the device checksum: `repeats * Σ data[i] * (i % 65521 + 1)` mod 2^64.
+pub fn checksum_host(data: &[u8], repeats: u32) -> u64 {
+    let one = data
+        .iter()
+        .enumerate()
+        .fold(0u64, |acc, (i, &b)| acc.wrapping_add(b as u64 * (i as u64 % 65521 + 1)));
+    one.wrapping_mul(repeats as u64)
+}
+
+/// Host reference of the fill kernel: the bytes it writes for `seed`.
+pub fn pattern(len: usize, seed: u32) -> Vec<u8> {
+    (0..len as u64)
+        .map(|i| {
+            ((i.wrapping_mul(31).wrapping_add(seed as u64 * 7)) ^ (i >> 8) ^ (seed as u64 >> 3))
+                as u8
+        })
+        .collect()
+}
+
+fn nvrtc_err(call: &'static str, e: impl std::fmt::Display) -> Error {
+    Error::Cuda { call, message: e.to_string() }
+}
+
+impl Kernels {
+    /// Compiles (CUDA: NVRTC, once per call) and loads the kernels for `store`'s backend.
+    pub fn new(store: &Store) -> Result<Kernels> {
+        let Some(ctx) = store.cuda_context() else { return Ok(Kernels { cuda: None }) };
+        // SAFETY: only tries to dlopen the NVRTC library and closes it again.
+        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+            return Err(Error::Cuda {
+                call: "nvrtc",
+                message: "the NVRTC library (libnvrtc.so) was not found: install the CUDA runtime \
+                          compiler or put its lib directory on LD_LIBRARY_PATH"
+                    .into(),
+            });
+        }
+        let (major, minor) =
+            ctx.compute_capability().map_err(|e| Error::cuda("cuDeviceGetAttribute", e))?;
+        let arch: &'static str = Box::leak(format!("compute_{major}{minor}").into_boxed_str());
+        let opts = cudarc::nvrtc::CompileOptions { arch: Some(arch), ..Default::default() };
+        let ptx = cudarc::nvrtc::compile_ptx_with_opts(SOURCE, opts)
+            .map_err(|e| nvrtc_err("nvrtcCompileProgram", e))?;
+        let module = ctx.load_module(ptx).map_err(|e| Error::cuda("cuModuleLoadData", e))?;
+        let checksum = module
+            .load_function("strata_checksum")
+            .map_err(|e| Error::cuda("cuModuleGetFunction", e))?;
+        let fill = module
+            .load_function("strata_fill")
+            .map_err(|e| Error::cuda("cuModuleGetFunction", e))?;
+        Ok(Kernels { cuda: Some(CudaKernels { _module: module, checksum, fill }) })
+    }
+
+    /// Reads the view's bytes on the device (`repeats` passes) on the view's stream and returns
+    /// the checksum; equals [`checksum_host`] of the tensor's bytes. Blocks until done.
+    pub fn checksum(&self, view: &DeviceView, repeats: u32) -> Result<u64> {
+        let repeats = repeats.max(1);
+        let Some(k) = &self.cuda else {
+            return view.with_host_bytes(|b| checksum_host(b, repeats));
+        };
+        let stream = view.stream();
+        let s = stream
+            .cuda()
+            .ok_or_else(|| Error::BackendMismatch("host stream, CUDA kernels".into()))?;
+        let slice = view
+            .cuda_slice()
+            .ok_or_else(|| Error::BackendMismatch("view without device memory".into()))?;
+        let mut out = s.alloc_zeros::<u64>(1).map_err(|e| Error::cuda("cuMemAllocAsync", e))?;
+        let n = view.len_bytes() as u64;
+        let cfg =
+            LaunchConfig { grid_dim: (264, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        let mut b = s.launch_builder(&k.checksum);
+        b.arg(slice).arg(&n).arg(&repeats).arg(&mut out);
+        // SAFETY: the kernel's parameters are (const u8*, u64, u32, u64*): a device slice of `n`
+        // bytes held by the view, two scalars, and a one-element u64 device buffer.
+        unsafe { b.launch(cfg) }.map_err(|e| Error::cuda("cuLaunchKernel", e))?;
+        let host = s.clone_dtoh(&out).map_err(|e| Error::cuda("cuMemcpyDtoH", e))?;
+        Ok(host[0])
+    }
+
+    /// Writes [`pattern`]`(len, seed)` into the view's memory on the device, on the view's
+    /// stream, and marks the view dirty. Returns once issued.
+    pub fn fill(&self, view: &mut DeviceView, seed: u32) -> Result<()> {
+        let Some(k) = &self.cuda else {
+            return view.with_host_bytes_mut(|b| b.copy_from_slice(&pattern(b.len(), seed)));
+        };
+        let stream = view.stream();
+        let s = stream
+            .cuda()
+            .ok_or_else(|| Error::BackendMismatch("host stream, CUDA kernels".into()))?
+            .clone();
+        let n = view.len_bytes() as u64;
+        let slice = view
+            .cuda_slice_mut()
+            .ok_or_else(|| Error::BackendMismatch("view without device memory".into()))?;
+        let cfg =
+            LaunchConfig { grid_dim: (264, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        let mut b = s.launch_builder(&k.fill);
+        b.arg(slice).arg(&n).arg(&seed);
+        // SAFETY: parameters (u8*, u64, u32): the view's `n` writable bytes and two scalars.
+        unsafe { b.launch(cfg) }.map_err(|e| Error::cuda("cuLaunchKernel", e))?;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn references_are_stable() {
+        assert_eq!(checksum_host(&[1, 2, 3], 1), 1 + 2 * 2 + 3 * 3);
+        assert_eq!(checksum_host(&[1, 2, 3], 3), 3 * 14);
+        let p = pattern(300, 5);
+        assert_eq!(p.len(), 300);
+        assert_ne!(p, pattern(300, 6));
+    }
+}

@@ -1,0 +1,258 @@
+//! The backend: where tier memory comes from and how bytes move between host and device.
+//!
+//! Two implementations behind one enum, after candle's device backends:
+//! - [`host`]: Device, Pinned and Mapped emulated in host memory; "streams" are worker threads
+//!   that run copies in order, "events" are completion flags. Every layer above runs and is tested
+//!   on machines without a GPU.
+//! - [`cuda`]: the CUDA driver API through cudarc (loaded dynamically at run time, so the crate
+//!   builds with no CUDA toolkit).
+//!
+//! This module and the tier arenas are the only places with `unsafe` code.
+
+pub(crate) mod cuda;
+pub(crate) mod host;
+pub mod kernels;
+pub mod probe;
+
+use std::sync::Arc;
+
+use crate::error::Result;
+use crate::types::BackendKind;
+
+/// What kind of memory a [`Block`] is.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) enum MemKind {
+    /// Device memory (HBM). On the host backend: plain host memory.
+    Device,
+    /// Page-locked host memory (`cuMemHostAlloc(PORTABLE)`), readable by the CPU at full speed.
+    Pinned,
+    /// Page-locked host memory mapped into the device address space (`DEVICEMAP | PORTABLE`).
+    Mapped,
+}
+
+/// One address that a copy reads or writes.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Addr {
+    /// A host address (pinned, mapped, staging or, on the host backend, emulated device memory
+    /// reached through its host pointer).
+    Host(*mut u8),
+    /// A device address (`CUdeviceptr`). On the host backend it is a host address as an integer.
+    Dev(u64),
+}
+
+/// A block of backend memory, freed on drop.
+///
+/// `host` is the CPU address of the block (null for CUDA device memory), `dev` its device address
+/// (0 for pinned host memory that is not mapped; on the host backend, the host address again).
+pub(crate) struct Block {
+    pub(crate) host: *mut u8,
+    pub(crate) dev: u64,
+    pub(crate) len: usize,
+    pub(crate) kind: MemKind,
+    pub(crate) owner: BlockOwner,
+}
+
+/// Who frees a [`Block`].
+pub(crate) enum BlockOwner {
+    /// `std::alloc` with this layout (host backend).
+    Host(std::alloc::Layout),
+    /// The CUDA driver, in this context.
+    Cuda(Arc<cudarc::driver::CudaContext>),
+}
+
+// SAFETY: a Block is an owned allocation; the raw pointer is only an address. Access to the bytes
+// is synchronized by the store (one owner per extent, events ordering device work).
+unsafe impl Send for Block {}
+// SAFETY: as above; `&Block` gives only the addresses, never a reference into the bytes.
+unsafe impl Sync for Block {}
+
+impl Block {
+    /// Address of byte `offset` for a copy: the device address when the block has one that copies
+    /// should use (CUDA device memory), the host address otherwise.
+    pub(crate) fn copy_addr(&self, offset: usize) -> Addr {
+        debug_assert!(offset <= self.len);
+        match (&self.owner, self.kind) {
+            (BlockOwner::Cuda(_), MemKind::Device) => Addr::Dev(self.dev + offset as u64),
+            (BlockOwner::Host(_), MemKind::Device) => Addr::Dev(self.host as u64 + offset as u64),
+            _ => Addr::Host(self.host.wrapping_add(offset)),
+        }
+    }
+
+    /// Whether the CPU can read and write the block through `host`.
+    pub(crate) fn host_accessible(&self) -> bool {
+        !self.host.is_null()
+    }
+}
+
+impl Drop for Block {
+    fn drop(&mut self) {
+        match &self.owner {
+            BlockOwner::Host(layout) => {
+                // SAFETY: `host` was returned by `std::alloc::alloc_zeroed(layout)` in
+                // `host::HostBackend::alloc` and is freed exactly once, here.
+                unsafe { std::alloc::dealloc(self.host, *layout) }
+            }
+            BlockOwner::Cuda(ctx) => cuda::free_block(ctx, self),
+        }
+    }
+}
+
+/// A stream: copies and waits issued to it run in order, asynchronously to the caller.
+#[derive(Clone)]
+pub(crate) enum RawStream {
+    Host(Arc<host::HostStream>),
+    Cuda(Arc<cudarc::driver::CudaStream>),
+}
+
+/// A point in a stream's work; complete once everything issued before it has run.
+#[derive(Clone)]
+pub(crate) enum RawEvent {
+    Host(Arc<host::HostEvent>),
+    Cuda(Arc<cudarc::driver::CudaEvent>),
+}
+
+impl RawStream {
+    /// Issues a copy of `len` bytes from `src` to `dst` and returns at once.
+    ///
+    /// # Safety
+    /// 1. `src` and `dst` each point to `len` bytes inside live backend memory of this stream's
+    ///    backend (a [`Block`], or a caller buffer that is page-locked on the CUDA backend when
+    ///    the address is `Addr::Host`), and stay valid until the copy has completed (an event
+    ///    recorded after it on this stream is complete).
+    /// 2. No one else writes `dst` or `src`, or reads `dst`, until then.
+    /// 3. Host-to-host copies are not issued to a stream (`Addr::Host` to `Addr::Host`); the store
+    ///    copies those on the CPU.
+    pub(crate) unsafe fn copy(&self, dst: Addr, src: Addr, len: usize) -> Result<()> {
+        match self {
+            // SAFETY: forwarded from this function's contract.
+            RawStream::Host(s) => unsafe { s.copy(dst, src, len) },
+            // SAFETY: forwarded from this function's contract.
+            RawStream::Cuda(s) => unsafe { cuda::copy_async(s, dst, src, len) },
+        }
+    }
+
+    /// Records an event after everything issued so far.
+    pub(crate) fn record(&self) -> Result<RawEvent> {
+        match self {
+            RawStream::Host(s) => Ok(RawEvent::Host(s.record())),
+            RawStream::Cuda(s) => cuda::record(s).map(RawEvent::Cuda),
+        }
+    }
+
+    /// Makes later work on this stream wait for `ev`, without blocking the calling thread.
+    pub(crate) fn wait(&self, ev: &RawEvent) -> Result<()> {
+        match (self, ev) {
+            (RawStream::Host(s), RawEvent::Host(e)) => {
+                s.wait(e.clone());
+                Ok(())
+            }
+            (RawStream::Cuda(s), RawEvent::Cuda(e)) => {
+                s.wait(e).map_err(|e| crate::Error::cuda("cuStreamWaitEvent", e))
+            }
+            _ => Err(crate::Error::BackendMismatch(
+                "an event of one backend waited on by a stream of the other".into(),
+            )),
+        }
+    }
+
+    /// Blocks until everything issued to this stream has run.
+    pub(crate) fn synchronize(&self) -> Result<()> {
+        match self {
+            RawStream::Host(s) => {
+                s.record().synchronize();
+                Ok(())
+            }
+            RawStream::Cuda(s) => {
+                s.synchronize().map_err(|e| crate::Error::cuda("cuStreamSynchronize", e))
+            }
+        }
+    }
+
+    /// Which backend this stream belongs to.
+    pub(crate) fn kind(&self) -> BackendKind {
+        match self {
+            RawStream::Host(_) => BackendKind::Host,
+            RawStream::Cuda(_) => BackendKind::Cuda,
+        }
+    }
+}
+
+impl RawEvent {
+    /// Blocks the calling thread until the event is complete.
+    pub(crate) fn synchronize(&self) -> Result<()> {
+        match self {
+            RawEvent::Host(e) => {
+                e.synchronize();
+                Ok(())
+            }
+            RawEvent::Cuda(e) => {
+                e.synchronize().map_err(|e| crate::Error::cuda("cuEventSynchronize", e))
+            }
+        }
+    }
+
+    /// Whether the event is complete, without blocking.
+    pub(crate) fn is_complete(&self) -> bool {
+        match self {
+            RawEvent::Host(e) => e.is_complete(),
+            RawEvent::Cuda(e) => e.is_complete(),
+        }
+    }
+}
+
+/// The backend a store runs on.
+pub(crate) enum Backend {
+    Host(host::HostBackend),
+    Cuda(cuda::CudaBackend),
+}
+
+impl Backend {
+    /// Which backend this is.
+    pub(crate) fn kind(&self) -> BackendKind {
+        match self {
+            Backend::Host(_) => BackendKind::Host,
+            Backend::Cuda(_) => BackendKind::Cuda,
+        }
+    }
+
+    /// Allocates a block of `len` bytes of `kind`. Called when an arena reserves a chunk or a
+    /// staging pool is made, never per tensor.
+    pub(crate) fn alloc(&self, kind: MemKind, len: usize) -> Result<Block> {
+        match self {
+            Backend::Host(b) => b.alloc(kind, len),
+            Backend::Cuda(b) => b.alloc(kind, len),
+        }
+    }
+
+    /// The stream for host-to-device copies.
+    pub(crate) fn h2d(&self) -> &RawStream {
+        match self {
+            Backend::Host(b) => &b.h2d,
+            Backend::Cuda(b) => &b.h2d,
+        }
+    }
+
+    /// The stream for device-to-host (and device-to-device) copies.
+    pub(crate) fn d2h(&self) -> &RawStream {
+        match self {
+            Backend::Host(b) => &b.d2h,
+            Backend::Cuda(b) => &b.d2h,
+        }
+    }
+
+    /// A new stream for the user's work (`Store::stream`).
+    pub(crate) fn new_stream(&self) -> Result<RawStream> {
+        match self {
+            Backend::Host(_) => Ok(RawStream::Host(host::HostStream::new("strata-user")?)),
+            Backend::Cuda(b) => b.new_stream(),
+        }
+    }
+
+    /// A one-line description: the device's name and memory, or the host backend.
+    pub(crate) fn describe(&self) -> String {
+        match self {
+            Backend::Host(_) => BackendKind::Host.to_string(),
+            Backend::Cuda(b) => b.describe(),
+        }
+    }
+}

@@ -1,0 +1,151 @@
+//! The crate's error type.
+//!
+//! Variants are split by what a caller can do about them, after cubecl: a request that can never
+//! fit ([`Error::TooLarge`]) is different from memory that is short right now
+//! ([`Error::OutOfMemory`]), which a caller may fix by removing or demoting tensors and retrying.
+
+use std::path::PathBuf;
+
+use crate::types::{TensorId, Tier};
+
+/// Everything that can go wrong in strata.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The tensor is larger than the capacity of every enabled tier (or of the tier asked for):
+    /// it can never be stored, whatever is evicted.
+    #[error("tensor of {bytes} bytes is larger than {what}")]
+    TooLarge {
+        /// Size of the tensor in bytes.
+        bytes: u64,
+        /// What it does not fit into (a tier and its capacity, or every tier).
+        what: String,
+    },
+    /// No room in `tier` now, even after demoting every tensor that may be demoted.
+    #[error("out of memory in tier {tier}: {bytes} bytes requested")]
+    OutOfMemory {
+        /// The tier that ran out.
+        tier: Tier,
+        /// Bytes that were asked for.
+        bytes: u64,
+    },
+    /// A tier was asked for that has capacity 0 (disabled) or that this backend lacks.
+    #[error("tier {tier} is disabled (capacity 0)")]
+    TierDisabled {
+        /// The disabled tier.
+        tier: Tier,
+    },
+    /// Every tier has capacity 0: the store could hold nothing.
+    #[error("every tier has capacity 0: the store could hold nothing")]
+    NoCapacity,
+    /// A checksum mismatch: the copy of tensor `id` at `path` does not hold what was written.
+    #[error("tensor {id:?} ({name}) is corrupt in {path}: checksum {found:#010x}, expected {expected:#010x}")]
+    Corrupt {
+        /// The tensor.
+        id: TensorId,
+        /// Its name.
+        name: String,
+        /// The file holding the corrupt copy.
+        path: PathBuf,
+        /// Checksum recorded when the copy was written.
+        expected: u32,
+        /// Checksum of what was read back.
+        found: u32,
+    },
+    /// The id does not name a tensor of this store (never existed, or removed).
+    #[error("unknown tensor id {0:?}")]
+    UnknownId(TensorId),
+    /// `put` with a name that is already in use.
+    #[error("a tensor named {0:?} already exists")]
+    DuplicateName(String),
+    /// Data length does not match `dtype.size_of() * shape.product()`.
+    #[error("data length {got} does not match the tensor's {expected} bytes ({what})")]
+    LengthMismatch {
+        /// Bytes expected.
+        expected: u64,
+        /// Bytes given.
+        got: u64,
+        /// What was being checked.
+        what: String,
+    },
+    /// The shape is not valid (its element count overflows, or a name is empty).
+    #[error("bad shape {shape:?}: {why}")]
+    BadShape {
+        /// The shape given.
+        shape: Vec<usize>,
+        /// Why it was refused.
+        why: String,
+    },
+    /// An argument was refused (empty name, bad size string, ...).
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    /// The tensor is held by a view or a pin and cannot be moved or removed now.
+    #[error("tensor {id:?} is in use by {holders} view(s) or pin(s)")]
+    Busy {
+        /// The tensor.
+        id: TensorId,
+        /// How many views or pins hold it.
+        holders: u32,
+    },
+    /// The operation needs a copy in a tier the tensor is not in (for example `mapped_view` of a
+    /// tensor that is not in `Mapped`).
+    #[error("tensor {id:?} is not in tier {tier}")]
+    NotInTier {
+        /// The tensor.
+        id: TensorId,
+        /// The tier asked for.
+        tier: Tier,
+    },
+    /// An I/O error on a file of the store.
+    #[error("I/O error on {path}: {source}")]
+    Io {
+        /// The file or directory.
+        path: PathBuf,
+        /// The underlying error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The file system holding the disk tier is full.
+    #[error("disk full writing {path}")]
+    DiskFull {
+        /// The file being written.
+        path: PathBuf,
+    },
+    /// A GPU was required (`require_gpu`) but none was found.
+    #[error("no GPU: {0}")]
+    NoGpu(String),
+    /// A CUDA call failed.
+    #[error("CUDA call {call} failed: {message}")]
+    Cuda {
+        /// The call that failed (driver or NVRTC function).
+        call: &'static str,
+        /// The driver's description of the error.
+        message: String,
+    },
+    /// The operation needs the other backend (for example a cudarc stream handed to a host
+    /// store).
+    #[error("backend mismatch: {0}")]
+    BackendMismatch(String),
+}
+
+/// `Result` with strata's [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+impl Error {
+    /// An [`Error::Io`] for `path`, or [`Error::DiskFull`] when the OS said the device is full.
+    pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        let path = path.into();
+        if source.raw_os_error() == Some(libc::ENOSPC)
+            || source.raw_os_error() == Some(libc::EDQUOT)
+        {
+            Error::DiskFull { path }
+        } else {
+            Error::Io { path, source }
+        }
+    }
+
+    /// An [`Error::Cuda`] from a cudarc driver error.
+    pub(crate) fn cuda(call: &'static str, e: cudarc::driver::DriverError) -> Self {
+        Error::Cuda { call, message: e.to_string() }
+    }
+}

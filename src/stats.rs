@@ -1,0 +1,144 @@
+//! Counters a store reports: per-tier use, bytes moved between tiers, hits and misses.
+
+use std::fmt;
+
+use crate::types::{format_size, BackendKind, Tier};
+
+/// Use of one tier.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TierStats {
+    /// Bytes taken by tensors (rounded up to the tier's alignment).
+    pub used: u64,
+    /// The tier's budget (0: disabled).
+    pub capacity: u64,
+    /// Bytes reserved from the backend so far (chunks), at most `capacity`.
+    pub reserved: u64,
+    /// The largest tensor that would fit now without evicting anything: with `capacity - used`,
+    /// a measure of fragmentation.
+    pub largest_free: u64,
+    /// Tensors with a copy in this tier.
+    pub tensors: usize,
+    /// Free ranges inside reserved memory: more than one per chunk means fragmentation.
+    pub free_ranges: usize,
+}
+
+/// A snapshot of a store's counters ([`Store::stats`](crate::Store::stats)).
+#[derive(Clone, Debug)]
+pub struct Stats {
+    /// Per tier, indexed by [`Tier::index`].
+    pub tiers: [TierStats; 4],
+    /// `moved[from][to]`: bytes copied from one tier to another, indexed by [`Tier::index`].
+    pub moved: [[u64; 4]; 4],
+    /// Bytes written into the store by `put` and `write`.
+    pub bytes_in: u64,
+    /// Bytes returned by `read`.
+    pub bytes_out: u64,
+    /// Accesses (read, device view) that found the tensor in the fastest enabled tier.
+    pub hits: u64,
+    /// Accesses that did not.
+    pub misses: u64,
+    /// Tensors that were demoted to make room.
+    pub evictions: u64,
+    /// Tensors copied into a faster tier by the policy after a miss.
+    pub promotions: u64,
+    /// Tensors in the store.
+    pub tensors: usize,
+    /// The backend in use.
+    pub backend: BackendKind,
+    /// The policy in use.
+    pub policy: &'static str,
+    /// Whether the disk tier bypasses the page cache (`O_DIRECT`); false where the file system
+    /// refuses it or the tier is disabled.
+    pub disk_direct_io: bool,
+}
+
+impl Stats {
+    /// Bytes used in `tier`.
+    pub fn used(&self, tier: Tier) -> u64 {
+        self.tiers[tier.index()].used
+    }
+
+    /// Capacity of `tier` in bytes.
+    pub fn capacity(&self, tier: Tier) -> u64 {
+        self.tiers[tier.index()].capacity
+    }
+
+    /// Largest free extent of `tier`.
+    pub fn largest_free(&self, tier: Tier) -> u64 {
+        self.tiers[tier.index()].largest_free
+    }
+
+    /// Bytes moved from `from` to `to`.
+    pub fn moved(&self, from: Tier, to: Tier) -> u64 {
+        self.moved[from.index()][to.index()]
+    }
+
+    /// Fraction of accesses that were hits (0 when there were none).
+    pub fn hit_ratio(&self) -> f64 {
+        let all = self.hits + self.misses;
+        if all == 0 {
+            0.0
+        } else {
+            self.hits as f64 / all as f64
+        }
+    }
+}
+
+impl fmt::Display for Stats {
+    /// An aligned table: tiers, then bytes moved per tier pair, then counters.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(
+            f,
+            "backend: {}   policy: {}   tensors: {}",
+            self.backend, self.policy, self.tensors
+        )?;
+        writeln!(
+            f,
+            "{:<8} {:>12} {:>12} {:>7} {:>14} {:>8}",
+            "tier", "used", "capacity", "use%", "largest free", "tensors"
+        )?;
+        for t in Tier::ALL {
+            let s = &self.tiers[t.index()];
+            if s.capacity == 0 {
+                writeln!(f, "{:<8} {:>12}", t.name(), "disabled")?;
+                continue;
+            }
+            writeln!(
+                f,
+                "{:<8} {:>12} {:>12} {:>6.1}% {:>14} {:>8}",
+                t.name(),
+                format_size(s.used),
+                format_size(s.capacity),
+                100.0 * s.used as f64 / s.capacity as f64,
+                format_size(s.largest_free),
+                s.tensors
+            )?;
+        }
+        writeln!(f, "bytes moved (row: from, column: to)")?;
+        write!(f, "{:<8}", "")?;
+        for t in Tier::ALL {
+            write!(f, " {:>12}", t.name())?;
+        }
+        writeln!(f)?;
+        for from in Tier::ALL {
+            write!(f, "{:<8}", from.name())?;
+            for to in Tier::ALL {
+                let b = self.moved(from, to);
+                let cell = if from == to { "-".to_string() } else { format_size(b) };
+                write!(f, " {cell:>12}")?;
+            }
+            writeln!(f)?;
+        }
+        write!(
+            f,
+            "hits {}  misses {}  (hit ratio {:.1}%)  evictions {}  promotions {}  in {}  out {}",
+            self.hits,
+            self.misses,
+            100.0 * self.hit_ratio(),
+            self.evictions,
+            self.promotions,
+            format_size(self.bytes_in),
+            format_size(self.bytes_out)
+        )
+    }
+}

@@ -1,0 +1,1364 @@
+//! The store: the public API, residency (where each tensor's copies are) and placement.
+//!
+//! A tensor has one or more *replicas*, one per tier at most. Every replica holds the same bytes:
+//! a write keeps only the replica it wrote, and a device view marked dirty keeps only the Device
+//! replica. The slowest replica is the tensor's home; faster ones are caches that can be dropped
+//! for free when room is needed, while a tensor's only replica is demoted (copied one tier down,
+//! cascading) instead.
+//!
+//! All metadata sits behind one mutex. GPU copies are issued under it and complete
+//! asynchronously: each replica carries the event after which its bytes are valid, and a tensor
+//! carries the events its views' streams recorded when they were dropped; anything that reads a
+//! replica waits for the first, anything that frees or overwrites memory waits for both.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+
+use crate::arena::{copier, Extent, MemArena, PinnedStaging};
+use crate::backend::cuda::{self, CudaBackend};
+use crate::backend::host::HostBackend;
+use crate::backend::{Backend, RawEvent, RawStream};
+use crate::disk::{DiskExtent, DiskTier};
+use crate::error::{Error, Result};
+use crate::policy::{Policy, PolicyKind};
+use crate::stats::{Stats, TierStats};
+use crate::types::{format_size, BackendKind, DType, TensorId, Tier};
+use crate::view::{DeviceView, MappedView, Stream};
+
+/// Default budgets: Device, Pinned, Mapped, Disk.
+const DEFAULT_CAPACITY: [u64; 4] = [1 << 30, 1 << 30, 256 << 20, 64 << 30];
+/// Memory tiers reserve from the backend in chunks of this size (or a tensor's size if larger).
+const DEFAULT_CHUNK: u64 = 256 << 20;
+/// Pinned staging: buffers in flight and their size.
+const STAGING_BUFS: usize = 4;
+const STAGING_SIZE: usize = 16 << 20;
+
+enum BackendChoice {
+    Auto,
+    Host,
+    RequireGpu,
+}
+
+/// Configures and builds a [`Store`].
+///
+/// ```
+/// use strata::{Store, Tier};
+/// let store = Store::builder()
+///     .capacity(Tier::Device, 64 << 20)
+///     .capacity(Tier::Mapped, 0) // disable a tier
+///     .host_backend()
+///     .build()?;
+/// assert_eq!(store.stats().capacity(Tier::Mapped), 0);
+/// # Ok::<(), strata::Error>(())
+/// ```
+pub struct StoreBuilder {
+    capacity: [u64; 4],
+    disk_dir: Option<PathBuf>,
+    backend: BackendChoice,
+    device: usize,
+    context: Option<Arc<cudarc::driver::CudaContext>>,
+    policy: Option<Box<dyn Policy>>,
+    chunk_size: u64,
+    promote_on_read: bool,
+}
+
+impl Default for StoreBuilder {
+    fn default() -> Self {
+        StoreBuilder {
+            capacity: DEFAULT_CAPACITY,
+            disk_dir: None,
+            backend: BackendChoice::Auto,
+            device: 0,
+            context: None,
+            policy: None,
+            chunk_size: DEFAULT_CHUNK,
+            promote_on_read: true,
+        }
+    }
+}
+
+impl StoreBuilder {
+    /// Sets the budget of `tier` in bytes; 0 disables the tier. Defaults: Device 1 GiB, Pinned
+    /// 1 GiB, Mapped 256 MiB, Disk 64 GiB. Memory tiers reserve from the backend lazily, in
+    /// chunks, never more than the budget.
+    pub fn capacity(mut self, tier: Tier, bytes: u64) -> Self {
+        self.capacity[tier.index()] = bytes;
+        self
+    }
+
+    /// Directory of the disk tier's slab file (created if missing). Default: a fresh temporary
+    /// directory, removed when the store drops.
+    pub fn disk_dir(mut self, dir: impl AsRef<std::path::Path>) -> Self {
+        self.disk_dir = Some(dir.as_ref().to_path_buf());
+        self
+    }
+
+    /// Forces the host backend (tiers emulated in host memory) even when a GPU is present.
+    pub fn host_backend(mut self) -> Self {
+        self.backend = BackendChoice::Host;
+        self
+    }
+
+    /// Fails with [`Error::NoGpu`] instead of falling back to the host backend.
+    pub fn require_gpu(mut self) -> Self {
+        self.backend = BackendChoice::RequireGpu;
+        self
+    }
+
+    /// The CUDA device to use (default 0).
+    pub fn device(mut self, ordinal: usize) -> Self {
+        self.device = ordinal;
+        self
+    }
+
+    /// Shares a CUDA context the caller already has (a trainer's own): the store's memory and
+    /// streams are made in it. Implies the CUDA backend.
+    pub fn context(mut self, ctx: Arc<cudarc::driver::CudaContext>) -> Self {
+        self.context = Some(ctx);
+        self
+    }
+
+    /// Uses one of the built-in policies (default: [`PolicyKind::Frequency`]).
+    pub fn policy(mut self, kind: PolicyKind) -> Self {
+        self.policy = Some(kind.build());
+        self
+    }
+
+    /// Uses a policy of the caller's.
+    pub fn custom_policy(mut self, policy: Box<dyn Policy>) -> Self {
+        self.policy = Some(policy);
+        self
+    }
+
+    /// Size of the chunks memory tiers reserve from the backend (default 256 MiB).
+    pub fn chunk_size(mut self, bytes: u64) -> Self {
+        self.chunk_size = bytes.max(4096);
+        self
+    }
+
+    /// Whether a read that misses the fastest tier may copy the tensor there when the policy
+    /// admits it (default on).
+    pub fn promote_on_read(mut self, on: bool) -> Self {
+        self.promote_on_read = on;
+        self
+    }
+
+    /// Builds the store: picks the backend, opens the disk tier, reserves the staging buffers.
+    pub fn build(self) -> Result<Store> {
+        if self.capacity.iter().all(|&c| c == 0) {
+            return Err(Error::NoCapacity);
+        }
+        let (backend, note) = self.pick_backend()?;
+        if backend.kind() == BackendKind::Cuda {
+            check_host_lockable(
+                self.capacity[Tier::Pinned.index()] + self.capacity[Tier::Mapped.index()],
+            )?;
+        }
+        let arenas = [Tier::Device, Tier::Pinned, Tier::Mapped].map(|t| {
+            Some(MemArena::new(t, self.capacity[t.index()], self.chunk_size))
+                .filter(|_| self.capacity[t.index()] > 0)
+        });
+        let disk_cap = self.capacity[Tier::Disk.index()];
+        let disk = if disk_cap > 0 {
+            Some(DiskTier::open(self.disk_dir.as_deref(), disk_cap)?)
+        } else {
+            None
+        };
+        let staging = if self.capacity[Tier::Device.index()] > 0 {
+            Some(PinnedStaging::new(&backend, STAGING_BUFS, STAGING_SIZE)?)
+        } else {
+            None
+        };
+        let policy = self.policy.unwrap_or_else(|| PolicyKind::default().build());
+        let state = State {
+            arenas,
+            disk,
+            staging,
+            entries: HashMap::new(),
+            names: HashMap::new(),
+            policy,
+            next_id: 1,
+            counters: Counters::default(),
+            promote_on_read: self.promote_on_read,
+        };
+        Ok(Store {
+            shared: Arc::new(Shared {
+                backend,
+                state: Mutex::new(state),
+                deferred: Mutex::new(Vec::new()),
+                note,
+            }),
+        })
+    }
+
+    fn pick_backend(&self) -> Result<(Backend, Option<String>)> {
+        if let Some(ctx) = &self.context {
+            return Ok((Backend::Cuda(CudaBackend::from_context(ctx.clone())?), None));
+        }
+        match self.backend {
+            BackendChoice::Host => Ok((Backend::Host(HostBackend::new()?), None)),
+            BackendChoice::RequireGpu => Ok((Backend::Cuda(CudaBackend::new(self.device)?), None)),
+            BackendChoice::Auto => match cuda::device_count() {
+                Ok(_) => Ok((Backend::Cuda(CudaBackend::new(self.device)?), None)),
+                Err(why) => Ok((Backend::Host(HostBackend::new()?), Some(why))),
+            },
+        }
+    }
+}
+
+/// Refuses pinned + mapped budgets the host cannot lock: better an error at build than the OOM
+/// killer later.
+fn check_host_lockable(bytes: u64) -> Result<()> {
+    let Ok(meminfo) = std::fs::read_to_string("/proc/meminfo") else { return Ok(()) };
+    let avail = meminfo
+        .lines()
+        .find_map(|l| l.strip_prefix("MemAvailable:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map(|kb| kb * 1024);
+    match avail {
+        Some(a) if bytes > a => Err(Error::InvalidArgument(format!(
+            "pinned + mapped budgets of {} exceed the {} of host memory available to lock",
+            format_size(bytes),
+            format_size(a)
+        ))),
+        _ => Ok(()),
+    }
+}
+
+/// A tiered tensor store. `Send + Sync`: share it (`Arc<Store>` or `&Store`) between threads.
+///
+/// See the [crate docs](crate) for an example.
+pub struct Store {
+    pub(crate) shared: Arc<Shared>,
+}
+
+pub(crate) struct Shared {
+    pub(crate) backend: Backend,
+    pub(crate) state: Mutex<State>,
+    /// Errors from `Drop` impls (views), returned by the next `check_err`.
+    pub(crate) deferred: Mutex<Vec<Error>>,
+    note: Option<String>,
+}
+
+/// Where one replica's bytes are.
+pub(crate) enum Ext {
+    Mem(Extent),
+    Disk(DiskExtent),
+}
+
+pub(crate) struct Replica {
+    pub(crate) ext: Ext,
+    /// Complete once the replica's bytes are valid (the copy that filled it has run).
+    pub(crate) ready: Option<RawEvent>,
+}
+
+pub(crate) struct Entry {
+    name: String,
+    dtype: DType,
+    shape: Vec<usize>,
+    bytes: u64,
+    pub(crate) replicas: [Option<Replica>; 4],
+    /// Views and pins holding the tensor in place.
+    pub(crate) holders: u32,
+    /// Events recorded on view streams when views were dropped: the last device work that may
+    /// touch the tensor's memory.
+    pub(crate) last_use: Vec<RawEvent>,
+}
+
+impl Entry {
+    fn fastest(&self) -> Option<Tier> {
+        Tier::ALL.into_iter().find(|t| self.replicas[t.index()].is_some())
+    }
+    fn count(&self) -> usize {
+        self.replicas.iter().flatten().count()
+    }
+}
+
+#[derive(Default)]
+struct Counters {
+    moved: [[u64; 4]; 4],
+    bytes_in: u64,
+    bytes_out: u64,
+    hits: u64,
+    misses: u64,
+    evictions: u64,
+    promotions: u64,
+}
+
+pub(crate) struct State {
+    arenas: [Option<MemArena>; 3],
+    disk: Option<DiskTier>,
+    staging: Option<PinnedStaging>,
+    pub(crate) entries: HashMap<TensorId, Entry>,
+    names: HashMap<String, TensorId>,
+    policy: Box<dyn Policy>,
+    next_id: u64,
+    counters: Counters,
+    promote_on_read: bool,
+}
+
+/// Public facts about one tensor.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TensorInfo {
+    /// Its id.
+    pub id: TensorId,
+    /// Its name.
+    pub name: String,
+    /// Element type.
+    pub dtype: DType,
+    /// Shape.
+    pub shape: Vec<usize>,
+    /// Size in bytes.
+    pub bytes: u64,
+    /// Tiers holding a valid copy, fastest first.
+    pub tiers: Vec<Tier>,
+}
+
+fn tensor_bytes(dtype: DType, shape: &[usize]) -> Result<u64> {
+    shape.iter().try_fold(dtype.size_of() as u64, |acc, &d| acc.checked_mul(d as u64)).ok_or_else(
+        || Error::BadShape { shape: shape.to_vec(), why: "element count overflows".into() },
+    )
+}
+
+impl Store {
+    /// A builder with default budgets.
+    pub fn builder() -> StoreBuilder {
+        StoreBuilder::default()
+    }
+
+    /// Which backend runs.
+    pub fn backend(&self) -> BackendKind {
+        self.shared.backend.kind()
+    }
+
+    /// One line on the backend: the GPU's name and memory, or the host backend and why no GPU
+    /// was used.
+    pub fn backend_description(&self) -> String {
+        match &self.shared.note {
+            Some(why) => format!("{} ({why})", self.shared.backend.describe()),
+            None => self.shared.backend.describe(),
+        }
+    }
+
+    /// The CUDA context, on the CUDA backend.
+    pub fn cuda_context(&self) -> Option<&Arc<cudarc::driver::CudaContext>> {
+        match &self.shared.backend {
+            Backend::Cuda(b) => Some(&b.ctx),
+            Backend::Host(_) => None,
+        }
+    }
+
+    /// A new stream of this store's backend for the caller's work (kernels, views).
+    pub fn stream(&self) -> Result<Stream> {
+        Ok(Stream { raw: self.shared.backend.new_stream()? })
+    }
+
+    /// Stores a new tensor named `name` and returns its id. `data` holds its bytes
+    /// (`dtype.size_of() * shape.iter().product()` of them, native byte order). The tensor goes
+    /// to the fastest tier with room; when every tier is full, the policy picks tensors to demote.
+    pub fn put(&self, name: &str, dtype: DType, shape: &[usize], data: &[u8]) -> Result<TensorId> {
+        if name.is_empty() {
+            return Err(Error::InvalidArgument("tensor name is empty".into()));
+        }
+        let bytes = tensor_bytes(dtype, shape)?;
+        if bytes != data.len() as u64 {
+            return Err(Error::LengthMismatch {
+                expected: bytes,
+                got: data.len() as u64,
+                what: format!("{dtype} tensor of shape {shape:?}"),
+            });
+        }
+        let be = &self.shared.backend;
+        let mut st = self.shared.state.lock();
+        if st.names.contains_key(name) {
+            return Err(Error::DuplicateName(name.to_string()));
+        }
+        let id = TensorId(st.next_id);
+        st.next_id += 1;
+        st.policy.on_insert(id, bytes);
+        let placed = st.place_new(be, id, bytes).and_then(|(tier, mut ext)| {
+            match st.fill_from_host(be, tier, &mut ext, data) {
+                Ok(ready) => Ok((tier, ext, ready)),
+                Err(e) => {
+                    st.free_ext(tier, ext);
+                    Err(e)
+                }
+            }
+        });
+        let (tier, ext, ready) = match placed {
+            Ok(p) => p,
+            Err(e) => {
+                st.policy.on_remove(id);
+                return Err(e);
+            }
+        };
+        let mut replicas: [Option<Replica>; 4] = Default::default();
+        replicas[tier.index()] = Some(Replica { ext, ready });
+        st.entries.insert(
+            id,
+            Entry {
+                name: name.to_string(),
+                dtype,
+                shape: shape.to_vec(),
+                bytes,
+                replicas,
+                holders: 0,
+                last_use: Vec::new(),
+            },
+        );
+        st.names.insert(name.to_string(), id);
+        st.counters.bytes_in += bytes;
+        Ok(id)
+    }
+
+    /// The tensor's bytes, from its fastest replica. Counts as an access; on a miss the policy
+    /// may promote the tensor to the fastest tier.
+    pub fn read(&self, id: TensorId) -> Result<Vec<u8>> {
+        let be = &self.shared.backend;
+        let mut st = self.shared.state.lock();
+        let e = st.entry(id)?;
+        let tier = e.fastest().ok_or(Error::UnknownId(id))?;
+        let mut out = vec![0u8; e.bytes as usize];
+        st.read_replica(be, id, tier, &mut out)?;
+        st.policy.on_access(id);
+        let hit = Some(tier) == st.fastest_enabled();
+        st.count_access(hit);
+        st.counters.bytes_out += out.len() as u64;
+        if !hit && st.promote_on_read {
+            st.maybe_promote(be, id, &out)?;
+        }
+        Ok(out)
+    }
+
+    /// Replaces the tensor's bytes (`data` must be as long as the tensor). The write goes to the
+    /// fastest replica; the others are dropped, as they no longer hold the tensor's contents.
+    pub fn write(&self, id: TensorId, data: &[u8]) -> Result<()> {
+        let be = &self.shared.backend;
+        let mut st = self.shared.state.lock();
+        let e = st.entry(id)?;
+        if e.bytes != data.len() as u64 {
+            return Err(Error::LengthMismatch {
+                expected: e.bytes,
+                got: data.len() as u64,
+                what: format!("write to {:?}", e.name),
+            });
+        }
+        if e.holders > 0 {
+            return Err(Error::Busy { id, holders: e.holders });
+        }
+        let tier = e.fastest().ok_or(Error::UnknownId(id))?;
+        st.settle(id)?;
+        let mut rep = st.take_replica(id, tier);
+        let res = st.fill_from_host(be, tier, &mut rep.ext, data);
+        match res {
+            Ok(ready) => {
+                rep.ready = ready;
+                st.put_replica(id, tier, rep);
+                st.drop_other_replicas(id, tier)?;
+                st.policy.on_access(id);
+                st.counters.bytes_in += data.len() as u64;
+                Ok(())
+            }
+            Err(err) => {
+                // The replica may hold half the new bytes: keep the others if there are any.
+                if st.entries[&id].count() > 0 {
+                    st.free_ext(tier, rep.ext);
+                } else {
+                    st.put_replica(id, tier, rep);
+                }
+                Err(err)
+            }
+        }
+    }
+
+    /// Removes the tensor and frees its memory. Its id stays invalid.
+    pub fn remove(&self, id: TensorId) -> Result<()> {
+        let mut st = self.shared.state.lock();
+        let e = st.entry(id)?;
+        if e.holders > 0 {
+            return Err(Error::Busy { id, holders: e.holders });
+        }
+        st.settle(id)?;
+        let mut e = st.entries.remove(&id).expect("checked above");
+        for t in Tier::ALL {
+            if let Some(r) = e.replicas[t.index()].take() {
+                st.free_ext(t, r.ext);
+            }
+        }
+        st.names.remove(&e.name);
+        st.policy.on_remove(id);
+        Ok(())
+    }
+
+    /// The id of the tensor named `name`.
+    pub fn lookup(&self, name: &str) -> Option<TensorId> {
+        self.shared.state.lock().names.get(name).copied()
+    }
+
+    /// The fastest tier holding a valid copy of the tensor.
+    pub fn tier_of(&self, id: TensorId) -> Result<Tier> {
+        let st = self.shared.state.lock();
+        st.entry(id)?.fastest().ok_or(Error::UnknownId(id))
+    }
+
+    /// Name, dtype, shape, size and tiers of a tensor.
+    pub fn info(&self, id: TensorId) -> Result<TensorInfo> {
+        let st = self.shared.state.lock();
+        let e = st.entry(id)?;
+        Ok(TensorInfo {
+            id,
+            name: e.name.clone(),
+            dtype: e.dtype,
+            shape: e.shape.clone(),
+            bytes: e.bytes,
+            tiers: Tier::ALL.into_iter().filter(|t| e.replicas[t.index()].is_some()).collect(),
+        })
+    }
+
+    /// Every tensor's id, in the order they were put.
+    pub fn ids(&self) -> Vec<TensorId> {
+        let st = self.shared.state.lock();
+        let mut ids: Vec<TensorId> = st.entries.keys().copied().collect();
+        ids.sort();
+        ids
+    }
+
+    /// Moves the tensor to `tier` and returns when the copy is done: afterwards
+    /// `tier_of(id) == tier` and no faster tier holds a copy. Room is made in `tier` by demoting
+    /// other tensors if needed. A tensor held by a view or pin can only be "moved" where it
+    /// already is.
+    pub fn move_to(&self, id: TensorId, tier: Tier) -> Result<()> {
+        let be = &self.shared.backend;
+        let mut st = self.shared.state.lock();
+        let e = st.entry(id)?;
+        let (bytes, holders, fastest) = (e.bytes, e.holders, e.fastest());
+        if !st.enabled(tier) {
+            return Err(Error::TierDisabled { tier });
+        }
+        if holders > 0 && fastest != Some(tier) {
+            return Err(Error::Busy { id, holders });
+        }
+        if !st.can_ever_fit(tier, bytes) {
+            return Err(Error::TooLarge {
+                bytes,
+                what: format!("tier {tier} ({})", format_size(st.capacity(tier))),
+            });
+        }
+        st.policy.on_access(id);
+        if st.entries[&id].replicas[tier.index()].is_none() {
+            let ext = st
+                .alloc_evicting(be, tier, bytes, id)?
+                .ok_or(Error::OutOfMemory { tier, bytes })?;
+            let src = st.entries[&id].fastest().ok_or(Error::UnknownId(id))?;
+            st.copy_replica(be, id, src, tier, ext)?;
+        }
+        // Wait for the copy, so that "returns when done" holds and the dropped faster replicas
+        // are no longer read.
+        st.sync_replica(id, tier)?;
+        for t in Tier::ALL.into_iter().filter(|&t| t < tier) {
+            if st.entries[&id].replicas[t.index()].is_some() {
+                st.settle(id)?;
+                let r = st.take_replica(id, t);
+                st.free_ext(t, r.ext);
+            }
+        }
+        Ok(())
+    }
+
+    /// A snapshot of the counters.
+    pub fn stats(&self) -> Stats {
+        let st = self.shared.state.lock();
+        let mut tiers = [TierStats::default(); 4];
+        for t in Tier::ALL {
+            let s = &mut tiers[t.index()];
+            if let Some(a) = st.arena(t) {
+                *s = TierStats {
+                    used: a.used(),
+                    capacity: a.capacity(),
+                    reserved: a.reserved(),
+                    largest_free: a.largest_free(),
+                    tensors: 0,
+                    free_ranges: a.free_ranges(),
+                };
+            } else if let (Tier::Disk, Some(d)) = (t, &st.disk) {
+                *s = TierStats {
+                    used: d.used(),
+                    capacity: d.capacity(),
+                    reserved: d.capacity(),
+                    largest_free: d.largest_free(),
+                    tensors: 0,
+                    free_ranges: d.free_ranges(),
+                };
+            }
+            s.tensors = st.entries.values().filter(|e| e.replicas[t.index()].is_some()).count();
+        }
+        let c = &st.counters;
+        Stats {
+            tiers,
+            moved: c.moved,
+            bytes_in: c.bytes_in,
+            bytes_out: c.bytes_out,
+            hits: c.hits,
+            misses: c.misses,
+            evictions: c.evictions,
+            promotions: c.promotions,
+            tensors: st.entries.len(),
+            backend: self.backend(),
+            policy: st.policy.name(),
+            disk_direct_io: st.disk.as_ref().is_some_and(|d| d.direct_io()),
+        }
+    }
+
+    /// Where the disk tier keeps the tensor's bytes: the slab file and the byte offset, if the
+    /// tensor has a copy on disk. For diagnostics and tests.
+    pub fn disk_location(&self, id: TensorId) -> Result<Option<(PathBuf, u64)>> {
+        let st = self.shared.state.lock();
+        let e = st.entry(id)?;
+        Ok(match (&e.replicas[Tier::Disk.index()], &st.disk) {
+            (Some(Replica { ext: Ext::Disk(d), .. }), Some(disk)) => {
+                Some((disk.path().to_path_buf(), d.offset))
+            }
+            _ => None,
+        })
+    }
+
+    /// Returns (and clears) the first error that happened where it could not be returned: in a
+    /// view's `Drop`, or in a CUDA call made while freeing memory.
+    pub fn check_err(&self) -> Result<()> {
+        let mut d = self.shared.deferred.lock();
+        if !d.is_empty() {
+            return Err(d.remove(0));
+        }
+        if let Backend::Cuda(b) = &self.shared.backend {
+            b.ctx.check_err().map_err(|e| Error::cuda("(deferred)", e))?;
+        }
+        Ok(())
+    }
+
+    /// Makes the tensor resident on the Device and returns a view of it for work on `stream`.
+    ///
+    /// If a copy is needed it is issued on the host-to-device copy stream and `stream` is made to
+    /// wait for it: the calling thread does not block on the copy. While the view lives the tensor
+    /// is neither evicted nor moved; dropping it records an event on `stream` that anything later
+    /// reusing the memory waits for. Call [`DeviceView::mark_dirty`] after writing through it.
+    pub fn device_view(&self, id: TensorId, stream: &Stream) -> Result<DeviceView> {
+        self.check_stream(stream)?;
+        let be = &self.shared.backend;
+        let mut st = self.shared.state.lock();
+        let bytes = st.entry(id)?.bytes;
+        if !st.enabled(Tier::Device) {
+            return Err(Error::TierDisabled { tier: Tier::Device });
+        }
+        if !st.can_ever_fit(Tier::Device, bytes) {
+            return Err(Error::TooLarge {
+                bytes,
+                what: format!("the Device tier ({})", format_size(st.capacity(Tier::Device))),
+            });
+        }
+        st.policy.on_access(id);
+        let hit = st.entries[&id].replicas[Tier::Device.index()].is_some();
+        st.count_access(hit);
+        if !hit {
+            let ext = st
+                .alloc_evicting(be, Tier::Device, bytes, id)?
+                .ok_or(Error::OutOfMemory { tier: Tier::Device, bytes })?;
+            let src = st.entries[&id].fastest().ok_or(Error::UnknownId(id))?;
+            st.copy_replica(be, id, src, Tier::Device, ext)?;
+        }
+        let rep =
+            st.entries[&id].replicas[Tier::Device.index()].as_ref().expect("made resident above");
+        if let Some(ev) = &rep.ready {
+            stream.raw.wait(ev)?;
+        }
+        let Ext::Mem(ext) = &rep.ext else { unreachable!("device replicas are memory extents") };
+        let ptr = st.arena(Tier::Device).expect("enabled").dev_ptr(ext);
+        let e = st.entries.get_mut(&id).expect("checked above");
+        e.holders += 1;
+        let (dtype, shape) = (e.dtype, e.shape.clone());
+        drop(st);
+        Ok(DeviceView::new(
+            self.shared.clone(),
+            id,
+            Tier::Device,
+            stream.raw.clone(),
+            ptr,
+            bytes,
+            dtype,
+            shape,
+        ))
+    }
+
+    /// A view of the tensor's Mapped replica for zero-copy kernel access: its device pointer
+    /// reads host memory in place over PCIe. Fails with [`Error::NotInTier`] if the tensor has no
+    /// copy in Mapped (`move_to(id, Tier::Mapped)` first). `stream` waits for any copy still
+    /// filling the replica.
+    pub fn mapped_view(&self, id: TensorId, stream: &Stream) -> Result<MappedView> {
+        self.check_stream(stream)?;
+        let mut st = self.shared.state.lock();
+        let e = st.entry(id)?;
+        let (bytes, dtype, shape) = (e.bytes, e.dtype, e.shape.clone());
+        let Some(rep) = e.replicas[Tier::Mapped.index()].as_ref() else {
+            return Err(Error::NotInTier { id, tier: Tier::Mapped });
+        };
+        if let Some(ev) = &rep.ready {
+            stream.raw.wait(ev)?;
+        }
+        let Ext::Mem(ext) = &rep.ext else { unreachable!("mapped replicas are memory extents") };
+        let ptr = st.arena(Tier::Mapped).expect("replica exists").dev_ptr(ext);
+        st.policy.on_access(id);
+        st.entries.get_mut(&id).expect("checked above").holders += 1;
+        drop(st);
+        Ok(MappedView::new(DeviceView::new(
+            self.shared.clone(),
+            id,
+            Tier::Mapped,
+            stream.raw.clone(),
+            ptr,
+            bytes,
+            dtype,
+            shape,
+        )))
+    }
+
+    fn check_stream(&self, stream: &Stream) -> Result<()> {
+        if stream.raw.kind() != self.backend() {
+            return Err(Error::BackendMismatch(format!(
+                "a {:?} stream used with a {:?} store",
+                stream.raw.kind(),
+                self.backend()
+            )));
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Store {
+    fn drop(&mut self) {
+        // Views hold the shared state alive; when the last goes, memory is freed after the
+        // copies in flight. Waiting here keeps a plain `drop(store)` from freeing memory a copy
+        // still uses.
+        let st = self.shared.state.lock();
+        for e in st.entries.values() {
+            for r in e.replicas.iter().flatten() {
+                if let Some(ev) = &r.ready {
+                    let _ = ev.synchronize();
+                }
+            }
+        }
+    }
+}
+
+impl Shared {
+    /// Called by a view's Drop: records where the view's stream is, releases the hold, and if
+    /// the view wrote, keeps only the replica it wrote.
+    pub(crate) fn release_view(&self, id: TensorId, tier: Tier, stream: &RawStream, dirty: bool) {
+        let ev = stream.record();
+        let mut st = self.state.lock();
+        let res = (|| -> Result<()> {
+            let e = st.entries.get_mut(&id).ok_or(Error::UnknownId(id))?;
+            e.holders = e.holders.saturating_sub(1);
+            e.last_use.retain(|ev| !ev.is_complete());
+            e.last_use.push(ev?);
+            if dirty {
+                st.drop_other_replicas(id, tier)?;
+            }
+            Ok(())
+        })();
+        drop(st);
+        if let Err(e) = res {
+            self.deferred.lock().push(e);
+        }
+    }
+
+    /// Runs `f` over the host bytes of a view's replica (host backend: every tier is host
+    /// memory; CUDA: the Mapped tier).
+    pub(crate) fn with_view_bytes<R>(
+        &self,
+        id: TensorId,
+        tier: Tier,
+        f: impl FnOnce(&mut [u8]) -> R,
+    ) -> Result<R> {
+        let mut st = self.state.lock();
+        let host_backend = self.backend.kind() == BackendKind::Host;
+        let State { arenas, entries, .. } = &mut *st;
+        let rep = entries.get_mut(&id).ok_or(Error::UnknownId(id))?.replicas[tier.index()]
+            .as_mut()
+            .ok_or(Error::NotInTier { id, tier })?;
+        let Ext::Mem(ext) = &mut rep.ext else { return Err(Error::NotInTier { id, tier }) };
+        let arena = arenas[tier.index()].as_ref().ok_or(Error::TierDisabled { tier })?;
+        let bytes = arena.view_bytes(ext, host_backend).ok_or_else(|| {
+            Error::BackendMismatch(format!("the {tier} tier is not host memory on this backend"))
+        })?;
+        Ok(f(bytes))
+    }
+}
+
+impl State {
+    fn entry(&self, id: TensorId) -> Result<&Entry> {
+        self.entries.get(&id).ok_or(Error::UnknownId(id))
+    }
+
+    fn arena(&self, t: Tier) -> Option<&MemArena> {
+        self.arenas.get(t.index()).and_then(Option::as_ref)
+    }
+
+    fn enabled(&self, t: Tier) -> bool {
+        match t {
+            Tier::Disk => self.disk.is_some(),
+            _ => self.arena(t).is_some(),
+        }
+    }
+
+    fn capacity(&self, t: Tier) -> u64 {
+        match t {
+            Tier::Disk => self.disk.as_ref().map_or(0, |d| d.capacity()),
+            _ => self.arena(t).map_or(0, |a| a.capacity()),
+        }
+    }
+
+    fn can_ever_fit(&self, t: Tier, bytes: u64) -> bool {
+        match t {
+            Tier::Disk => self
+                .disk
+                .as_ref()
+                .is_some_and(|d| bytes.max(1).div_ceil(4096) * 4096 <= d.capacity()),
+            _ => self.arena(t).is_some_and(|a| a.can_ever_fit(bytes)),
+        }
+    }
+
+    fn fastest_enabled(&self) -> Option<Tier> {
+        Tier::ALL.into_iter().find(|&t| self.enabled(t))
+    }
+
+    fn count_access(&mut self, hit: bool) {
+        if hit {
+            self.counters.hits += 1;
+        } else {
+            self.counters.misses += 1;
+        }
+    }
+
+    fn take_replica(&mut self, id: TensorId, t: Tier) -> Replica {
+        self.entries
+            .get_mut(&id)
+            .and_then(|e| e.replicas[t.index()].take())
+            .expect("replica present")
+    }
+
+    fn put_replica(&mut self, id: TensorId, t: Tier, r: Replica) {
+        if let Some(e) = self.entries.get_mut(&id) {
+            e.replicas[t.index()] = Some(r);
+        }
+    }
+
+    /// Waits (on the host) for every copy and view still touching the tensor's memory.
+    fn settle(&mut self, id: TensorId) -> Result<()> {
+        let e = self.entries.get_mut(&id).ok_or(Error::UnknownId(id))?;
+        for ev in e.last_use.drain(..) {
+            ev.synchronize()?;
+        }
+        for r in e.replicas.iter_mut().flatten() {
+            if let Some(ev) = r.ready.take() {
+                ev.synchronize()?;
+            }
+        }
+        Ok(())
+    }
+
+    fn sync_replica(&mut self, id: TensorId, t: Tier) -> Result<()> {
+        if let Some(r) = self.entries.get_mut(&id).and_then(|e| e.replicas[t.index()].as_mut()) {
+            if let Some(ev) = r.ready.take() {
+                ev.synchronize()?;
+            }
+        }
+        Ok(())
+    }
+
+    fn drop_other_replicas(&mut self, id: TensorId, keep: Tier) -> Result<()> {
+        for t in Tier::ALL.into_iter().filter(|&t| t != keep) {
+            if self.entries[&id].replicas[t.index()].is_some() {
+                self.settle(id)?;
+                let r = self.take_replica(id, t);
+                self.free_ext(t, r.ext);
+            }
+        }
+        Ok(())
+    }
+
+    /// Allocates in `t` without evicting. The caller has checked the tier is enabled.
+    fn try_alloc(&mut self, be: &Backend, t: Tier, bytes: u64) -> Result<Option<Ext>> {
+        Ok(match t {
+            Tier::Disk => self.disk.as_mut().and_then(|d| d.alloc(bytes)).map(Ext::Disk),
+            _ => match self.arenas[t.index()].as_mut() {
+                Some(a) => a.alloc(be, bytes)?.map(Ext::Mem),
+                None => None,
+            },
+        })
+    }
+
+    /// Returns an extent to its tier. The caller has settled the tensor's pending work.
+    fn free_ext(&mut self, t: Tier, ext: Ext) {
+        match ext {
+            Ext::Mem(e) => {
+                if let Some(a) = self.arenas[t.index()].as_mut() {
+                    a.free(e);
+                }
+            }
+            Ext::Disk(d) => {
+                if let Some(disk) = self.disk.as_mut() {
+                    disk.free(d);
+                }
+            }
+        }
+    }
+
+    /// Bytes that dropping or demoting tensors could free in `t` (for a quick "can this ever
+    /// succeed" check before evicting anything).
+    fn evictable_bytes(&self, t: Tier, exclude: TensorId) -> u64 {
+        self.entries
+            .iter()
+            .filter(|(&id, e)| id != exclude && e.holders == 0 && e.replicas[t.index()].is_some())
+            .map(|(_, e)| e.bytes)
+            .sum()
+    }
+
+    fn free_bytes(&self, t: Tier) -> u64 {
+        match t {
+            Tier::Disk => self.disk.as_ref().map_or(0, |d| d.capacity() - d.used()),
+            _ => self.arena(t).map_or(0, |a| a.free_bytes()),
+        }
+    }
+
+    /// Victims of `t` in the policy's order.
+    fn victims(&mut self, t: Tier, exclude: TensorId) -> Vec<TensorId> {
+        let mut c: Vec<TensorId> = self
+            .entries
+            .iter()
+            .filter(|(&id, e)| id != exclude && e.holders == 0 && e.replicas[t.index()].is_some())
+            .map(|(&id, _)| id)
+            .collect();
+        c.sort();
+        self.policy.order_victims(t, &mut c);
+        c
+    }
+
+    /// Allocates `bytes` in `t`, demoting tensors (never `exclude`) to make room. `Ok(None)` when
+    /// even that cannot make room.
+    fn alloc_evicting(
+        &mut self,
+        be: &Backend,
+        t: Tier,
+        bytes: u64,
+        exclude: TensorId,
+    ) -> Result<Option<Ext>> {
+        if let Some(e) = self.try_alloc(be, t, bytes)? {
+            return Ok(Some(e));
+        }
+        if self.free_bytes(t) + self.evictable_bytes(t, exclude) < bytes {
+            return Ok(None);
+        }
+        for victim in self.victims(t, exclude) {
+            if self.demote(be, victim, t)? {
+                self.counters.evictions += 1;
+                if let Some(e) = self.try_alloc(be, t, bytes)? {
+                    return Ok(Some(e));
+                }
+            }
+        }
+        Ok(None)
+    }
+
+    /// Removes `id`'s replica from `from`, first copying it to a slower tier if it is the
+    /// tensor's only replica there or below. `Ok(false)` if there is nowhere to put it.
+    fn demote(&mut self, be: &Backend, id: TensorId, from: Tier) -> Result<bool> {
+        let e = &self.entries[&id];
+        let bytes = e.bytes;
+        let has_slower = Tier::ALL.into_iter().any(|t| t > from && e.replicas[t.index()].is_some());
+        if !has_slower {
+            let mut placed = None;
+            let mut next = from.slower();
+            while let Some(t) = next {
+                if self.enabled(t) && self.can_ever_fit(t, bytes) {
+                    if let Some(ext) = self.alloc_evicting(be, t, bytes, id)? {
+                        placed = Some((t, ext));
+                        break;
+                    }
+                }
+                next = t.slower();
+            }
+            let Some((to, ext)) = placed else { return Ok(false) };
+            self.copy_replica(be, id, from, to, ext)?;
+            self.sync_replica(id, to)?;
+        }
+        self.settle(id)?;
+        let r = self.take_replica(id, from);
+        self.free_ext(from, r.ext);
+        Ok(true)
+    }
+
+    /// Finds a home for a new tensor: the fastest tier with free room; else the fastest tier the
+    /// policy admits it to, making room there by demoting.
+    fn place_new(&mut self, be: &Backend, id: TensorId, bytes: u64) -> Result<(Tier, Ext)> {
+        let fits: Vec<Tier> = Tier::ALL
+            .into_iter()
+            .filter(|&t| self.enabled(t) && self.can_ever_fit(t, bytes))
+            .collect();
+        if fits.is_empty() {
+            let caps = Tier::ALL
+                .into_iter()
+                .filter(|&t| self.enabled(t))
+                .map(|t| format!("{t} {}", format_size(self.capacity(t))))
+                .collect::<Vec<_>>()
+                .join(", ");
+            return Err(Error::TooLarge { bytes, what: format!("every enabled tier ({caps})") });
+        }
+        for &t in &fits {
+            if let Some(ext) = self.try_alloc(be, t, bytes)? {
+                return Ok((t, ext));
+            }
+        }
+        for &t in &fits {
+            let victims = self.victims(t, id);
+            if !self.policy.admit(t, id, &victims_covering(&victims, bytes, self)) {
+                continue;
+            }
+            if let Some(ext) = self.alloc_evicting(be, t, bytes, id)? {
+                return Ok((t, ext));
+            }
+        }
+        Err(Error::OutOfMemory { tier: *fits.last().expect("not empty"), bytes })
+    }
+
+    /// After a read missed the fastest tier: copies the tensor there if the policy admits it.
+    fn maybe_promote(&mut self, be: &Backend, id: TensorId, data: &[u8]) -> Result<()> {
+        let Some(top) = self.fastest_enabled() else { return Ok(()) };
+        let bytes = data.len() as u64;
+        if !self.can_ever_fit(top, bytes) || self.entries[&id].replicas[top.index()].is_some() {
+            return Ok(());
+        }
+        let ext = match self.try_alloc(be, top, bytes)? {
+            Some(ext) => ext,
+            None => {
+                let victims = self.victims(top, id);
+                let chosen = victims_covering(&victims, bytes, self);
+                if !self.policy.admit(top, id, &chosen) {
+                    return Ok(());
+                }
+                match self.alloc_evicting(be, top, bytes, id)? {
+                    Some(ext) => ext,
+                    None => return Ok(()),
+                }
+            }
+        };
+        let mut ext = ext;
+        let from = self.entries[&id].fastest().expect("tensor has a replica");
+        match self.fill_from_host(be, top, &mut ext, data) {
+            Ok(ready) => {
+                self.put_replica(id, top, Replica { ext, ready });
+                self.counters.moved[from.index()][top.index()] += bytes;
+                self.counters.promotions += 1;
+                Ok(())
+            }
+            Err(e) => {
+                self.free_ext(top, ext);
+                Err(e)
+            }
+        }
+    }
+
+    /// Writes host bytes into a replica's extent in tier `t`. Returns the event after which they
+    /// are in place (`None` when done already).
+    fn fill_from_host(
+        &mut self,
+        be: &Backend,
+        t: Tier,
+        ext: &mut Ext,
+        data: &[u8],
+    ) -> Result<Option<RawEvent>> {
+        match ext {
+            Ext::Disk(d) => {
+                self.disk.as_mut().ok_or(Error::TierDisabled { tier: t })?.write(d, data)?;
+                Ok(None)
+            }
+            Ext::Mem(m) => {
+                let arena =
+                    self.arenas[t.index()].as_ref().ok_or(Error::TierDisabled { tier: t })?;
+                if let Some(dst) = arena.host_slice_mut(m) {
+                    copier().copy(dst, data);
+                    return Ok(None);
+                }
+                // Device memory: through pinned staging, chunk by chunk, so the CPU copy of
+                // chunk k+1 overlaps the DMA of chunk k.
+                let staging =
+                    self.staging.as_mut().ok_or(Error::TierDisabled { tier: Tier::Device })?;
+                let h2d = be.h2d();
+                let step = staging.buf_size();
+                let mut last = None;
+                for (k, piece) in data.chunks(step).enumerate() {
+                    let i = staging.acquire()?;
+                    copier().copy(&mut staging.slice_mut(i)[..piece.len()], piece);
+                    // SAFETY: the staging buffer is pinned and reserved until the event recorded
+                    // below completes (acquire waits for it); the destination range lies inside
+                    // `m`, which the caller owns and nobody reads until `ready` completes.
+                    unsafe {
+                        h2d.copy(
+                            arena.copy_addr(m, (k * step) as u64),
+                            staging.addr(i),
+                            piece.len(),
+                        )?
+                    };
+                    let ev = h2d.record()?;
+                    staging.release(i, ev.clone());
+                    last = Some(ev);
+                }
+                Ok(last)
+            }
+        }
+    }
+
+    /// Copies replica `tier` of `id` into `out` (exactly the tensor's length).
+    fn read_replica(
+        &mut self,
+        be: &Backend,
+        id: TensorId,
+        tier: Tier,
+        out: &mut [u8],
+    ) -> Result<()> {
+        self.sync_replica(id, tier)?;
+        let State { arenas, disk, staging, entries, .. } = self;
+        let e = entries.get_mut(&id).ok_or(Error::UnknownId(id))?;
+        let rep = e.replicas[tier.index()].as_ref().ok_or(Error::NotInTier { id, tier })?;
+        match &rep.ext {
+            Ext::Disk(d) => {
+                let disk = disk.as_mut().ok_or(Error::TierDisabled { tier })?;
+                if let Err(found) = disk.read(d, out)? {
+                    return Err(Error::Corrupt {
+                        id,
+                        name: e.name.clone(),
+                        path: disk.path().to_path_buf(),
+                        expected: DiskTier::expected_crc(d),
+                        found,
+                    });
+                }
+                Ok(())
+            }
+            Ext::Mem(m) => {
+                let arena = arenas[tier.index()].as_ref().ok_or(Error::TierDisabled { tier })?;
+                if let Some(src) = arena.host_slice(m) {
+                    copier().copy(out, src);
+                    return Ok(());
+                }
+                let staging = staging.as_mut().ok_or(Error::TierDisabled { tier })?;
+                let d2h = be.d2h();
+                for ev in &e.last_use {
+                    d2h.wait(ev)?;
+                }
+                device_to_host(d2h, staging, arena, m, |off, piece| {
+                    copier().copy(&mut out[off..off + piece.len()], piece);
+                    Ok(())
+                })
+            }
+        }
+    }
+
+    /// Copies replica `from` of `id` into a new replica at `to` held in `dst`, and records it.
+    /// GPU copies are issued, not awaited: the new replica's `ready` event says when it is
+    /// valid.
+    fn copy_replica(
+        &mut self,
+        be: &Backend,
+        id: TensorId,
+        from: Tier,
+        to: Tier,
+        mut dst: Ext,
+    ) -> Result<()> {
+        let res = self.copy_into(be, id, from, to, &mut dst);
+        match res {
+            Ok(ready) => {
+                let bytes = self.entries[&id].bytes;
+                self.put_replica(id, to, Replica { ext: dst, ready });
+                self.counters.moved[from.index()][to.index()] += bytes;
+                Ok(())
+            }
+            Err(e) => {
+                self.free_ext(to, dst);
+                Err(e)
+            }
+        }
+    }
+
+    fn copy_into(
+        &mut self,
+        be: &Backend,
+        id: TensorId,
+        from: Tier,
+        to: Tier,
+        dst: &mut Ext,
+    ) -> Result<Option<RawEvent>> {
+        // CPU paths read the source on the host: its bytes must be in place first.
+        if from != Tier::Device && to != Tier::Device {
+            self.sync_replica(id, from)?;
+        }
+        let State { arenas, disk, staging, entries, .. } = self;
+        let e = entries.get_mut(&id).ok_or(Error::UnknownId(id))?;
+        let name = &e.name;
+        let src = e.replicas[from.index()].as_ref().ok_or(Error::NotInTier { id, tier: from })?;
+        let corrupt = |disk: &DiskTier, d: &DiskExtent, found: u32| Error::Corrupt {
+            id,
+            name: name.clone(),
+            path: disk.path().to_path_buf(),
+            expected: DiskTier::expected_crc(d),
+            found,
+        };
+        match (&src.ext, dst) {
+            (Ext::Mem(s), Ext::Mem(d)) => {
+                let sa = arenas[from.index()].as_ref().ok_or(Error::TierDisabled { tier: from })?;
+                let da = arenas[to.index()].as_ref().ok_or(Error::TierDisabled { tier: to })?;
+                if let (Some(sb), Some(db)) = (sa.host_slice(s), da.host_slice_mut(d)) {
+                    copier().copy(db, sb);
+                    return Ok(None);
+                }
+                // One side is device memory: a DMA copy on the stream of its direction.
+                let stream = if to == Tier::Device { be.h2d() } else { be.d2h() };
+                if let Some(ev) = &src.ready {
+                    stream.wait(ev)?;
+                }
+                for ev in &e.last_use {
+                    stream.wait(ev)?;
+                }
+                // SAFETY: both extents are live and owned by this tensor's replicas (the
+                // destination is fresh, the source is not freed until this copy's event is
+                // waited for: `settle`/`sync_replica` run before any free); host memory of
+                // Pinned and Mapped arenas is page-locked.
+                unsafe { stream.copy(da.copy_addr(d, 0), sa.copy_addr(s, 0), e.bytes as usize)? };
+                Ok(Some(stream.record()?))
+            }
+            (Ext::Mem(s), Ext::Disk(d)) => {
+                let sa = arenas[from.index()].as_ref().ok_or(Error::TierDisabled { tier: from })?;
+                let disk = disk.as_mut().ok_or(Error::TierDisabled { tier: to })?;
+                if let Some(sb) = sa.host_slice(s) {
+                    disk.write(d, sb)?;
+                    return Ok(None);
+                }
+                let staging = staging.as_mut().ok_or(Error::TierDisabled { tier: from })?;
+                let d2h = be.d2h();
+                if let Some(ev) = &src.ready {
+                    d2h.wait(ev)?;
+                }
+                for ev in &e.last_use {
+                    d2h.wait(ev)?;
+                }
+                let mut crc = crc32fast::Hasher::new();
+                device_to_host(d2h, staging, sa, s, |off, piece| {
+                    crc.update(piece);
+                    disk.write_range(d, off as u64, piece)
+                })?;
+                DiskTier::set_crc(d, crc.finalize());
+                Ok(None)
+            }
+            (Ext::Disk(s), Ext::Mem(d)) => {
+                let da = arenas[to.index()].as_ref().ok_or(Error::TierDisabled { tier: to })?;
+                let disk = disk.as_mut().ok_or(Error::TierDisabled { tier: from })?;
+                if let Some(db) = da.host_slice_mut(d) {
+                    return match disk.read(s, db)? {
+                        Ok(()) => Ok(None),
+                        Err(found) => Err(corrupt(disk, s, found)),
+                    };
+                }
+                // Disk to device: read into pinned staging, then DMA, chunk by chunk; the
+                // checksum is verified over the whole tensor before the replica is kept.
+                let staging = staging.as_mut().ok_or(Error::TierDisabled { tier: to })?;
+                let h2d = be.h2d();
+                let step = staging.buf_size();
+                let mut crc = crc32fast::Hasher::new();
+                let mut last = None;
+                let total = e.bytes as usize;
+                let mut off = 0;
+                while off < total {
+                    let n = step.min(total - off);
+                    let i = staging.acquire()?;
+                    let buf = &mut staging.slice_mut(i)[..n];
+                    disk.read_range(s, off as u64, buf)?;
+                    crc.update(buf);
+                    // SAFETY: the staging buffer is pinned and reserved until the event below
+                    // completes; the destination range lies inside the fresh extent `d`.
+                    unsafe { h2d.copy(da.copy_addr(d, off as u64), staging.addr(i), n)? };
+                    let ev = h2d.record()?;
+                    staging.release(i, ev.clone());
+                    last = Some(ev);
+                    off += n;
+                }
+                let found = crc.finalize();
+                if found != DiskTier::expected_crc(s) {
+                    if let Some(ev) = &last {
+                        ev.synchronize()?;
+                    }
+                    return Err(corrupt(disk, s, found));
+                }
+                Ok(last)
+            }
+            (Ext::Disk(_), Ext::Disk(_)) => Err(Error::InvalidArgument("disk-to-disk copy".into())),
+        }
+    }
+}
+
+/// The victims, in order, that together free at least `bytes` of `t` (all of them if they
+/// cannot).
+fn victims_covering(victims: &[TensorId], bytes: u64, st: &State) -> Vec<TensorId> {
+    let mut freed = 0;
+    let mut out = Vec::new();
+    for &v in victims {
+        if freed >= bytes {
+            break;
+        }
+        freed += st.entries[&v].bytes;
+        out.push(v);
+    }
+    out
+}
+
+/// Copies a device extent to the host in staging-sized pieces, two in flight, handing each piece
+/// to `sink(offset, bytes)` in order.
+fn device_to_host(
+    d2h: &RawStream,
+    staging: &mut PinnedStaging,
+    arena: &MemArena,
+    ext: &Extent,
+    mut sink: impl FnMut(usize, &[u8]) -> Result<()>,
+) -> Result<()> {
+    let total = ext.bytes() as usize;
+    let step = staging.buf_size();
+    let issue = |staging: &mut PinnedStaging, off: usize| -> Result<(usize, usize, RawEvent)> {
+        let n = step.min(total - off);
+        let i = staging.acquire()?;
+        // SAFETY: the staging buffer is pinned and ours until the event completes (we wait for it
+        // before reading it); the source range lies inside `ext`, which its tensor owns and
+        // which is not freed while this function runs (the store's lock is held).
+        unsafe { d2h.copy(staging.addr(i), arena.copy_addr(ext, off as u64), n)? };
+        let ev = d2h.record()?;
+        staging.release(i, ev.clone());
+        Ok((i, n, ev))
+    };
+    let mut pending = std::collections::VecDeque::new();
+    let mut off = 0;
+    while off < total && pending.len() < 2 {
+        let p = issue(staging, off)?;
+        let n = p.1;
+        pending.push_back((off, p));
+        off += n;
+    }
+    while let Some((at, (i, n, ev))) = pending.pop_front() {
+        ev.synchronize()?;
+        sink(at, &staging.slice_mut(i)[..n])?;
+        if off < total {
+            let p = issue(staging, off)?;
+            let n = p.1;
+            pending.push_back((off, p));
+            off += n;
+        }
+    }
+    Ok(())
+}

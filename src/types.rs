@@ -1,0 +1,248 @@
+//! Small value types: tiers, element types, tensor ids.
+
+use std::fmt;
+
+/// A level of the memory hierarchy, fastest first.
+///
+/// The order of the variants is the order of speed from the GPU's point of view: `Device < Pinned <
+/// Mapped < Disk` compares "faster than".
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug, PartialOrd, Ord)]
+pub enum Tier {
+    /// GPU HBM (device memory).
+    Device,
+    /// Page-locked host memory: reached by the GPU through DMA copies on the copy engines.
+    Pinned,
+    /// Page-locked host memory mapped into the device's address space: kernels read it in place
+    /// over PCIe (zero-copy).
+    Mapped,
+    /// Files on NVMe, mapped with memmap2 for CPU access.
+    Disk,
+}
+
+impl Tier {
+    /// Every tier, fastest first.
+    pub const ALL: [Tier; 4] = [Tier::Device, Tier::Pinned, Tier::Mapped, Tier::Disk];
+
+    /// Position in [`Tier::ALL`] (0 for `Device`).
+    pub const fn index(self) -> usize {
+        self as usize
+    }
+
+    /// The next slower tier, `None` for `Disk`.
+    pub const fn slower(self) -> Option<Tier> {
+        match self {
+            Tier::Device => Some(Tier::Pinned),
+            Tier::Pinned => Some(Tier::Mapped),
+            Tier::Mapped => Some(Tier::Disk),
+            Tier::Disk => None,
+        }
+    }
+
+    /// Lower-case name, as printed and as accepted by [`str::parse`].
+    pub const fn name(self) -> &'static str {
+        match self {
+            Tier::Device => "device",
+            Tier::Pinned => "pinned",
+            Tier::Mapped => "mapped",
+            Tier::Disk => "disk",
+        }
+    }
+}
+
+impl fmt::Display for Tier {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for Tier {
+    type Err = crate::Error;
+    fn from_str(s: &str) -> crate::Result<Tier> {
+        Tier::ALL
+            .into_iter()
+            .find(|t| t.name().eq_ignore_ascii_case(s))
+            .ok_or_else(|| crate::Error::InvalidArgument(format!("unknown tier {s:?}")))
+    }
+}
+
+/// Element type of a tensor.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+pub enum DType {
+    /// 64-bit float.
+    F64,
+    /// 32-bit float.
+    F32,
+    /// IEEE half.
+    F16,
+    /// bfloat16.
+    BF16,
+    /// 64-bit signed integer.
+    I64,
+    /// 32-bit signed integer.
+    I32,
+    /// 16-bit signed integer.
+    I16,
+    /// 8-bit signed integer.
+    I8,
+    /// 8-bit unsigned integer.
+    U8,
+    /// Boolean, one byte.
+    Bool,
+}
+
+impl DType {
+    /// Every dtype.
+    pub const ALL: [DType; 10] = [
+        DType::F64,
+        DType::F32,
+        DType::F16,
+        DType::BF16,
+        DType::I64,
+        DType::I32,
+        DType::I16,
+        DType::I8,
+        DType::U8,
+        DType::Bool,
+    ];
+
+    /// Size of one element in bytes.
+    pub const fn size_of(self) -> usize {
+        match self {
+            DType::F64 | DType::I64 => 8,
+            DType::F32 | DType::I32 => 4,
+            DType::F16 | DType::BF16 | DType::I16 => 2,
+            DType::I8 | DType::U8 | DType::Bool => 1,
+        }
+    }
+}
+
+impl fmt::Display for DType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let s = match self {
+            DType::F64 => "f64",
+            DType::F32 => "f32",
+            DType::F16 => "f16",
+            DType::BF16 => "bf16",
+            DType::I64 => "i64",
+            DType::I32 => "i32",
+            DType::I16 => "i16",
+            DType::I8 => "i8",
+            DType::U8 => "u8",
+            DType::Bool => "bool",
+        };
+        f.write_str(s)
+    }
+}
+
+/// Handle of a tensor in a [`Store`](crate::Store). Ids are never reused within a store, so an id
+/// of a removed tensor stays invalid.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug, PartialOrd, Ord)]
+pub struct TensorId(pub(crate) u64);
+
+impl TensorId {
+    /// The raw number (unique within its store).
+    pub const fn as_u64(self) -> u64 {
+        self.0
+    }
+}
+
+/// Which backend a store runs on.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+pub enum BackendKind {
+    /// Tiers emulated in host memory; copies on worker threads. Used where there is no GPU.
+    Host,
+    /// NVIDIA GPU through the CUDA driver API (cudarc).
+    Cuda,
+}
+
+impl fmt::Display for BackendKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            BackendKind::Host => "host (no GPU: tiers emulated in host memory)",
+            BackendKind::Cuda => "cuda",
+        })
+    }
+}
+
+/// Parses a byte size with an optional unit: `4096`, `24KiB`, `1.5GiB`, `64MB`, `1g`.
+///
+/// Binary units (`KiB`, `MiB`, `GiB`, `TiB`, and the short `K`, `M`, `G`, `T`) are powers of 1024;
+/// decimal units (`KB`, `MB`, `GB`, `TB`) are powers of 1000.
+///
+/// ```
+/// assert_eq!(strata::parse_size("24KiB").unwrap(), 24 * 1024);
+/// assert_eq!(strata::parse_size("1GB").unwrap(), 1_000_000_000);
+/// assert!(strata::parse_size("12 apples").is_err());
+/// ```
+pub fn parse_size(s: &str) -> crate::Result<u64> {
+    let t = s.trim();
+    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let bad = || crate::Error::InvalidArgument(format!("bad size {s:?} (try 4096, 24KiB, 1GiB)"));
+    let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kib" => 1 << 10,
+        "m" | "mib" => 1 << 20,
+        "g" | "gib" => 1 << 30,
+        "t" | "tib" => 1 << 40,
+        "kb" => 1_000,
+        "mb" => 1_000_000,
+        "gb" => 1_000_000_000,
+        "tb" => 1_000_000_000_000,
+        _ => return Err(bad()),
+    };
+    if num.is_empty() {
+        return Err(bad());
+    }
+    if let Ok(n) = num.parse::<u64>() {
+        return n.checked_mul(mult).ok_or_else(bad);
+    }
+    let f: f64 = num.parse().map_err(|_| bad())?;
+    let v = f * mult as f64;
+    if !v.is_finite() || v < 0.0 || v > u64::MAX as f64 {
+        return Err(bad());
+    }
+    Ok(v.round() as u64)
+}
+
+/// Formats a byte count with a binary unit: `1.50 GiB`.
+pub fn format_size(bytes: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = bytes as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u + 1 < UNITS.len() {
+        v /= 1024.0;
+        u += 1;
+    }
+    if u == 0 {
+        format!("{bytes} B")
+    } else {
+        format!("{v:.2} {}", UNITS[u])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tiers_order_fastest_first() {
+        assert!(Tier::Device < Tier::Pinned && Tier::Mapped < Tier::Disk);
+        assert_eq!(Tier::Mapped.slower(), Some(Tier::Disk));
+        assert_eq!("PINNED".parse::<Tier>().unwrap(), Tier::Pinned);
+        assert!("hbm".parse::<Tier>().is_err());
+    }
+
+    #[test]
+    fn sizes_parse_with_units() {
+        assert_eq!(parse_size("24KiB").unwrap(), 24 << 10);
+        assert_eq!(parse_size("1GiB").unwrap(), 1 << 30);
+        assert_eq!(parse_size("1.5k").unwrap(), 1536);
+        assert_eq!(parse_size("7").unwrap(), 7);
+        assert_eq!(parse_size("2MB").unwrap(), 2_000_000);
+        for bad in ["", "GiB", "1QiB", "-1", "1e99GiB", "99999999999999999999"] {
+            assert!(parse_size(bad).is_err(), "{bad}");
+        }
+        assert_eq!(format_size(1536), "1.50 KiB");
+    }
+}

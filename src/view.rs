@@ -1,0 +1,203 @@
+//! Streams and the guards that lend a tensor's memory to device work.
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaSlice, CudaStream};
+
+use crate::backend::cuda::BorrowedSlice;
+use crate::backend::RawStream;
+use crate::error::{Error, Result};
+use crate::store::Shared;
+use crate::types::{BackendKind, DType, TensorId, Tier};
+
+/// An ordered queue of device work: a cudarc [`CudaStream`] on the CUDA backend, a worker thread
+/// that runs jobs in order on the host backend. Code written against `Stream` runs on both.
+///
+/// Make one with [`Store::stream`](crate::Store::stream), or wrap a trainer's own stream with
+/// [`Stream::from_cuda`].
+#[derive(Clone)]
+pub struct Stream {
+    pub(crate) raw: RawStream,
+}
+
+impl Stream {
+    /// Wraps a cudarc stream (a trainer's own). It must belong to the store's context.
+    pub fn from_cuda(stream: Arc<CudaStream>) -> Stream {
+        Stream { raw: RawStream::Cuda(stream) }
+    }
+
+    /// The cudarc stream, on the CUDA backend.
+    pub fn cuda(&self) -> Option<&Arc<CudaStream>> {
+        match &self.raw {
+            RawStream::Cuda(s) => Some(s),
+            RawStream::Host(_) => None,
+        }
+    }
+
+    /// Which backend the stream belongs to.
+    pub fn backend(&self) -> BackendKind {
+        self.raw.kind()
+    }
+
+    /// Blocks until all work issued to the stream has run.
+    pub fn synchronize(&self) -> Result<()> {
+        self.raw.synchronize()
+    }
+
+    /// Host backend: runs `f` on the stream's thread after everything issued before it, the
+    /// host stand-in for a kernel launch. Fails on the CUDA backend.
+    pub fn launch_host(&self, f: impl FnOnce() + Send + 'static) -> Result<()> {
+        match &self.raw {
+            RawStream::Host(s) => {
+                s.launch(Box::new(f));
+                Ok(())
+            }
+            RawStream::Cuda(_) => {
+                Err(Error::BackendMismatch("launch_host on a CUDA stream: launch a kernel".into()))
+            }
+        }
+    }
+}
+
+/// A tensor lent to work on a stream, resident in the Device tier (or, for a [`MappedView`], in
+/// the Mapped tier) for as long as the view lives.
+///
+/// Work issued to the view's stream after the view was made sees the tensor's bytes: the stream
+/// waits for the copy that brought them. Dropping the view records an event on the stream;
+/// moving or reusing the memory later waits for it, so kernels issued before the drop may still
+/// run. After writing through the view call [`DeviceView::mark_dirty`], so that the other copies,
+/// now stale, are dropped and the tensor is written back when evicted.
+#[must_use = "the tensor is held in place only while the view lives"]
+pub struct DeviceView {
+    shared: Arc<Shared>,
+    id: TensorId,
+    tier: Tier,
+    stream: RawStream,
+    ptr: u64,
+    bytes: u64,
+    dtype: DType,
+    shape: Vec<usize>,
+    dirty: bool,
+    cuda: Option<BorrowedSlice>,
+}
+
+impl DeviceView {
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn new(
+        shared: Arc<Shared>,
+        id: TensorId,
+        tier: Tier,
+        stream: RawStream,
+        ptr: u64,
+        bytes: u64,
+        dtype: DType,
+        shape: Vec<usize>,
+    ) -> DeviceView {
+        let cuda = match &stream {
+            RawStream::Cuda(s) => Some(BorrowedSlice::new(s, ptr, bytes as usize)),
+            RawStream::Host(_) => None,
+        };
+        DeviceView { shared, id, tier, stream, ptr, bytes, dtype, shape, dirty: false, cuda }
+    }
+
+    /// The tensor viewed.
+    pub fn id(&self) -> TensorId {
+        self.id
+    }
+
+    /// The tier the viewed memory is in (`Device`, or `Mapped` for a mapped view).
+    pub fn tier(&self) -> Tier {
+        self.tier
+    }
+
+    /// Device address of the first byte (`CUdeviceptr`). On the host backend, a host address.
+    pub fn device_ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    /// Size in bytes.
+    pub fn len_bytes(&self) -> usize {
+        self.bytes as usize
+    }
+
+    /// Element type.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// Shape.
+    pub fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+
+    /// The stream the view was made for.
+    pub fn stream(&self) -> Stream {
+        Stream { raw: self.stream.clone() }
+    }
+
+    /// Says the tensor was written through this view: when the view drops, the other copies are
+    /// dropped and this one becomes the tensor's contents.
+    pub fn mark_dirty(&mut self) {
+        self.dirty = true;
+    }
+
+    /// The memory as a cudarc slice of bytes (CUDA backend), for kernel launches and cuBLAS.
+    /// cudarc's own event tracking orders work on other streams against the view's stream.
+    pub fn cuda_slice(&self) -> Option<&CudaSlice<u8>> {
+        self.cuda.as_ref().map(BorrowedSlice::get)
+    }
+
+    /// The memory as a mutable cudarc slice; marks the view dirty.
+    pub fn cuda_slice_mut(&mut self) -> Option<&mut CudaSlice<u8>> {
+        self.dirty = true;
+        self.cuda.as_mut().map(BorrowedSlice::get_mut)
+    }
+
+    /// The bytes on the CPU, after the view's stream has run what was issued to it: on the host
+    /// backend for every tier, on the CUDA backend for mapped views.
+    pub fn with_host_bytes<R>(&self, f: impl FnOnce(&[u8]) -> R) -> Result<R> {
+        self.stream.synchronize()?;
+        self.shared.with_view_bytes(self.id, self.tier, |b| f(b))
+    }
+
+    /// Like [`DeviceView::with_host_bytes`], for writing; marks the view dirty.
+    pub fn with_host_bytes_mut<R>(&mut self, f: impl FnOnce(&mut [u8]) -> R) -> Result<R> {
+        self.stream.synchronize()?;
+        self.dirty = true;
+        self.shared.with_view_bytes(self.id, self.tier, f)
+    }
+}
+
+impl Drop for DeviceView {
+    fn drop(&mut self) {
+        // Leaking the borrowed cudarc slice makes our stream wait for work other streams did on
+        // it (cudarc's events), so the event recorded below covers that work too.
+        self.cuda.take();
+        self.shared.release_view(self.id, self.tier, &self.stream, self.dirty);
+    }
+}
+
+/// A tensor in the Mapped tier lent to kernels for zero-copy access: [`DeviceView::device_ptr`]
+/// is a device address of host memory that kernels read in place over PCIe. Made by
+/// [`Store::mapped_view`](crate::Store::mapped_view); everything a [`DeviceView`] offers applies.
+#[must_use = "the tensor is held in place only while the view lives"]
+pub struct MappedView(DeviceView);
+
+impl MappedView {
+    pub(crate) fn new(v: DeviceView) -> MappedView {
+        MappedView(v)
+    }
+}
+
+impl std::ops::Deref for MappedView {
+    type Target = DeviceView;
+    fn deref(&self) -> &DeviceView {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for MappedView {
+    fn deref_mut(&mut self) -> &mut DeviceView {
+        &mut self.0
+    }
+}

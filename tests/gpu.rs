@@ -1,0 +1,220 @@
+//! GPU tests: run on the CUDA backend, skip with a printed line where there is no GPU, and fail
+//! instead of skipping when `STRATA_REQUIRE_GPU=1`.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use strata::kernels::{checksum_host, pattern, Kernels};
+use strata::{DType, Error, Store, StoreBuilder, Tier};
+
+fn gpu_store(name: &str, b: StoreBuilder) -> Option<Store> {
+    let require = std::env::var("STRATA_REQUIRE_GPU").is_ok_and(|v| v == "1");
+    match b.require_gpu().build() {
+        Ok(s) => Some(s),
+        Err(Error::NoGpu(why)) if !require => {
+            println!("SKIP {name}: no GPU ({why}); set STRATA_REQUIRE_GPU=1 to fail instead");
+            None
+        }
+        Err(e) => panic!("{name}: building a GPU store failed: {e}"),
+    }
+}
+
+fn random(len: usize, seed: u64) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+fn budgets() -> StoreBuilder {
+    Store::builder()
+        .capacity(Tier::Device, 64 << 20)
+        .capacity(Tier::Pinned, 64 << 20)
+        .capacity(Tier::Mapped, 64 << 20)
+        .capacity(Tier::Disk, 256 << 20)
+        .chunk_size(32 << 20)
+}
+
+#[test]
+fn contents_checked_on_device_for_every_dtype_and_tier_path() {
+    let Some(store) = gpu_store("contents_checked_on_device", budgets()) else { return };
+    let k = Kernels::new(&store).expect("NVRTC kernels");
+    let s = store.stream().unwrap();
+    for (n, dtype) in DType::ALL.into_iter().enumerate() {
+        let shape = [37, 129];
+        let data = random(37 * 129 * dtype.size_of(), n as u64 + 1);
+        let id = store.put(&format!("t{n}"), dtype, &shape, &data).unwrap();
+        let want = checksum_host(&data, 1);
+        for from in Tier::ALL {
+            for to in Tier::ALL {
+                store.move_to(id, from).unwrap();
+                store.move_to(id, to).unwrap();
+                {
+                    let v = store.device_view(id, &s).unwrap();
+                    assert_eq!(
+                        k.checksum(&v, 1).unwrap(),
+                        want,
+                        "{dtype} {from}->{to}->device view"
+                    );
+                }
+                store.move_to(id, Tier::Mapped).unwrap();
+                let v = store.mapped_view(id, &s).unwrap();
+                assert_eq!(k.checksum(&v, 1).unwrap(), want, "{dtype} {from}->{to}->mapped view");
+            }
+        }
+        assert_eq!(store.read(id).unwrap(), data);
+    }
+    store.check_err().unwrap();
+}
+
+#[test]
+fn large_tensor_crosses_staging_in_pieces() {
+    let Some(store) = gpu_store("large_tensor", budgets()) else { return };
+    let k = Kernels::new(&store).unwrap();
+    let s = store.stream().unwrap();
+    let data = random((40 << 20) + 12345, 7);
+    let id = store.put("big", DType::U8, &[data.len()], &data).unwrap();
+    assert_eq!(store.tier_of(id).unwrap(), Tier::Device);
+    for path in [Tier::Disk, Tier::Device, Tier::Pinned, Tier::Device, Tier::Mapped, Tier::Disk] {
+        store.move_to(id, path).unwrap();
+        let v = store.device_view(id, &s).unwrap();
+        assert_eq!(k.checksum(&v, 1).unwrap(), checksum_host(&data, 1), "after {path}");
+    }
+    assert_eq!(store.read(id).unwrap(), data);
+}
+
+#[test]
+fn viewed_memory_is_never_overwritten_under_eviction_pressure() {
+    // Passes of the kernel over the 8 MiB view: long enough (~1 s on an H100) for the other
+    // threads to evict many times while it runs.
+    const REPEATS: u32 = 20_000;
+    // Device room for the viewed tensor and ~3 others: puts from other threads must evict
+    // around the viewed one while a long kernel reads it.
+    let b = budgets().capacity(Tier::Device, 32 << 20).chunk_size(32 << 20);
+    let Some(store) = gpu_store("eviction_pressure", b) else { return };
+    let store = Arc::new(store);
+    let k = Kernels::new(&store).unwrap();
+    let s = store.stream().unwrap();
+    let data = random(8 << 20, 99);
+    let id = store.put("viewed", DType::U8, &[data.len()], &data).unwrap();
+    let view = store.device_view(id, &s).unwrap();
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let workers: Vec<_> = (0..3)
+        .map(|t| {
+            let (store, stop) = (store.clone(), stop.clone());
+            std::thread::spawn(move || {
+                let mut n = 0;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) && n < 400 {
+                    let d = random(6 << 20, 1000 * t + n);
+                    let x = store.put(&format!("w{t}-{n}"), DType::U8, &[d.len()], &d).unwrap();
+                    store.move_to(x, Tier::Device).unwrap();
+                    assert_eq!(store.read(x).unwrap(), d);
+                    if n % 3 == 0 {
+                        store.remove(x).unwrap();
+                    }
+                    n += 1;
+                }
+                n
+            })
+        })
+        .collect();
+    // A long read of the view (many passes) while the others put and evict.
+    let t = Instant::now();
+    let got = k.checksum(&view, REPEATS).unwrap();
+    let kernel_time = t.elapsed();
+    let evictions_during_kernel = store.stats().evictions;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let puts: u64 = workers.into_iter().map(|w| w.join().unwrap()).sum();
+    assert_eq!(got, checksum_host(&data, REPEATS), "viewed memory changed under a running kernel");
+    assert_eq!(store.tier_of(id).unwrap(), Tier::Device);
+    drop(view);
+    assert_eq!(store.read(id).unwrap(), data);
+    println!(
+        "kernel {kernel_time:?}, {puts} puts, {evictions_during_kernel} evictions while it ran"
+    );
+    assert!(evictions_during_kernel > 0, "the test did not force evictions while the kernel ran");
+    store.check_err().unwrap();
+}
+
+#[test]
+fn dirty_device_write_is_written_back() {
+    let Some(store) = gpu_store("dirty_write_back", budgets()) else { return };
+    let k = Kernels::new(&store).unwrap();
+    let s = store.stream().unwrap();
+    let len = (3 << 20) + 77;
+    let id = store.put("w", DType::U8, &[len], &random(len, 3)).unwrap();
+    store.move_to(id, Tier::Disk).unwrap();
+    {
+        let mut v = store.device_view(id, &s).unwrap();
+        k.fill(&mut v, 42).unwrap();
+        // Dropped without waiting: the write-back must wait for the kernel itself.
+    }
+    store.move_to(id, Tier::Disk).unwrap();
+    assert_eq!(store.info(id).unwrap().tiers, vec![Tier::Disk]);
+    assert_eq!(store.read(id).unwrap(), pattern(len, 42));
+    // And through every host tier.
+    for t in [Tier::Pinned, Tier::Mapped] {
+        {
+            let mut v = store.device_view(id, &s).unwrap();
+            k.fill(&mut v, t.index() as u32).unwrap();
+        }
+        store.move_to(id, t).unwrap();
+        assert_eq!(store.read(id).unwrap(), pattern(len, t.index() as u32), "write-back to {t}");
+    }
+    store.check_err().unwrap();
+}
+
+#[test]
+fn device_arena_full_is_a_typed_error_and_loses_nothing() {
+    let b = Store::builder()
+        .capacity(Tier::Device, 8 << 20)
+        .capacity(Tier::Pinned, 0)
+        .capacity(Tier::Mapped, 0)
+        .capacity(Tier::Disk, 0)
+        .chunk_size(8 << 20);
+    let Some(store) = gpu_store("device_full", b) else { return };
+    let mut kept = Vec::new();
+    let err = loop {
+        let d = random(3 << 20, kept.len() as u64);
+        match store.put(&format!("t{}", kept.len()), DType::U8, &[d.len()], &d) {
+            Ok(id) => kept.push((id, d)),
+            Err(e) => break e,
+        }
+    };
+    assert!(matches!(err, Error::OutOfMemory { tier: Tier::Device, .. }), "{err}");
+    assert_eq!(kept.len(), 2);
+    let big = vec![0u8; 9 << 20];
+    assert!(matches!(store.put("big", DType::U8, &[big.len()], &big), Err(Error::TooLarge { .. })));
+    for (id, d) in &kept {
+        assert_eq!(&store.read(*id).unwrap(), d);
+    }
+    assert!(store.stats().used(Tier::Device) <= 8 << 20);
+}
+
+#[test]
+fn a_trainers_own_context_and_stream_are_used() {
+    let require = std::env::var("STRATA_REQUIRE_GPU").is_ok_and(|v| v == "1");
+    if let Err(why) = strata::cuda_device_count() {
+        assert!(!require, "STRATA_REQUIRE_GPU=1 but no GPU: {why}");
+        println!("SKIP a_trainers_own_context: no GPU ({why})");
+        return;
+    }
+    let ctx = strata::cudarc::driver::CudaContext::new(0).unwrap();
+    let store = budgets().context(ctx.clone()).build().unwrap();
+    let theirs = ctx.new_stream().unwrap();
+    let s = strata::Stream::from_cuda(theirs.clone());
+    let data = random(1 << 20, 5);
+    let id = store.put("x", DType::U8, &[data.len()], &data).unwrap();
+    store.move_to(id, Tier::Disk).unwrap();
+    let v = store.device_view(id, &s).unwrap();
+    // The trainer copies the view back with cudarc on its own stream.
+    let host = theirs.clone_dtoh(v.cuda_slice().unwrap()).unwrap();
+    assert_eq!(host, data);
+    drop(v);
+    store.check_err().unwrap();
+}
