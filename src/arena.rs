@@ -1,15 +1,14 @@
-//! Tier arenas: memory reserved from the backend in large chunks and sub-allocated per tensor,
-//! the pinned staging pool, and the parallel host copier.
+//! Tier arenas: memory reserved from the backend once and sub-allocated per tensor, the pinned
+//! staging pool, and the parallel host copier.
 //!
 //! Backend allocations are expensive (pinned memory costs ~460 ms per GiB, `cuMemAlloc` +
 //! `cuMemFree` of 1 MiB ~62 µs on the reference machine), so a tier never allocates per tensor: it
-//! reserves chunks of at least `chunk_size` bytes up to its budget and hands out extents from them
-//! with [`ExtentAllocator`].
+//! reserves its budget when the store is built and hands out extents with [`ExtentAllocator`].
 //!
 //! ## Safety
 //! The CPU reaches chunk memory through slices made from raw pointers. That is sound because an
 //! [`Extent`] is a unique, non-`Clone` token for a range that the allocator never hands out twice,
-//! the chunk lives as long as the arena, and the store orders device work against CPU access with
+//! the block lives as long as the arena, and the store orders device work against CPU access with
 //! events (it waits for a copy's event before touching the bytes on the CPU).
 
 use std::sync::Arc;
@@ -24,7 +23,6 @@ use crate::types::Tier;
 /// One tensor's bytes in a memory arena. Not `Clone`: whoever holds it owns the range.
 #[derive(Debug)]
 pub(crate) struct Extent {
-    chunk: usize,
     offset: u64,
     bytes: u64,
 }
@@ -36,25 +34,21 @@ impl Extent {
     }
 }
 
-struct Chunk {
+/// The arena of one memory tier (Device, Pinned or Mapped): the tier's whole budget, reserved
+/// from the backend once when the store is built, sub-allocated per tensor.
+///
+/// Reserving at build keeps CUDA allocations off the put / read / migrate path entirely, which
+/// matters beyond their cost: `cuMemAlloc` and `cuMemHostAlloc` synchronize implicitly with work
+/// running on the device, so an allocation in `put` would wait for the user's kernels.
+pub(crate) struct MemArena {
+    kind: MemKind,
     block: Block,
     alloc: ExtentAllocator,
 }
 
-/// The arena of one memory tier (Device, Pinned or Mapped).
-pub(crate) struct MemArena {
-    kind: MemKind,
-    capacity: u64,
-    chunk_size: u64,
-    align: u64,
-    chunks: Vec<Option<Chunk>>,
-    reserved: u64,
-}
-
 impl MemArena {
-    /// An arena with a budget of `capacity` bytes, growing in chunks of `chunk_size` (or the size
-    /// of a tensor larger than that).
-    pub(crate) fn new(tier: Tier, capacity: u64, chunk_size: u64) -> MemArena {
+    /// Reserves `capacity` bytes of `tier`'s memory kind.
+    pub(crate) fn new(backend: &Backend, tier: Tier, capacity: u64) -> Result<MemArena> {
         let kind = match tier {
             Tier::Device => MemKind::Device,
             Tier::Pinned => MemKind::Pinned,
@@ -63,121 +57,65 @@ impl MemArena {
         // 256 B on the device (cuMemAlloc's own alignment); a page on the host so O_DIRECT reads
         // can land in place.
         let align = if tier == Tier::Device { 256 } else { 4096 };
-        let chunk_size = chunk_size.clamp(align, capacity.max(align));
-        MemArena { kind, capacity, chunk_size, align, chunks: Vec::new(), reserved: 0 }
+        let len = usize::try_from(capacity).map_err(|_| {
+            crate::Error::InvalidArgument(format!("{tier} budget of {capacity} bytes"))
+        })?;
+        let block = backend.alloc(kind, len)?;
+        Ok(MemArena { kind, block, alloc: ExtentAllocator::new(capacity, align) })
     }
 
     /// Bytes an extent for a tensor of `bytes` takes from the budget.
     pub(crate) fn reserved_size(&self, bytes: u64) -> u64 {
-        bytes.max(1).div_ceil(self.align) * self.align
+        self.alloc.reserved_size(bytes)
     }
 
     /// Whether a tensor of `bytes` could ever fit (it is not larger than the budget).
     pub(crate) fn can_ever_fit(&self, bytes: u64) -> bool {
-        self.reserved_size(bytes) <= self.capacity
+        self.reserved_size(bytes) <= self.alloc.len()
     }
 
-    /// Takes an extent of `bytes`, reserving a new chunk from the backend if needed. `Ok(None)`
-    /// when there is no room within the budget now (the caller may evict and retry).
-    pub(crate) fn alloc(&mut self, backend: &Backend, bytes: u64) -> Result<Option<Extent>> {
-        if let Some(e) = self.alloc_in_chunks(bytes) {
-            return Ok(Some(e));
-        }
-        let need = self.reserved_size(bytes);
-        if self.reserved + need > self.capacity {
-            // Give back chunks that hold nothing, so a large request can get one of its own.
-            self.release_empty_chunks();
-        }
-        if self.reserved + need > self.capacity {
-            return Ok(None);
-        }
-        let size = self.chunk_size.max(need).min(self.capacity - self.reserved);
-        let block = backend.alloc(self.kind, size as usize)?;
-        let slot = self.chunks.iter().position(Option::is_none).unwrap_or_else(|| {
-            self.chunks.push(None);
-            self.chunks.len() - 1
-        });
-        self.chunks[slot] = Some(Chunk { block, alloc: ExtentAllocator::new(size, self.align) });
-        self.reserved += size;
-        Ok(self.alloc_in_chunks(bytes))
-    }
-
-    fn alloc_in_chunks(&mut self, bytes: u64) -> Option<Extent> {
-        // Best fit across chunks: the chunk whose allocator has the smallest largest-free range
-        // that still fits keeps big ranges free for big tensors.
-        let need = self.reserved_size(bytes);
-        let best = self
-            .chunks
-            .iter()
-            .enumerate()
-            .filter_map(|(i, c)| c.as_ref().map(|c| (i, c.alloc.largest_free())))
-            .filter(|&(_, free)| free >= need)
-            .min_by_key(|&(_, free)| free)?
-            .0;
-        let chunk = self.chunks[best].as_mut()?;
-        let offset = chunk.alloc.alloc(bytes)?;
-        Some(Extent { chunk: best, offset, bytes })
-    }
-
-    fn release_empty_chunks(&mut self) {
-        for slot in &mut self.chunks {
-            if slot.as_ref().is_some_and(|c| c.alloc.used() == 0) {
-                let c = slot.take().expect("checked just above");
-                self.reserved -= c.alloc.len();
-            }
-        }
+    /// Takes an extent of `bytes`; `None` when there is no room now (the caller may evict and
+    /// retry).
+    pub(crate) fn alloc(&mut self, bytes: u64) -> Option<Extent> {
+        self.alloc.alloc(bytes).map(|offset| Extent { offset, bytes })
     }
 
     /// Returns an extent's range to the arena. The caller has waited for every copy and view
     /// touching it.
     pub(crate) fn free(&mut self, ext: Extent) {
-        if let Some(Some(c)) = self.chunks.get_mut(ext.chunk) {
-            c.alloc.free(ext.offset, ext.bytes);
-        } else {
-            debug_assert!(false, "extent of a chunk that is gone: {ext:?}");
-        }
-    }
-
-    fn block(&self, ext: &Extent) -> &Block {
-        &self.chunks[ext.chunk].as_ref().expect("extent outlived its chunk").block
+        self.alloc.free(ext.offset, ext.bytes);
     }
 
     /// Address of the extent (plus `offset`) for a stream copy.
     pub(crate) fn copy_addr(&self, ext: &Extent, offset: u64) -> Addr {
-        self.block(ext).copy_addr((ext.offset + offset) as usize)
+        self.block.copy_addr((ext.offset + offset) as usize)
     }
 
     /// Device address of the extent: device memory, or the device mapping of Mapped memory.
     pub(crate) fn dev_ptr(&self, ext: &Extent) -> u64 {
-        self.block(ext).dev + ext.offset
+        self.block.dev + ext.offset
     }
 
     /// The extent's bytes for the CPU. `None` for the Device tier, which the store reaches only
     /// through copy streams on every backend (so the host backend exercises the same paths).
     pub(crate) fn host_slice<'a>(&'a self, ext: &'a Extent) -> Option<&'a [u8]> {
-        let b = self.block(ext);
-        if self.kind == MemKind::Device || !b.host_accessible() {
+        if self.kind == MemKind::Device || !self.block.host_accessible() {
             return None;
         }
-        // SAFETY: the range lies inside the chunk's block (the allocator only hands out ranges
-        // within its length), the block lives as long as `self`, and `ext` is the range's unique
-        // owner, borrowed shared here (module docs).
+        // SAFETY: the range lies inside the block (the allocator only hands out ranges within
+        // its length, which is the block's), the block lives as long as `self`, and `ext` is the
+        // range's unique owner, borrowed shared here (module docs).
         Some(unsafe {
-            std::slice::from_raw_parts(b.host.add(ext.offset as usize), ext.bytes as usize)
+            std::slice::from_raw_parts(self.block.host.add(ext.offset as usize), ext.bytes as usize)
         })
     }
 
     /// The extent's bytes for the CPU, mutably. `None` for the Device tier.
     pub(crate) fn host_slice_mut<'a>(&'a self, ext: &'a mut Extent) -> Option<&'a mut [u8]> {
-        let b = self.block(ext);
-        if self.kind == MemKind::Device || !b.host_accessible() {
+        if self.kind == MemKind::Device {
             return None;
         }
-        // SAFETY: as in host_slice; `ext` is borrowed mutably, so this is the only reference to
-        // the range.
-        Some(unsafe {
-            std::slice::from_raw_parts_mut(b.host.add(ext.offset as usize), ext.bytes as usize)
-        })
+        self.view_bytes(ext, false)
     }
 
     /// The extent's bytes for a view's holder on the CPU: like `host_slice_mut`, but the Device
@@ -187,12 +125,13 @@ impl MemArena {
         ext: &'a mut Extent,
         host_backend: bool,
     ) -> Option<&'a mut [u8]> {
-        let b = self.block(ext);
+        let b = &self.block;
         if !b.host_accessible() || (self.kind == MemKind::Device && !host_backend) {
             return None;
         }
-        // SAFETY: as in host_slice_mut. On the host backend device blocks are host allocations
-        // (`host` is their address), so the range is ordinary memory.
+        // SAFETY: as in host_slice; `ext` is borrowed mutably, so this is the only reference to
+        // the range. On the host backend device blocks are host allocations (`host` is their
+        // address), so the range is ordinary memory.
         Some(unsafe {
             std::slice::from_raw_parts_mut(b.host.add(ext.offset as usize), ext.bytes as usize)
         })
@@ -200,33 +139,27 @@ impl MemArena {
 
     /// The budget in bytes.
     pub(crate) fn capacity(&self) -> u64 {
-        self.capacity
+        self.alloc.len()
     }
 
     /// Bytes taken by extents.
     pub(crate) fn used(&self) -> u64 {
-        self.chunks.iter().flatten().map(|c| c.alloc.used()).sum()
-    }
-
-    /// Bytes reserved from the backend.
-    pub(crate) fn reserved(&self) -> u64 {
-        self.reserved
+        self.alloc.used()
     }
 
     /// The largest extent that could be taken now without evicting anything.
     pub(crate) fn largest_free(&self) -> u64 {
-        let in_chunks = self.chunks.iter().flatten().map(|c| c.alloc.largest_free()).max();
-        in_chunks.unwrap_or(0).max((self.capacity - self.reserved) / self.align * self.align)
+        self.alloc.largest_free()
     }
 
-    /// Free ranges inside reserved chunks (1 per chunk when unfragmented).
+    /// Free ranges (1 when unfragmented).
     pub(crate) fn free_ranges(&self) -> usize {
-        self.chunks.iter().flatten().map(|c| c.alloc.free_ranges()).sum()
+        self.alloc.free_ranges()
     }
 
-    /// Free bytes within the budget (reserved or not), ignoring fragmentation.
+    /// Free bytes within the budget, ignoring fragmentation.
     pub(crate) fn free_bytes(&self) -> u64 {
-        self.capacity - self.used()
+        self.alloc.len() - self.alloc.used()
     }
 }
 
@@ -298,6 +231,61 @@ struct CopyTask {
 // pointers come from outlive the tasks; tasks cover disjoint parts of the destination.
 unsafe impl Send for CopyTask {}
 
+/// Whether large copies use non-temporal (streaming) stores. They skip the read-for-ownership
+/// of destination cache lines, a third of a memcpy's memory traffic, which matters when the
+/// copy into pinned staging competes with the DMA engine reading it (STRATA_NT_COPY=0 turns
+/// them off, to measure the difference).
+fn streaming_stores() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("STRATA_NT_COPY").map_or(true, |v| v != "0"))
+}
+
+/// Copies `len` bytes, with non-temporal stores on x86-64 when enabled.
+///
+/// # Safety
+/// `src` is valid for reads and `dst` for writes of `len` bytes, and the ranges do not overlap.
+unsafe fn copy_streaming(dst: *mut u8, src: *const u8, len: usize) {
+    #[cfg(target_arch = "x86_64")]
+    if streaming_stores() && len >= 4096 {
+        use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_sfence, _mm_stream_si128};
+        // Align the destination to 16 bytes with a plain copy of the head.
+        let head = (16 - dst as usize % 16) % 16;
+        // SAFETY: head < 16 <= len, inside both ranges (caller's contract).
+        unsafe { std::ptr::copy_nonoverlapping(src, dst, head) };
+        let body = (len - head) / 64 * 64;
+        let mut i = head;
+        while i < head + body {
+            // SAFETY: i + 64 <= len; `dst + i` is 16-byte aligned (head aligned it and i - head
+            // is a multiple of 64); unaligned loads are allowed by _mm_loadu_si128; SSE2 is part
+            // of the x86-64 baseline.
+            unsafe {
+                let s = src.add(i) as *const __m128i;
+                let d = dst.add(i) as *mut __m128i;
+                let (a, b, c, e) = (
+                    _mm_loadu_si128(s),
+                    _mm_loadu_si128(s.add(1)),
+                    _mm_loadu_si128(s.add(2)),
+                    _mm_loadu_si128(s.add(3)),
+                );
+                _mm_stream_si128(d, a);
+                _mm_stream_si128(d.add(1), b);
+                _mm_stream_si128(d.add(2), c);
+                _mm_stream_si128(d.add(3), e);
+            }
+            i += 64;
+        }
+        // SAFETY: the tail lies inside both ranges; the fence orders the streaming stores before
+        // the completion signal the caller sends after this returns.
+        unsafe {
+            std::ptr::copy_nonoverlapping(src.add(i), dst.add(i), len - i);
+            _mm_sfence();
+        }
+        return;
+    }
+    // SAFETY: the caller's contract.
+    unsafe { std::ptr::copy_nonoverlapping(src, dst, len) }
+}
+
 /// Below this, one thread copies: the hand-off costs more than it saves.
 const PARALLEL_MIN: usize = 4 << 20;
 
@@ -313,7 +301,7 @@ impl ParallelCopier {
                         for t in rx {
                             // SAFETY: see CopyTask: the ranges are valid, disjoint, and the
                             // sender waits for `done`.
-                            unsafe { std::ptr::copy_nonoverlapping(t.src, t.dst, t.len) };
+                            unsafe { copy_streaming(t.dst, t.src, t.len) };
                             let _ = t.done.send(());
                         }
                     })
@@ -387,22 +375,18 @@ mod tests {
     use crate::backend::host::HostBackend;
 
     #[test]
-    fn arena_grows_in_chunks_within_budget() {
+    fn arena_suballocates_its_budget() {
         let be = Backend::Host(HostBackend::new().unwrap());
-        let mut a = MemArena::new(Tier::Pinned, 64 << 10, 16 << 10);
-        let x = a.alloc(&be, 10_000).unwrap().unwrap();
-        assert_eq!(a.reserved(), 16 << 10);
+        let mut a = MemArena::new(&be, Tier::Pinned, 64 << 10).unwrap();
+        let x = a.alloc(10_000).unwrap();
         assert_eq!(a.used(), 12288);
-        let big = a.alloc(&be, 40 << 10).unwrap().unwrap();
-        assert_eq!(a.reserved(), 56 << 10);
-        assert!(a.alloc(&be, 16 << 10).unwrap().is_none(), "over budget");
+        let big = a.alloc(40 << 10).unwrap();
+        assert!(a.alloc(16 << 10).is_none(), "over budget");
         a.free(big);
         a.free(x);
         assert_eq!(a.used(), 0);
-        // Empty chunks are given back so one tensor of the whole budget fits.
-        let all = a.alloc(&be, 64 << 10).unwrap().unwrap();
+        let mut all = a.alloc(64 << 10).unwrap();
         assert_eq!(a.used(), 64 << 10);
-        let mut all = all;
         a.host_slice_mut(&mut all).unwrap().fill(3);
         assert!(a.host_slice(&all).unwrap().iter().all(|&b| b == 3));
     }
@@ -410,9 +394,10 @@ mod tests {
     #[test]
     fn device_tier_is_not_cpu_accessible() {
         let be = Backend::Host(HostBackend::new().unwrap());
-        let mut a = MemArena::new(Tier::Device, 4096, 4096);
-        let e = a.alloc(&be, 100).unwrap().unwrap();
+        let mut a = MemArena::new(&be, Tier::Device, 4096).unwrap();
+        let mut e = a.alloc(100).unwrap();
         assert!(a.host_slice(&e).is_none());
+        assert!(a.view_bytes(&mut e, true).is_some(), "host backend views reach it");
     }
 
     #[test]

@@ -38,6 +38,7 @@
 mod alloc;
 mod arena;
 mod backend;
+pub mod bench;
 mod disk;
 mod error;
 pub use backend::{kernels, probe};

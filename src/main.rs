@@ -93,7 +93,6 @@ fn demo(a: DemoArgs) -> Result<(), Box<dyn std::error::Error>> {
         .capacity(Tier::Pinned, a.pinned_budget)
         .capacity(Tier::Mapped, a.mapped_budget)
         .capacity(Tier::Disk, a.disk_budget)
-        .chunk_size(a.device_budget.max(a.pinned_budget).max(a.mapped_budget).max(4096))
         .policy(a.policy);
     if a.host {
         b = b.host_backend();

@@ -37,7 +37,6 @@ fn budgets() -> StoreBuilder {
         .capacity(Tier::Pinned, 64 << 20)
         .capacity(Tier::Mapped, 64 << 20)
         .capacity(Tier::Disk, 256 << 20)
-        .chunk_size(32 << 20)
 }
 
 #[test]
@@ -92,10 +91,14 @@ fn large_tensor_crosses_staging_in_pieces() {
 fn viewed_memory_is_never_overwritten_under_eviction_pressure() {
     // Passes of the kernel over the 8 MiB view: long enough (~1 s on an H100) for the other
     // threads to evict many times while it runs.
-    const REPEATS: u32 = 20_000;
+    // STRATA_TEST_KERNEL_REPEATS lowers it under compute-sanitizer, which slows kernels a lot.
+    let repeats: u32 = std::env::var("STRATA_TEST_KERNEL_REPEATS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(20_000);
     // Device room for the viewed tensor and ~3 others: puts from other threads must evict
     // around the viewed one while a long kernel reads it.
-    let b = budgets().capacity(Tier::Device, 32 << 20).chunk_size(32 << 20);
+    let b = budgets().capacity(Tier::Device, 32 << 20);
     let Some(store) = gpu_store("eviction_pressure", b) else { return };
     let store = Arc::new(store);
     let k = Kernels::new(&store).unwrap();
@@ -125,12 +128,12 @@ fn viewed_memory_is_never_overwritten_under_eviction_pressure() {
         .collect();
     // A long read of the view (many passes) while the others put and evict.
     let t = Instant::now();
-    let got = k.checksum(&view, REPEATS).unwrap();
+    let got = k.checksum(&view, repeats).unwrap();
     let kernel_time = t.elapsed();
     let evictions_during_kernel = store.stats().evictions;
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     let puts: u64 = workers.into_iter().map(|w| w.join().unwrap()).sum();
-    assert_eq!(got, checksum_host(&data, REPEATS), "viewed memory changed under a running kernel");
+    assert_eq!(got, checksum_host(&data, repeats), "viewed memory changed under a running kernel");
     assert_eq!(store.tier_of(id).unwrap(), Tier::Device);
     drop(view);
     assert_eq!(store.read(id).unwrap(), data);
@@ -175,8 +178,7 @@ fn device_arena_full_is_a_typed_error_and_loses_nothing() {
         .capacity(Tier::Device, 8 << 20)
         .capacity(Tier::Pinned, 0)
         .capacity(Tier::Mapped, 0)
-        .capacity(Tier::Disk, 0)
-        .chunk_size(8 << 20);
+        .capacity(Tier::Disk, 0);
     let Some(store) = gpu_store("device_full", b) else { return };
     let mut kept = Vec::new();
     let err = loop {

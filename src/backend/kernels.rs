@@ -113,6 +113,9 @@ impl Kernels {
         // SAFETY: the kernel's parameters are (const u8*, u64, u32, u64*): a device slice of `n`
         // bytes held by the view, two scalars, and a one-element u64 device buffer.
         unsafe { b.launch(cfg) }.map_err(|e| Error::cuda("cuLaunchKernel", e))?;
+        // Wait for the kernel first: a copy into pageable memory issued behind a long kernel
+        // would hold the driver for as long, stalling other threads' copies.
+        s.synchronize().map_err(|e| Error::cuda("cuStreamSynchronize", e))?;
         let host = s.clone_dtoh(&out).map_err(|e| Error::cuda("cuMemcpyDtoH", e))?;
         Ok(host[0])
     }

@@ -1,0 +1,97 @@
+//! Helpers shared by the integration tests: a small seeded PRNG, random bytes, and checks that
+//! hold after every operation.
+
+#![allow(dead_code)]
+
+use strata::{Error, Stats, Store, Tier};
+
+/// xorshift64*: deterministic, seedable, good enough to drive randomized tests.
+#[derive(Clone, Debug)]
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Rng {
+        // Mix the seed so that small seeds (1, 2, 3...) give unrelated streams; never 0.
+        let mut z = seed.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^= z >> 31;
+        Rng(if z == 0 { 0x2545_F491_4F6C_DD1D } else { z })
+    }
+
+    pub fn next_u64(&mut self) -> u64 {
+        let mut x = self.0;
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        self.0 = x;
+        x.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+
+    /// Uniform in `0..n` (`n > 0`).
+    pub fn below(&mut self, n: u64) -> u64 {
+        assert!(n > 0);
+        self.next_u64() % n
+    }
+
+    /// Uniform in `lo..=hi`.
+    pub fn range(&mut self, lo: u64, hi: u64) -> u64 {
+        lo + self.below(hi - lo + 1)
+    }
+
+    /// True with probability `num / den`.
+    pub fn chance(&mut self, num: u64, den: u64) -> bool {
+        self.below(den) < num
+    }
+
+    pub fn pick<'a, T>(&mut self, items: &'a [T]) -> &'a T {
+        &items[self.below(items.len() as u64) as usize]
+    }
+
+    pub fn bytes(&mut self, len: usize) -> Vec<u8> {
+        let mut out = Vec::with_capacity(len + 8);
+        while out.len() < len {
+            out.extend_from_slice(&self.next_u64().to_le_bytes());
+        }
+        out.truncate(len);
+        out
+    }
+}
+
+/// `len` pseudo-random bytes for `seed`.
+pub fn random_bytes(len: usize, seed: u64) -> Vec<u8> {
+    Rng::new(seed).bytes(len)
+}
+
+/// Fails (with `ctx`) if any tier uses more than its capacity.
+pub fn assert_budgets(stats: &Stats, ctx: &str) {
+    for t in Tier::ALL {
+        assert!(
+            stats.used(t) <= stats.capacity(t),
+            "{ctx}: tier {t} uses {} of a capacity of {}",
+            stats.used(t),
+            stats.capacity(t)
+        );
+    }
+}
+
+/// Per-tier `used` of a store, for before/after comparisons.
+pub fn used_per_tier(store: &Store) -> [u64; 4] {
+    let s = store.stats();
+    Tier::ALL.map(|t| s.used(t))
+}
+
+/// Whether `e` is an error that only says "no room now" or "never fits".
+pub fn is_space_error(e: &Error) -> bool {
+    matches!(e, Error::OutOfMemory { .. } | Error::TooLarge { .. })
+}
+
+/// The tiers holding a copy of `id`, fastest first (panics on error).
+pub fn tiers(store: &Store, id: strata::TensorId) -> Vec<Tier> {
+    store.info(id).expect("info").tiers
+}
+
+/// A seed from the environment variable `name` (decimal), if set.
+pub fn env_seed(name: &str) -> Option<u64> {
+    std::env::var(name).ok().and_then(|s| s.trim().parse().ok())
+}
