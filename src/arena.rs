@@ -16,7 +16,7 @@ use std::sync::Arc;
 use crossbeam::channel::{bounded, unbounded, Sender};
 
 use crate::alloc::ExtentAllocator;
-use crate::backend::{Addr, Backend, Block, MemKind, RawEvent};
+use crate::backend::{Addr, Backend, Block, MemKind, RawEvent, RawStream};
 use crate::error::Result;
 use crate::types::Tier;
 
@@ -163,53 +163,204 @@ impl MemArena {
     }
 }
 
-/// Page-locked buffers reserved once, through which pageable data and disk reads reach the
-/// device (and device data reaches them), a buffer per copy in flight.
+/// One page-locked staging buffer, reserved once. It remembers the copy using it and waits for
+/// that copy before handing its bytes to the CPU again (and before it is freed).
+pub(crate) struct StagingBuf {
+    block: Block,
+    busy: Option<RawEvent>,
+}
+
+impl StagingBuf {
+    /// A buffer of `size` bytes of pinned memory.
+    pub(crate) fn new(backend: &Backend, size: usize) -> Result<StagingBuf> {
+        Ok(StagingBuf { block: backend.alloc(MemKind::Pinned, size)?, busy: None })
+    }
+
+    /// Size in bytes.
+    pub(crate) fn len(&self) -> usize {
+        self.block.len
+    }
+
+    /// The buffer for the CPU, once the copy that last used it is complete.
+    pub(crate) fn bytes_mut(&mut self) -> Result<&mut [u8]> {
+        if let Some(ev) = self.busy.take() {
+            ev.synchronize()?;
+        }
+        // SAFETY: pinned host memory of `len` bytes owned by this buffer; the last copy using it
+        // has completed (just above) and `&mut self` makes this the only reference.
+        Ok(unsafe { std::slice::from_raw_parts_mut(self.block.host, self.block.len) })
+    }
+}
+
+impl Drop for StagingBuf {
+    fn drop(&mut self) {
+        // The block must outlive the DMA reading or writing it.
+        if let Some(ev) = self.busy.take() {
+            let _ = ev.synchronize();
+        }
+    }
+}
+
+/// Issues a copy of `n` bytes from `buf` into `ext` at `offset` on `h2d`; the buffer stays busy
+/// until the returned event completes.
+///
+/// The store keeps `ext` allocated until the replica's `ready` event (this copy's event or a
+/// later one) completes, which is what makes issuing the copy sound.
+pub(crate) fn upload_piece(
+    h2d: &RawStream,
+    arena: &MemArena,
+    ext: &Extent,
+    offset: u64,
+    buf: &mut StagingBuf,
+    n: usize,
+) -> Result<RawEvent> {
+    check_range(ext, offset, n, buf.len())?;
+    if let Some(ev) = buf.busy.take() {
+        ev.synchronize()?;
+    }
+    // SAFETY: the source is `n <= len` bytes of the pinned buffer, reserved until the event
+    // recorded below completes (`busy`); the destination lies inside `ext` (checked above), which
+    // the store keeps allocated until the copy's event completes (see above).
+    unsafe { h2d.copy(arena.copy_addr(ext, offset), buf.block.copy_addr(0), n)? };
+    let ev = h2d.record()?;
+    buf.busy = Some(ev.clone());
+    Ok(ev)
+}
+
+/// Issues a copy of `n` bytes of `ext` at `offset` into `buf` on `d2h`; `buf.bytes_mut()` waits
+/// for it.
+pub(crate) fn download_piece(
+    d2h: &RawStream,
+    arena: &MemArena,
+    ext: &Extent,
+    offset: u64,
+    buf: &mut StagingBuf,
+    n: usize,
+) -> Result<RawEvent> {
+    check_range(ext, offset, n, buf.len())?;
+    if let Some(ev) = buf.busy.take() {
+        ev.synchronize()?;
+    }
+    // SAFETY: as in upload_piece, with the roles of buffer and extent swapped; the store does not
+    // free `ext` while a copy out of it is in flight (the caller waits for this event).
+    unsafe { d2h.copy(buf.block.copy_addr(0), arena.copy_addr(ext, offset), n)? };
+    let ev = d2h.record()?;
+    buf.busy = Some(ev.clone());
+    Ok(ev)
+}
+
+/// Issues a DMA copy of a whole extent between two arenas (one of them the Device tier) on
+/// `stream`.
+pub(crate) fn copy_extent(
+    stream: &RawStream,
+    dst_arena: &MemArena,
+    dst: &Extent,
+    src_arena: &MemArena,
+    src: &Extent,
+) -> Result<RawEvent> {
+    if dst.bytes != src.bytes {
+        return Err(crate::Error::LengthMismatch {
+            expected: dst.bytes,
+            got: src.bytes,
+            what: "extent copy".into(),
+        });
+    }
+    // SAFETY: both extents are live (borrowed) ranges of their arenas, of equal length; host
+    // memory of the Pinned and Mapped arenas is page-locked; the store keeps both allocated
+    // until the returned event completes (the source's free waits for the copy's event, the
+    // destination's replica is `ready` only then).
+    unsafe { stream.copy(dst_arena.copy_addr(dst, 0), src_arena.copy_addr(src, 0), dst.bytes as usize)? };
+    stream.record()
+}
+
+fn check_range(ext: &Extent, offset: u64, n: usize, buf_len: usize) -> Result<()> {
+    if n > buf_len || offset.checked_add(n as u64).is_none_or(|end| end > ext.bytes) {
+        return Err(crate::Error::InvalidArgument(format!(
+            "staging copy of {n} bytes at {offset} of a {}-byte extent",
+            ext.bytes
+        )));
+    }
+    Ok(())
+}
+
+/// Staging buffers used in turn, a copy in flight per buffer.
 pub(crate) struct PinnedStaging {
-    bufs: Vec<(Block, Option<RawEvent>)>,
+    bufs: Vec<StagingBuf>,
     next: usize,
 }
 
 impl PinnedStaging {
-    /// `count` buffers of `size` bytes each.
+    /// `count` buffers (at least 2) of `size` bytes each.
     pub(crate) fn new(backend: &Backend, count: usize, size: usize) -> Result<PinnedStaging> {
-        let bufs = (0..count.max(2))
-            .map(|_| backend.alloc(MemKind::Pinned, size).map(|b| (b, None)))
-            .collect::<Result<_>>()?;
+        let bufs = (0..count.max(2)).map(|_| StagingBuf::new(backend, size)).collect::<Result<_>>()?;
         Ok(PinnedStaging { bufs, next: 0 })
     }
 
     /// Size of each buffer.
     pub(crate) fn buf_size(&self) -> usize {
-        self.bufs[0].0.len
+        self.bufs[0].len()
     }
 
-    /// The next buffer in turn, once the copy that last used it is complete. Returns its index.
-    pub(crate) fn acquire(&mut self) -> Result<usize> {
-        let i = self.next;
-        self.next = (self.next + 1) % self.bufs.len();
-        if let Some(ev) = self.bufs[i].1.take() {
-            ev.synchronize()?;
+    /// Writes `total` bytes into `ext` on `h2d`, piece by piece: `fill(offset, piece)` fills each
+    /// buffer on the CPU while the DMA of the previous pieces runs. Returns the last copy's event.
+    pub(crate) fn upload(
+        &mut self,
+        h2d: &RawStream,
+        arena: &MemArena,
+        ext: &Extent,
+        mut fill: impl FnMut(usize, &mut [u8]) -> Result<()>,
+    ) -> Result<Option<RawEvent>> {
+        let total = ext.bytes as usize;
+        let step = self.buf_size();
+        let mut last = None;
+        let mut off = 0;
+        while off < total {
+            let n = step.min(total - off);
+            let i = self.next;
+            self.next = (i + 1) % self.bufs.len();
+            let buf = &mut self.bufs[i];
+            fill(off, &mut buf.bytes_mut()?[..n])?;
+            last = Some(upload_piece(h2d, arena, ext, off as u64, buf, n)?);
+            off += n;
         }
-        Ok(i)
+        Ok(last)
     }
 
-    /// Notes that buffer `i` is in use until `ev` completes.
-    pub(crate) fn release(&mut self, i: usize, ev: RawEvent) {
-        self.bufs[i].1 = Some(ev);
-    }
-
-    /// Address of buffer `i` for a stream copy.
-    pub(crate) fn addr(&self, i: usize) -> Addr {
-        self.bufs[i].0.copy_addr(0)
-    }
-
-    /// Buffer `i` for the CPU. The caller acquired it, so no copy is using it.
-    pub(crate) fn slice_mut(&mut self, i: usize) -> &mut [u8] {
-        let b = &self.bufs[i].0;
-        // SAFETY: the block is pinned host memory of `len` bytes owned by this pool; `acquire`
-        // waited for the last copy using it, and `&mut self` makes this the only reference.
-        unsafe { std::slice::from_raw_parts_mut(b.host, b.len) }
+    /// Reads `ext` back on `d2h`, two pieces in flight, handing each to `sink(offset, piece)` in
+    /// order.
+    pub(crate) fn download(
+        &mut self,
+        d2h: &RawStream,
+        arena: &MemArena,
+        ext: &Extent,
+        mut sink: impl FnMut(usize, &[u8]) -> Result<()>,
+    ) -> Result<()> {
+        let total = ext.bytes as usize;
+        let step = self.buf_size();
+        let count = self.bufs.len();
+        let mut pending = std::collections::VecDeque::new();
+        let mut off = 0;
+        let issue = |this: &mut PinnedStaging, off: usize| -> Result<(usize, usize, usize)> {
+            let n = step.min(total - off);
+            let i = this.next;
+            this.next = (this.next + 1) % count;
+            download_piece(d2h, arena, ext, off as u64, &mut this.bufs[i], n)?;
+            Ok((i, off, n))
+        };
+        while off < total && pending.len() < 2 {
+            let p = issue(self, off)?;
+            off += p.2;
+            pending.push_back(p);
+        }
+        while let Some((i, at, n)) = pending.pop_front() {
+            sink(at, &self.bufs[i].bytes_mut()?[..n])?;
+            if off < total {
+                let p = issue(self, off)?;
+                off += p.2;
+                pending.push_back(p);
+            }
+        }
+        Ok(())
     }
 }
 

@@ -17,7 +17,7 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
-use crate::arena::{copier, Extent, MemArena, PinnedStaging};
+use crate::arena::{copier, copy_extent, Extent, MemArena, PinnedStaging};
 use crate::backend::cuda::{self, CudaBackend};
 use crate::backend::host::HostBackend;
 use crate::backend::{Backend, RawEvent, RawStream};
@@ -1094,31 +1094,14 @@ impl State {
                     copier().copy(dst, data);
                     return Ok(None);
                 }
-                // Device memory: through pinned staging, chunk by chunk, so the CPU copy of
-                // chunk k+1 overlaps the DMA of chunk k.
+                // Device memory: through pinned staging, piece by piece, so the CPU copy of
+                // piece k+1 overlaps the DMA of piece k.
                 let staging =
                     self.staging.as_mut().ok_or(Error::TierDisabled { tier: Tier::Device })?;
-                let h2d = be.h2d();
-                let step = staging.buf_size();
-                let mut last = None;
-                for (k, piece) in data.chunks(step).enumerate() {
-                    let i = staging.acquire()?;
-                    copier().copy(&mut staging.slice_mut(i)[..piece.len()], piece);
-                    // SAFETY: the staging buffer is pinned and reserved until the event recorded
-                    // below completes (acquire waits for it); the destination range lies inside
-                    // `m`, which the caller owns and nobody reads until `ready` completes.
-                    unsafe {
-                        h2d.copy(
-                            arena.copy_addr(m, (k * step) as u64),
-                            staging.addr(i),
-                            piece.len(),
-                        )?
-                    };
-                    let ev = h2d.record()?;
-                    staging.release(i, ev.clone());
-                    last = Some(ev);
-                }
-                Ok(last)
+                staging.upload(be.h2d(), arena, m, |off, buf| {
+                    copier().copy(buf, &data[off..off + buf.len()]);
+                    Ok(())
+                })
             }
         }
     }
@@ -1160,7 +1143,7 @@ impl State {
                 for ev in &e.last_use {
                     d2h.wait(ev)?;
                 }
-                device_to_host(d2h, staging, arena, m, |off, piece| {
+                staging.download(d2h, arena, m, |off, piece| {
                     copier().copy(&mut out[off..off + piece.len()], piece);
                     Ok(())
                 })
@@ -1233,12 +1216,7 @@ impl State {
                 for ev in &e.last_use {
                     stream.wait(ev)?;
                 }
-                // SAFETY: both extents are live and owned by this tensor's replicas (the
-                // destination is fresh, the source is not freed until this copy's event is
-                // waited for: `settle`/`sync_replica` run before any free); host memory of
-                // Pinned and Mapped arenas is page-locked.
-                unsafe { stream.copy(da.copy_addr(d, 0), sa.copy_addr(s, 0), e.bytes as usize)? };
-                Ok(Some(stream.record()?))
+                Ok(Some(copy_extent(stream, da, d, sa, s)?))
             }
             (Ext::Mem(s), Ext::Disk(d)) => {
                 let sa = arenas[from.index()].as_ref().ok_or(Error::TierDisabled { tier: from })?;
@@ -1256,7 +1234,7 @@ impl State {
                     d2h.wait(ev)?;
                 }
                 let mut crc = crc32fast::Hasher::new();
-                device_to_host(d2h, staging, sa, s, |off, piece| {
+                staging.download(d2h, sa, s, |off, piece| {
                     crc.update(piece);
                     disk.write_range(d, off as u64, piece)
                 })?;
@@ -1275,26 +1253,12 @@ impl State {
                 // Disk to device: read into pinned staging, then DMA, chunk by chunk; the
                 // checksum is verified over the whole tensor before the replica is kept.
                 let staging = staging.as_mut().ok_or(Error::TierDisabled { tier: to })?;
-                let h2d = be.h2d();
-                let step = staging.buf_size();
                 let mut crc = crc32fast::Hasher::new();
-                let mut last = None;
-                let total = e.bytes as usize;
-                let mut off = 0;
-                while off < total {
-                    let n = step.min(total - off);
-                    let i = staging.acquire()?;
-                    let buf = &mut staging.slice_mut(i)[..n];
+                let last = staging.upload(be.h2d(), da, d, |off, buf| {
                     disk.read_range(s, off as u64, buf)?;
                     crc.update(buf);
-                    // SAFETY: the staging buffer is pinned and reserved until the event below
-                    // completes; the destination range lies inside the fresh extent `d`.
-                    unsafe { h2d.copy(da.copy_addr(d, off as u64), staging.addr(i), n)? };
-                    let ev = h2d.record()?;
-                    staging.release(i, ev.clone());
-                    last = Some(ev);
-                    off += n;
-                }
+                    Ok(())
+                })?;
                 let found = crc.finalize();
                 if found != DiskTier::expected_crc(s) {
                     if let Some(ev) = &last {
@@ -1322,47 +1286,4 @@ fn victims_covering(victims: &[TensorId], bytes: u64, st: &State) -> Vec<TensorI
         out.push(v);
     }
     out
-}
-
-/// Copies a device extent to the host in staging-sized pieces, two in flight, handing each piece
-/// to `sink(offset, bytes)` in order.
-fn device_to_host(
-    d2h: &RawStream,
-    staging: &mut PinnedStaging,
-    arena: &MemArena,
-    ext: &Extent,
-    mut sink: impl FnMut(usize, &[u8]) -> Result<()>,
-) -> Result<()> {
-    let total = ext.bytes() as usize;
-    let step = staging.buf_size();
-    let issue = |staging: &mut PinnedStaging, off: usize| -> Result<(usize, usize, RawEvent)> {
-        let n = step.min(total - off);
-        let i = staging.acquire()?;
-        // SAFETY: the staging buffer is pinned and ours until the event completes (we wait for it
-        // before reading it); the source range lies inside `ext`, which its tensor owns and
-        // which is not freed while this function runs (the store's lock is held).
-        unsafe { d2h.copy(staging.addr(i), arena.copy_addr(ext, off as u64), n)? };
-        let ev = d2h.record()?;
-        staging.release(i, ev.clone());
-        Ok((i, n, ev))
-    };
-    let mut pending = std::collections::VecDeque::new();
-    let mut off = 0;
-    while off < total && pending.len() < 2 {
-        let p = issue(staging, off)?;
-        let n = p.1;
-        pending.push_back((off, p));
-        off += n;
-    }
-    while let Some((at, (i, n, ev))) = pending.pop_front() {
-        ev.synchronize()?;
-        sink(at, &staging.slice_mut(i)[..n])?;
-        if off < total {
-            let p = issue(staging, off)?;
-            let n = p.1;
-            pending.push_back((off, p));
-            off += n;
-        }
-    }
-    Ok(())
 }

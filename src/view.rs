@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaSlice, CudaStream};
+use cudarc::driver::{CudaSlice, CudaStream, CudaView, CudaViewMut};
 
 use crate::backend::cuda::BorrowedSlice;
 use crate::backend::RawStream;
@@ -153,8 +153,22 @@ impl DeviceView {
         self.cuda.as_mut().map(BorrowedSlice::get_mut)
     }
 
+    /// The memory as a typed cudarc view of `T` (for example `half::bf16` or `f32`) for kernels
+    /// and cuBLAS, on the CUDA backend; `None` on the host backend or when the tensor's length
+    /// is not a whole number of `T`s.
+    pub fn cuda_view<T: cudarc::driver::DeviceRepr>(&self) -> Option<CudaView<'_, T>> {
+        self.cuda.as_ref().and_then(BorrowedSlice::typed)
+    }
+
+    /// A typed mutable cudarc view (see [`DeviceView::cuda_view`]); marks the view dirty.
+    pub fn cuda_view_mut<T: cudarc::driver::DeviceRepr>(&mut self) -> Option<CudaViewMut<'_, T>> {
+        self.dirty = true;
+        self.cuda.as_mut().and_then(BorrowedSlice::typed_mut)
+    }
+
     /// The bytes on the CPU, after the view's stream has run what was issued to it: on the host
-    /// backend for every tier, on the CUDA backend for mapped views.
+    /// backend for every tier, on the CUDA backend for mapped views. `f` runs under the store's
+    /// lock: it must not call the store.
     pub fn with_host_bytes<R>(&self, f: impl FnOnce(&[u8]) -> R) -> Result<R> {
         self.stream.synchronize()?;
         self.shared.with_view_bytes(self.id, self.tier, |b| f(b))

@@ -214,9 +214,12 @@ fn a_trainers_own_context_and_stream_are_used() {
     let id = store.put("x", DType::U8, &[data.len()], &data).unwrap();
     store.move_to(id, Tier::Disk).unwrap();
     let v = store.device_view(id, &s).unwrap();
-    // The trainer copies the view back with cudarc on its own stream.
+    // The trainer copies the view back with cudarc on its own stream, bytes and typed.
     let host = theirs.clone_dtoh(v.cuda_slice().unwrap()).unwrap();
     assert_eq!(host, data);
+    let words: Vec<u32> = theirs.clone_dtoh(&v.cuda_view::<u32>().unwrap()).unwrap();
+    assert_eq!(words[1], u32::from_ne_bytes(data[4..8].try_into().unwrap()));
+    assert!(v.cuda_view::<[u8; 3]>().is_none(), "1 MiB is not a whole number of 3-byte values");
     drop(v);
     store.check_err().unwrap();
 }

@@ -179,9 +179,12 @@ pub(crate) unsafe fn copy_async(
     r.0.result().map_err(cu(r.1))
 }
 
-/// Records a (timing-free) event after the work issued so far on `s`.
+/// Records an event after the work issued so far on `s`. Timing is enabled (it costs little next
+/// to the copies these events mark) so that stalls, copy durations and traces can be measured.
 pub(crate) fn record(s: &Arc<CudaStream>) -> Result<Arc<CudaEvent>> {
-    s.record_event(None).map(Arc::new).map_err(cu("cuEventRecord"))
+    s.record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
+        .map(Arc::new)
+        .map_err(cu("cuEventRecord"))
 }
 
 /// Store memory lent to cudarc as a `CudaSlice<u8>` that cudarc never frees: dropping it leaks the
@@ -204,6 +207,36 @@ impl BorrowedSlice {
 
     pub(crate) fn get_mut(&mut self) -> &mut cudarc::driver::CudaSlice<u8> {
         self.0.as_mut().expect("present until drop")
+    }
+
+    /// The bytes as a typed view: `None` unless the length is a whole number of `T`s.
+    pub(crate) fn typed<T: cudarc::driver::DeviceRepr>(
+        &self,
+    ) -> Option<cudarc::driver::CudaView<'_, T>> {
+        let s = self.get();
+        let size = std::mem::size_of::<T>();
+        if size == 0 || s.len() % size != 0 {
+            return None;
+        }
+        // SAFETY: the slice is `len` bytes of device memory aligned to at least 256 bytes
+        // (arena alignment), so `len / size` values of `T` fit and are aligned; `T: DeviceRepr`
+        // is plain data the device reads as such, and the view borrows `self`, so the memory
+        // outlives it.
+        unsafe { s.transmute::<T>(s.len() / size) }
+    }
+
+    /// The bytes as a typed mutable view: `None` unless the length is a whole number of `T`s.
+    pub(crate) fn typed_mut<T: cudarc::driver::DeviceRepr>(
+        &mut self,
+    ) -> Option<cudarc::driver::CudaViewMut<'_, T>> {
+        let s = self.get_mut();
+        let size = std::mem::size_of::<T>();
+        if size == 0 || s.len() % size != 0 {
+            return None;
+        }
+        let n = s.len() / size;
+        // SAFETY: as in `typed`; the mutable view borrows `self` mutably.
+        unsafe { s.transmute_mut::<T>(n) }
     }
 }
 

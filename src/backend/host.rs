@@ -160,24 +160,33 @@ impl Drop for HostStream {
 /// A completion flag: the host stand-in for a CUDA event.
 #[derive(Default)]
 pub(crate) struct HostEvent {
-    done: Mutex<bool>,
+    /// When the event completed, once it has.
+    done: Mutex<Option<std::time::Instant>>,
     cv: Condvar,
 }
 
 impl HostEvent {
-    fn set(&self) {
-        *self.done.lock() = true;
+    pub(crate) fn set(&self) {
+        let mut d = self.done.lock();
+        if d.is_none() {
+            *d = Some(std::time::Instant::now());
+        }
         self.cv.notify_all();
     }
 
     pub(crate) fn synchronize(&self) {
         let mut d = self.done.lock();
-        while !*d {
+        while d.is_none() {
             self.cv.wait(&mut d);
         }
     }
 
     pub(crate) fn is_complete(&self) -> bool {
+        self.done.lock().is_some()
+    }
+
+    /// When the event completed (None while it has not).
+    pub(crate) fn completed_at(&self) -> Option<std::time::Instant> {
         *self.done.lock()
     }
 }

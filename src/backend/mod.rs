@@ -198,6 +198,35 @@ impl RawEvent {
             RawEvent::Cuda(e) => e.is_complete(),
         }
     }
+
+    /// Seconds from `earlier` to `self`, both complete and of the same backend (negative when
+    /// `self` completed first). `None` while either is incomplete or on a mismatch.
+    pub(crate) fn seconds_since(&self, earlier: &RawEvent) -> Option<f64> {
+        match (self, earlier) {
+            (RawEvent::Host(a), RawEvent::Host(b)) => {
+                let (a, b) = (a.completed_at()?, b.completed_at()?);
+                Some(if a >= b {
+                    (a - b).as_secs_f64()
+                } else {
+                    -(b - a).as_secs_f64()
+                })
+            }
+            (RawEvent::Cuda(a), RawEvent::Cuda(b)) => {
+                if !a.is_complete() || !b.is_complete() {
+                    return None;
+                }
+                b.elapsed_ms(a).ok().map(|ms| ms as f64 / 1e3)
+            }
+            _ => None,
+        }
+    }
+
+    /// A host-backend event that is already complete (marks "now" on the host).
+    pub(crate) fn host_now() -> RawEvent {
+        let e = Arc::new(host::HostEvent::default());
+        e.set();
+        RawEvent::Host(e)
+    }
 }
 
 /// The backend a store runs on.
