@@ -27,13 +27,6 @@ pub(crate) struct Extent {
     bytes: u64,
 }
 
-impl Extent {
-    /// The tensor's size in bytes (the reserved range may be larger, rounded to the alignment).
-    pub(crate) fn bytes(&self) -> u64 {
-        self.bytes
-    }
-}
-
 /// The arena of one memory tier (Device, Pinned or Mapped): the tier's whole budget, reserved
 /// from the backend once when the store is built, sub-allocated per tensor.
 ///
@@ -181,6 +174,14 @@ impl StagingBuf {
         self.block.len
     }
 
+    /// Waits for the copy using the buffer, if any.
+    pub(crate) fn wait(&mut self) -> Result<()> {
+        if let Some(ev) = self.busy.take() {
+            ev.synchronize()?;
+        }
+        Ok(())
+    }
+
     /// The buffer for the CPU, once the copy that last used it is complete.
     pub(crate) fn bytes_mut(&mut self) -> Result<&mut [u8]> {
         if let Some(ev) = self.busy.take() {
@@ -269,7 +270,9 @@ pub(crate) fn copy_extent(
     // memory of the Pinned and Mapped arenas is page-locked; the store keeps both allocated
     // until the returned event completes (the source's free waits for the copy's event, the
     // destination's replica is `ready` only then).
-    unsafe { stream.copy(dst_arena.copy_addr(dst, 0), src_arena.copy_addr(src, 0), dst.bytes as usize)? };
+    unsafe {
+        stream.copy(dst_arena.copy_addr(dst, 0), src_arena.copy_addr(src, 0), dst.bytes as usize)?
+    };
     stream.record()
 }
 
@@ -292,7 +295,8 @@ pub(crate) struct PinnedStaging {
 impl PinnedStaging {
     /// `count` buffers (at least 2) of `size` bytes each.
     pub(crate) fn new(backend: &Backend, count: usize, size: usize) -> Result<PinnedStaging> {
-        let bufs = (0..count.max(2)).map(|_| StagingBuf::new(backend, size)).collect::<Result<_>>()?;
+        let bufs =
+            (0..count.max(2)).map(|_| StagingBuf::new(backend, size)).collect::<Result<_>>()?;
         Ok(PinnedStaging { bufs, next: 0 })
     }
 

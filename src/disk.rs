@@ -157,6 +157,17 @@ impl DiskTier {
         Ok(tier)
     }
 
+    /// A handle that reads the slab from other threads (the engine's disk workers), without the
+    /// store's lock.
+    pub(crate) fn reader(&self) -> Result<DiskReader> {
+        let dup = |f: &File| f.try_clone().map_err(|e| Error::io(&self.path, e));
+        Ok(DiskReader {
+            buffered: dup(&self.file)?,
+            direct: self.direct.as_ref().map(dup).transpose()?,
+            path: self.path.clone(),
+        })
+    }
+
     /// Opens the slab with `O_DIRECT`; `None` where the file system refuses it.
     fn open_direct(&mut self) -> Option<File> {
         let f = OpenOptions::new()
@@ -349,6 +360,44 @@ impl DiskTier {
     /// The largest extent that can be allocated now.
     pub(crate) fn largest_free(&self) -> u64 {
         self.alloc.largest_free()
+    }
+}
+
+/// Reads the slab file from any thread: `O_DIRECT` into aligned buffers where the tier uses it,
+/// buffered otherwise.
+pub(crate) struct DiskReader {
+    buffered: File,
+    direct: Option<File>,
+    path: PathBuf,
+}
+
+impl DiskReader {
+    /// Fills `buf` from byte `offset` of the file. With `O_DIRECT`, `offset`, `buf`'s address and
+    /// its length must be multiples of 4096 (the engine's staging buffers and piece sizes are);
+    /// otherwise the read goes through the page cache.
+    pub(crate) fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
+        let aligned = offset % ALIGN as u64 == 0
+            && buf.as_ptr() as usize % ALIGN == 0
+            && buf.len() % ALIGN == 0;
+        let f = match &self.direct {
+            Some(d) if aligned => d,
+            _ => &self.buffered,
+        };
+        match f.read_exact_at(buf, offset) {
+            Ok(()) => Ok(()),
+            // A file system that took the flag but refuses this read: go through the cache.
+            Err(e)
+                if e.raw_os_error() == Some(libc::EINVAL) && !std::ptr::eq(f, &self.buffered) =>
+            {
+                self.buffered.read_exact_at(buf, offset).map_err(|e| Error::io(&self.path, e))
+            }
+            Err(e) => Err(Error::io(&self.path, e)),
+        }
+    }
+
+    /// The slab file.
+    pub(crate) fn path(&self) -> &Path {
+        &self.path
     }
 }
 

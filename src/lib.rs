@@ -40,18 +40,20 @@ mod arena;
 mod backend;
 pub mod bench;
 mod disk;
+mod engine;
 mod error;
 pub use backend::{kernels, probe};
 pub mod policy;
 mod stats;
 mod store;
+mod trace;
 mod types;
 mod view;
 
 pub use error::{Error, Result};
-pub use policy::{FrequencyPolicy, LruPolicy, Policy, PolicyKind};
+pub use policy::{FrequencyPolicy, LruPolicy, Policy, PolicyKind, SchedulePolicy};
 pub use stats::{Stats, TierStats};
-pub use store::{Store, StoreBuilder, TensorInfo};
+pub use store::{LayerScope, Store, StoreBuilder, TensorInfo};
 pub use types::{format_size, parse_size, BackendKind, DType, TensorId, Tier};
 pub use view::{DeviceView, MappedView, Stream};
 

@@ -23,6 +23,11 @@ enum Cmd {
     /// layer (forward then backward) for a few passes, checks every byte, and prints the tiers,
     /// the bytes moved between them and the hit ratio. Uses the GPU when there is one.
     Demo(DemoArgs),
+    /// Measures every path between tiers on this machine (pinned and pageable copies, both
+    /// directions at once, device to device, zero-copy and managed memory, disk, and the store's
+    /// own moves beside the raw figures), swept over sizes: prints a table of GB/s and writes
+    /// CSV, JSON and an SVG plot on request. Without a GPU: the host and disk paths only.
+    Bench(BenchArgs),
 }
 
 #[derive(clap::Args)]
@@ -56,6 +61,49 @@ struct DemoArgs {
     host: bool,
 }
 
+#[derive(clap::Args)]
+struct BenchArgs {
+    /// Sizes to sweep, comma-separated, with units.
+    #[arg(long, default_value = strata::bench::DEFAULT_SIZES)]
+    sizes: String,
+    /// Timed runs per path and size [default: 20 up to 16 MiB, 5 above].
+    #[arg(long)]
+    reps: Option<usize>,
+    /// Write the results as CSV (path,size_bytes,gbps,median_s,reps).
+    #[arg(long, value_name = "FILE")]
+    csv: Option<std::path::PathBuf>,
+    /// Write the results and a description of the machine as JSON.
+    #[arg(long, value_name = "FILE")]
+    json: Option<std::path::PathBuf>,
+    /// Write a plot of bandwidth against size as SVG.
+    #[arg(long, value_name = "FILE.svg")]
+    plot: Option<std::path::PathBuf>,
+    /// Host and disk paths only (the store on its host backend), even with a GPU present.
+    #[arg(long)]
+    host: bool,
+    /// Directory for the disk paths' file and the store's disk tier [default: a temporary one].
+    #[arg(long, value_name = "DIR")]
+    disk_dir: Option<std::path::PathBuf>,
+    /// Paths to run, comma-separated names or prefixes ending in '*' (h2d_pinned,store_*)
+    /// [default: all].
+    #[arg(long, value_name = "LIST")]
+    paths: Option<String>,
+}
+
+fn bench(a: BenchArgs) -> Result<(), Box<dyn std::error::Error>> {
+    let options = strata::bench::Options {
+        sizes: strata::bench::parse_sizes(&a.sizes)?,
+        reps: a.reps,
+        host_only: a.host,
+        disk_dir: a.disk_dir,
+        paths: a.paths.as_deref().map(strata::bench::parse_paths).transpose()?,
+        progress: true,
+    };
+    let cmd = strata::bench::Command { options, csv: a.csv, json: a.json, plot: a.plot };
+    cmd.run()?;
+    Ok(())
+}
+
 fn size(s: &str) -> Result<u64, String> {
     parse_size(s).map_err(|e| e.to_string())
 }
@@ -64,6 +112,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let res = match cli.cmd {
         Cmd::Demo(a) => demo(a),
+        Cmd::Bench(a) => bench(a),
     };
     match res {
         Ok(()) => ExitCode::SUCCESS,

@@ -47,6 +47,20 @@ pub struct Stats {
     pub backend: BackendKind,
     /// The policy in use.
     pub policy: &'static str,
+    /// Device views that found the tensor resident or its copy in flight (a prefetch or an
+    /// earlier use paid off).
+    pub prefetch_hits: u64,
+    /// Device views that had to start the copy themselves.
+    pub prefetch_misses: u64,
+    /// Prefetch copies started, by hints, layer scopes and the policy's lookahead.
+    pub prefetches: u64,
+    /// Seconds consumers waited for copies: device streams waiting on a copy's event (measured
+    /// with events once both complete) plus host threads waiting for disk jobs.
+    pub stall_seconds: f64,
+    /// Seconds copies took, summed over the recorded copies (the most recent 100,000).
+    pub copy_seconds: f64,
+    /// Bytes prefetched and not yet used or released.
+    pub prefetch_in_flight: u64,
     /// Whether the disk tier bypasses the page cache (`O_DIRECT`); false where the file system
     /// refuses it or the tier is disabled.
     pub disk_direct_io: bool,
@@ -71,6 +85,16 @@ impl Stats {
     /// Bytes moved from `from` to `to`.
     pub fn moved(&self, from: Tier, to: Tier) -> u64 {
         self.moved[from.index()][to.index()]
+    }
+
+    /// The share of copy time that consumers did not wait for: 1 when every copy overlapped
+    /// other work, 0 when consumers waited for all of it (1 when nothing was copied).
+    pub fn overlap_ratio(&self) -> f64 {
+        if self.copy_seconds <= 0.0 {
+            1.0
+        } else {
+            (1.0 - self.stall_seconds / self.copy_seconds).clamp(0.0, 1.0)
+        }
     }
 
     /// Fraction of accesses that were hits (0 when there were none).
@@ -139,6 +163,19 @@ impl fmt::Display for Stats {
             self.promotions,
             format_size(self.bytes_in),
             format_size(self.bytes_out)
-        )
+        )?;
+        if self.prefetch_hits + self.prefetch_misses + self.prefetches > 0 {
+            write!(
+                f,
+                "\nviews: prefetch hits {}  misses {}  prefetches {}  stall {:.3} ms  copies {:.3} ms  overlap {:.1}%",
+                self.prefetch_hits,
+                self.prefetch_misses,
+                self.prefetches,
+                self.stall_seconds * 1e3,
+                self.copy_seconds * 1e3,
+                100.0 * self.overlap_ratio()
+            )?;
+        }
+        Ok(())
     }
 }

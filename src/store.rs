@@ -11,28 +11,37 @@
 //! carries the events its views' streams recorded when they were dropped; anything that reads a
 //! replica waits for the first, anything that frees or overwrites memory waits for both.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
+use std::time::Instant;
 
-use parking_lot::Mutex;
+use parking_lot::{Mutex, MutexGuard};
 
-use crate::arena::{copier, copy_extent, Extent, MemArena, PinnedStaging};
+use crate::arena::{copier, copy_extent, Extent, MemArena, PinnedStaging, StagingBuf};
 use crate::backend::cuda::{self, CudaBackend};
 use crate::backend::host::HostBackend;
 use crate::backend::{Backend, RawEvent, RawStream};
+use crate::disk::DiskReader;
 use crate::disk::{DiskExtent, DiskTier};
+use crate::engine::{Engine, Fill};
 use crate::error::{Error, Result};
 use crate::policy::{Policy, PolicyKind};
 use crate::stats::{Stats, TierStats};
+use crate::trace::{self, Clock, Span, TimePoint, Track};
 use crate::types::{format_size, BackendKind, DType, TensorId, Tier};
 use crate::view::{DeviceView, MappedView, Stream};
+
+mod hints;
+pub use hints::LayerScope;
 
 /// Default budgets: Device, Pinned, Mapped, Disk.
 const DEFAULT_CAPACITY: [u64; 4] = [1 << 30, 1 << 30, 256 << 20, 64 << 30];
 /// Pinned staging by default: buffers in flight and their size.
 const STAGING_BUFS: usize = 4;
 const STAGING_SIZE: usize = 16 << 20;
+/// Disk-to-device worker threads by default (each with two staging buffers).
+const DISK_WORKERS: usize = 4;
 
 enum BackendChoice {
     Auto,
@@ -61,6 +70,8 @@ pub struct StoreBuilder {
     policy: Option<Box<dyn Policy>>,
     promote_on_read: bool,
     staging: (usize, usize),
+    prefetch_budget: Option<u64>,
+    disk_workers: usize,
 }
 
 impl Default for StoreBuilder {
@@ -74,6 +85,8 @@ impl Default for StoreBuilder {
             policy: None,
             promote_on_read: true,
             staging: (STAGING_BUFS, STAGING_SIZE),
+            prefetch_budget: None,
+            disk_workers: DISK_WORKERS,
         }
     }
 }
@@ -147,6 +160,21 @@ impl StoreBuilder {
         self
     }
 
+    /// Bytes that prefetching may have in flight or resident-but-unused at once (default: half
+    /// the Device budget). Prefetches past it wait until earlier ones are used or released, so
+    /// prefetching never evicts what is about to be used.
+    pub fn prefetch_budget(mut self, bytes: u64) -> Self {
+        self.prefetch_budget = Some(bytes);
+        self
+    }
+
+    /// Worker threads that bring tensors from the Disk tier to the device (default 4; each
+    /// reserves two staging buffers of the [`staging`](StoreBuilder::staging) size).
+    pub fn disk_workers(mut self, workers: usize) -> Self {
+        self.disk_workers = workers.max(1);
+        self
+    }
+
     /// Builds the store: picks the backend, opens the disk tier, reserves the staging buffers.
     pub fn build(self) -> Result<Store> {
         if self.capacity.iter().all(|&c| c == 0) {
@@ -176,6 +204,22 @@ impl StoreBuilder {
         } else {
             None
         };
+        // The engine's disk workers, with their own staging, exist when both ends do.
+        let (disk_reader, worker_staging) = match (&disk, &staging) {
+            (Some(d), Some(_)) => {
+                let bufs = (0..self.disk_workers)
+                    .map(|_| {
+                        Ok(Mutex::new([
+                            StagingBuf::new(&backend, self.staging.1)?,
+                            StagingBuf::new(&backend, self.staging.1)?,
+                        ]))
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                (Some(d.reader()?), bufs)
+            }
+            _ => (None, Vec::new()),
+        };
+        let device_cap = self.capacity[Tier::Device.index()];
         let policy = self.policy.unwrap_or_else(|| PolicyKind::default().build());
         let state = State {
             arenas,
@@ -187,15 +231,28 @@ impl StoreBuilder {
             next_id: 1,
             counters: Counters::default(),
             promote_on_read: self.promote_on_read,
+            inflight: 0,
+            prefetch_budget: self.prefetch_budget.unwrap_or(device_cap / 2),
+            waiting: VecDeque::new(),
+            spans: VecDeque::new(),
+            probes: Vec::new(),
         };
-        Ok(Store {
-            shared: Arc::new(Shared {
-                backend,
-                state: Mutex::new(state),
-                deferred: Mutex::new(Vec::new()),
-                note,
-            }),
-        })
+        let clock = Clock::start(&backend)?;
+        let shared = Arc::new(Shared {
+            backend,
+            state: Mutex::new(state),
+            deferred: Mutex::new(Vec::new()),
+            note,
+            engine: OnceLock::new(),
+            disk_reader,
+            worker_staging,
+            clock,
+        });
+        if !shared.worker_staging.is_empty() {
+            let engine = Engine::start(shared.worker_staging.len(), Arc::downgrade(&shared))?;
+            let _ = shared.engine.set(engine);
+        }
+        Ok(Store { shared })
     }
 
     fn pick_backend(&self) -> Result<(Backend, Option<String>)> {
@@ -242,9 +299,16 @@ pub struct Store {
 pub(crate) struct Shared {
     pub(crate) backend: Backend,
     pub(crate) state: Mutex<State>,
-    /// Errors from `Drop` impls (views), returned by the next `check_err`.
+    /// Errors from `Drop` impls (views) and failed prefetches, returned by the next `check_err`.
     pub(crate) deferred: Mutex<Vec<Error>>,
     note: Option<String>,
+    /// Disk-to-device workers (when both tiers are enabled).
+    pub(crate) engine: OnceLock<Engine>,
+    disk_reader: Option<DiskReader>,
+    /// Two staging buffers per disk worker.
+    worker_staging: Vec<Mutex<[StagingBuf; 2]>>,
+    /// Time base for stalls and traces.
+    pub(crate) clock: Clock,
 }
 
 /// Where one replica's bytes are.
@@ -257,6 +321,32 @@ pub(crate) struct Replica {
     pub(crate) ext: Ext,
     /// Complete once the replica's bytes are valid (the copy that filled it has run).
     pub(crate) ready: Option<RawEvent>,
+    /// A disk worker is still filling the replica (its `ready` is set when the job ends).
+    pub(crate) fill: Option<Arc<Fill>>,
+}
+
+impl Replica {
+    fn new(ext: Ext, ready: Option<RawEvent>) -> Replica {
+        Replica { ext, ready, fill: None }
+    }
+}
+
+/// Who asked for a prefetch: what a layer scope or hint says outranks what a policy guesses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) enum Source {
+    /// The policy's lookahead.
+    Policy,
+    /// A hint: `prefetch`, `pin` or a layer scope.
+    Hint,
+}
+
+/// How hard an allocation in the Device tier may push: which prefetched tensors it may evict.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Level {
+    /// A policy's guess: evicts nothing that was prefetched.
+    Guess,
+    /// A hint or an explicit operation: may evict what only the policy prefetched.
+    Demand,
 }
 
 pub(crate) struct Entry {
@@ -265,31 +355,79 @@ pub(crate) struct Entry {
     shape: Vec<usize>,
     bytes: u64,
     pub(crate) replicas: [Option<Replica>; 4],
-    /// Views and pins holding the tensor in place.
-    pub(crate) holders: u32,
+    /// Live views of the tensor.
+    pub(crate) views: u32,
+    /// `pin` hints not yet undone by `unpin`.
+    pub(crate) pins: u32,
+    /// Live layer scopes that use the tensor.
+    pub(crate) scopes: u32,
+    /// Prefetched to the device and not yet used by a view (counts against the prefetch budget
+    /// and is not evicted meanwhile).
+    pub(crate) prefetched: Option<Source>,
+    /// Released by a hint or a scope's end: the first to go when room is needed.
+    pub(crate) released: bool,
     /// Events recorded on view streams when views were dropped: the last device work that may
     /// touch the tensor's memory.
     pub(crate) last_use: Vec<RawEvent>,
 }
 
 impl Entry {
+    fn new(name: &str, dtype: DType, shape: &[usize], bytes: u64) -> Entry {
+        Entry {
+            name: name.to_string(),
+            dtype,
+            shape: shape.to_vec(),
+            bytes,
+            replicas: Default::default(),
+            views: 0,
+            pins: 0,
+            scopes: 0,
+            prefetched: None,
+            released: false,
+            last_use: Vec::new(),
+        }
+    }
+
+    /// Views, pins and scopes holding the tensor in place.
+    pub(crate) fn held(&self) -> u32 {
+        self.views + self.pins + self.scopes
+    }
+
+    /// A disk worker still filling one of the replicas.
+    fn filling(&self) -> Option<Arc<Fill>> {
+        self.replicas.iter().flatten().find_map(|r| r.fill.clone())
+    }
+
     fn fastest(&self) -> Option<Tier> {
         Tier::ALL.into_iter().find(|t| self.replicas[t.index()].is_some())
     }
-    fn count(&self) -> usize {
-        self.replicas.iter().flatten().count()
+
+    /// The fastest replica whose bytes can be read now or by waiting on an event (not one a
+    /// disk worker is still filling).
+    fn fastest_readable(&self) -> Option<Tier> {
+        Tier::ALL
+            .into_iter()
+            .find(|t| self.replicas[t.index()].as_ref().is_some_and(|r| r.fill.is_none()))
     }
 }
 
 #[derive(Default)]
-struct Counters {
-    moved: [[u64; 4]; 4],
-    bytes_in: u64,
-    bytes_out: u64,
-    hits: u64,
-    misses: u64,
-    evictions: u64,
-    promotions: u64,
+pub(crate) struct Counters {
+    pub(crate) moved: [[u64; 4]; 4],
+    pub(crate) bytes_in: u64,
+    pub(crate) bytes_out: u64,
+    pub(crate) hits: u64,
+    pub(crate) misses: u64,
+    pub(crate) evictions: u64,
+    pub(crate) promotions: u64,
+    /// Device views that found the tensor resident or on its way.
+    pub(crate) prefetch_hits: u64,
+    /// Device views that had to start the copy.
+    pub(crate) prefetch_misses: u64,
+    /// Prefetch copies started (hints and policy).
+    pub(crate) prefetches: u64,
+    /// Seconds consumers waited for copies (resolved stalls).
+    pub(crate) stall_s: f64,
 }
 
 pub(crate) struct State {
@@ -300,8 +438,18 @@ pub(crate) struct State {
     names: HashMap<String, TensorId>,
     policy: Box<dyn Policy>,
     next_id: u64,
-    counters: Counters,
+    pub(crate) counters: Counters,
     promote_on_read: bool,
+    /// Bytes prefetched and not yet used or released.
+    pub(crate) inflight: u64,
+    pub(crate) prefetch_budget: u64,
+    /// Hinted prefetches waiting for room in the prefetch budget, in order.
+    waiting: VecDeque<TensorId>,
+    /// Copies and waits, for stats and traces (the most recent `trace::MAX_SPANS`).
+    pub(crate) spans: VecDeque<Span>,
+    /// Stream waits whose length is known once both events complete: (mark on the consumer's
+    /// stream, the copy's event).
+    pub(crate) probes: Vec<(RawEvent, RawEvent)>,
 }
 
 /// Public facts about one tensor.
@@ -399,20 +547,9 @@ impl Store {
                 return Err(e);
             }
         };
-        let mut replicas: [Option<Replica>; 4] = Default::default();
-        replicas[tier.index()] = Some(Replica { ext, ready });
-        st.entries.insert(
-            id,
-            Entry {
-                name: name.to_string(),
-                dtype,
-                shape: shape.to_vec(),
-                bytes,
-                replicas,
-                holders: 0,
-                last_use: Vec::new(),
-            },
-        );
+        let mut entry = Entry::new(name, dtype, shape, bytes);
+        entry.replicas[tier.index()] = Some(Replica::new(ext, ready));
+        st.entries.insert(id, entry);
         st.names.insert(name.to_string(), id);
         st.counters.bytes_in += bytes;
         Ok(id)
@@ -424,16 +561,17 @@ impl Store {
         let be = &self.shared.backend;
         let mut st = self.shared.state.lock();
         let e = st.entry(id)?;
-        let tier = e.fastest().ok_or(Error::UnknownId(id))?;
+        let tier = e.fastest_readable().ok_or(Error::UnknownId(id))?;
+        let hit = Some(e.fastest().unwrap_or(tier)) == st.fastest_enabled();
         let mut out = vec![0u8; e.bytes as usize];
         st.read_replica(be, id, tier, &mut out)?;
         st.policy.on_access(id);
-        let hit = Some(tier) == st.fastest_enabled();
         st.count_access(hit);
         st.counters.bytes_out += out.len() as u64;
         if !hit && st.promote_on_read {
             st.maybe_promote(be, id, &out)?;
         }
+        st.lookahead(be, self.shared.engine.get());
         Ok(out)
     }
 
@@ -441,7 +579,7 @@ impl Store {
     /// fastest replica; the others are dropped, as they no longer hold the tensor's contents.
     pub fn write(&self, id: TensorId, data: &[u8]) -> Result<()> {
         let be = &self.shared.backend;
-        let mut st = self.shared.state.lock();
+        let mut st = self.shared.lock_idle(id)?;
         let e = st.entry(id)?;
         if e.bytes != data.len() as u64 {
             return Err(Error::LengthMismatch {
@@ -450,8 +588,8 @@ impl Store {
                 what: format!("write to {:?}", e.name),
             });
         }
-        if e.holders > 0 {
-            return Err(Error::Busy { id, holders: e.holders });
+        if e.held() > 0 {
+            return Err(Error::Busy { id, holders: e.held() });
         }
         let tier = e.fastest().ok_or(Error::UnknownId(id))?;
         st.settle(id)?;
@@ -480,18 +618,19 @@ impl Store {
 
     /// Removes the tensor and frees its memory. Its id stays invalid.
     pub fn remove(&self, id: TensorId) -> Result<()> {
-        let mut st = self.shared.state.lock();
+        let mut st = self.shared.lock_idle(id)?;
         let e = st.entry(id)?;
-        if e.holders > 0 {
-            return Err(Error::Busy { id, holders: e.holders });
+        if e.held() > 0 {
+            return Err(Error::Busy { id, holders: e.held() });
         }
         st.settle(id)?;
-        let mut e = st.entries.remove(&id).expect("checked above");
         for t in Tier::ALL {
-            if let Some(r) = e.replicas[t.index()].take() {
+            if st.entries[&id].replicas[t.index()].is_some() {
+                let r = st.take_replica(id, t);
                 st.free_ext(t, r.ext);
             }
         }
+        let e = st.entries.remove(&id).expect("checked above");
         st.names.remove(&e.name);
         st.policy.on_remove(id);
         Ok(())
@@ -502,7 +641,7 @@ impl Store {
         self.shared.state.lock().names.get(name).copied()
     }
 
-    /// The fastest tier holding a valid copy of the tensor.
+    /// The fastest tier holding a valid copy of the tensor (or one being filled by a prefetch).
     pub fn tier_of(&self, id: TensorId) -> Result<Tier> {
         let st = self.shared.state.lock();
         st.entry(id)?.fastest().ok_or(Error::UnknownId(id))
@@ -532,13 +671,13 @@ impl Store {
 
     /// Moves the tensor to `tier` and returns when the copy is done: afterwards
     /// `tier_of(id) == tier` and no faster tier holds a copy. Room is made in `tier` by demoting
-    /// other tensors if needed. A tensor held by a view or pin can only be "moved" where it
-    /// already is.
+    /// other tensors if needed. A tensor held by a view, pin or layer scope can only be "moved"
+    /// where it already is.
     pub fn move_to(&self, id: TensorId, tier: Tier) -> Result<()> {
         let be = &self.shared.backend;
-        let mut st = self.shared.state.lock();
+        let mut st = self.shared.lock_idle(id)?;
         let e = st.entry(id)?;
-        let (bytes, holders, fastest) = (e.bytes, e.holders, e.fastest());
+        let (bytes, holders, fastest) = (e.bytes, e.held(), e.fastest());
         if !st.enabled(tier) {
             return Err(Error::TierDisabled { tier });
         }
@@ -554,7 +693,7 @@ impl Store {
         st.policy.on_access(id);
         if st.entries[&id].replicas[tier.index()].is_none() {
             let ext = st
-                .alloc_evicting(be, tier, bytes, id)?
+                .alloc_evicting(be, tier, bytes, id, Level::Demand)?
                 .ok_or(Error::OutOfMemory { tier, bytes })?;
             let src = st.entries[&id].fastest().ok_or(Error::UnknownId(id))?;
             st.copy_replica(be, id, src, tier, ext)?;
@@ -569,12 +708,13 @@ impl Store {
                 st.free_ext(t, r.ext);
             }
         }
+        st.pump_waiting(be, self.shared.engine.get());
         Ok(())
     }
 
     /// A snapshot of the counters.
     pub fn stats(&self) -> Stats {
-        let st = self.shared.state.lock();
+        let mut st = self.shared.state.lock();
         let mut tiers = [TierStats::default(); 4];
         for t in Tier::ALL {
             let s = &mut tiers[t.index()];
@@ -599,8 +739,22 @@ impl Store {
             }
             s.tensors = st.entries.values().filter(|e| e.replicas[t.index()].is_some()).count();
         }
+        st.resolve_probes(&self.shared.clock);
+        let copy_s: f64 = st
+            .spans
+            .iter()
+            .filter(|s| s.track.is_copy())
+            .filter_map(|s| self.shared.clock.span(s))
+            .map(|(a, b)| b - a)
+            .sum();
         let c = &st.counters;
         Stats {
+            prefetch_hits: c.prefetch_hits,
+            prefetch_misses: c.prefetch_misses,
+            prefetches: c.prefetches,
+            stall_seconds: c.stall_s,
+            copy_seconds: copy_s,
+            prefetch_in_flight: st.inflight,
             tiers,
             moved: c.moved,
             bytes_in: c.bytes_in,
@@ -651,7 +805,22 @@ impl Store {
     pub fn device_view(&self, id: TensorId, stream: &Stream) -> Result<DeviceView> {
         self.check_stream(stream)?;
         let be = &self.shared.backend;
-        let mut st = self.shared.state.lock();
+        let engine = self.shared.engine.get();
+        // A prefetch from disk still running: wait for its job (moved to the front of the queue)
+        // without holding the lock, then take the copy's event like any other.
+        let mut st = loop {
+            let st = self.shared.state.lock();
+            let fill =
+                st.entry(id)?.replicas[Tier::Device.index()].as_ref().and_then(|r| r.fill.clone());
+            let Some(fill) = fill else { break st };
+            drop(st);
+            if let Some(engine) = engine {
+                engine.expedite(id, &fill);
+            }
+            let t = Instant::now();
+            fill.wait();
+            self.shared.state.lock().counters.stall_s += t.elapsed().as_secs_f64();
+        };
         let bytes = st.entry(id)?.bytes;
         if !st.enabled(Tier::Device) {
             return Err(Error::TierDisabled { tier: Tier::Device });
@@ -665,23 +834,34 @@ impl Store {
         st.policy.on_access(id);
         let hit = st.entries[&id].replicas[Tier::Device.index()].is_some();
         st.count_access(hit);
-        if !hit {
+        if hit {
+            st.counters.prefetch_hits += 1;
+        } else {
+            st.counters.prefetch_misses += 1;
             let ext = st
-                .alloc_evicting(be, Tier::Device, bytes, id)?
+                .alloc_evicting(be, Tier::Device, bytes, id, Level::Demand)?
                 .ok_or(Error::OutOfMemory { tier: Tier::Device, bytes })?;
             let src = st.entries[&id].fastest().ok_or(Error::UnknownId(id))?;
             st.copy_replica(be, id, src, Tier::Device, ext)?;
         }
+        st.consume_prefetch(id);
         let rep =
             st.entries[&id].replicas[Tier::Device.index()].as_ref().expect("made resident above");
-        if let Some(ev) = &rep.ready {
-            stream.raw.wait(ev)?;
-        }
+        let ready = rep.ready.clone();
         let Ext::Mem(ext) = &rep.ext else { unreachable!("device replicas are memory extents") };
         let ptr = st.arena(Tier::Device).expect("enabled").dev_ptr(ext);
+        if let Some(ev) = ready.filter(|ev| !ev.is_complete()) {
+            // The stream waits for the copy; how long is known once both events complete.
+            let mark = stream.raw.record()?;
+            stream.raw.wait(&ev)?;
+            st.probes.push((mark, ev));
+        }
         let e = st.entries.get_mut(&id).expect("checked above");
-        e.holders += 1;
+        e.views += 1;
+        e.released = false;
         let (dtype, shape) = (e.dtype, e.shape.clone());
+        st.pump_waiting(be, engine);
+        st.lookahead(be, engine);
         drop(st);
         Ok(DeviceView::new(
             self.shared.clone(),
@@ -713,7 +893,7 @@ impl Store {
         let Ext::Mem(ext) = &rep.ext else { unreachable!("mapped replicas are memory extents") };
         let ptr = st.arena(Tier::Mapped).expect("replica exists").dev_ptr(ext);
         st.policy.on_access(id);
-        st.entries.get_mut(&id).expect("checked above").holders += 1;
+        st.entries.get_mut(&id).expect("checked above").views += 1;
         drop(st);
         Ok(MappedView::new(DeviceView::new(
             self.shared.clone(),
@@ -741,6 +921,10 @@ impl Store {
 
 impl Drop for Store {
     fn drop(&mut self) {
+        // The disk workers first: a running job finishes, queued ones are cancelled.
+        if let Some(engine) = self.shared.engine.get() {
+            engine.stop();
+        }
         // Views hold the shared state alive; when the last goes, memory is freed after the
         // copies in flight. Waiting here keeps a plain `drop(store)` from freeing memory a copy
         // still uses.
@@ -756,6 +940,20 @@ impl Drop for Store {
 }
 
 impl Shared {
+    /// Locks the state once no disk worker is filling a replica of `id` (waiting for such a job
+    /// without holding the lock). Errors for an unknown id.
+    pub(crate) fn lock_idle(&self, id: TensorId) -> Result<MutexGuard<'_, State>> {
+        loop {
+            let st = self.state.lock();
+            let Some(fill) = st.entry(id)?.filling() else { return Ok(st) };
+            drop(st);
+            if let Some(engine) = self.engine.get() {
+                engine.expedite(id, &fill);
+            }
+            fill.wait();
+        }
+    }
+
     /// Called by a view's Drop: records where the view's stream is, releases the hold, and if
     /// the view wrote, keeps only the replica it wrote.
     pub(crate) fn release_view(&self, id: TensorId, tier: Tier, stream: &RawStream, dirty: bool) {
@@ -763,7 +961,7 @@ impl Shared {
         let mut st = self.state.lock();
         let res = (|| -> Result<()> {
             let e = st.entries.get_mut(&id).ok_or(Error::UnknownId(id))?;
-            e.holders = e.holders.saturating_sub(1);
+            e.views = e.views.saturating_sub(1);
             e.last_use.retain(|ev| !ev.is_complete());
             e.last_use.push(ev?);
             if dirty {
@@ -846,10 +1044,38 @@ impl State {
     }
 
     fn take_replica(&mut self, id: TensorId, t: Tier) -> Replica {
+        if t == Tier::Device {
+            // Off the device: no longer prefetched nor a release candidate.
+            self.consume_prefetch(id);
+            if let Some(e) = self.entries.get_mut(&id) {
+                e.released = false;
+            }
+        }
         self.entries
             .get_mut(&id)
             .and_then(|e| e.replicas[t.index()].take())
             .expect("replica present")
+    }
+
+    /// Whether `e`'s replica in `t` may be demoted or dropped now by an allocation of `level`.
+    fn evictable(e: &Entry, t: Tier, level: Level) -> bool {
+        e.held() == 0
+            && e.filling().is_none()
+            && e.replicas[t.index()].is_some()
+            && match (t, e.prefetched) {
+                (Tier::Device, Some(Source::Hint)) => false,
+                (Tier::Device, Some(Source::Policy)) => level == Level::Demand,
+                _ => true,
+            }
+    }
+
+    /// The tensor was used by a view (or left the device): it no longer counts as prefetched.
+    fn consume_prefetch(&mut self, id: TensorId) {
+        if let Some(e) = self.entries.get_mut(&id) {
+            if e.prefetched.take().is_some() {
+                self.inflight = self.inflight.saturating_sub(e.bytes);
+            }
+        }
     }
 
     fn put_replica(&mut self, id: TensorId, t: Tier, r: Replica) {
@@ -921,10 +1147,10 @@ impl State {
 
     /// Bytes that dropping or demoting tensors could free in `t` (for a quick "can this ever
     /// succeed" check before evicting anything).
-    fn evictable_bytes(&self, t: Tier, exclude: TensorId) -> u64 {
+    fn evictable_bytes(&self, t: Tier, exclude: TensorId, level: Level) -> u64 {
         self.entries
             .iter()
-            .filter(|(&id, e)| id != exclude && e.holders == 0 && e.replicas[t.index()].is_some())
+            .filter(|(&id, e)| id != exclude && Self::evictable(e, t, level))
             .map(|(_, e)| e.bytes)
             .sum()
     }
@@ -936,16 +1162,26 @@ impl State {
         }
     }
 
-    /// Victims of `t` in the policy's order.
-    fn victims(&mut self, t: Tier, exclude: TensorId) -> Vec<TensorId> {
+    /// Victims of `t` for an allocation of `level`: released tensors first, then the policy's
+    /// order, tensors only the policy prefetched last.
+    fn victims(&mut self, t: Tier, exclude: TensorId, level: Level) -> Vec<TensorId> {
         let mut c: Vec<TensorId> = self
             .entries
             .iter()
-            .filter(|(&id, e)| id != exclude && e.holders == 0 && e.replicas[t.index()].is_some())
+            .filter(|(&id, e)| id != exclude && Self::evictable(e, t, level))
             .map(|(&id, _)| id)
             .collect();
         c.sort();
         self.policy.order_victims(t, &mut c);
+        let rank = |id: &TensorId| {
+            let e = &self.entries[id];
+            match (e.released, e.prefetched) {
+                (true, _) => 0,
+                (false, None) => 1,
+                (false, Some(_)) => 2,
+            }
+        };
+        c.sort_by_key(rank); // stable: keeps the policy's order within each rank
         c
     }
 
@@ -957,14 +1193,15 @@ impl State {
         t: Tier,
         bytes: u64,
         exclude: TensorId,
+        level: Level,
     ) -> Result<Option<Ext>> {
         if let Some(e) = self.try_alloc(t, bytes)? {
             return Ok(Some(e));
         }
-        if self.free_bytes(t) + self.evictable_bytes(t, exclude) < bytes {
+        if self.free_bytes(t) + self.evictable_bytes(t, exclude, level) < bytes {
             return Ok(None);
         }
-        for victim in self.victims(t, exclude) {
+        for victim in self.victims(t, exclude, level) {
             if self.demote(be, victim, t)? {
                 self.counters.evictions += 1;
                 if let Some(e) = self.try_alloc(t, bytes)? {
@@ -986,7 +1223,7 @@ impl State {
             let mut next = from.slower();
             while let Some(t) = next {
                 if self.enabled(t) && self.can_ever_fit(t, bytes) {
-                    if let Some(ext) = self.alloc_evicting(be, t, bytes, id)? {
+                    if let Some(ext) = self.alloc_evicting(be, t, bytes, id, Level::Demand)? {
                         placed = Some((t, ext));
                         break;
                     }
@@ -1025,11 +1262,11 @@ impl State {
             }
         }
         for &t in &fits {
-            let victims = self.victims(t, id);
+            let victims = self.victims(t, id, Level::Demand);
             if !self.policy.admit(t, id, &victims_covering(&victims, bytes, self)) {
                 continue;
             }
-            if let Some(ext) = self.alloc_evicting(be, t, bytes, id)? {
+            if let Some(ext) = self.alloc_evicting(be, t, bytes, id, Level::Demand)? {
                 return Ok((t, ext));
             }
         }
@@ -1046,12 +1283,12 @@ impl State {
         let ext = match self.try_alloc(top, bytes)? {
             Some(ext) => ext,
             None => {
-                let victims = self.victims(top, id);
+                let victims = self.victims(top, id, Level::Demand);
                 let chosen = victims_covering(&victims, bytes, self);
                 if !self.policy.admit(top, id, &chosen) {
                     return Ok(());
                 }
-                match self.alloc_evicting(be, top, bytes, id)? {
+                match self.alloc_evicting(be, top, bytes, id, Level::Demand)? {
                     Some(ext) => ext,
                     None => return Ok(()),
                 }
@@ -1061,7 +1298,7 @@ impl State {
         let from = self.entries[&id].fastest().expect("tensor has a replica");
         match self.fill_from_host(be, top, &mut ext, data) {
             Ok(ready) => {
-                self.put_replica(id, top, Replica { ext, ready });
+                self.put_replica(id, top, Replica::new(ext, ready));
                 self.counters.moved[from.index()][top.index()] += bytes;
                 self.counters.promotions += 1;
                 Ok(())
@@ -1162,11 +1399,27 @@ impl State {
         to: Tier,
         mut dst: Ext,
     ) -> Result<()> {
+        // Time the copy on the stream that carries it (or on the host clock).
+        let (track, start) = match (from, to) {
+            (_, Tier::Device) => (Track::H2d, TimePoint::Ev(be.h2d().record()?)),
+            (Tier::Device, _) => (Track::D2h, TimePoint::Ev(be.d2h().record()?)),
+            _ => (Track::Host, TimePoint::Host(Instant::now())),
+        };
         let res = self.copy_into(be, id, from, to, &mut dst);
         match res {
             Ok(ready) => {
-                let bytes = self.entries[&id].bytes;
-                self.put_replica(id, to, Replica { ext: dst, ready });
+                let (bytes, name) = (self.entries[&id].bytes, self.entries[&id].name.clone());
+                let end = match &ready {
+                    Some(ev) => TimePoint::Ev(ev.clone()),
+                    None => TimePoint::Host(Instant::now()),
+                };
+                let what = match track {
+                    Track::H2d => "h2d",
+                    Track::D2h => "d2h",
+                    _ => "host copy",
+                };
+                trace::push(&mut self.spans, Span { track, what, tensor: name, bytes, start, end });
+                self.put_replica(id, to, Replica::new(dst, ready));
                 self.counters.moved[from.index()][to.index()] += bytes;
                 Ok(())
             }

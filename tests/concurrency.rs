@@ -14,8 +14,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::{assert_budgets, is_space_error, Rng};
-use strata::{DType, Error, Store, TensorId, Tier};
+use common::{assert_budgets, is_space_error, Backend, Rng};
+use strata::{DType, DeviceView, Error, Store, TensorId, Tier};
 
 const THREADS: usize = 8;
 const NAMES_PER_THREAD: usize = 4;
@@ -85,6 +85,33 @@ impl Shared {
     }
 }
 
+/// Calls `f` with the bytes seen through a device view: in place on the host backend, copied to
+/// the host on the view's stream on the CUDA backend (where the view is device memory).
+fn read_view(v: &DeviceView, f: impl FnOnce(&[u8])) {
+    let stream = v.stream();
+    match (v.cuda_slice(), stream.cuda()) {
+        (Some(slice), Some(cs)) => {
+            let bytes = cs.clone_dtoh(slice).expect("copy a device view to the host");
+            stream.synchronize().unwrap();
+            f(&bytes);
+        }
+        _ => v.with_host_bytes(f).unwrap(),
+    }
+}
+
+/// Writes `data` through a device view (which marks it dirty): in place on the host backend, a
+/// host-to-device copy on the view's stream on the CUDA backend.
+fn write_view(v: &mut DeviceView, data: &[u8]) {
+    let stream = v.stream();
+    match (v.cuda_slice_mut(), stream.cuda()) {
+        (Some(slice), Some(cs)) => {
+            cs.memcpy_htod(data, slice).expect("copy into a device view");
+            stream.synchronize().unwrap();
+        }
+        _ => v.with_host_bytes_mut(|b| b.copy_from_slice(data)).unwrap(),
+    }
+}
+
 /// What one thread's names hold at the end: per owned name, its id and last written bytes.
 type Owned = Vec<(usize, Option<(TensorId, u8)>)>;
 
@@ -134,7 +161,7 @@ fn worker(sh: &Shared, t: usize, seed: u64, deadline: Instant, views: bool) -> O
                 if views && rng.chance(1, 3) {
                     match store.device_view(id, &stream) {
                         Ok(mut v) => {
-                            v.with_host_bytes_mut(|b| b.copy_from_slice(&data)).unwrap();
+                            write_view(&mut v, &data);
                             drop(v);
                             own[slot].1 = Some((id, version));
                         }
@@ -192,7 +219,7 @@ fn worker(sh: &Shared, t: usize, seed: u64, deadline: Instant, views: bool) -> O
                 if views && rng.chance(1, 3) {
                     match store.device_view(id, &stream) {
                         Ok(v) => {
-                            v.with_host_bytes(|b| sh.validate(id, b, &ctx)).unwrap();
+                            read_view(&v, |b| sh.validate(id, b, &ctx));
                             drop(v);
                         }
                         Err(Error::UnknownId(_)) => {}
@@ -250,9 +277,9 @@ fn worker(sh: &Shared, t: usize, seed: u64, deadline: Instant, views: bool) -> O
     own
 }
 
-fn run(views: bool, seconds: f64, seed: u64) {
-    let store = Store::builder()
-        .host_backend()
+fn run(backend: Backend, views: bool, seconds: f64, seed: u64) {
+    let store = backend
+        .builder()
         .capacity(Tier::Device, 64 << 10)
         .capacity(Tier::Pinned, 64 << 10)
         .capacity(Tier::Mapped, 64 << 10)
@@ -317,7 +344,8 @@ fn run(views: bool, seconds: f64, seed: u64) {
     assert_budgets(&stats, "end");
     let ops = sh.ops.load(Ordering::Relaxed);
     eprintln!(
-        "views {views}: {ops} operations, {} reads checked, {} tensors at the end, {} evictions",
+        "{}, views {views}: {ops} operations, {} reads checked, {} tensors at the end, {} evictions",
+        backend.name(),
         sh.reads_checked.load(Ordering::Relaxed),
         present.len(),
         stats.evictions
@@ -352,10 +380,14 @@ fn with_watchdog(f: impl FnOnce() + Send + 'static) {
 
 #[test]
 fn mixed_operations_from_8_threads() {
-    with_watchdog(|| run(false, 2.0, 1));
+    common::each_backend("mixed_operations_from_8_threads", |backend| {
+        with_watchdog(move || run(backend, false, 2.0, 1));
+    });
 }
 
 #[test]
 fn mixed_operations_with_device_views_from_8_threads() {
-    with_watchdog(|| run(true, 1.0, 2));
+    common::each_backend("mixed_operations_with_device_views_from_8_threads", |backend| {
+        with_watchdog(move || run(backend, true, 1.0, 2));
+    });
 }

@@ -8,7 +8,7 @@ mod common;
 
 use std::collections::HashMap;
 
-use common::{assert_budgets, env_seed, is_space_error, Rng};
+use common::{assert_budgets, env_seed, is_space_error, Backend, Rng};
 use strata::{DType, Error, PolicyKind, Store, TensorId, Tier};
 
 const KIB: u64 = 1024;
@@ -19,9 +19,9 @@ const NAMES: u64 = 64;
 const SEEDS: [u64; 4] = [1, 2, 3, 0xDEAD_BEEF];
 const STEPS: usize = 1500;
 
-fn build(policy: PolicyKind) -> Store {
-    Store::builder()
-        .host_backend()
+fn build(backend: Backend, policy: PolicyKind) -> Store {
+    backend
+        .builder()
         .capacity(Tier::Device, 64 * KIB)
         .capacity(Tier::Pinned, 64 * KIB)
         .capacity(Tier::Mapped, 32 * KIB)
@@ -257,8 +257,8 @@ fn step(store: &Store, sh: &mut Shadow, rng: &mut Rng, tally: &mut Tally, ctx: &
     }
 }
 
-fn run(policy: PolicyKind, seed: u64, steps: usize, tally: &mut Tally) -> u64 {
-    let store = build(policy);
+fn run(backend: Backend, policy: PolicyKind, seed: u64, steps: usize, tally: &mut Tally) -> u64 {
+    let store = build(backend, policy);
     let mut sh = Shadow::default();
     let mut rng = Rng::new(seed);
     for i in 0..steps {
@@ -284,24 +284,31 @@ fn run(policy: PolicyKind, seed: u64, steps: usize, tally: &mut Tally) -> u64 {
 
 #[test]
 fn random_operations_match_a_hashmap_shadow() {
-    let seeds: Vec<u64> = match env_seed("STRATA_MODEL_SEED") {
-        Some(s) => vec![s],
-        None => SEEDS.to_vec(),
-    };
-    let mut total = 0;
-    let mut evictions = 0;
-    let mut tally = Tally::default();
-    for policy in PolicyKind::ALL {
-        for &seed in &seeds {
-            evictions += run(policy, seed, STEPS, &mut tally);
-            total += STEPS;
+    common::each_backend("random_operations_match_a_hashmap_shadow", |backend| {
+        // The count of UnknownId checks is per thread: start each backend's run from zero.
+        UNKNOWN_SEEN.with(|c| c.set(0));
+        let seeds: Vec<u64> = match env_seed("STRATA_MODEL_SEED") {
+            Some(s) => vec![s],
+            None => SEEDS.to_vec(),
+        };
+        let mut total = 0;
+        let mut evictions = 0;
+        let mut tally = Tally::default();
+        for policy in PolicyKind::ALL {
+            for &seed in &seeds {
+                evictions += run(backend, policy, seed, STEPS, &mut tally);
+                total += STEPS;
+            }
         }
-    }
-    tally.unknown_id_errors = UNKNOWN_SEEN.with(|c| c.get());
-    eprintln!("{total} operations, {evictions} evictions, {tally:?}");
-    assert!(seeds.len() < SEEDS.len() || total >= 10_000, "only {total} operations");
-    // The budgets are tiny on purpose: the run must have exercised eviction and full tiers.
-    assert!(evictions > 0, "no evictions in {total} operations: budgets too large for the test");
-    assert!(tally.put_space_errors + tally.move_space_errors > 0, "the store was never full");
-    assert!(tally.unknown_id_errors > 0 && tally.moves > 0 && tally.puts > 0, "{tally:?}");
+        tally.unknown_id_errors = UNKNOWN_SEEN.with(|c| c.get());
+        eprintln!("{}: {total} operations, {evictions} evictions, {tally:?}", backend.name());
+        assert!(seeds.len() < SEEDS.len() || total >= 10_000, "only {total} operations");
+        // The budgets are tiny on purpose: the run must have exercised eviction and full tiers.
+        assert!(
+            evictions > 0,
+            "no evictions in {total} operations: budgets too large for the test"
+        );
+        assert!(tally.put_space_errors + tally.move_space_errors > 0, "the store was never full");
+        assert!(tally.unknown_id_errors > 0 && tally.moves > 0 && tally.puts > 0, "{tally:?}");
+    });
 }

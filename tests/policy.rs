@@ -7,14 +7,14 @@
 
 mod common;
 
-use common::{assert_budgets, random_bytes};
+use common::{assert_budgets, random_bytes, Backend};
 use strata::{DType, PolicyKind, Store, TensorId, Tier};
 
 const T: usize = 4096;
 
-fn build(policy: PolicyKind) -> Store {
-    Store::builder()
-        .host_backend()
+fn build(backend: Backend, policy: PolicyKind) -> Store {
+    backend
+        .builder()
         .capacity(Tier::Device, 2 * T as u64)
         .capacity(Tier::Pinned, 1 << 20)
         .capacity(Tier::Mapped, 1 << 20)
@@ -36,11 +36,12 @@ type Tensor = (TensorId, Vec<u8>);
 /// Puts a hot tensor H, reads it `hot_reads` times, then reads `cold` cold tensors once each.
 /// Returns the store, H, and the cold tensors.
 fn hot_then_scan(
+    backend: Backend,
     policy: PolicyKind,
     hot_reads: usize,
     cold: usize,
 ) -> (Store, Tensor, Vec<Tensor>) {
-    let store = build(policy);
+    let store = build(backend, policy);
     let h = put(&store, "hot", 1);
     let colds: Vec<_> =
         (0..cold).map(|k| put(&store, &format!("cold{k}"), 100 + k as u64)).collect();
@@ -68,106 +69,123 @@ fn hot_then_scan(
 
 #[test]
 fn frequency_keeps_the_hot_tensor_through_a_scan() {
-    let (store, (h, hdata), colds) = hot_then_scan(PolicyKind::Frequency, 32, 16);
-    assert_eq!(store.tier_of(h).unwrap(), Tier::Device, "frequency: H is still on the Device");
-    let s = store.stats();
-    // The scan still used the other Device slot: cold tensors were promoted one after another.
-    assert!(s.promotions >= 1, "frequency: no promotion at all: {s}");
-    assert!(s.evictions >= 1, "frequency: no eviction at all: {s}");
-    let on_device: Vec<_> =
-        colds.iter().filter(|c| store.tier_of(c.0).unwrap() == Tier::Device).collect();
-    assert_eq!(on_device.len(), 1, "frequency: one cold tensor shares the Device with H");
-    assert_eq!(store.read(h).unwrap(), hdata);
-    for (id, data) in &colds {
-        assert_eq!(&store.read(*id).unwrap(), data, "frequency: demoted contents intact");
-    }
+    common::each_backend("frequency_keeps_the_hot_tensor_through_a_scan", |backend| {
+        let (store, (h, hdata), colds) = hot_then_scan(backend, PolicyKind::Frequency, 32, 16);
+        assert_eq!(store.tier_of(h).unwrap(), Tier::Device, "frequency: H is still on the Device");
+        let s = store.stats();
+        // The scan still used the other Device slot: cold tensors were promoted one after another.
+        assert!(s.promotions >= 1, "frequency: no promotion at all: {s}");
+        assert!(s.evictions >= 1, "frequency: no eviction at all: {s}");
+        let on_device: Vec<_> =
+            colds.iter().filter(|c| store.tier_of(c.0).unwrap() == Tier::Device).collect();
+        assert_eq!(on_device.len(), 1, "frequency: one cold tensor shares the Device with H");
+        assert_eq!(store.read(h).unwrap(), hdata);
+        for (id, data) in &colds {
+            assert_eq!(&store.read(*id).unwrap(), data, "frequency: demoted contents intact");
+        }
+    });
 }
 
 #[test]
 fn lru_loses_the_hot_tensor_to_a_scan() {
-    let (store, (h, hdata), colds) = hot_then_scan(PolicyKind::Lru, 32, 16);
-    assert_ne!(store.tier_of(h).unwrap(), Tier::Device, "lru: the scan flushed H from the Device");
-    assert!(!store.info(h).unwrap().tiers.contains(&Tier::Device));
-    // The last two tensors scanned are the ones on the Device.
-    let last_two: Vec<TensorId> = colds[colds.len() - 2..].iter().map(|c| c.0).collect();
-    for id in &last_two {
-        assert_eq!(store.tier_of(*id).unwrap(), Tier::Device, "lru: most recent on the Device");
-    }
-    let s = store.stats();
-    assert_eq!(s.promotions as usize, colds.len() - 1, "lru admits every promotion: {s}");
-    for (id, data) in colds.iter().rev() {
-        assert_eq!(&store.read(*id).unwrap(), data, "lru: demoted contents intact");
-    }
-    assert_eq!(store.read(h).unwrap(), hdata);
+    common::each_backend("lru_loses_the_hot_tensor_to_a_scan", |backend| {
+        let (store, (h, hdata), colds) = hot_then_scan(backend, PolicyKind::Lru, 32, 16);
+        assert_ne!(
+            store.tier_of(h).unwrap(),
+            Tier::Device,
+            "lru: the scan flushed H from the Device"
+        );
+        assert!(!store.info(h).unwrap().tiers.contains(&Tier::Device));
+        // The last two tensors scanned are the ones on the Device.
+        let last_two: Vec<TensorId> = colds[colds.len() - 2..].iter().map(|c| c.0).collect();
+        for id in &last_two {
+            assert_eq!(store.tier_of(*id).unwrap(), Tier::Device, "lru: most recent on the Device");
+        }
+        let s = store.stats();
+        assert_eq!(s.promotions as usize, colds.len() - 1, "lru admits every promotion: {s}");
+        for (id, data) in colds.iter().rev() {
+            assert_eq!(&store.read(*id).unwrap(), data, "lru: demoted contents intact");
+        }
+        assert_eq!(store.read(h).unwrap(), hdata);
+    });
 }
 
 /// Two hot tensors fill the Device: frequency refuses to promote one-off reads over them, LRU
 /// lets the scan flush both.
 #[test]
 fn frequency_refuses_one_off_promotions_over_hot_tensors() {
-    for policy in PolicyKind::ALL {
-        let store = build(policy);
-        let (h1, d1) = put(&store, "hot1", 1);
-        let (h2, d2) = put(&store, "hot2", 2);
-        let colds: Vec<_> = (0..8).map(|k| put(&store, &format!("cold{k}"), 10 + k)).collect();
-        for _ in 0..20 {
-            assert_eq!(store.read(h1).unwrap(), d1);
-            assert_eq!(store.read(h2).unwrap(), d2);
-        }
-        for (id, data) in &colds {
-            assert_eq!(&store.read(*id).unwrap(), data);
-        }
-        let s = store.stats();
-        let hot_on_device =
-            [h1, h2].iter().filter(|&&h| store.tier_of(h).unwrap() == Tier::Device).count();
-        match policy {
-            PolicyKind::Frequency => {
-                assert_eq!(hot_on_device, 2, "frequency: both hot tensors stay");
-                assert_eq!(s.promotions, 0, "frequency admitted a one-off read over a hot tensor");
-                for (id, _) in &colds {
+    common::each_backend("frequency_refuses_one_off_promotions_over_hot_tensors", |backend| {
+        for policy in [PolicyKind::Frequency, PolicyKind::Lru] {
+            let store = build(backend, policy);
+            let (h1, d1) = put(&store, "hot1", 1);
+            let (h2, d2) = put(&store, "hot2", 2);
+            let colds: Vec<_> = (0..8).map(|k| put(&store, &format!("cold{k}"), 10 + k)).collect();
+            for _ in 0..20 {
+                assert_eq!(store.read(h1).unwrap(), d1);
+                assert_eq!(store.read(h2).unwrap(), d2);
+            }
+            for (id, data) in &colds {
+                assert_eq!(&store.read(*id).unwrap(), data);
+            }
+            let s = store.stats();
+            let hot_on_device =
+                [h1, h2].iter().filter(|&&h| store.tier_of(h).unwrap() == Tier::Device).count();
+            match policy {
+                PolicyKind::Frequency => {
+                    assert_eq!(hot_on_device, 2, "frequency: both hot tensors stay");
                     assert_eq!(
-                        store.tier_of(*id).unwrap(),
-                        Tier::Pinned,
-                        "frequency: cold stays in Pinned"
+                        s.promotions, 0,
+                        "frequency admitted a one-off read over a hot tensor"
                     );
+                    for (id, _) in &colds {
+                        assert_eq!(
+                            store.tier_of(*id).unwrap(),
+                            Tier::Pinned,
+                            "frequency: cold stays in Pinned"
+                        );
+                    }
                 }
+                PolicyKind::Lru => {
+                    assert_eq!(hot_on_device, 0, "lru: the scan flushes both hot tensors");
+                    assert_eq!(s.promotions, colds.len() as u64);
+                }
+                PolicyKind::Schedule => unreachable!("not in this test"),
             }
-            PolicyKind::Lru => {
-                assert_eq!(hot_on_device, 0, "lru: the scan flushes both hot tensors");
-                assert_eq!(s.promotions, colds.len() as u64);
-            }
+            assert_budgets(&s, policy.name());
         }
-        assert_budgets(&s, policy.name());
-    }
+    });
 }
 
 /// `move_to(Device)` of a third tensor into a full Device demotes the policy's first victim:
 /// the least recently used (LRU) or the least frequently used (frequency).
 #[test]
 fn move_to_a_full_tier_demotes_the_policys_victim() {
-    for policy in PolicyKind::ALL {
-        let store = build(policy);
-        let (hot, _) = put(&store, "hot", 1);
-        let (recent, _) = put(&store, "recent", 2);
-        let (third, data) = put(&store, "third", 3);
-        assert_eq!(store.tier_of(third).unwrap(), Tier::Pinned);
-        for _ in 0..10 {
-            store.read(hot).unwrap();
+    common::each_backend("move_to_a_full_tier_demotes_the_policys_victim", |backend| {
+        for policy in [PolicyKind::Frequency, PolicyKind::Lru] {
+            let store = build(backend, policy);
+            let (hot, _) = put(&store, "hot", 1);
+            let (recent, _) = put(&store, "recent", 2);
+            let (third, data) = put(&store, "third", 3);
+            assert_eq!(store.tier_of(third).unwrap(), Tier::Pinned);
+            for _ in 0..10 {
+                store.read(hot).unwrap();
+            }
+            store.read(recent).unwrap(); // most recent, but read only twice (put + this)
+            store.move_to(third, Tier::Device).unwrap();
+            assert_eq!(store.tier_of(third).unwrap(), Tier::Device);
+            assert_eq!(store.read(third).unwrap(), data);
+            let (kept, demoted) = match policy {
+                PolicyKind::Lru => (recent, hot),
+                PolicyKind::Frequency => (hot, recent),
+                PolicyKind::Schedule => unreachable!("not in this test"),
+            };
+            assert_eq!(store.tier_of(kept).unwrap(), Tier::Device, "{policy}: wrong victim");
+            assert_eq!(
+                store.tier_of(demoted).unwrap(),
+                Tier::Pinned,
+                "{policy}: victim demoted one tier"
+            );
+            assert_eq!(store.stats().evictions, 1, "{policy}");
         }
-        store.read(recent).unwrap(); // most recent, but read only twice (put + this)
-        store.move_to(third, Tier::Device).unwrap();
-        assert_eq!(store.tier_of(third).unwrap(), Tier::Device);
-        assert_eq!(store.read(third).unwrap(), data);
-        let (kept, demoted) = match policy {
-            PolicyKind::Lru => (recent, hot),
-            PolicyKind::Frequency => (hot, recent),
-        };
-        assert_eq!(store.tier_of(kept).unwrap(), Tier::Device, "{policy}: wrong victim");
-        assert_eq!(
-            store.tier_of(demoted).unwrap(),
-            Tier::Pinned,
-            "{policy}: victim demoted one tier"
-        );
-        assert_eq!(store.stats().evictions, 1, "{policy}");
-    }
+    });
 }

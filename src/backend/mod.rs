@@ -205,11 +205,7 @@ impl RawEvent {
         match (self, earlier) {
             (RawEvent::Host(a), RawEvent::Host(b)) => {
                 let (a, b) = (a.completed_at()?, b.completed_at()?);
-                Some(if a >= b {
-                    (a - b).as_secs_f64()
-                } else {
-                    -(b - a).as_secs_f64()
-                })
+                Some(if a >= b { (a - b).as_secs_f64() } else { -(b - a).as_secs_f64() })
             }
             (RawEvent::Cuda(a), RawEvent::Cuda(b)) => {
                 if !a.is_complete() || !b.is_complete() {
@@ -221,11 +217,12 @@ impl RawEvent {
         }
     }
 
-    /// A host-backend event that is already complete (marks "now" on the host).
-    pub(crate) fn host_now() -> RawEvent {
-        let e = Arc::new(host::HostEvent::default());
-        e.set();
-        RawEvent::Host(e)
+    /// When a host-backend event completed (None for CUDA events and incomplete ones).
+    pub(crate) fn host_completed_at(&self) -> Option<std::time::Instant> {
+        match self {
+            RawEvent::Host(e) => e.completed_at(),
+            RawEvent::Cuda(_) => None,
+        }
     }
 }
 

@@ -378,10 +378,8 @@ fn compile_kernels(ctx: &Arc<CudaContext>) -> Result<BenchKernels> {
         options: vec![format!("--gpu-architecture=compute_{major}{minor}")],
         ..Default::default()
     };
-    let ptx = cudarc::nvrtc::compile_ptx_with_opts(BENCH_SOURCE, opts).map_err(|e| Error::Cuda {
-        call: "nvrtcCompileProgram",
-        message: e.to_string(),
-    })?;
+    let ptx = cudarc::nvrtc::compile_ptx_with_opts(BENCH_SOURCE, opts)
+        .map_err(|e| Error::Cuda { call: "nvrtcCompileProgram", message: e.to_string() })?;
     let module = ctx.load_module(ptx).map_err(cu("cuModuleLoadData"))?;
     let rsum = module.load_function("strata_bench_rsum").map_err(cu("cuModuleGetFunction"))?;
     let gather = module.load_function("strata_bench_gather").map_err(cu("cuModuleGetFunction"))?;
@@ -389,7 +387,7 @@ fn compile_kernels(ctx: &Arc<CudaContext>) -> Result<BenchKernels> {
 }
 
 /// Fills `slot` with `make()` if empty and returns what it holds.
-fn lazy<'a, T>(slot: &'a mut Option<T>, make: impl FnOnce() -> Result<T>) -> Result<&'a mut T> {
+fn lazy<T>(slot: &mut Option<T>, make: impl FnOnce() -> Result<T>) -> Result<&mut T> {
     Ok(match slot {
         Some(v) => v,
         empty => empty.insert(make()?),
@@ -536,7 +534,8 @@ impl GpuProbe {
         for _ in 0..warmup {
             self.run_once(path, bytes)?;
         }
-        let seconds = (0..reps).map(|_| self.run_once(path, bytes)).collect::<Result<Vec<f64>>>()?;
+        let seconds =
+            (0..reps).map(|_| self.run_once(path, bytes)).collect::<Result<Vec<f64>>>()?;
         Ok(Timing { seconds, bytes: path.counted_bytes(bytes) })
     }
 
@@ -552,7 +551,8 @@ impl GpuProbe {
                 | GpuPath::ManagedFaults
         );
         if need_kernels {
-            let k = self.kernels.get_or_insert_with(|| compile_kernels(ctx).map_err(|e| e.to_string()));
+            let k =
+                self.kernels.get_or_insert_with(|| compile_kernels(ctx).map_err(|e| e.to_string()));
             if let Err(why) = k {
                 return Err(Error::Cuda { call: "nvrtc", message: why.clone() });
             }
@@ -671,7 +671,8 @@ impl GpuProbe {
         let (group, picks) = gather_shape(bytes);
         let threads = picks as u64 * 16;
         let blocks = threads.div_ceil(256).clamp(1, self.sm_count as u64 * 32) as u32;
-        let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        let cfg =
+            LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
         let (group, picks) = (group as u64, picks as u64);
         let mut b = self.s1.launch_builder(&k.gather);
         b.arg(&ptr).arg(&group).arg(&picks).arg(&out);
@@ -691,10 +692,8 @@ impl GpuProbe {
         if bytes > m.len {
             return Err(missing());
         }
-        let host = sys::CUmemLocation {
-            type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST,
-            id: 0,
-        };
+        let host =
+            sys::CUmemLocation { type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST, id: 0 };
         // A prefetch to the host first only makes the CPU's writes below cheaper (no page fault
         // per page); if the driver refuses it, the writes alone migrate the pages.
         // SAFETY: `ptr..ptr + bytes` lies inside the probe's managed allocation; the stream is the
@@ -719,9 +718,9 @@ impl GpuProbe {
         match path {
             GpuPath::H2dPinned => {
                 let (d, h) = (dev_a.ok_or_else(missing)?, pin_a.ok_or_else(missing)?);
-                // SAFETY: `h` (pinned) and `d` are probe buffers of at least `bytes` (<= max);
-                // the copy is complete when `timed` returns (it waits for the end event).
                 self.timed(|| {
+                    // SAFETY: `h` (pinned) and `d` are probe buffers of at least `bytes` (<= max);
+                    // the copy is complete when `timed` returns (it waits for the end event).
                     unsafe { sys::cuMemcpyHtoDAsync_v2(d, h as *const c_void, bytes, s1) }
                         .result()
                         .map_err(cu("cuMemcpyHtoDAsync"))
@@ -729,8 +728,9 @@ impl GpuProbe {
             }
             GpuPath::D2hPinned => {
                 let (d, h) = (dev_a.ok_or_else(missing)?, pin_a.ok_or_else(missing)?);
-                // SAFETY: as for H2dPinned.
                 self.timed(|| {
+                    // SAFETY: `h` (pinned) and `d` are probe buffers of at least `bytes` (<= max);
+                    // the copy is complete when `timed` returns (it waits for the end event).
                     unsafe { sys::cuMemcpyDtoHAsync_v2(h as *mut c_void, d, bytes, s1) }
                         .result()
                         .map_err(cu("cuMemcpyDtoHAsync"))
@@ -739,10 +739,9 @@ impl GpuProbe {
             GpuPath::H2dPageable => {
                 let d = dev_a.ok_or_else(missing)?;
                 let h = self.pageable.get(..bytes).ok_or_else(missing)?.as_ptr();
-                // SAFETY: `h` is `bytes` of the probe's pageable buffer, which is neither moved
-                // nor written while the copy runs (the driver stages pageable sources before
-                // the call returns; `timed` waits for the end event regardless).
                 self.timed(|| {
+                    // SAFETY: `h` is `bytes` of the probe's pageable buffer, neither moved nor
+                    // written while the copy runs (`timed` waits for the end event).
                     unsafe { sys::cuMemcpyHtoDAsync_v2(d, h as *const c_void, bytes, s1) }
                         .result()
                         .map_err(cu("cuMemcpyHtoDAsync"))
@@ -751,10 +750,9 @@ impl GpuProbe {
             GpuPath::D2hPageable => {
                 let d = dev_a.ok_or_else(missing)?;
                 let h = self.pageable.get_mut(..bytes).ok_or_else(missing)?.as_mut_ptr();
-                let this = &*self;
-                // SAFETY: `h` is `bytes` of the probe's pageable buffer, not otherwise touched
-                // until `timed` has waited for the copy to complete.
-                this.timed(|| {
+                self.timed(|| {
+                    // SAFETY: `h` is `bytes` of the probe's pageable buffer, not otherwise touched
+                    // until `timed` has waited for the copy to complete.
                     unsafe { sys::cuMemcpyDtoHAsync_v2(h as *mut c_void, d, bytes, s1) }
                         .result()
                         .map_err(cu("cuMemcpyDtoHAsync"))
@@ -782,8 +780,9 @@ impl GpuProbe {
             }
             GpuPath::D2d => {
                 let (da, db) = (dev_a.ok_or_else(missing)?, dev_b.ok_or_else(missing)?);
-                // SAFETY: two distinct device buffers of the probe of at least `bytes`.
                 self.timed(|| {
+                    // SAFETY: two distinct device buffers of the probe of at least `bytes`,
+                    // complete when `timed` returns.
                     unsafe { sys::cuMemcpyDtoDAsync_v2(db, da, bytes, s1) }
                         .result()
                         .map_err(cu("cuMemcpyDtoDAsync"))

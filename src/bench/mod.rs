@@ -176,10 +176,6 @@ impl Kind {
         matches!(self, Kind::Gpu(_) | Kind::DiskToDevice)
     }
 
-    fn needs_file(self) -> bool {
-        matches!(self, Kind::DiskWrite | Kind::DiskRead { .. } | Kind::DiskToDevice)
-    }
-
     fn timer(self) -> Timer {
         match self {
             Kind::Gpu(_) => Timer::CudaEvents,
@@ -275,9 +271,8 @@ impl Bench {
         let gpu = if opts.host_only {
             Err("--host given".to_string())
         } else {
-            crate::cuda_device_count().and_then(|_| {
-                CudaContext::new(0).map_err(|e| format!("cannot open device 0: {e}"))
-            })
+            crate::cuda_device_count()
+                .and_then(|_| CudaContext::new(0).map_err(|e| format!("cannot open device 0: {e}")))
         };
         Ok(Bench { host_forced: opts.host_only, opts, sizes, paths, gpu })
     }
@@ -325,21 +320,27 @@ impl Bench {
         let mut report = Report::new(self.sizes.clone(), self.paths.iter().map(|p| p.name.clone()));
         report.machine = MachineInfo::collect(self.banner());
         report.machine.disk_dir = dir.display().to_string();
-        match &self.gpu {
-            Ok(ctx) => {
-                let p = GpuProbe::new(ctx, max as usize)?;
-                report.machine.gpu = Some(p.info().clone());
-                probe = Some(p);
-            }
+        let no_gpu = match &self.gpu {
+            Ok(ctx) => match GpuProbe::new(ctx, max as usize) {
+                Ok(p) => {
+                    report.machine.gpu = Some(p.info().clone());
+                    probe = Some(p);
+                    None
+                }
+                Err(e) => Some(format!("the GPU probe failed: {e}")),
+            },
             Err(why) => {
                 report.machine.no_gpu_reason = Some(why.clone());
-                for p in self.paths.iter().filter(|p| p.kind.needs_gpu()) {
-                    report.skipped.push(Skip {
-                        path: p.name.clone(),
-                        size: None,
-                        reason: "needs a GPU".into(),
-                    });
-                }
+                Some("needs a GPU".to_string())
+            }
+        };
+        if let Some(reason) = no_gpu {
+            for p in self.paths.iter().filter(|p| p.kind.needs_gpu()) {
+                report.skipped.push(Skip {
+                    path: p.name.clone(),
+                    size: None,
+                    reason: reason.clone(),
+                });
             }
         }
         let runnable: Vec<&PathSpec> =
@@ -349,11 +350,8 @@ impl Bench {
         let ctx = self.gpu.as_ref().ok();
         let mut direct_seen = None;
         for &size in &self.sizes {
-            let reps = self.opts.reps.unwrap_or(if size <= SMALL_MAX {
-                SMALL_REPS
-            } else {
-                LARGE_REPS
-            });
+            let reps =
+                self.opts.reps.unwrap_or(if size <= SMALL_MAX { SMALL_REPS } else { LARGE_REPS });
             let mut sweep = SizeSweep {
                 size,
                 reps,
@@ -372,6 +370,9 @@ impl Bench {
             sweep.finish();
         }
         progress.done();
+        // Path by path (in catalogue order), each by size: the order of the CSV and JSON.
+        let order = |name: &str| self.paths.iter().position(|p| p.name == name);
+        report.results.sort_by_key(|m| (order(&m.path), m.size));
         report.machine.disk_direct_io = direct_seen;
         drop(probe);
         if let Some(ctx) = ctx {
@@ -513,11 +514,7 @@ impl Progress {
         }
         let line = format!("[{}/{}] {path} {}", self.done, self.total, format_size(size));
         let mut e = std::io::stderr().lock();
-        let _ = if self.tty {
-            write!(e, "\r\x1b[2K{line}")
-        } else {
-            writeln!(e, "{line}")
-        };
+        let _ = if self.tty { write!(e, "\r\x1b[2K{line}") } else { writeln!(e, "{line}") };
         let _ = e.flush();
     }
 

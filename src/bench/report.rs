@@ -167,12 +167,7 @@ fn utc_date(secs: u64) -> String {
     let d = doy - (153 * mp + 2) / 5 + 1;
     let m = if mp < 10 { mp + 3 } else { mp - 9 };
     let y = yoe + era * 400 + i64::from(m <= 2);
-    format!(
-        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z",
-        rem / 3600,
-        rem % 3600 / 60,
-        rem % 60
-    )
+    format!("{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z", rem / 3600, rem % 3600 / 60, rem % 60)
 }
 
 /// Everything a sweep measured.
@@ -576,7 +571,8 @@ impl Report {
             })
             .collect();
         let _ = writeln!(s, "  \"skipped\": [\n{}\n  ],", skipped.join(",\n"));
-        let notes: Vec<String> = self.notes.iter().map(|n| format!("    {}", json_str(n))).collect();
+        let notes: Vec<String> =
+            self.notes.iter().map(|n| format!("    {}", json_str(n))).collect();
         let _ = writeln!(s, "  \"notes\": [\n{}\n  ]", notes.join(",\n"));
         s.push_str("}\n");
         // Empty arrays print as "[\n\n  ]": valid JSON, but tidy them.
@@ -695,6 +691,47 @@ mod tests {
         assert_eq!(ratios.len(), 3);
         let one = ratios.iter().find(|x| x.size == 1 << 20 && x.raw_path == "host_memcpy").unwrap();
         assert!((one.ratio - 1.0).abs() < 1e-12);
+    }
+
+    #[test]
+    fn gpu_tables_show_ratios_against_the_copies_and_the_zero_copy_win() {
+        let sizes = [1u64 << 20, 1 << 30];
+        let mut r = Report::new(sizes.to_vec(), std::iter::empty());
+        r.machine.gpu = Some(GpuInfo {
+            ordinal: 0,
+            name: "NVIDIA H100".into(),
+            compute_capability: (9, 0),
+            sm_count: 132,
+            total_mem: 80 << 30,
+            free_mem: 79 << 30,
+            driver_version: 12080,
+        });
+        // (path, GB/s at each size, bytes counted per GB/s of size)
+        let cells: [(&str, [f64; 2], f64); 5] = [
+            ("h2d_pinned", [20.0, 54.9], 1.0),
+            ("gather_hbm", [0.5, 500.0], 0.01),
+            ("gather_mapped", [0.4, 40.0], 0.01),
+            ("store_pinned_to_device", [18.0, 53.0], 1.0),
+            ("store_disk_to_device", [0.9, 1.4], 1.0),
+        ];
+        for (path, gbps, frac) in cells {
+            r.paths.push(path.to_string());
+            for (i, &size) in sizes.iter().enumerate() {
+                let bytes = (size as f64 * frac) as u64;
+                let t = Timing { seconds: vec![bytes as f64 / (gbps[i] * 1e9)], bytes };
+                r.results.push(Measurement::new(path, size, &t, Timer::CudaEvents));
+            }
+        }
+        let t = r.table();
+        assert!(t.contains("store_pinned_to_device / h2d_pinned"), "{t}");
+        // No raw disk_to_device measured: no ratio row for it.
+        assert!(!t.contains("store_disk_to_device /"), "{t}");
+        let zc =
+            t.lines().find(|l| l.contains("1 GiB: zero-copy")).unwrap_or_else(|| panic!("{t}"));
+        assert!(zc.contains("zero-copy") && zc.ends_with("x faster"), "{zc}");
+        let small = t.lines().find(|l| l.contains("1 MiB: zero-copy")).unwrap();
+        assert!(small.contains("copy first") || small.contains("zero-copy"), "{small}");
+        assert!(t.contains("NVIDIA H100"), "{t}");
     }
 
     #[test]

@@ -38,13 +38,9 @@ fn contents(len: usize) -> Vec<u8> {
 impl StorePaths {
     /// A store on the CUDA backend in `ctx` (or the host backend without one), each tier sized
     /// for one tensor of `size` bytes, its disk tier in `dir`, holding that tensor.
-    pub(super) fn new(
-        ctx: Option<&Arc<CudaContext>>,
-        size: u64,
-        dir: &Path,
-    ) -> Result<StorePaths> {
+    pub(super) fn new(ctx: Option<&Arc<CudaContext>>, size: u64, dir: &Path) -> Result<StorePaths> {
         let room = size.div_ceil(4096) * 4096;
-        let mut b = Store::builder().disk_dir(dir).chunk_size(room).promote_on_read(false);
+        let mut b = Store::builder().disk_dir(dir).promote_on_read(false);
         for t in Tier::ALL {
             b = b.capacity(t, room);
         }

@@ -3,7 +3,7 @@
 
 use std::fmt::Write as _;
 
-use super::report::{fmt_gbps, short_size, Report};
+use super::report::{short_size, Report};
 
 /// Matplotlib's "tab10" palette: distinct on white, and for most colour-blind readers.
 const PALETTE: [&str; 10] = [
@@ -63,9 +63,8 @@ pub fn svg_plot(report: &Report) -> String {
 
     // Axis ranges (log2 of bytes, log10 of GB/s), padded so that no marker sits on an axis.
     let sizes: Vec<f64> = report.sizes.iter().map(|&b| (b.max(1) as f64).log2()).collect();
-    let (mut x0, mut x1) = sizes
-        .iter()
-        .fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), &x| (a.min(x), b.max(x)));
+    let (mut x0, mut x1) =
+        sizes.iter().fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), &x| (a.min(x), b.max(x)));
     if !x0.is_finite() {
         (x0, x1) = (12.0, 30.0);
     }
@@ -127,7 +126,11 @@ pub fn svg_plot(report: &Report) -> String {
     let mut d = y0 as i32;
     while d as f64 <= y1 {
         let y = py(d as f64);
-        let _ = writeln!(s, "<line x1=\"{LEFT}\" y1=\"{y:.1}\" x2=\"{}\" y2=\"{y:.1}\"/>", LEFT + PLOT_W);
+        let _ = writeln!(
+            s,
+            "<line x1=\"{LEFT}\" y1=\"{y:.1}\" x2=\"{}\" y2=\"{y:.1}\"/>",
+            LEFT + PLOT_W
+        );
         let label = fmt_decade(d);
         let _ = writeln!(
             ys,
@@ -151,7 +154,8 @@ pub fn svg_plot(report: &Report) -> String {
     let mut xs = String::new();
     for e in x_ticks(x0, x1) {
         let x = px(e as f64);
-        let _ = writeln!(s, "<line x1=\"{x:.1}\" y1=\"{TOP}\" x2=\"{x:.1}\" y2=\"{}\"/>", TOP + PLOT_H);
+        let _ =
+            writeln!(s, "<line x1=\"{x:.1}\" y1=\"{TOP}\" x2=\"{x:.1}\" y2=\"{}\"/>", TOP + PLOT_H);
         let _ = writeln!(
             xs,
             "<text x=\"{x:.1}\" y=\"{}\" text-anchor=\"middle\">{}</text>",
@@ -211,11 +215,8 @@ pub fn svg_plot(report: &Report) -> String {
 
     // The legend: a sample of each line and the path's name.
     let _ = writeln!(s, "<g class=\"legend\">");
-    let _ = writeln!(
-        s,
-        "<text x=\"{LEGEND_X}\" y=\"{}\" font-weight=\"bold\">path</text>",
-        TOP + 4.0
-    );
+    let _ =
+        writeln!(s, "<text x=\"{LEGEND_X}\" y=\"{}\" font-weight=\"bold\">path</text>", TOP + 4.0);
     for (i, (p, st)) in paths.iter().zip(&styles).enumerate() {
         let y = TOP + 22.0 + i as f64 * LEGEND_ROW;
         let dash = st.dash.map_or(String::new(), |d| format!(" stroke-dasharray=\"{d}\""));
@@ -227,13 +228,8 @@ pub fn svg_plot(report: &Report) -> String {
             LEGEND_X + 30.0,
             marker(LEGEND_X + 15.0, y, st).trim_end()
         );
-        let _ = writeln!(
-            s,
-            "<text x=\"{}\" y=\"{:.1}\">{}</text>",
-            LEGEND_X + 38.0,
-            y + 4.0,
-            esc(p)
-        );
+        let _ =
+            writeln!(s, "<text x=\"{}\" y=\"{:.1}\">{}</text>", LEGEND_X + 38.0, y + 4.0, esc(p));
     }
     let _ = writeln!(s, "</g>");
     if paths.is_empty() {

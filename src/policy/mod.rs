@@ -2,8 +2,10 @@
 //!
 //! The store asks a [`Policy`] two questions: which tensors to demote when a tier is full
 //! ([`Policy::order_victims`]) and whether a tensor from a slower tier is worth promoting at the
-//! cost of those victims ([`Policy::admit`]). Two are built in, a file each:
-//! [`FrequencyPolicy`] (the default) and [`LruPolicy`].
+//! cost of those victims ([`Policy::admit`]). A policy may also look ahead: the store asks
+//! [`Policy::lookahead`] after each access which tensors to prefetch. Three are built in, a file
+//! each: [`FrequencyPolicy`] (the default), [`LruPolicy`], and [`SchedulePolicy`], which learns
+//! the repeating access order of a training step.
 
 use std::fmt;
 use std::str::FromStr;
@@ -12,9 +14,11 @@ use crate::types::{TensorId, Tier};
 
 mod frequency;
 mod lru;
+mod schedule;
 
 pub use frequency::FrequencyPolicy;
 pub use lru::LruPolicy;
+pub use schedule::SchedulePolicy;
 
 /// Decides which tensors to demote from a full tier and whether a tensor deserves promotion.
 ///
@@ -40,6 +44,20 @@ pub trait Policy: Send + 'static {
     /// demoting `victims` (already chosen by order_victims, possibly empty when there is free
     /// room).
     fn admit(&mut self, tier: Tier, candidate: TensorId, victims: &[TensorId]) -> bool;
+    /// A training step begins ([`Store::step`](crate::Store::step)). Default: nothing.
+    fn on_step(&mut self) {}
+    /// Tensors the policy expects to be used soon, soonest first, to be prefetched to the
+    /// device. `cost(id)` is the number of bytes prefetching `id` would move (0 when it is
+    /// already resident or in flight; `None` for an unknown id); stop once the costs reach
+    /// `max_bytes`. Called after every access, so keep it cheap. Default: nothing.
+    fn lookahead(
+        &mut self,
+        max_bytes: u64,
+        cost: &mut dyn FnMut(TensorId) -> Option<u64>,
+    ) -> Vec<TensorId> {
+        let _ = (max_bytes, cost);
+        Vec::new()
+    }
 }
 
 /// The built-in policies, by name (for the builder and the CLI: "frequency", "lru").
@@ -50,17 +68,21 @@ pub enum PolicyKind {
     Frequency,
     /// [`LruPolicy`]: least recently used first, always admits.
     Lru,
+    /// [`SchedulePolicy`]: records the access order of a step, then prefetches along it and
+    /// evicts the tensor whose next use is furthest away.
+    Schedule,
 }
 
 impl PolicyKind {
     /// Every built-in policy, the default first.
-    pub const ALL: [PolicyKind; 2] = [PolicyKind::Frequency, PolicyKind::Lru];
+    pub const ALL: [PolicyKind; 3] = [PolicyKind::Frequency, PolicyKind::Lru, PolicyKind::Schedule];
 
     /// A fresh policy of this kind, with its default settings.
     pub fn build(self) -> Box<dyn Policy> {
         match self {
             PolicyKind::Frequency => Box::new(FrequencyPolicy::new()),
             PolicyKind::Lru => Box::new(LruPolicy::new()),
+            PolicyKind::Schedule => Box::new(SchedulePolicy::new()),
         }
     }
 
@@ -69,6 +91,7 @@ impl PolicyKind {
         match self {
             PolicyKind::Frequency => "frequency",
             PolicyKind::Lru => "lru",
+            PolicyKind::Schedule => "schedule",
         }
     }
 }
@@ -83,7 +106,11 @@ impl FromStr for PolicyKind {
     type Err = crate::Error;
     fn from_str(s: &str) -> crate::Result<PolicyKind> {
         PolicyKind::ALL.into_iter().find(|k| k.name().eq_ignore_ascii_case(s.trim())).ok_or_else(
-            || crate::Error::InvalidArgument(format!("unknown policy {s:?} (try frequency, lru)")),
+            || {
+                crate::Error::InvalidArgument(format!(
+                    "unknown policy {s:?} (try frequency, lru, schedule)"
+                ))
+            },
         )
     }
 }
@@ -129,7 +156,7 @@ mod tests {
 
     #[test]
     fn frequency_refuses_a_one_off_over_a_hot_victim_lru_admits() {
-        for kind in PolicyKind::ALL {
+        for kind in [PolicyKind::Frequency, PolicyKind::Lru] {
             let mut p = kind.build();
             hot_then_scan(&mut *p);
             p.on_insert(id(9), 1 << 20);

@@ -1,9 +1,65 @@
-//! Helpers shared by the integration tests: a small seeded PRNG, random bytes, and checks that
-//! hold after every operation.
+//! Helpers shared by the integration tests: the backends a test runs on, a small seeded PRNG,
+//! random bytes, and checks that hold after every operation.
 
 #![allow(dead_code)]
 
-use strata::{Error, Stats, Store, Tier};
+use strata::{Error, Stats, Store, StoreBuilder, Tier};
+
+/// The backend a parameterized test runs on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Backend {
+    /// Tiers emulated in host memory; runs everywhere.
+    Host,
+    /// The CUDA backend on device 0; only where a GPU is present.
+    Cuda,
+}
+
+impl Backend {
+    /// A store builder for this backend: forced host, or CUDA without the host fallback (so a
+    /// CUDA run never silently tests the host backend instead).
+    pub fn builder(self) -> StoreBuilder {
+        match self {
+            Backend::Host => Store::builder().host_backend(),
+            Backend::Cuda => Store::builder().require_gpu(),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Backend::Host => "host",
+            Backend::Cuda => "cuda",
+        }
+    }
+}
+
+/// Runs `f` on the host backend, then on the CUDA backend when a GPU is present; without one
+/// prints `SKIP <test> on cuda: no GPU (<reason>)`, or panics when `STRATA_REQUIRE_GPU=1`.
+/// A failing run is reported with the backend it failed on.
+pub fn each_backend(test: &str, mut f: impl FnMut(Backend)) {
+    /// Names the test and backend when the run unwinds from a failure.
+    struct OnPanic<'a>(&'a str, Backend);
+    impl Drop for OnPanic<'_> {
+        fn drop(&mut self) {
+            if std::thread::panicking() {
+                eprintln!("FAILED {} on {}", self.0, self.1.name());
+            }
+        }
+    }
+    let mut run = |backend: Backend| {
+        let _guard = OnPanic(test, backend);
+        f(backend);
+    };
+    run(Backend::Host);
+    let why = match strata::cuda_device_count() {
+        Ok(n) if n > 0 => return run(Backend::Cuda),
+        Ok(_) => "the driver reports no CUDA device".to_string(),
+        Err(why) => why,
+    };
+    if std::env::var("STRATA_REQUIRE_GPU").is_ok_and(|v| v == "1") {
+        panic!("{test} on cuda: no GPU ({why}), and STRATA_REQUIRE_GPU=1");
+    }
+    println!("SKIP {test} on cuda: no GPU ({why})");
+}
 
 /// xorshift64*: deterministic, seedable, good enough to drive randomized tests.
 #[derive(Clone, Debug)]

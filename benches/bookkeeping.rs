@@ -1,0 +1,139 @@
+//! What strata's bookkeeping costs per operation, on the CPU with the host backend (no GPU
+//! needed): a policy update per access, the allocator behind `put` / `remove`, a device view
+//! acquired and dropped, `put` + `read` of a small tensor, and a read that hits.
+//!
+//! ```text
+//! cargo bench --bench bookkeeping
+//! ```
+//! Each benchmark's id says what one iteration is. The target (issue 7) is under 1 µs of
+//! bookkeeping per access; `docs/bench.md` records the figures.
+
+use std::time::Duration;
+
+use criterion::{black_box, criterion_group, criterion_main, BatchSize, Criterion, Throughput};
+use strata::{DType, FrequencyPolicy, LruPolicy, Policy, Store, TensorId, Tier};
+
+/// Tensors in the policy benchmarks.
+const TENSORS: usize = 10_000;
+/// Bytes of the small tensors.
+const SMALL: usize = 4096;
+
+/// A store on the host backend whose fastest tier is `top` (64 MiB; the tiers above it
+/// disabled), with a 64 MiB disk tier below. With `top` = Device, puts and reads go through the
+/// emulated copy streams (worker threads); with Pinned they are plain memcpys, so what remains is
+/// the bookkeeping.
+fn host_store(top: Tier) -> Store {
+    let mut b = Store::builder().host_backend().capacity(Tier::Disk, 64 << 20);
+    for t in [Tier::Device, Tier::Pinned, Tier::Mapped] {
+        b = b.capacity(t, if t == top { 64 << 20 } else { 0 });
+    }
+    b.build().expect("a host store")
+}
+
+/// `n` valid tensor ids (the only way to make ids outside the crate is to put tensors).
+fn ids(n: usize) -> Vec<TensorId> {
+    let store = Store::builder()
+        .host_backend()
+        .capacity(Tier::Device, (n as u64) * 4096 + (1 << 20))
+        .capacity(Tier::Pinned, 0)
+        .capacity(Tier::Mapped, 0)
+        .capacity(Tier::Disk, 0)
+        .build()
+        .expect("a host store");
+    (0..n).map(|i| store.put(&format!("t{i}"), DType::U8, &[1], &[0]).expect("put")).collect()
+}
+
+fn quick(c: &mut Criterion) -> criterion::BenchmarkGroup<'_, criterion::measurement::WallTime> {
+    let mut g = c.benchmark_group("bookkeeping");
+    g.measurement_time(Duration::from_secs(2)).warm_up_time(Duration::from_millis(500));
+    g
+}
+
+fn policies(c: &mut Criterion) {
+    let ids = ids(TENSORS);
+    let mut g = quick(c);
+    g.throughput(Throughput::Elements(1));
+    let mut freq = FrequencyPolicy::new();
+    let mut lru = LruPolicy::new();
+    for &id in &ids {
+        freq.on_insert(id, 1 << 20);
+        lru.on_insert(id, 1 << 20);
+    }
+    // A stride through the ids: every access touches a different tensor, as a layer sweep does.
+    let mut k = 0usize;
+    g.bench_function("frequency on_access (1 access, 10k tensors)", |b| {
+        b.iter(|| {
+            k = (k + 7919) % TENSORS;
+            freq.on_access(black_box(ids[k]));
+        })
+    });
+    g.bench_function("lru on_access (1 access, 10k tensors)", |b| {
+        b.iter(|| {
+            k = (k + 7919) % TENSORS;
+            lru.on_access(black_box(ids[k]));
+        })
+    });
+    g.finish();
+}
+
+fn store_ops(c: &mut Criterion) {
+    let data = vec![7u8; SMALL];
+    let mut g = quick(c);
+    g.throughput(Throughput::Elements(1));
+
+    for (top, what) in
+        [(Tier::Pinned, "Pinned tier, memcpy"), (Tier::Device, "Device tier, host stream")]
+    {
+        let store = host_store(top);
+        g.bench_function(format!("put + remove (one 4 KiB tensor, {what})"), |b| {
+            b.iter(|| {
+                let id = store.put("t", DType::U8, &[SMALL], black_box(&data)).expect("put");
+                store.remove(id).expect("remove");
+            })
+        });
+        g.bench_function(format!("put + read + remove (one 4 KiB tensor, {what})"), |b| {
+            b.iter(|| {
+                let id = store.put("t", DType::U8, &[SMALL], black_box(&data)).expect("put");
+                black_box(store.read(id).expect("read"));
+                store.remove(id).expect("remove");
+            })
+        });
+        let id = store.put("resident", DType::U8, &[SMALL], &data).expect("put");
+        g.bench_function(format!("read (one resident 4 KiB tensor, a hit, {what})"), |b| {
+            b.iter(|| black_box(store.read(black_box(id)).expect("read")))
+        });
+    }
+
+    let store = host_store(Tier::Device);
+    let id = store.put("resident", DType::U8, &[SMALL], &data).expect("put");
+    let stream = store.stream().expect("stream");
+    g.bench_function("device_view + drop (one resident 4 KiB tensor, host backend)", |b| {
+        b.iter(|| drop(black_box(store.device_view(id, &stream).expect("view"))))
+    });
+    stream.synchronize().expect("sync");
+
+    // A batch of views held at once and then dropped: the guards' cost without the host
+    // stream's per-drop event dominating a single iteration.
+    let many: Vec<TensorId> = (0..64)
+        .map(|i| store.put(&format!("v{i}"), DType::U8, &[SMALL], &data).expect("put"))
+        .collect();
+    g.throughput(Throughput::Elements(many.len() as u64));
+    g.bench_function("device_view x64 then drop x64 (resident 4 KiB tensors)", |b| {
+        b.iter_batched_ref(
+            Vec::new,
+            |views| {
+                for &id in &many {
+                    views.push(store.device_view(id, &stream).expect("view"));
+                }
+                views.clear();
+            },
+            BatchSize::SmallInput,
+        )
+    });
+    stream.synchronize().expect("sync");
+    store.check_err().expect("no deferred errors");
+    g.finish();
+}
+
+criterion_group!(benches, policies, store_ops);
+criterion_main!(benches);

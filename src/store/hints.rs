@@ -1,0 +1,483 @@
+//! Migration hints (prefetch, release, pin, layer scopes, step marks), the prefetch machinery
+//! behind them, the disk workers' side of a fill, and the Chrome trace.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use super::{Entry, Ext, Level, Replica, Shared, Source, State, Store};
+use crate::arena::upload_piece;
+use crate::backend::{Backend, RawEvent};
+use crate::disk::DiskTier;
+use crate::engine::{Engine, Fill, FillRunner};
+use crate::error::{Error, Result};
+use crate::trace::{self, Clock, Span, TimePoint, Track};
+use crate::types::{TensorId, Tier};
+
+/// What became of one prefetch request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Outcome {
+    /// Resident, or its copy issued.
+    Started,
+    /// Over the prefetch budget or no room now: try again later.
+    Wait,
+    /// Nothing to do (no Device tier, or too large for it).
+    Skipped,
+}
+
+impl Store {
+    /// Starts bringing these tensors to the Device tier and returns at once. A later
+    /// [`device_view`](Store::device_view) waits only for the copy still in flight, by stream
+    /// wait. Prefetched tensors are not evicted until used or [`release`](Store::release)d;
+    /// prefetches beyond the [prefetch budget](crate::StoreBuilder::prefetch_budget) start once
+    /// earlier ones are used. An unknown id is an error and nothing is prefetched.
+    pub fn prefetch(&self, ids: &[TensorId]) -> Result<()> {
+        let be = &self.shared.backend;
+        let engine = self.shared.engine.get();
+        let mut st = self.shared.state.lock();
+        st.check_ids(ids)?;
+        for &id in ids {
+            if st.prefetch_one(be, engine, id, Source::Hint, false)? == Outcome::Wait
+                && !st.waiting.contains(&id)
+            {
+                st.waiting.push_back(id);
+            }
+        }
+        Ok(())
+    }
+
+    /// Says these tensors are done with for now: they are the first demoted when room is needed,
+    /// and a tensor whose only copy is on the device (written there) starts being written back
+    /// to a host tier with room, so that evicting it later costs nothing. Returns at once; no
+    /// data is dropped.
+    pub fn release(&self, ids: &[TensorId]) -> Result<()> {
+        let be = &self.shared.backend;
+        let mut st = self.shared.state.lock();
+        st.check_ids(ids)?;
+        for &id in ids {
+            st.release_one(be, id)?;
+        }
+        st.pump_waiting(be, self.shared.engine.get());
+        Ok(())
+    }
+
+    /// Keeps these tensors on the device until [`unpin`](Store::unpin)ned (bringing them there
+    /// first, asynchronously). A pinned tensor is never evicted, moved or removed (`Busy`).
+    pub fn pin(&self, ids: &[TensorId]) -> Result<()> {
+        let be = &self.shared.backend;
+        let engine = self.shared.engine.get();
+        let mut st = self.shared.state.lock();
+        st.check_ids(ids)?;
+        for &id in ids {
+            st.entries.get_mut(&id).expect("checked").pins += 1;
+            st.prefetch_one(be, engine, id, Source::Hint, true)?;
+        }
+        Ok(())
+    }
+
+    /// Undoes one [`pin`](Store::pin) of each tensor. Unpinning a tensor that is not pinned is
+    /// an `InvalidArgument` error, and nothing is unpinned.
+    pub fn unpin(&self, ids: &[TensorId]) -> Result<()> {
+        let mut st = self.shared.state.lock();
+        st.check_ids(ids)?;
+        for &id in ids {
+            let pins = st.entries[&id].pins;
+            let asked = ids.iter().filter(|&&x| x == id).count() as u32;
+            if pins < asked {
+                return Err(Error::InvalidArgument(format!(
+                    "unpin of tensor {id:?} pinned {pins} time(s), asked {asked}"
+                )));
+            }
+        }
+        for &id in ids {
+            st.entries.get_mut(&id).expect("checked").pins -= 1;
+        }
+        Ok(())
+    }
+
+    /// A layer scope: this layer uses `uses`, the next one will use `next`. The tensors in `uses`
+    /// are made resident (asynchronously; views wait for the copies) and held until the scope
+    /// drops, when they are released; `next` is prefetched. Write one around each layer of a
+    /// forward and a backward pass:
+    ///
+    /// ```
+    /// # use strata::{DType, Store, Tier};
+    /// # fn main() -> strata::Result<()> {
+    /// # let store = Store::builder().host_backend().capacity(Tier::Device, 64 << 10).build()?;
+    /// # let w: Vec<_> = (0..4).map(|l| store.put(&format!("w{l}"), DType::U8, &[8192], &[0; 8192])).collect::<Result<_, _>>()?;
+    /// let s = store.stream()?;
+    /// for l in 0..w.len() {
+    ///     let next: &[_] = if l + 1 < w.len() { &w[l + 1..l + 2] } else { &[] };
+    ///     let _layer = store.layer(&w[l..l + 1], next)?;
+    ///     let view = store.device_view(w[l], &s)?;
+    ///     // ... launch this layer's kernels on `s` with view.device_ptr() ...
+    /// }
+    /// # Ok(()) }
+    /// ```
+    /// What a scope says outranks the policy's own lookahead: scoped and hinted tensors are
+    /// never evicted to make room for a guess.
+    pub fn layer(&self, uses: &[TensorId], next: &[TensorId]) -> Result<LayerScope> {
+        let be = &self.shared.backend;
+        let engine = self.shared.engine.get();
+        let mut st = self.shared.state.lock();
+        st.check_ids(uses)?;
+        st.check_ids(next)?;
+        for &id in uses {
+            st.entries.get_mut(&id).expect("checked").scopes += 1;
+            st.prefetch_one(be, engine, id, Source::Hint, true)?;
+        }
+        for &id in next {
+            if st.prefetch_one(be, engine, id, Source::Hint, false)? == Outcome::Wait
+                && !st.waiting.contains(&id)
+            {
+                st.waiting.push_back(id);
+            }
+        }
+        Ok(LayerScope { shared: self.shared.clone(), uses: uses.to_vec() })
+    }
+
+    /// Marks the start of a training step, for the schedule-learning policy (which can also
+    /// find the period of the accesses without it).
+    pub fn step(&self) {
+        self.shared.state.lock().policy.on_step();
+    }
+
+    /// Writes a Chrome trace (open it in Perfetto, ui.perfetto.dev, or chrome://tracing) of the
+    /// copies on each copy stream, the disk workers' reads and the consumers' waits recorded so
+    /// far (the most recent 100,000).
+    pub fn trace(&self, path: impl AsRef<std::path::Path>) -> Result<()> {
+        let mut st = self.shared.state.lock();
+        st.resolve_probes(&self.shared.clock);
+        trace::write_chrome(path.as_ref(), &st.spans, &self.shared.clock)
+    }
+}
+
+/// A layer's hold on the tensors it uses (see [`Store::layer`]): dropping it releases them.
+#[must_use = "the layer's tensors are released when the scope drops"]
+pub struct LayerScope {
+    shared: Arc<Shared>,
+    uses: Vec<TensorId>,
+}
+
+impl Drop for LayerScope {
+    fn drop(&mut self) {
+        let be = &self.shared.backend;
+        let mut st = self.shared.state.lock();
+        let mut res = Ok(());
+        for &id in &self.uses {
+            if let Some(e) = st.entries.get_mut(&id) {
+                e.scopes = e.scopes.saturating_sub(1);
+                if res.is_ok() {
+                    res = st.release_one(be, id);
+                }
+            }
+        }
+        st.pump_waiting(be, self.shared.engine.get());
+        drop(st);
+        if let Err(e) = res {
+            self.shared.deferred.lock().push(e);
+        }
+    }
+}
+
+impl State {
+    fn check_ids(&self, ids: &[TensorId]) -> Result<()> {
+        match ids.iter().find(|id| !self.entries.contains_key(id)) {
+            Some(&id) => Err(Error::UnknownId(id)),
+            None => Ok(()),
+        }
+    }
+
+    /// Starts bringing `id` to the device. `force` ignores the prefetch budget (the tensor is
+    /// needed now: a pin or a scope's own tensors).
+    pub(crate) fn prefetch_one(
+        &mut self,
+        be: &Backend,
+        engine: Option<&Engine>,
+        id: TensorId,
+        source: Source,
+        force: bool,
+    ) -> Result<Outcome> {
+        if !self.enabled(Tier::Device) {
+            return Ok(Outcome::Skipped);
+        }
+        let e = self.entry(id)?;
+        let bytes = e.bytes;
+        if e.replicas[Tier::Device.index()].is_some() {
+            // Resident or on its way: protect it until used, as a prefetch would.
+            let e = self.entries.get_mut(&id).expect("checked");
+            e.released = false;
+            match e.prefetched {
+                None if e.views == 0 => {
+                    e.prefetched = Some(source);
+                    self.inflight += bytes;
+                }
+                Some(Source::Policy) if source == Source::Hint => e.prefetched = Some(source),
+                _ => {}
+            }
+            return Ok(Outcome::Started);
+        }
+        if !self.can_ever_fit(Tier::Device, bytes) {
+            return Ok(Outcome::Skipped);
+        }
+        if !force && self.inflight + bytes > self.prefetch_budget {
+            return Ok(Outcome::Wait);
+        }
+        let level = if source == Source::Hint { Level::Demand } else { Level::Guess };
+        let Some(ext) = self.alloc_evicting(be, Tier::Device, bytes, id, level)? else {
+            return Ok(Outcome::Wait);
+        };
+        let src = self.entries[&id].fastest_readable().ok_or(Error::UnknownId(id))?;
+        match (src, engine) {
+            (Tier::Disk, Some(engine)) => {
+                // From disk: a worker reads it without the lock; views wait for its job.
+                let fill = Fill::new();
+                let mut r = Replica::new(ext, None);
+                r.fill = Some(fill.clone());
+                self.put_replica(id, Tier::Device, r);
+                engine.submit(id, fill);
+            }
+            _ => self.copy_replica(be, id, src, Tier::Device, ext)?,
+        }
+        let e = self.entries.get_mut(&id).expect("checked");
+        e.prefetched = Some(source);
+        e.released = false;
+        self.inflight += bytes;
+        self.counters.prefetches += 1;
+        Ok(Outcome::Started)
+    }
+
+    /// Starts the hinted prefetches that were waiting, in order, while they fit.
+    pub(crate) fn pump_waiting(&mut self, be: &Backend, engine: Option<&Engine>) {
+        while let Some(id) = self.waiting.pop_front() {
+            if !self.entries.contains_key(&id) {
+                continue;
+            }
+            match self.prefetch_one(be, engine, id, Source::Hint, false) {
+                Ok(Outcome::Wait) => {
+                    self.waiting.push_front(id);
+                    break;
+                }
+                Ok(_) => {}
+                // A hint's copy failing is not the caller's error: the tensor stays where it
+                // is, intact, and a view will try (and report) again.
+                Err(_) => {}
+            }
+        }
+    }
+
+    /// Prefetches what the policy expects next, within what is left of the prefetch budget.
+    /// Guesses never evict prefetched or held tensors.
+    pub(crate) fn lookahead(&mut self, be: &Backend, engine: Option<&Engine>) {
+        if !self.enabled(Tier::Device) {
+            return;
+        }
+        let room = self.prefetch_budget.saturating_sub(self.inflight);
+        if room == 0 {
+            return;
+        }
+        let State { policy, entries, .. } = self;
+        let ids = policy.lookahead(room, &mut |id| {
+            entries.get(&id).map(|e| {
+                if e.replicas[Tier::Device.index()].is_some() {
+                    0
+                } else {
+                    e.bytes
+                }
+            })
+        });
+        for id in ids {
+            match self.prefetch_one(be, engine, id, Source::Policy, false) {
+                Ok(Outcome::Started) | Ok(Outcome::Skipped) => {}
+                Ok(Outcome::Wait) | Err(_) => break,
+            }
+        }
+    }
+
+    /// A release hint for one tensor.
+    pub(crate) fn release_one(&mut self, be: &Backend, id: TensorId) -> Result<()> {
+        self.consume_prefetch(id);
+        self.waiting.retain(|&w| w != id);
+        let e = self.entries.get_mut(&id).ok_or(Error::UnknownId(id))?;
+        if e.replicas[Tier::Device.index()].is_none() {
+            return Ok(());
+        }
+        e.released = true;
+        // Written on the device and held nowhere else: start the write-back now, into a host
+        // tier with free room (no eviction for a hint), so that dropping it later is free.
+        if e.held() == 0 && e.filling().is_none() && e.count() == 1 {
+            let bytes = e.bytes;
+            for t in [Tier::Pinned, Tier::Mapped] {
+                if self.enabled(t) {
+                    if let Some(ext) = self.try_alloc(t, bytes)? {
+                        self.copy_replica(be, id, Tier::Device, t, ext)?;
+                        break;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Adds the stream waits whose events have both completed to the stall time and the trace.
+    pub(crate) fn resolve_probes(&mut self, clock: &Clock) {
+        let mut i = 0;
+        while i < self.probes.len() {
+            let (mark, ready) = &self.probes[i];
+            if !(mark.is_complete() && ready.is_complete()) {
+                i += 1;
+                continue;
+            }
+            let (mark, ready) = self.probes.swap_remove(i);
+            if let Some(wait) = ready.seconds_since(&mark).filter(|w| *w > 0.0) {
+                self.counters.stall_s += wait;
+                let span = Span {
+                    track: Track::Stall,
+                    what: "wait",
+                    tensor: String::new(),
+                    bytes: 0,
+                    start: TimePoint::Ev(mark),
+                    end: TimePoint::Ev(ready),
+                };
+                if clock.span(&span).is_some() {
+                    trace::push(&mut self.spans, span);
+                }
+            }
+        }
+    }
+}
+
+impl Entry {
+    pub(crate) fn count(&self) -> usize {
+        self.replicas.iter().flatten().count()
+    }
+}
+
+impl FillRunner for Shared {
+    fn run_fill(&self, worker: usize, id: TensorId, fill: &Arc<Fill>) {
+        let res = self.fill_pieces(worker, id);
+        let mut st = self.state.lock();
+        let outcome = match res {
+            Ok((ready, bytes)) => {
+                if let Some(r) = st.entries.get_mut(&id).and_then(|e| e.replicas[0].as_mut()) {
+                    r.ready = ready.clone();
+                    r.fill = None;
+                }
+                st.counters.moved[Tier::Disk.index()][Tier::Device.index()] += bytes;
+                Ok(ready)
+            }
+            Err(err) => {
+                // Drop the half-filled replica once no copy into it is in flight; the disk copy
+                // is untouched, so nothing is lost.
+                if let Some(bufs) = self.worker_staging.get(worker) {
+                    for b in bufs.lock().iter_mut() {
+                        let _ = b.wait();
+                    }
+                }
+                if st.entries.get(&id).is_some_and(|e| e.replicas[0].is_some()) {
+                    let r = st.take_replica(id, Tier::Device);
+                    st.free_ext(Tier::Device, r.ext);
+                }
+                let msg = err.to_string();
+                self.deferred.lock().push(err);
+                Err(msg)
+            }
+        };
+        drop(st);
+        fill.finish(outcome);
+    }
+}
+
+impl Shared {
+    /// Reads `id` from the slab piece by piece into the worker's staging buffers (no lock held)
+    /// and issues each piece's host-to-device copy (under the lock). Returns the last copy's
+    /// event and the bytes moved; checks the whole tensor's crc.
+    fn fill_pieces(&self, worker: usize, id: TensorId) -> Result<(Option<RawEvent>, u64)> {
+        let reader = self.disk_reader.as_ref().ok_or(Error::TierDisabled { tier: Tier::Disk })?;
+        let mut bufs = self
+            .worker_staging
+            .get(worker)
+            .ok_or_else(|| Error::InvalidArgument(format!("no staging for disk worker {worker}")))?
+            .lock();
+        let (offset, bytes, expected, name) = {
+            let st = self.state.lock();
+            let e = st.entry(id)?;
+            match e.replicas[Tier::Disk.index()].as_ref().map(|r| &r.ext) {
+                Some(Ext::Disk(d)) => {
+                    (d.offset, e.bytes, DiskTier::expected_crc(d), e.name.clone())
+                }
+                _ => return Err(Error::NotInTier { id, tier: Tier::Disk }),
+            }
+        };
+        let step = bufs[0].len();
+        let mut crc = crc32fast::Hasher::new();
+        let mut last = None;
+        let mut off = 0u64;
+        let mut k = 0;
+        while off < bytes {
+            let n = (step as u64).min(bytes - off) as usize;
+            let buf = &mut bufs[k % 2];
+            k += 1;
+            let t0 = Instant::now();
+            {
+                let b = buf.bytes_mut()?;
+                // Whole 4 KiB blocks, so O_DIRECT applies: the extent's reserved size is rounded
+                // up to 4 KiB, so the tail read stays inside it.
+                let len = n.next_multiple_of(4096).min(b.len());
+                reader.read_at(offset + off, &mut b[..len])?;
+                crc.update(&b[..n]);
+            }
+            let t1 = Instant::now();
+            let mut st = self.state.lock();
+            let State { arenas, entries, spans, .. } = &mut *st;
+            let e = entries.get(&id).ok_or(Error::UnknownId(id))?;
+            let Some(Replica { ext: Ext::Mem(dst), .. }) =
+                e.replicas[Tier::Device.index()].as_ref()
+            else {
+                return Err(Error::NotInTier { id, tier: Tier::Device });
+            };
+            let arena = arenas[Tier::Device.index()]
+                .as_ref()
+                .ok_or(Error::TierDisabled { tier: Tier::Device })?;
+            let start = self.backend.h2d().record()?;
+            let ev = upload_piece(self.backend.h2d(), arena, dst, off, buf, n)?;
+            trace::push(
+                spans,
+                Span {
+                    track: Track::Disk(worker),
+                    what: "disk read",
+                    tensor: name.clone(),
+                    bytes: n as u64,
+                    start: TimePoint::Host(t0),
+                    end: TimePoint::Host(t1),
+                },
+            );
+            trace::push(
+                spans,
+                Span {
+                    track: Track::H2d,
+                    what: "h2d",
+                    tensor: name.clone(),
+                    bytes: n as u64,
+                    start: TimePoint::Ev(start),
+                    end: TimePoint::Ev(ev.clone()),
+                },
+            );
+            last = Some(ev);
+            off += n as u64;
+        }
+        let found = crc.finalize();
+        if found != expected {
+            if let Some(ev) = &last {
+                ev.synchronize()?;
+            }
+            return Err(Error::Corrupt {
+                id,
+                name,
+                path: reader.path().to_path_buf(),
+                expected,
+                found,
+            });
+        }
+        Ok((last, bytes))
+    }
+}

@@ -1,0 +1,98 @@
+//! `strata bench` end to end on the host: runs the built binary with `--host` and checks what it
+//! prints and the CSV, JSON and SVG files it writes.
+
+use std::process::Command;
+
+const HOST_PATHS: [&str; 4] = ["host_memcpy", "disk_write", "disk_read", "disk_read_qd4"];
+
+fn store_paths() -> Vec<String> {
+    let tiers = ["device", "pinned", "mapped", "disk"];
+    let mut v = Vec::new();
+    for from in tiers {
+        for to in tiers.iter().filter(|&&t| t != from) {
+            v.push(format!("store_{from}_to_{to}"));
+        }
+    }
+    v
+}
+
+#[test]
+fn host_bench_writes_table_csv_json_and_plot() {
+    let dir = tempfile::tempdir().unwrap();
+    let disk = dir.path().join("disk");
+    let (csv, json, svg) =
+        (dir.path().join("b.csv"), dir.path().join("b.json"), dir.path().join("b.svg"));
+    let out = Command::new(env!("CARGO_BIN_EXE_strata"))
+        .args(["bench", "--host", "--sizes", "4KiB,1MiB", "--reps", "2"])
+        .arg("--csv")
+        .arg(&csv)
+        .arg("--json")
+        .arg(&json)
+        .arg("--plot")
+        .arg(&svg)
+        .arg("--disk-dir")
+        .arg(&disk)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "stdout:\n{stdout}\nstderr:\n{stderr}");
+    assert!(stdout
+        .lines()
+        .next()
+        .unwrap()
+        .starts_with("--host: measuring host and disk paths only"));
+    assert!(stdout.contains("4 KiB") && stdout.contains("1 MiB"), "{stdout}");
+    assert!(stdout.contains("store / raw"), "{stdout}");
+    assert!(stderr.contains("[1/"), "a progress line: {stderr}");
+
+    let csv = std::fs::read_to_string(&csv).unwrap();
+    let mut lines = csv.lines();
+    assert_eq!(lines.next(), Some("path,size_bytes,gbps,median_s,reps"));
+    let rows: Vec<Vec<&str>> = lines.map(|l| l.split(',').collect()).collect();
+    let all: Vec<String> = HOST_PATHS.iter().map(|s| s.to_string()).chain(store_paths()).collect();
+    for path in &all {
+        for size in ["4096", "1048576"] {
+            let row = rows
+                .iter()
+                .find(|r| r[0] == path && r[1] == size)
+                .unwrap_or_else(|| panic!("no CSV row for {path} at {size}:\n{csv}"));
+            let gbps: f64 = row[2].parse().unwrap();
+            let median: f64 = row[3].parse().unwrap();
+            assert!(gbps > 0.0 && median > 0.0, "{row:?}");
+            assert_eq!(row[4], "2");
+        }
+    }
+    assert_eq!(rows.len(), all.len() * 2, "{csv}");
+    assert!(!rows.iter().any(|r| r[0] == "h2d_pinned"), "no GPU path without a GPU");
+
+    let json = std::fs::read_to_string(&json).unwrap();
+    for key in ["\"date\"", "\"hostname\"", "\"backend\"", "\"results\"", "\"ratios\""] {
+        assert!(json.contains(key), "{key} in {json}");
+    }
+    assert!(json.contains("\"gpu\": null"));
+
+    let svg = std::fs::read_to_string(&svg).unwrap();
+    assert!(svg.starts_with("<svg"), "{}", &svg[..svg.len().min(200)]);
+    for path in &all {
+        assert!(svg.contains(&format!(">{path}</text>")), "legend entry for {path}");
+    }
+    // Nothing is left behind in the disk directory.
+    assert_eq!(std::fs::read_dir(&disk).unwrap().count(), 0);
+}
+
+#[test]
+fn bad_arguments_fail_with_a_message() {
+    for args in [
+        &["bench", "--host", "--sizes", "4KiB,lots"][..],
+        &["bench", "--host", "--sizes", "0"],
+        &["bench", "--host", "--reps", "0", "--sizes", "4KiB"],
+        &["bench", "--host", "--paths", "warp_drive", "--sizes", "4KiB"],
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_strata")).args(args).output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?} succeeded");
+        assert!(stderr.contains("error"), "{args:?}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
+    }
+}
