@@ -28,7 +28,7 @@ use crate::engine::{Engine, Fill};
 use crate::error::{Error, Result};
 use crate::policy::{Policy, PolicyKind};
 use crate::stats::{Stats, TierStats};
-use crate::trace::{self, Clock, Span, TimePoint, Track};
+use crate::trace::{Clock, Span, TimePoint, Timeline, Track};
 use crate::types::{format_size, BackendKind, DType, TensorId, Tier};
 use crate::view::{DeviceView, MappedView, Stream};
 
@@ -234,10 +234,9 @@ impl StoreBuilder {
             inflight: 0,
             prefetch_budget: self.prefetch_budget.unwrap_or(device_cap / 2),
             waiting: VecDeque::new(),
-            spans: VecDeque::new(),
+            timeline: Timeline::new(Clock::start(&backend)?),
             probes: Vec::new(),
         };
-        let clock = Clock::start(&backend)?;
         let shared = Arc::new(Shared {
             backend,
             state: Mutex::new(state),
@@ -246,7 +245,6 @@ impl StoreBuilder {
             engine: OnceLock::new(),
             disk_reader,
             worker_staging,
-            clock,
         });
         if !shared.worker_staging.is_empty() {
             let engine = Engine::start(shared.worker_staging.len(), Arc::downgrade(&shared))?;
@@ -307,8 +305,6 @@ pub(crate) struct Shared {
     disk_reader: Option<DiskReader>,
     /// Two staging buffers per disk worker.
     worker_staging: Vec<Mutex<[StagingBuf; 2]>>,
-    /// Time base for stalls and traces.
-    pub(crate) clock: Clock,
 }
 
 /// Where one replica's bytes are.
@@ -366,6 +362,8 @@ pub(crate) struct Entry {
     pub(crate) prefetched: Option<Source>,
     /// Released by a hint or a scope's end: the first to go when room is needed.
     pub(crate) released: bool,
+    /// Times the tensor was copied into the Device tier from another tier.
+    pub(crate) device_loads: u64,
     /// Events recorded on view streams when views were dropped: the last device work that may
     /// touch the tensor's memory.
     pub(crate) last_use: Vec<RawEvent>,
@@ -384,6 +382,7 @@ impl Entry {
             scopes: 0,
             prefetched: None,
             released: false,
+            device_loads: 0,
             last_use: Vec::new(),
         }
     }
@@ -445,8 +444,8 @@ pub(crate) struct State {
     pub(crate) prefetch_budget: u64,
     /// Hinted prefetches waiting for room in the prefetch budget, in order.
     waiting: VecDeque<TensorId>,
-    /// Copies and waits, for stats and traces (the most recent `trace::MAX_SPANS`).
-    pub(crate) spans: VecDeque<Span>,
+    /// Copies and waits, for stats and traces.
+    pub(crate) timeline: Timeline,
     /// Stream waits whose length is known once both events complete: (mark on the consumer's
     /// stream, the copy's event).
     pub(crate) probes: Vec<(RawEvent, RawEvent)>,
@@ -467,6 +466,9 @@ pub struct TensorInfo {
     pub bytes: u64,
     /// Tiers holding a valid copy, fastest first.
     pub tiers: Vec<Tier>,
+    /// Times the tensor was copied into the Device tier from another tier (migrations,
+    /// prefetches, promotions): how often it had to cross PCIe.
+    pub device_loads: u64,
 }
 
 fn tensor_bytes(dtype: DType, shape: &[usize]) -> Result<u64> {
@@ -658,6 +660,7 @@ impl Store {
             shape: e.shape.clone(),
             bytes: e.bytes,
             tiers: Tier::ALL.into_iter().filter(|t| e.replicas[t.index()].is_some()).collect(),
+            device_loads: e.device_loads,
         })
     }
 
@@ -739,14 +742,9 @@ impl Store {
             }
             s.tensors = st.entries.values().filter(|e| e.replicas[t.index()].is_some()).count();
         }
-        st.resolve_probes(&self.shared.clock);
-        let copy_s: f64 = st
-            .spans
-            .iter()
-            .filter(|s| s.track.is_copy())
-            .filter_map(|s| self.shared.clock.span(s))
-            .map(|(a, b)| b - a)
-            .sum();
+        st.resolve_probes();
+        st.timeline.resolve();
+        let copy_s = st.timeline.copy_seconds();
         let c = &st.counters;
         Stats {
             prefetch_hits: c.prefetch_hits,
@@ -1299,6 +1297,11 @@ impl State {
         match self.fill_from_host(be, top, &mut ext, data) {
             Ok(ready) => {
                 self.put_replica(id, top, Replica::new(ext, ready));
+                if top == Tier::Device {
+                    if let Some(e) = self.entries.get_mut(&id) {
+                        e.device_loads += 1;
+                    }
+                }
                 self.counters.moved[from.index()][top.index()] += bytes;
                 self.counters.promotions += 1;
                 Ok(())
@@ -1418,9 +1421,14 @@ impl State {
                     Track::D2h => "d2h",
                     _ => "host copy",
                 };
-                trace::push(&mut self.spans, Span { track, what, tensor: name, bytes, start, end });
+                self.timeline.push(Span { track, what, tensor: name, bytes, start, end });
                 self.put_replica(id, to, Replica::new(dst, ready));
                 self.counters.moved[from.index()][to.index()] += bytes;
+                if to == Tier::Device {
+                    if let Some(e) = self.entries.get_mut(&id) {
+                        e.device_loads += 1;
+                    }
+                }
                 Ok(())
             }
             Err(e) => {

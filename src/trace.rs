@@ -64,12 +64,66 @@ pub(crate) struct Span {
     pub(crate) end: TimePoint,
 }
 
-/// Adds a span, dropping the oldest beyond [`MAX_SPANS`].
-pub(crate) fn push(spans: &mut VecDeque<Span>, span: Span) {
-    if spans.len() >= MAX_SPANS {
-        spans.pop_front();
+/// A span whose times are known: seconds since the store's time base.
+pub(crate) struct Done {
+    track: Track,
+    what: &'static str,
+    tensor: String,
+    bytes: u64,
+    start: f64,
+    end: f64,
+}
+
+/// Spans waiting for their events, the resolved ones (the most recent [`MAX_SPANS`]), and the
+/// total copy time. Resolving is incremental, so `Store::stats` costs the same however long the
+/// store has run.
+pub(crate) struct Timeline {
+    pub(crate) clock: Clock,
+    pending: Vec<Span>,
+    done: VecDeque<Done>,
+    copy_s: f64,
+}
+
+/// Unresolved spans kept before resolving them eagerly.
+const MAX_PENDING: usize = 4096;
+
+impl Timeline {
+    pub(crate) fn new(clock: Clock) -> Timeline {
+        Timeline { clock, pending: Vec::new(), done: VecDeque::new(), copy_s: 0.0 }
     }
-    spans.push_back(span);
+
+    /// Adds a span (resolved later, once its events complete).
+    pub(crate) fn push(&mut self, span: Span) {
+        self.pending.push(span);
+        if self.pending.len() > MAX_PENDING {
+            self.resolve();
+        }
+    }
+
+    /// Resolves the spans whose events have completed.
+    pub(crate) fn resolve(&mut self) {
+        let pending = std::mem::take(&mut self.pending);
+        for s in pending {
+            match self.clock.span(&s) {
+                Some((start, end)) => {
+                    if s.track.is_copy() {
+                        self.copy_s += end - start;
+                    }
+                    if self.done.len() >= MAX_SPANS {
+                        self.done.pop_front();
+                    }
+                    let Span { track, what, tensor, bytes, .. } = s;
+                    self.done.push_back(Done { track, what, tensor, bytes, start, end });
+                }
+                None => self.pending.push(s),
+            }
+        }
+    }
+
+    /// Seconds spent in copies resolved so far.
+    pub(crate) fn copy_seconds(&self) -> f64 {
+        self.copy_s
+    }
 }
 
 /// The store's time base.
@@ -108,39 +162,36 @@ impl Clock {
     }
 }
 
-/// Writes `spans` as a Chrome trace (JSON array format, times in microseconds).
-pub(crate) fn write_chrome(path: &Path, spans: &VecDeque<Span>, clock: &Clock) -> Result<()> {
+/// Writes the resolved spans as a Chrome trace (JSON object format, times in microseconds).
+pub(crate) fn write_chrome(path: &Path, timeline: &Timeline) -> Result<()> {
     let io = |e| Error::io(path, e);
     let mut out = std::io::BufWriter::new(std::fs::File::create(path).map_err(io)?);
-    let mut first = true;
-    let mut sep = |out: &mut std::io::BufWriter<std::fs::File>| -> std::io::Result<()> {
-        if !std::mem::take(&mut first) {
-            out.write_all(b",\n")?;
-        }
-        Ok(())
-    };
     out.write_all(b"{\"traceEvents\":[\n").map_err(io)?;
+    let mut first = true;
     let mut named = std::collections::HashSet::new();
-    for s in spans {
-        let Some((a, b)) = clock.span(s) else { continue };
+    for s in &timeline.done {
         let (tid, tname) = s.track.tid();
         if named.insert(tid) {
-            sep(&mut out).map_err(io)?;
+            if !std::mem::take(&mut first) {
+                out.write_all(b",\n").map_err(io)?;
+            }
             write!(
                 out,
                 "{{\"ph\":\"M\",\"pid\":1,\"tid\":{tid},\"name\":\"thread_name\",\"args\":{{\"name\":\"{tname}\"}}}}"
             )
             .map_err(io)?;
         }
-        sep(&mut out).map_err(io)?;
+        if !std::mem::take(&mut first) {
+            out.write_all(b",\n").map_err(io)?;
+        }
         write!(
             out,
             "{{\"ph\":\"X\",\"pid\":1,\"tid\":{tid},\"name\":\"{} {}\",\"cat\":\"{}\",\"ts\":{:.3},\"dur\":{:.3},\"args\":{{\"bytes\":{}}}}}",
             s.what,
             json_escape(&s.tensor),
             s.what,
-            a * 1e6,
-            (b - a) * 1e6,
+            s.start * 1e6,
+            (s.end - s.start) * 1e6,
             s.bytes
         )
         .map_err(io)?;

@@ -16,13 +16,24 @@ fn store_paths() -> Vec<String> {
     v
 }
 
+/// The `strata` binary: cargo's build of it, or, where the tests were staged to another machine
+/// (`.gpu/bin/test-bench_cli` beside `.gpu/bin/bin-strata`), the staged copy.
+fn strata_bin() -> std::path::PathBuf {
+    let built = std::path::PathBuf::from(env!("CARGO_BIN_EXE_strata"));
+    if built.exists() {
+        return built;
+    }
+    let exe = std::env::current_exe().expect("test executable path");
+    exe.with_file_name("bin-strata")
+}
+
 #[test]
 fn host_bench_writes_table_csv_json_and_plot() {
     let dir = tempfile::tempdir().unwrap();
     let disk = dir.path().join("disk");
     let (csv, json, svg) =
         (dir.path().join("b.csv"), dir.path().join("b.json"), dir.path().join("b.svg"));
-    let out = Command::new(env!("CARGO_BIN_EXE_strata"))
+    let out = Command::new(strata_bin())
         .args(["bench", "--host", "--sizes", "4KiB,1MiB", "--reps", "2"])
         .arg("--csv")
         .arg(&csv)
@@ -89,7 +100,7 @@ fn bad_arguments_fail_with_a_message() {
         &["bench", "--host", "--reps", "0", "--sizes", "4KiB"],
         &["bench", "--host", "--paths", "warp_drive", "--sizes", "4KiB"],
     ] {
-        let out = Command::new(env!("CARGO_BIN_EXE_strata")).args(args).output().unwrap();
+        let out = Command::new(strata_bin()).args(args).output().unwrap();
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(!out.status.success(), "{args:?} succeeded");
         assert!(stderr.contains("error"), "{args:?}: {stderr}");

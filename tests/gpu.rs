@@ -223,3 +223,58 @@ fn a_trainers_own_context_and_stream_are_used() {
     drop(v);
     store.check_err().unwrap();
 }
+
+/// The layered model on the GPU: a kernel reads each layer through a view, layer scopes prefetch
+/// the next ones from Pinned and Disk, for a few passes; results equal the all-resident run, and
+/// after the first pass every view finds its layer resident or in flight.
+#[test]
+fn layered_passes_with_scopes_match_the_resident_run() {
+    let layers = 12;
+    let len = 2 << 20;
+    for source in [Tier::Pinned, Tier::Disk] {
+        for policy in [strata::PolicyKind::Frequency, strata::PolicyKind::Schedule] {
+            let b = Store::builder()
+                .capacity(Tier::Device, 4 * len as u64)
+                .capacity(Tier::Pinned, if source == Tier::Pinned { 64 << 20 } else { 0 })
+                .capacity(Tier::Mapped, 0)
+                .capacity(Tier::Disk, 64 << 20)
+                .policy(policy);
+            let Some(store) = gpu_store("layered_passes", b) else { return };
+            let k = Kernels::new(&store).unwrap();
+            let s = store.stream().unwrap();
+            let data: Vec<Vec<u8>> = (0..layers).map(|l| random(len, 500 + l as u64)).collect();
+            let ids: Vec<_> = data
+                .iter()
+                .enumerate()
+                .map(|(l, d)| store.put(&format!("w{l}"), DType::U8, &[len], d).unwrap())
+                .collect();
+            for &id in &ids {
+                store.move_to(id, source).unwrap();
+            }
+            let want = data.iter().fold(0u64, |a, d| a.wrapping_add(checksum_host(d, 1)));
+            for pass in 0..4 {
+                let before = store.stats();
+                let mut acc = k.accumulator(&s).unwrap();
+                store.step();
+                for l in 0..layers {
+                    let next = [ids[(l + 1) % layers], ids[(l + 2) % layers]];
+                    let _scope = store.layer(&ids[l..l + 1], &next).unwrap();
+                    let v = store.device_view(ids[l], &s).unwrap();
+                    k.checksum_into(&v, 1, &mut acc).unwrap();
+                }
+                assert_eq!(acc.value().unwrap(), want, "{source} {policy} pass {pass}");
+                let after = store.stats();
+                let misses = after.prefetch_misses - before.prefetch_misses;
+                println!(
+                    "{source} {policy} pass {pass}: misses {misses}, stall {:.3} ms, overlap {:.0}%",
+                    (after.stall_seconds - before.stall_seconds) * 1e3,
+                    100.0 * after.overlap_ratio()
+                );
+                if pass > 0 {
+                    assert_eq!(misses, 0, "{source} {policy} pass {pass}: views missed");
+                }
+            }
+            store.check_err().unwrap();
+        }
+    }
+}

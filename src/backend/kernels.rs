@@ -23,9 +23,32 @@ use cudarc::driver::{CudaFunction, CudaModule, LaunchConfig, PushKernelArg};
 
 use crate::error::{Error, Result};
 use crate::store::Store;
-use crate::view::DeviceView;
+use crate::view::{DeviceView, Stream};
 
 const SOURCE: &str = include_str!("../../cuda/verify.cu");
+
+/// A running checksum kept on the device (CUDA) or the host (host backend), summed with wrapping
+/// arithmetic across [`Kernels::checksum_into`] calls.
+pub struct Checksum {
+    dev: Option<(Arc<cudarc::driver::CudaStream>, cudarc::driver::CudaSlice<u64>)>,
+    host: u64,
+}
+
+impl Checksum {
+    /// Waits for the kernels issued so far and returns the sum.
+    pub fn value(&self) -> Result<u64> {
+        match &self.dev {
+            None => Ok(self.host),
+            Some((s, d)) => {
+                // Wait first: a pageable copy queued behind long kernels would hold up other
+                // threads' transfers.
+                s.synchronize().map_err(|e| Error::cuda("cuStreamSynchronize", e))?;
+                let v = s.clone_dtoh(d).map_err(|e| Error::cuda("cuMemcpyDtoH", e))?;
+                Ok(v[0])
+            }
+        }
+    }
+}
 
 /// The verification kernels, ready to launch on a store's backend.
 pub struct Kernels {
@@ -93,9 +116,32 @@ impl Kernels {
     /// Reads the view's bytes on the device (`repeats` passes) on the view's stream and returns
     /// the checksum; equals [`checksum_host`] of the tensor's bytes. Blocks until done.
     pub fn checksum(&self, view: &DeviceView, repeats: u32) -> Result<u64> {
+        let stream = view.stream();
+        let mut acc = self.accumulator(&stream)?;
+        self.checksum_into(view, repeats, &mut acc)?;
+        acc.value()
+    }
+
+    /// A device-side running checksum for [`Kernels::checksum_into`], on `stream`.
+    pub fn accumulator(&self, stream: &Stream) -> Result<Checksum> {
+        match stream.cuda() {
+            Some(s) if self.cuda.is_some() => {
+                let dev = s.alloc_zeros::<u64>(1).map_err(|e| Error::cuda("cuMemAllocAsync", e))?;
+                Ok(Checksum { dev: Some((s.clone(), dev)), host: 0 })
+            }
+            None if self.cuda.is_none() => Ok(Checksum { dev: None, host: 0 }),
+            _ => Err(Error::BackendMismatch("stream and kernels of different backends".into())),
+        }
+    }
+
+    /// Adds the view's checksum (`repeats` passes over its bytes) into `acc` on the view's
+    /// stream, without waiting: a kernel that reads a layer, for pipelines that keep copies and
+    /// compute overlapped. [`Checksum::value`] waits and reads the sum.
+    pub fn checksum_into(&self, view: &DeviceView, repeats: u32, acc: &mut Checksum) -> Result<()> {
         let repeats = repeats.max(1);
         let Some(k) = &self.cuda else {
-            return view.with_host_bytes(|b| checksum_host(b, repeats));
+            acc.host = acc.host.wrapping_add(view.with_host_bytes(|b| checksum_host(b, repeats))?);
+            return Ok(());
         };
         let stream = view.stream();
         let s = stream
@@ -104,20 +150,19 @@ impl Kernels {
         let slice = view
             .cuda_slice()
             .ok_or_else(|| Error::BackendMismatch("view without device memory".into()))?;
-        let mut out = s.alloc_zeros::<u64>(1).map_err(|e| Error::cuda("cuMemAllocAsync", e))?;
+        let (_, out) = acc
+            .dev
+            .as_mut()
+            .ok_or_else(|| Error::BackendMismatch("host accumulator, CUDA kernels".into()))?;
         let n = view.len_bytes() as u64;
         let cfg =
             LaunchConfig { grid_dim: (264, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
         let mut b = s.launch_builder(&k.checksum);
-        b.arg(slice).arg(&n).arg(&repeats).arg(&mut out);
+        b.arg(slice).arg(&n).arg(&repeats).arg(out);
         // SAFETY: the kernel's parameters are (const u8*, u64, u32, u64*): a device slice of `n`
         // bytes held by the view, two scalars, and a one-element u64 device buffer.
         unsafe { b.launch(cfg) }.map_err(|e| Error::cuda("cuLaunchKernel", e))?;
-        // Wait for the kernel first: a copy into pageable memory issued behind a long kernel
-        // would hold the driver for as long, stalling other threads' copies.
-        s.synchronize().map_err(|e| Error::cuda("cuStreamSynchronize", e))?;
-        let host = s.clone_dtoh(&out).map_err(|e| Error::cuda("cuMemcpyDtoH", e))?;
-        Ok(host[0])
+        Ok(())
     }
 
     /// Writes [`pattern`]`(len, seed)` into the view's memory on the device, on the view's

@@ -853,6 +853,8 @@ impl GpuProbe {
             )));
         }
         self.ctx.bind_to_thread().map_err(cu("cuCtxSetCurrent"))?;
+        // Nothing may still read a staging buffer that is about to be replaced.
+        self.s1.synchronize().map_err(cu("cuStreamSynchronize"))?;
         let (ctx, max) = (&self.ctx, self.max);
         lazy(&mut self.dev_a, || DevMem::alloc(ctx, max))?;
         let stage = DISK_CHUNK.min(padded);
@@ -895,6 +897,8 @@ impl GpuProbe {
     /// One pass of [`GpuProbe::disk_to_device`].
     fn disk_pass(&mut self, f: &File, bytes: usize) -> Result<()> {
         let d = self.dev_a.as_ref().map(|m| m.ptr).ok_or_else(missing)?;
+        // A pass that failed half-way may have left copies from the staging buffers in flight.
+        self.s1.synchronize().map_err(cu("cuStreamSynchronize"))?;
         let s1 = self.s1.cu_stream();
         let mut used = [false; 2];
         let mut off = 0;

@@ -10,7 +10,7 @@ use crate::backend::{Backend, RawEvent};
 use crate::disk::DiskTier;
 use crate::engine::{Engine, Fill, FillRunner};
 use crate::error::{Error, Result};
-use crate::trace::{self, Clock, Span, TimePoint, Track};
+use crate::trace::{self, Span, TimePoint, Track};
 use crate::types::{TensorId, Tier};
 
 /// What became of one prefetch request.
@@ -146,8 +146,9 @@ impl Store {
     /// far (the most recent 100,000).
     pub fn trace(&self, path: impl AsRef<std::path::Path>) -> Result<()> {
         let mut st = self.shared.state.lock();
-        st.resolve_probes(&self.shared.clock);
-        trace::write_chrome(path.as_ref(), &st.spans, &self.shared.clock)
+        st.resolve_probes();
+        st.timeline.resolve();
+        trace::write_chrome(path.as_ref(), &st.timeline)
     }
 }
 
@@ -319,7 +320,7 @@ impl State {
     }
 
     /// Adds the stream waits whose events have both completed to the stall time and the trace.
-    pub(crate) fn resolve_probes(&mut self, clock: &Clock) {
+    pub(crate) fn resolve_probes(&mut self) {
         let mut i = 0;
         while i < self.probes.len() {
             let (mark, ready) = &self.probes[i];
@@ -338,9 +339,7 @@ impl State {
                     start: TimePoint::Ev(mark),
                     end: TimePoint::Ev(ready),
                 };
-                if clock.span(&span).is_some() {
-                    trace::push(&mut self.spans, span);
-                }
+                self.timeline.push(span);
             }
         }
     }
@@ -358,9 +357,12 @@ impl FillRunner for Shared {
         let mut st = self.state.lock();
         let outcome = match res {
             Ok((ready, bytes)) => {
-                if let Some(r) = st.entries.get_mut(&id).and_then(|e| e.replicas[0].as_mut()) {
-                    r.ready = ready.clone();
-                    r.fill = None;
+                if let Some(e) = st.entries.get_mut(&id) {
+                    e.device_loads += 1;
+                    if let Some(r) = e.replicas[Tier::Device.index()].as_mut() {
+                        r.ready = ready.clone();
+                        r.fill = None;
+                    }
                 }
                 st.counters.moved[Tier::Disk.index()][Tier::Device.index()] += bytes;
                 Ok(ready)
@@ -428,7 +430,7 @@ impl Shared {
             }
             let t1 = Instant::now();
             let mut st = self.state.lock();
-            let State { arenas, entries, spans, .. } = &mut *st;
+            let State { arenas, entries, timeline, .. } = &mut *st;
             let e = entries.get(&id).ok_or(Error::UnknownId(id))?;
             let Some(Replica { ext: Ext::Mem(dst), .. }) =
                 e.replicas[Tier::Device.index()].as_ref()
@@ -440,28 +442,22 @@ impl Shared {
                 .ok_or(Error::TierDisabled { tier: Tier::Device })?;
             let start = self.backend.h2d().record()?;
             let ev = upload_piece(self.backend.h2d(), arena, dst, off, buf, n)?;
-            trace::push(
-                spans,
-                Span {
-                    track: Track::Disk(worker),
-                    what: "disk read",
-                    tensor: name.clone(),
-                    bytes: n as u64,
-                    start: TimePoint::Host(t0),
-                    end: TimePoint::Host(t1),
-                },
-            );
-            trace::push(
-                spans,
-                Span {
-                    track: Track::H2d,
-                    what: "h2d",
-                    tensor: name.clone(),
-                    bytes: n as u64,
-                    start: TimePoint::Ev(start),
-                    end: TimePoint::Ev(ev.clone()),
-                },
-            );
+            timeline.push(Span {
+                track: Track::Disk(worker),
+                what: "disk read",
+                tensor: name.clone(),
+                bytes: n as u64,
+                start: TimePoint::Host(t0),
+                end: TimePoint::Host(t1),
+            });
+            timeline.push(Span {
+                track: Track::H2d,
+                what: "h2d",
+                tensor: name.clone(),
+                bytes: n as u64,
+                start: TimePoint::Ev(start),
+                end: TimePoint::Ev(ev.clone()),
+            });
             last = Some(ev);
             off += n as u64;
         }

@@ -3,7 +3,7 @@
 
 #![allow(dead_code)]
 
-use strata::{Error, Stats, Store, StoreBuilder, Tier};
+use strata::{DeviceView, Error, Stats, Store, StoreBuilder, Tier};
 
 /// The backend a parameterized test runs on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -150,4 +150,31 @@ pub fn tiers(store: &Store, id: strata::TensorId) -> Vec<Tier> {
 /// A seed from the environment variable `name` (decimal), if set.
 pub fn env_seed(name: &str) -> Option<u64> {
     std::env::var(name).ok().and_then(|s| s.trim().parse().ok())
+}
+
+/// The bytes seen through a device view: in place on the host backend (every tier is host
+/// memory there), copied to the host on the view's stream on the CUDA backend.
+pub fn view_read(v: &DeviceView) -> Vec<u8> {
+    let stream = v.stream();
+    match (v.cuda_slice(), stream.cuda()) {
+        (Some(slice), Some(cs)) => {
+            let bytes = cs.clone_dtoh(slice).expect("copy a device view to the host");
+            stream.synchronize().expect("synchronize the view's stream");
+            bytes
+        }
+        _ => v.with_host_bytes(|b| b.to_vec()).expect("host bytes of a view"),
+    }
+}
+
+/// Writes `data` through a device view and marks it dirty: in place on the host backend, a
+/// host-to-device copy on the view's stream on the CUDA backend.
+pub fn view_write(v: &mut DeviceView, data: &[u8]) {
+    let stream = v.stream();
+    match (v.cuda_slice_mut(), stream.cuda()) {
+        (Some(slice), Some(cs)) => {
+            cs.memcpy_htod(data, slice).expect("copy into a device view");
+            stream.synchronize().expect("synchronize the view's stream");
+        }
+        _ => v.with_host_bytes_mut(|b| b.copy_from_slice(data)).expect("host bytes of a view"),
+    }
 }
