@@ -711,7 +711,8 @@ impl Store {
                 st.free_ext(t, r.ext);
             }
         }
-        st.pump_waiting(be, self.shared.engine.get());
+        // No waiting prefetches are started here: their evictions could cascade into `tier`
+        // and undo this move before it returns.
         Ok(())
     }
 
@@ -965,6 +966,9 @@ impl Shared {
             if dirty {
                 st.drop_other_replicas(id, tier)?;
             }
+            // The view's tensor no longer blocks eviction: waiting prefetches may start.
+            let engine = self.engine.get();
+            st.pump_waiting(&self.backend, engine);
             Ok(())
         })();
         drop(st);
@@ -1536,7 +1540,7 @@ impl State {
 
 /// The victims, in order, that together free at least `bytes` of `t` (all of them if they
 /// cannot).
-fn victims_covering(victims: &[TensorId], bytes: u64, st: &State) -> Vec<TensorId> {
+pub(crate) fn victims_covering(victims: &[TensorId], bytes: u64, st: &State) -> Vec<TensorId> {
     let mut freed = 0;
     let mut out = Vec::new();
     for &v in victims {

@@ -81,6 +81,26 @@ pub struct DeviceView {
     cuda: Option<BorrowedSlice>,
 }
 
+impl std::fmt::Debug for DeviceView {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceView")
+            .field("id", &self.id)
+            .field("tier", &self.tier)
+            .field("device_ptr", &format_args!("{:#x}", self.ptr))
+            .field("bytes", &self.bytes)
+            .field("dtype", &self.dtype)
+            .field("shape", &self.shape)
+            .field("dirty", &self.dirty)
+            .finish()
+    }
+}
+
+impl std::fmt::Debug for MappedView {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("MappedView").field(&self.0).finish()
+    }
+}
+
 impl DeviceView {
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(

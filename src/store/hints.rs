@@ -91,6 +91,7 @@ impl Store {
         for &id in ids {
             st.entries.get_mut(&id).expect("checked").pins -= 1;
         }
+        st.pump_waiting(&self.shared.backend, self.shared.engine.get());
         Ok(())
     }
 
@@ -159,6 +160,12 @@ pub struct LayerScope {
     uses: Vec<TensorId>,
 }
 
+impl std::fmt::Debug for LayerScope {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LayerScope").field("uses", &self.uses).finish()
+    }
+}
+
 impl Drop for LayerScope {
     fn drop(&mut self) {
         let be = &self.shared.backend;
@@ -224,6 +231,15 @@ impl State {
             return Ok(Outcome::Wait);
         }
         let level = if source == Source::Hint { Level::Demand } else { Level::Guess };
+        if source == Source::Policy && self.free_bytes(Tier::Device) < bytes {
+            // A guess evicts only what the policy itself would rather lose: for the schedule
+            // policy, tensors used later than this one (Belady's comparison).
+            let victims = self.victims(Tier::Device, id, level);
+            let chosen = super::victims_covering(&victims, bytes, self);
+            if !self.policy.admit(Tier::Device, id, &chosen) {
+                return Ok(Outcome::Wait);
+            }
+        }
         let Some(ext) = self.alloc_evicting(be, Tier::Device, bytes, id, level)? else {
             return Ok(Outcome::Wait);
         };
