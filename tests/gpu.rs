@@ -1,6 +1,8 @@
 //! GPU tests: run on the CUDA backend, skip with a printed line where there is no GPU, and fail
 //! instead of skipping when `STRATA_REQUIRE_GPU=1`.
 
+mod common;
+
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -20,15 +22,7 @@ fn gpu_store(name: &str, b: StoreBuilder) -> Option<Store> {
 }
 
 fn random(len: usize, seed: u64) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
+    common::Rng::new(seed).bytes(len)
 }
 
 fn budgets() -> StoreBuilder {
