@@ -28,6 +28,18 @@ enum Cmd {
     /// own moves beside the raw figures), swept over sizes: prints a table of GB/s and writes
     /// CSV, JSON and an SVG plot on request. Without a GPU: the host and disk paths only.
     Bench(BenchArgs),
+    /// Trains (or runs forward) an MLP of L square bf16 linear layers whose weights live in a
+    /// store with a device budget smaller than the model, with cuBLAS GEMMs and a layer scope
+    /// around each layer, and reports each step against the compute and PCIe floors of the same
+    /// run. Flags: --layers L --hidden H --rows R --device-budget SIZE --mode forward|train
+    /// --hints on|off --ahead K --prefetch-budget SIZE --policy frequency|lru|schedule --steps N --lr F --seed S
+    /// --weights-in pinned|disk --compare on|off --host. A quick check without a GPU:
+    /// `strata train-demo --layers 4 --hidden 64 --rows 8 --device-budget 24KiB --mode train`.
+    TrainDemo {
+        /// The flags above.
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
 }
 
 #[derive(clap::Args)]
@@ -113,6 +125,7 @@ fn main() -> ExitCode {
     let res = match cli.cmd {
         Cmd::Demo(a) => demo(a),
         Cmd::Bench(a) => bench(a),
+        Cmd::TrainDemo { args } => train_demo(&args),
     };
     match res {
         Ok(()) => ExitCode::SUCCESS,
@@ -208,5 +221,16 @@ fn demo(a: DemoArgs) -> Result<(), Box<dyn std::error::Error>> {
     println!();
     println!("{}", store.stats());
     store.check_err()?;
+    Ok(())
+}
+
+fn train_demo(args: &[String]) -> Result<(), Box<dyn std::error::Error>> {
+    let cfg = strata::mlp::MlpConfig::parse(args)?;
+    println!("strata train-demo");
+    let report = strata::mlp::run(&cfg, |line| println!("{line}"))?;
+    println!("{report}");
+    if report.matches_resident == Some(false) {
+        return Err("the out-of-core run differs from the all-resident run".into());
+    }
     Ok(())
 }

@@ -236,6 +236,7 @@ impl StoreBuilder {
             waiting: VecDeque::new(),
             timeline: Timeline::new(Clock::start(&backend)?),
             probes: Vec::new(),
+            reuse_waits: Vec::new(),
         };
         let shared = Arc::new(Shared {
             backend,
@@ -446,6 +447,9 @@ pub(crate) struct State {
     waiting: VecDeque<TensorId>,
     /// Copies and waits, for stats and traces.
     pub(crate) timeline: Timeline,
+    /// Work still touching retired device memory; the host-to-device stream waits for it before
+    /// its next copy.
+    reuse_waits: Vec<RawEvent>,
     /// Stream waits whose length is known once both events complete: (mark on the consumer's
     /// stream, the copy's event).
     pub(crate) probes: Vec<(RawEvent, RawEvent)>,
@@ -705,7 +709,9 @@ impl Store {
         // are no longer read.
         st.sync_replica(id, tier)?;
         for t in Tier::ALL.into_iter().filter(|&t| t < tier) {
-            if st.entries[&id].replicas[t.index()].is_some() {
+            if t == Tier::Device && st.entries[&id].replicas[t.index()].is_some() {
+                st.retire_device(id);
+            } else if st.entries[&id].replicas[t.index()].is_some() {
                 st.settle(id)?;
                 let r = st.take_replica(id, t);
                 st.free_ext(t, r.ext);
@@ -1111,7 +1117,9 @@ impl State {
 
     fn drop_other_replicas(&mut self, id: TensorId, keep: Tier) -> Result<()> {
         for t in Tier::ALL.into_iter().filter(|&t| t != keep) {
-            if self.entries[&id].replicas[t.index()].is_some() {
+            if t == Tier::Device && self.entries[&id].replicas[t.index()].is_some() {
+                self.retire_device(id);
+            } else if self.entries[&id].replicas[t.index()].is_some() {
                 self.settle(id)?;
                 let r = self.take_replica(id, t);
                 self.free_ext(t, r.ext);
@@ -1234,12 +1242,51 @@ impl State {
             }
             let Some((to, ext)) = placed else { return Ok(false) };
             self.copy_replica(be, id, from, to, ext)?;
-            self.sync_replica(id, to)?;
+            if from != Tier::Device {
+                self.sync_replica(id, to)?;
+            }
         }
-        self.settle(id)?;
-        let r = self.take_replica(id, from);
-        self.free_ext(from, r.ext);
+        if from == Tier::Device {
+            // No host wait: the write-back (if any) and the views' last kernels are handed to
+            // the host-to-device stream, which waits for them before reusing the memory.
+            self.retire_device(id);
+        } else {
+            self.settle(id)?;
+            let r = self.take_replica(id, from);
+            self.free_ext(from, r.ext);
+        }
         Ok(true)
+    }
+
+    /// Drops `id`'s Device replica without blocking the host. Device memory is only ever
+    /// written by copies on the host-to-device stream (and by kernels through views of replicas
+    /// those copies filled), so it is enough that this stream waits, before its next copy, for
+    /// what still touches the memory: the views' last work and copies reading the replica.
+    fn retire_device(&mut self, id: TensorId) {
+        let Some(e) = self.entries.get(&id) else { return };
+        let mut waits: Vec<RawEvent> =
+            e.last_use.iter().filter(|ev| !ev.is_complete()).cloned().collect();
+        for r in e.replicas.iter().flatten() {
+            if let Some(ev) = r.ready.as_ref().filter(|ev| !ev.is_complete()) {
+                waits.push(ev.clone());
+            }
+        }
+        self.reuse_waits.extend(waits);
+        if e.replicas[Tier::Device.index()].is_some() {
+            let r = self.take_replica(id, Tier::Device);
+            self.free_ext(Tier::Device, r.ext);
+        }
+    }
+
+    /// Makes the host-to-device stream wait for the work still touching device memory that was
+    /// retired; called before every copy into the Device tier.
+    pub(crate) fn h2d_ready(&mut self, be: &Backend) -> Result<()> {
+        for ev in self.reuse_waits.drain(..) {
+            if !ev.is_complete() {
+                be.h2d().wait(&ev)?;
+            }
+        }
+        Ok(())
     }
 
     /// Finds a home for a new tensor: the fastest tier with free room; else the fastest tier the
@@ -1332,6 +1379,9 @@ impl State {
                 Ok(None)
             }
             Ext::Mem(m) => {
+                if t == Tier::Device {
+                    self.h2d_ready(be)?;
+                }
                 let arena =
                     self.arenas[t.index()].as_ref().ok_or(Error::TierDisabled { tier: t })?;
                 if let Some(dst) = arena.host_slice_mut(m) {
@@ -1453,6 +1503,9 @@ impl State {
         // CPU paths read the source on the host: its bytes must be in place first.
         if from != Tier::Device && to != Tier::Device {
             self.sync_replica(id, from)?;
+        }
+        if to == Tier::Device {
+            self.h2d_ready(be)?;
         }
         let State { arenas, disk, staging, entries, .. } = self;
         let e = entries.get_mut(&id).ok_or(Error::UnknownId(id))?;

@@ -12,6 +12,7 @@
 pub(crate) mod cuda;
 pub(crate) mod host;
 pub mod kernels;
+pub mod linalg;
 pub mod probe;
 
 use std::sync::Arc;

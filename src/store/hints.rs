@@ -446,6 +446,7 @@ impl Shared {
             }
             let t1 = Instant::now();
             let mut st = self.state.lock();
+            st.h2d_ready(&self.backend)?;
             let State { arenas, entries, timeline, .. } = &mut *st;
             let e = entries.get(&id).ok_or(Error::UnknownId(id))?;
             let Some(Replica { ext: Ext::Mem(dst), .. }) =

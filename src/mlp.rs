@@ -1,0 +1,560 @@
+//! The out-of-core MLP behind `strata train-demo` and `examples/out_of_core.rs`: `L` square bf16
+//! linear layers whose weights live in a store with a device budget smaller than the model,
+//! run forward (inference) or as training steps (forward, backward with input and weight
+//! gradients, SGD on the device), with a layer scope around each layer, and measured against two
+//! floors from the same run: compute (the same GEMMs with every weight resident) and PCIe (the
+//! bytes that must cross / raw pinned bandwidth).
+//!
+//! ```
+//! use strata::mlp::{run, MlpConfig};
+//! let cfg = MlpConfig::parse(["--layers", "4", "--hidden", "64", "--rows", "8",
+//!     "--device-budget", "24KiB", "--mode", "train", "--host"])?;
+//! let report = run(&cfg, |_| {})?;
+//! assert_eq!(report.matches_resident, Some(true));
+//! # Ok::<(), strata::Error>(())
+//! ```
+
+use std::time::Instant;
+
+use half::bf16;
+
+use crate::linalg::{Linalg, Matrix};
+use crate::probe::{median, raw_pinned_copy, Direction};
+use crate::{
+    format_size, parse_size, DType, Error, PolicyKind, Result, Stats, Store, TensorId, Tier,
+};
+
+/// Inference or training.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    /// A forward pass per step.
+    Forward,
+    /// Forward, backward (input and weight gradients) and an SGD update per step.
+    Train,
+}
+
+/// What to run.
+#[derive(Clone, Debug)]
+pub struct MlpConfig {
+    /// Layers.
+    pub layers: usize,
+    /// Width of every layer (weights are `hidden × hidden`).
+    pub hidden: usize,
+    /// Batch rows.
+    pub rows: usize,
+    /// The Device tier's budget for the weights.
+    pub device_budget: u64,
+    /// Forward or train.
+    pub mode: Mode,
+    /// Layer scopes around each layer (`false`: on-demand migration only).
+    pub hints: bool,
+    /// How many layers ahead a scope prefetches.
+    pub ahead: usize,
+    /// The store's prefetch budget (default: `ahead + 1` layers, enough to keep the copy
+    /// engine busy; the rest of the device budget keeps layers resident).
+    pub prefetch_budget: Option<u64>,
+    /// The store's policy.
+    pub policy: PolicyKind,
+    /// Steps to run (the first is a warm-up for the figures).
+    pub steps: usize,
+    /// SGD learning rate.
+    pub lr: f32,
+    /// Seed of the weights and inputs.
+    pub seed: u64,
+    /// Where the weights live off the device: `Pinned` or `Disk`.
+    pub weights_in: Tier,
+    /// Force the host backend.
+    pub host: bool,
+    /// Also run every weight resident (the compute floor and the correctness reference).
+    pub compare: bool,
+}
+
+impl Default for MlpConfig {
+    fn default() -> Self {
+        MlpConfig {
+            layers: 32,
+            hidden: 8192,
+            rows: 2048,
+            device_budget: 1 << 30,
+            mode: Mode::Forward,
+            hints: true,
+            ahead: 2,
+            prefetch_budget: None,
+            policy: PolicyKind::Schedule,
+            steps: 5,
+            lr: 1e-3,
+            seed: 0,
+            weights_in: Tier::Pinned,
+            host: false,
+            compare: true,
+        }
+    }
+}
+
+/// The flags `parse` accepts, for usage messages.
+pub const USAGE: &str = "--layers L --hidden H --rows R --device-budget SIZE --mode forward|train \
+--hints on|off --ahead K --prefetch-budget SIZE --policy frequency|lru|schedule --steps N --lr F --seed S \
+--weights-in pinned|disk --compare on|off --host";
+
+impl MlpConfig {
+    /// Parses command-line flags (see [`USAGE`]) over the defaults (L=32, H=8192, rows 2048,
+    /// budget 1 GiB, forward, hints on, schedule policy, 5 steps). Sizes take units.
+    pub fn parse<I, S>(args: I) -> Result<MlpConfig>
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<str>,
+    {
+        let mut c = MlpConfig::default();
+        let mut it = args.into_iter().map(|s| s.as_ref().to_string());
+        let bad = |flag: &str, v: &str| Error::InvalidArgument(format!("{flag} {v:?} ({USAGE})"));
+        while let Some(flag) = it.next() {
+            if flag == "--host" {
+                c.host = true;
+                continue;
+            }
+            let v = it.next().ok_or_else(|| bad(&flag, "<missing>"))?;
+            let num = |v: &str| v.parse::<usize>().map_err(|_| bad(&flag, v));
+            let on = |v: &str| match v {
+                "on" | "true" | "1" => Ok(true),
+                "off" | "false" | "0" => Ok(false),
+                _ => Err(bad(&flag, v)),
+            };
+            match flag.as_str() {
+                "--layers" => c.layers = num(&v)?,
+                "--hidden" => c.hidden = num(&v)?,
+                "--rows" => c.rows = num(&v)?,
+                "--device-budget" => c.device_budget = parse_size(&v)?,
+                "--mode" => {
+                    c.mode = match v.as_str() {
+                        "forward" => Mode::Forward,
+                        "train" => Mode::Train,
+                        _ => return Err(bad(&flag, &v)),
+                    }
+                }
+                "--hints" => c.hints = on(&v)?,
+                "--ahead" => c.ahead = num(&v)?,
+                "--prefetch-budget" => c.prefetch_budget = Some(parse_size(&v)?),
+                "--policy" => c.policy = v.parse()?,
+                "--steps" => c.steps = num(&v)?,
+                "--lr" => c.lr = v.parse().map_err(|_| bad(&flag, &v))?,
+                "--seed" => c.seed = v.parse().map_err(|_| bad(&flag, &v))?,
+                "--weights-in" => c.weights_in = v.parse()?,
+                "--compare" => c.compare = on(&v)?,
+                _ => return Err(Error::InvalidArgument(format!("unknown flag {flag} ({USAGE})"))),
+            }
+        }
+        if c.layers == 0 || c.hidden == 0 || c.rows == 0 || c.steps == 0 {
+            return Err(Error::InvalidArgument(
+                "layers, hidden, rows and steps must be > 0".into(),
+            ));
+        }
+        if !matches!(c.weights_in, Tier::Pinned | Tier::Disk) {
+            return Err(Error::InvalidArgument("--weights-in is pinned or disk".into()));
+        }
+        Ok(c)
+    }
+
+    fn layer_bytes(&self) -> u64 {
+        (self.hidden * self.hidden * 2) as u64
+    }
+
+    fn model_bytes(&self) -> u64 {
+        self.layers as u64 * self.layer_bytes()
+    }
+
+    /// Layer order of one step: forward 0..L, then backward L..0 when training.
+    fn order(&self) -> Vec<usize> {
+        let f = 0..self.layers;
+        match self.mode {
+            Mode::Forward => f.collect(),
+            Mode::Train => f.clone().chain(f.rev()).collect(),
+        }
+    }
+}
+
+/// One step's figures.
+#[derive(Clone, Debug)]
+pub struct StepReport {
+    /// Wall-clock seconds, issue to completion.
+    pub seconds: f64,
+    /// Bytes copied into the Device tier.
+    pub h2d_bytes: u64,
+    /// Bytes copied out of the Device tier (write-backs).
+    pub d2h_bytes: u64,
+    /// Seconds consumers waited for copies.
+    pub stall_seconds: f64,
+    /// Views that found their layer resident or in flight.
+    pub prefetch_hits: u64,
+    /// Views that had to start the copy.
+    pub prefetch_misses: u64,
+}
+
+/// The outcome of [`run`].
+#[derive(Clone, Debug)]
+pub struct MlpReport {
+    /// The backend, in words.
+    pub backend: String,
+    /// Every step of the out-of-core run.
+    pub steps: Vec<StepReport>,
+    /// Median step seconds with every weight resident (steps after the first).
+    pub compute_seconds: Option<f64>,
+    /// Raw pinned host-to-device bandwidth (bytes/s), CUDA only.
+    pub h2d_bandwidth: Option<f64>,
+    /// Bytes that must cross PCIe per step, each direction: `(to device, from device)`.
+    pub min_bytes: (u64, u64),
+    /// `max(min_bytes) / h2d_bandwidth`.
+    pub pcie_seconds: Option<f64>,
+    /// Median step seconds of the out-of-core run (steps after the first).
+    pub step_seconds: f64,
+    /// `step_seconds / max(compute, pcie)`.
+    pub ratio: Option<f64>,
+    /// Whether the final weights (train) or outputs (forward) equal the all-resident run's,
+    /// bit for bit; `None` when the resident run did not run.
+    pub matches_resident: Option<bool>,
+    /// Largest absolute difference from the resident run.
+    pub max_abs_diff: f32,
+}
+
+fn moved(s: &Stats, into_device: bool) -> u64 {
+    Tier::ALL
+        .iter()
+        .filter(|&&t| t != Tier::Device)
+        .map(|&t| if into_device { s.moved(t, Tier::Device) } else { s.moved(Tier::Device, t) })
+        .sum()
+}
+
+/// Deterministic values uniform in `[-a, a]`, as bf16 bytes.
+fn values(seed: u64, stream: u64, n: usize, a: f32) -> Vec<u8> {
+    let mut x =
+        (seed ^ stream.wrapping_mul(0x9E37_79B9_7F4A_7C15)).wrapping_add(0x2545_F491_4F6C_DD1D) | 1;
+    let mut out = Vec::with_capacity(n * 2);
+    for _ in 0..n {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let u = (x >> 40) as f32 / (1u64 << 24) as f32; // [0, 1)
+        out.extend_from_slice(&bf16::from_f32((2.0 * u - 1.0) * a).to_bits().to_ne_bytes());
+    }
+    out
+}
+
+/// Every layer's weights, generated on all cores.
+fn weights(cfg: &MlpConfig) -> Vec<Vec<u8>> {
+    let a = (3.0 / cfg.hidden as f32).sqrt();
+    let n = cfg.hidden * cfg.hidden;
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(cfg.layers);
+    let mut out: Vec<Vec<u8>> = vec![Vec::new(); cfg.layers];
+    std::thread::scope(|s| {
+        for (t, chunk) in out.chunks_mut(cfg.layers.div_ceil(threads)).enumerate() {
+            let first = t * cfg.layers.div_ceil(threads);
+            s.spawn(move || {
+                for (k, w) in chunk.iter_mut().enumerate() {
+                    *w = values(cfg.seed, 1 + (first + k) as u64, n, a);
+                }
+            });
+        }
+    });
+    out
+}
+
+struct Net {
+    store: Store,
+    la: Linalg,
+    ids: Vec<TensorId>,
+    x: Matrix,
+    acts: Vec<Matrix>,
+    g: [Matrix; 2],
+    dw: Option<Matrix>,
+}
+
+fn build(cfg: &MlpConfig, resident: bool, w: &[Vec<u8>], x: &[bf16]) -> Result<Net> {
+    let model = cfg.model_bytes();
+    let slack = 1 << 20;
+    let mut b = Store::builder().capacity(Tier::Mapped, 0).policy(cfg.policy);
+    b = if resident {
+        b.capacity(Tier::Device, model + slack).capacity(Tier::Pinned, 0).capacity(Tier::Disk, 0)
+    } else {
+        let prefetch = cfg.prefetch_budget.unwrap_or((cfg.ahead as u64 + 1) * cfg.layer_bytes());
+        let b = b.capacity(Tier::Device, cfg.device_budget).prefetch_budget(prefetch);
+        match cfg.weights_in {
+            Tier::Disk => b.capacity(Tier::Pinned, 0).capacity(Tier::Disk, model + slack),
+            _ => b.capacity(Tier::Pinned, model + slack).capacity(Tier::Disk, 0),
+        }
+    };
+    if cfg.host {
+        b = b.host_backend();
+    }
+    // Staging pieces no larger than a layer keep small models' pipelines honest.
+    let piece = (cfg.layer_bytes() as usize).clamp(4096, 16 << 20);
+    let store = b.staging(4, piece).build()?;
+    let s = store.stream()?;
+    let la = Linalg::new(&store, &s)?;
+    let h = cfg.hidden;
+    let ids = w
+        .iter()
+        .enumerate()
+        .map(|(l, bytes)| store.put(&format!("layer{l}.weight"), DType::BF16, &[h, h], bytes))
+        .collect::<Result<Vec<_>>>()?;
+    if !resident {
+        for &id in &ids {
+            store.move_to(id, cfg.weights_in)?;
+        }
+    }
+    let mut xm = la.matrix(cfg.rows, h)?;
+    la.upload(&mut xm, x)?;
+    let n_acts = match cfg.mode {
+        Mode::Forward => 2,
+        Mode::Train => cfg.layers,
+    };
+    let acts = (0..n_acts).map(|_| la.matrix(cfg.rows, h)).collect::<Result<Vec<_>>>()?;
+    let g = [la.matrix(cfg.rows, h)?, la.matrix(cfg.rows, h)?];
+    let dw = if cfg.mode == Mode::Train { Some(la.matrix(h, h)?) } else { None };
+    la.synchronize()?;
+    Ok(Net { store, la, ids, x: xm, acts, g, dw })
+}
+
+/// One step; returns when the device has finished it.
+fn step(cfg: &MlpConfig, net: &mut Net, hints: bool) -> Result<()> {
+    let order = cfg.order();
+    let Net { store, la, ids, x, acts, g, dw } = net;
+    let s = la.stream().clone();
+    store.step();
+    for (k, &l) in order.iter().enumerate() {
+        let next: Vec<TensorId> =
+            (1..=cfg.ahead).map(|d| ids[order[(k + d) % order.len()]]).collect();
+        let _scope = if hints { Some(store.layer(&ids[l..l + 1], &next)?) } else { None };
+        let mut v = store.device_view(ids[l], &s)?;
+        let backward = cfg.mode == Mode::Train && k >= cfg.layers;
+        if !backward {
+            // Forward: training keeps every layer's input for the backward pass.
+            let (input, out) = match cfg.mode {
+                Mode::Forward => (if l == 0 { None } else { Some((l + 1) % 2) }, l % 2),
+                Mode::Train => (if l == 0 { None } else { Some(l - 1) }, l),
+            };
+            match input {
+                None => la.linear(x, &v, &mut acts[out])?,
+                Some(i) => {
+                    let (xin, y) = pair(acts, i, out);
+                    la.linear(xin, &v, y)?;
+                }
+            }
+        } else {
+            if l == cfg.layers - 1 {
+                la.fill(&mut g[0], 1.0)?; // d(loss)/d(output): ones, as the peers do
+            }
+            let input = if l == 0 { &*x } else { &acts[l - 1] };
+            let dw = dw.as_mut().ok_or_else(|| Error::InvalidArgument("no dW buffer".into()))?;
+            let (g0, g1) = g.split_at_mut(1);
+            la.linear_grad_weight(&g0[0], input, dw)?;
+            la.linear_grad_input(&g0[0], &v, &mut g1[0])?;
+            la.sgd(&mut v, dw, cfg.lr)?;
+            g.swap(0, 1);
+        }
+    }
+    la.synchronize()
+}
+
+/// `(&v[i], &mut v[o])` for `i != o`.
+fn pair(v: &mut [Matrix], i: usize, o: usize) -> (&Matrix, &mut Matrix) {
+    if i < o {
+        let (lo, hi) = v.split_at_mut(o);
+        (&lo[i], &mut hi[0])
+    } else {
+        let (lo, hi) = v.split_at_mut(i);
+        (&hi[0], &mut lo[o])
+    }
+}
+
+/// What the run produced, to compare with the resident run.
+fn result(cfg: &MlpConfig, net: &Net) -> Result<Vec<bf16>> {
+    match cfg.mode {
+        Mode::Forward => net.la.download(&net.acts[(cfg.layers - 1) % 2]),
+        Mode::Train => {
+            let mut out = Vec::new();
+            for &id in &net.ids {
+                let b = net.store.read(id)?;
+                out.extend(
+                    b.chunks_exact(2).map(|c| bf16::from_bits(u16::from_ne_bytes([c[0], c[1]]))),
+                );
+            }
+            Ok(out)
+        }
+    }
+}
+
+/// Runs the resident reference (if asked and it fits), then the out-of-core loop. `progress`
+/// gets a line per phase and per step.
+pub fn run(cfg: &MlpConfig, mut progress: impl FnMut(&str)) -> Result<MlpReport> {
+    let t0 = Instant::now();
+    let w = weights(cfg);
+    let x: Vec<bf16> = values(cfg.seed, 0, cfg.rows * cfg.hidden, 1.0)
+        .chunks_exact(2)
+        .map(|c| bf16::from_bits(u16::from_ne_bytes([c[0], c[1]])))
+        .collect();
+    progress(&format!(
+        "model: {} layers of bf16 [{h}, {h}] = {}, rows {}, {:?}; generated in {:.1} s",
+        cfg.layers,
+        format_size(cfg.model_bytes()),
+        cfg.rows,
+        cfg.mode,
+        t0.elapsed().as_secs_f64(),
+        h = cfg.hidden
+    ));
+
+    let mut compute = None;
+    let mut reference = None;
+    if cfg.compare {
+        match build(cfg, true, &w, &x) {
+            Ok(mut net) => {
+                let mut times = Vec::new();
+                for i in 0..cfg.steps {
+                    let t = Instant::now();
+                    step(cfg, &mut net, false)?;
+                    if i > 0 || cfg.steps == 1 {
+                        times.push(t.elapsed().as_secs_f64());
+                    }
+                }
+                compute = Some(median(&times));
+                reference = Some(result(cfg, &net)?);
+                progress(&format!(
+                    "all weights resident ({}): {:.2} ms per step (compute floor)",
+                    net.store.backend_description(),
+                    median(&times) * 1e3
+                ));
+            }
+            Err(Error::OutOfMemory { .. }) | Err(Error::Cuda { .. }) => {
+                progress("all weights resident: does not fit the device, no compute floor");
+            }
+            Err(e) => return Err(e),
+        }
+    }
+
+    let mut net = build(cfg, false, &w, &x)?;
+    drop(w);
+    let backend = net.store.backend_description();
+    let h2d_bandwidth = match net.store.cuda_context() {
+        Some(ctx) => {
+            let t = median(&raw_pinned_copy(
+                ctx,
+                cfg.layer_bytes() as usize,
+                Direction::HostToDevice,
+                10,
+            )?);
+            Some(cfg.layer_bytes() as f64 / t)
+        }
+        None => None,
+    };
+    progress(&format!(
+        "out of core ({backend}): device budget {}, weights in {}, hints {}, policy {}",
+        format_size(cfg.device_budget),
+        cfg.weights_in,
+        if cfg.hints { format!("on ({} ahead)", cfg.ahead) } else { "off".into() },
+        cfg.policy
+    ));
+    let mut steps = Vec::new();
+    for i in 0..cfg.steps {
+        let before = net.store.stats();
+        let t = Instant::now();
+        step(cfg, &mut net, cfg.hints)?;
+        let seconds = t.elapsed().as_secs_f64();
+        let after = net.store.stats();
+        let r = StepReport {
+            seconds,
+            h2d_bytes: moved(&after, true) - moved(&before, true),
+            d2h_bytes: moved(&after, false) - moved(&before, false),
+            stall_seconds: after.stall_seconds - before.stall_seconds,
+            prefetch_hits: after.prefetch_hits - before.prefetch_hits,
+            prefetch_misses: after.prefetch_misses - before.prefetch_misses,
+        };
+        progress(&format!(
+            "step {:>3}: {:>9.2} ms  h2d {:>10}  d2h {:>10}  stall {:>8.2} ms  prefetch hits {:>4} misses {:>4}",
+            i + 1,
+            seconds * 1e3,
+            format_size(r.h2d_bytes),
+            format_size(r.d2h_bytes),
+            r.stall_seconds * 1e3,
+            r.prefetch_hits,
+            r.prefetch_misses
+        ));
+        steps.push(r);
+    }
+    net.store.check_err()?;
+
+    let (matches_resident, max_abs_diff) = match &reference {
+        Some(want) => {
+            let got = result(cfg, &net)?;
+            let diff = got
+                .iter()
+                .zip(want)
+                .map(|(a, b)| (a.to_f32() - b.to_f32()).abs())
+                .fold(0f32, f32::max);
+            (Some(got == *want), diff)
+        }
+        None => (None, 0.0),
+    };
+    // Bytes that must cross per step: what does not fit, plus two layers in flight.
+    let must = (cfg.model_bytes() + 2 * cfg.layer_bytes())
+        .saturating_sub(cfg.device_budget)
+        .min(cfg.model_bytes());
+    let min_bytes = match cfg.mode {
+        Mode::Forward => (must, 0),
+        Mode::Train => (2 * must, must),
+    };
+    let pcie_seconds = h2d_bandwidth.map(|bw| min_bytes.0.max(min_bytes.1) as f64 / bw);
+    let later: Vec<f64> = steps.iter().skip(1).map(|s| s.seconds).collect();
+    let step_seconds = if later.is_empty() { steps[0].seconds } else { median(&later) };
+    let floor = match (compute, pcie_seconds) {
+        (Some(c), Some(p)) => Some(c.max(p)),
+        (Some(c), None) => Some(c),
+        (None, Some(p)) => Some(p),
+        (None, None) => None,
+    };
+    Ok(MlpReport {
+        backend,
+        steps,
+        compute_seconds: compute,
+        h2d_bandwidth,
+        min_bytes,
+        pcie_seconds,
+        step_seconds,
+        ratio: floor.map(|f| step_seconds / f),
+        matches_resident,
+        max_abs_diff,
+    })
+}
+
+impl std::fmt::Display for MlpReport {
+    /// The closing lines: floors, the ratio, and the check against the resident run.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if let Some(c) = self.compute_seconds {
+            writeln!(f, "compute floor (all resident): {:.2} ms", c * 1e3)?;
+        }
+        if let (Some(bw), Some(p)) = (self.h2d_bandwidth, self.pcie_seconds) {
+            writeln!(
+                f,
+                "PCIe floor: {} in, {} out per step at {:.2} GB/s (raw pinned H2D) = {:.2} ms",
+                format_size(self.min_bytes.0),
+                format_size(self.min_bytes.1),
+                bw / 1e9,
+                p * 1e3
+            )?;
+        }
+        match self.matches_resident {
+            Some(true) => writeln!(f, "results equal the all-resident run bit for bit")?,
+            Some(false) => writeln!(
+                f,
+                "results differ from the all-resident run: max |diff| {}",
+                self.max_abs_diff
+            )?,
+            None => writeln!(f, "(no all-resident run to compare with)")?,
+        }
+        match self.ratio {
+            Some(r) => write!(
+                f,
+                "step time {:.2} ms = {r:.3}x max(compute, PCIe)",
+                self.step_seconds * 1e3
+            ),
+            None => write!(f, "step time {:.2} ms", self.step_seconds * 1e3),
+        }
+    }
+}
