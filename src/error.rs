@@ -105,6 +105,18 @@ pub enum Error {
         #[source]
         source: std::io::Error,
     },
+    /// A tensor file (safetensors) that cannot be loaded as it is: truncated, a malformed or
+    /// oversized header, offsets out of range or overlapping, an unknown dtype, a shape that does
+    /// not match the data.
+    #[error("bad tensor file {path}{}: {why}", tensor.as_ref().map(|t| format!(" (tensor {t:?})")).unwrap_or_default())]
+    BadFile {
+        /// The file.
+        path: PathBuf,
+        /// The tensor concerned, when the problem is one tensor's.
+        tensor: Option<String>,
+        /// What is wrong.
+        why: String,
+    },
     /// The file system holding the disk tier is full.
     #[error("disk full writing {path}")]
     DiskFull {

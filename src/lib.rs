@@ -54,7 +54,7 @@ mod view;
 pub use error::{Error, Result};
 pub use policy::{FrequencyPolicy, LruPolicy, Policy, PolicyKind, SchedulePolicy};
 pub use stats::{Stats, TierStats};
-pub use store::{LayerScope, Store, StoreBuilder, TensorInfo};
+pub use store::{LayerScope, LoadOptions, Store, StoreBuilder, TensorInfo};
 pub use types::{format_size, parse_size, BackendKind, DType, TensorId, Tier};
 pub use view::{DeviceView, MappedView, Stream};
 

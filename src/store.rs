@@ -22,8 +22,8 @@ use crate::arena::{copier, copy_extent, Extent, MemArena, PinnedStaging, Staging
 use crate::backend::cuda::{self, CudaBackend};
 use crate::backend::host::HostBackend;
 use crate::backend::{Backend, RawEvent, RawStream};
-use crate::disk::DiskReader;
 use crate::disk::{DiskExtent, DiskTier};
+use crate::disk::{DiskReader, ExternalFile};
 use crate::engine::{Engine, Fill};
 use crate::error::{Error, Result};
 use crate::policy::{Policy, PolicyKind};
@@ -32,7 +32,9 @@ use crate::trace::{Clock, Span, TimePoint, Timeline, Track};
 use crate::types::{format_size, BackendKind, DType, TensorId, Tier};
 use crate::view::{DeviceView, MappedView, Stream};
 
+mod files;
 mod hints;
+pub use files::LoadOptions;
 pub use hints::LayerScope;
 
 /// Default budgets: Device, Pinned, Mapped, Disk.
@@ -312,6 +314,12 @@ pub(crate) struct Shared {
 pub(crate) enum Ext {
     Mem(Extent),
     Disk(DiskExtent),
+    /// In place in a user's file (Disk tier, read-only): `len` bytes at `offset`.
+    File {
+        file: Arc<ExternalFile>,
+        offset: u64,
+        len: u64,
+    },
 }
 
 pub(crate) struct Replica {
@@ -475,6 +483,10 @@ pub struct TensorInfo {
     pub device_loads: u64,
 }
 
+fn e_bytes(st: &State, id: TensorId) -> u64 {
+    st.entries.get(&id).map_or(0, |e| e.bytes)
+}
+
 fn tensor_bytes(dtype: DType, shape: &[usize]) -> Result<u64> {
     shape.iter().try_fold(dtype.size_of() as u64, |acc, &d| acc.checked_mul(d as u64)).ok_or_else(
         || Error::BadShape { shape: shape.to_vec(), why: "element count overflows".into() },
@@ -599,6 +611,29 @@ impl Store {
         }
         let tier = e.fastest().ok_or(Error::UnknownId(id))?;
         st.settle(id)?;
+        if matches!(
+            st.entries[&id].replicas[tier.index()].as_ref().map(|r| &r.ext),
+            Some(Ext::File { .. })
+        ) {
+            // Only in the user's file, which the store never writes: the new bytes get a new
+            // home, placed like a put, and the file's copy is dropped.
+            let bytes = e_bytes(&st, id);
+            let (t, mut ext) = st.place_new(be, id, bytes)?;
+            let ready = match st.fill_from_host(be, t, &mut ext, data) {
+                Ok(r) => r,
+                Err(err) => {
+                    st.free_ext(t, ext);
+                    return Err(err);
+                }
+            };
+            let file = st.take_replica(id, tier);
+            st.free_ext(tier, file.ext);
+            st.put_replica(id, t, Replica::new(ext, ready));
+            st.drop_other_replicas(id, t)?;
+            st.policy.on_access(id);
+            st.counters.bytes_in += data.len() as u64;
+            return Ok(());
+        }
         let mut rep = st.take_replica(id, tier);
         let res = st.fill_from_host(be, tier, &mut rep.ext, data);
         match res {
@@ -783,6 +818,9 @@ impl Store {
         Ok(match (&e.replicas[Tier::Disk.index()], &st.disk) {
             (Some(Replica { ext: Ext::Disk(d), .. }), Some(disk)) => {
                 Some((disk.path().to_path_buf(), d.offset))
+            }
+            (Some(Replica { ext: Ext::File { file, offset, .. }, .. }), _) => {
+                Some((file.path().to_path_buf(), *offset))
             }
             _ => None,
         })
@@ -1152,6 +1190,8 @@ impl State {
                     disk.free(d);
                 }
             }
+            // The user's file is not ours to free; dropping the handle is all.
+            Ext::File { .. } => {}
         }
     }
 
@@ -1378,6 +1418,10 @@ impl State {
                 self.disk.as_mut().ok_or(Error::TierDisabled { tier: t })?.write(d, data)?;
                 Ok(None)
             }
+            Ext::File { file, .. } => Err(Error::InvalidArgument(format!(
+                "{} is read-only to the store",
+                file.path().display()
+            ))),
             Ext::Mem(m) => {
                 if t == Tier::Device {
                     self.h2d_ready(be)?;
@@ -1426,6 +1470,7 @@ impl State {
                 }
                 Ok(())
             }
+            Ext::File { file, offset, .. } => file.read_at(*offset, out),
             Ext::Mem(m) => {
                 let arena = arenas[tier.index()].as_ref().ok_or(Error::TierDisabled { tier })?;
                 if let Some(src) = arena.host_slice(m) {
@@ -1586,7 +1631,26 @@ impl State {
                 }
                 Ok(last)
             }
-            (Ext::Disk(_), Ext::Disk(_)) => Err(Error::InvalidArgument("disk-to-disk copy".into())),
+            (Ext::File { file, offset, len }, Ext::Mem(d)) => {
+                let da = arenas[to.index()].as_ref().ok_or(Error::TierDisabled { tier: to })?;
+                let (file, offset, len) = (file.clone(), *offset, *len);
+                if let Some(db) = da.host_slice_mut(d) {
+                    file.read_at(offset, db)?;
+                    return Ok(None);
+                }
+                let staging = staging.as_mut().ok_or(Error::TierDisabled { tier: to })?;
+                debug_assert_eq!(len, e.bytes);
+                staging.upload(be.h2d(), da, d, |off, buf| file.read_at(offset + off as u64, buf))
+            }
+            (Ext::File { file, offset, len }, Ext::Disk(d)) => {
+                let disk = disk.as_mut().ok_or(Error::TierDisabled { tier: to })?;
+                let range = *offset as usize..(*offset + *len) as usize;
+                disk.write(d, &file.bytes()[range])?;
+                Ok(None)
+            }
+            (_, Ext::File { .. }) | (Ext::Disk(_), Ext::Disk(_)) => {
+                Err(Error::InvalidArgument("copy into the Disk tier's own slot".into()))
+            }
         }
     }
 }

@@ -410,20 +410,29 @@ impl Shared {
     /// and issues each piece's host-to-device copy (under the lock). Returns the last copy's
     /// event and the bytes moved; checks the whole tensor's crc.
     fn fill_pieces(&self, worker: usize, id: TensorId) -> Result<(Option<RawEvent>, u64)> {
-        let reader = self.disk_reader.as_ref().ok_or(Error::TierDisabled { tier: Tier::Disk })?;
         let mut bufs = self
             .worker_staging
             .get(worker)
             .ok_or_else(|| Error::InvalidArgument(format!("no staging for disk worker {worker}")))?
             .lock();
-        let (offset, bytes, expected, name) = {
+        // The slab (crc-checked) or a user's file in place (no checksum of ours).
+        let (offset, bytes, expected, name, file) = {
             let st = self.state.lock();
             let e = st.entry(id)?;
             match e.replicas[Tier::Disk.index()].as_ref().map(|r| &r.ext) {
                 Some(Ext::Disk(d)) => {
-                    (d.offset, e.bytes, DiskTier::expected_crc(d), e.name.clone())
+                    (d.offset, e.bytes, Some(DiskTier::expected_crc(d)), e.name.clone(), None)
+                }
+                Some(Ext::File { file, offset, .. }) => {
+                    (*offset, e.bytes, None, e.name.clone(), Some(file.clone()))
                 }
                 _ => return Err(Error::NotInTier { id, tier: Tier::Disk }),
+            }
+        };
+        let reader = match &file {
+            Some(_) => None,
+            None => {
+                Some(self.disk_reader.as_ref().ok_or(Error::TierDisabled { tier: Tier::Disk })?)
             }
         };
         let step = bufs[0].len();
@@ -440,9 +449,16 @@ impl Shared {
                 let b = buf.bytes_mut()?;
                 // Whole 4 KiB blocks, so O_DIRECT applies: the extent's reserved size is rounded
                 // up to 4 KiB, so the tail read stays inside it.
-                let len = n.next_multiple_of(4096).min(b.len());
-                reader.read_at(offset + off, &mut b[..len])?;
-                crc.update(&b[..n]);
+                match &file {
+                    Some(f) => f.read_at(offset + off, &mut b[..n])?,
+                    None => {
+                        let len = n.next_multiple_of(4096).min(b.len());
+                        reader
+                            .expect("slab reads have a reader")
+                            .read_at(offset + off, &mut b[..len])?;
+                        crc.update(&b[..n]);
+                    }
+                }
             }
             let t1 = Instant::now();
             let mut st = self.state.lock();
@@ -479,14 +495,14 @@ impl Shared {
             off += n as u64;
         }
         let found = crc.finalize();
-        if found != expected {
+        if let Some(expected) = expected.filter(|&x| x != found) {
             if let Some(ev) = &last {
                 ev.synchronize()?;
             }
             return Err(Error::Corrupt {
                 id,
                 name,
-                path: reader.path().to_path_buf(),
+                path: reader.map_or_else(Default::default, |r| r.path().to_path_buf()),
                 expected,
                 found,
             });

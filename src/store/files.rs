@@ -1,0 +1,317 @@
+//! Tensor files: loading safetensors in place (the Disk tier refers to the mapped file) or by
+//! copy, and saving tensors to a new safetensors file atomically.
+
+use std::borrow::Cow;
+use std::cell::RefCell;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use safetensors::tensor::{Dtype as StDtype, SafeTensors, View};
+
+use super::{Entry, Ext, Level, Replica, Store};
+use crate::disk::ExternalFile;
+use crate::error::{Error, Result};
+use crate::types::{DType, TensorId, Tier};
+
+/// How [`Store::load_safetensors`] loads a file.
+#[derive(Clone, Debug, Default)]
+pub struct LoadOptions {
+    /// `None` (default): every tensor stays in the file, in place — the Disk tier refers to the
+    /// mapped file and nothing is copied until a tensor is promoted. `Some(tier)`: each tensor is
+    /// copied into `tier` instead (making room there as `move_to` does), and the file is no longer
+    /// referred to.
+    pub copy_to: Option<Tier>,
+    /// Prepended to every tensor's name in the store (for loading several files side by side).
+    pub name_prefix: String,
+}
+
+fn from_st(d: StDtype) -> Option<DType> {
+    Some(match d {
+        StDtype::F64 => DType::F64,
+        StDtype::F32 => DType::F32,
+        StDtype::F16 => DType::F16,
+        StDtype::BF16 => DType::BF16,
+        StDtype::I64 => DType::I64,
+        StDtype::I32 => DType::I32,
+        StDtype::I16 => DType::I16,
+        StDtype::I8 => DType::I8,
+        StDtype::U8 => DType::U8,
+        StDtype::BOOL => DType::Bool,
+        _ => return None,
+    })
+}
+
+fn to_st(d: DType) -> StDtype {
+    match d {
+        DType::F64 => StDtype::F64,
+        DType::F32 => StDtype::F32,
+        DType::F16 => StDtype::F16,
+        DType::BF16 => StDtype::BF16,
+        DType::I64 => StDtype::I64,
+        DType::I32 => StDtype::I32,
+        DType::I16 => StDtype::I16,
+        DType::I8 => StDtype::I8,
+        DType::U8 => StDtype::U8,
+        DType::Bool => StDtype::BOOL,
+    }
+}
+
+fn bad(path: &Path, tensor: Option<&str>, why: impl Into<String>) -> Error {
+    Error::BadFile { path: path.to_path_buf(), tensor: tensor.map(str::to_string), why: why.into() }
+}
+
+/// One tensor found in a file.
+struct Found {
+    name: String,
+    dtype: DType,
+    shape: Vec<usize>,
+    offset: u64,
+    len: u64,
+}
+
+/// Parses a mapped safetensors file: every tensor's dtype, shape and byte range, in file order.
+fn parse(file: &ExternalFile, prefix: &str) -> Result<Vec<Found>> {
+    let path = file.path();
+    let bytes = file.bytes();
+    let st = SafeTensors::deserialize(bytes).map_err(|e| {
+        use safetensors::SafeTensorError as E;
+        let tensor = match &e {
+            E::InvalidOffset(name) | E::TensorNotFound(name) => Some(name.as_str()),
+            _ => None,
+        };
+        bad(path, tensor, e.to_string())
+    })?;
+    let base = bytes.as_ptr() as usize;
+    let mut found = Vec::new();
+    for (name, view) in st.tensors() {
+        let dtype = from_st(view.dtype()).ok_or_else(|| {
+            bad(path, Some(&name), format!("unsupported dtype {:?}", view.dtype()))
+        })?;
+        let data = view.data();
+        let elems = view.shape().iter().try_fold(1usize, |a, &d| a.checked_mul(d));
+        if elems.and_then(|n| n.checked_mul(dtype.size_of())) != Some(data.len()) {
+            return Err(bad(
+                path,
+                Some(&name),
+                format!("shape {:?} does not match {} bytes", view.shape(), data.len()),
+            ));
+        }
+        found.push(Found {
+            name: format!("{prefix}{name}"),
+            dtype,
+            shape: view.shape().to_vec(),
+            offset: (data.as_ptr() as usize - base) as u64,
+            len: data.len() as u64,
+        });
+    }
+    found.sort_by_key(|f| f.offset);
+    Ok(found)
+}
+
+/// A store tensor as the `safetensors` writer sees it: its bytes are read from the store when
+/// the writer gets to it, so a save never holds more than one tensor in memory.
+struct Lazy<'a> {
+    store: &'a Store,
+    id: TensorId,
+    dtype: StDtype,
+    shape: Vec<usize>,
+    len: usize,
+    failed: &'a RefCell<Option<Error>>,
+}
+
+impl View for Lazy<'_> {
+    fn dtype(&self) -> StDtype {
+        self.dtype
+    }
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    fn data(&self) -> Cow<'_, [u8]> {
+        match self.store.read(self.id) {
+            Ok(b) if b.len() == self.len => Cow::Owned(b),
+            Ok(_) => {
+                self.failed.borrow_mut().get_or_insert(Error::InvalidArgument(format!(
+                    "tensor {:?} changed size while it was saved",
+                    self.id
+                )));
+                Cow::Owned(vec![0; self.len])
+            }
+            Err(e) => {
+                self.failed.borrow_mut().get_or_insert(e);
+                Cow::Owned(vec![0; self.len])
+            }
+        }
+    }
+    fn data_len(&self) -> usize {
+        self.len
+    }
+}
+
+impl Store {
+    /// Loads every tensor of a `.safetensors` file and returns their names and ids, in file
+    /// order. By default nothing is copied: each tensor's home is its byte range of the file,
+    /// mapped read-only (a multi-GB file costs no RAM until tensors are used), and promoting a
+    /// tensor reads that range (with `O_DIRECT` where it is page-aligned). Writing a loaded
+    /// tensor never modifies the file: the new bytes get a new home in the store.
+    /// [`LoadOptions::copy_to`] copies the tensors into a tier instead.
+    ///
+    /// Bad input is an [`Error::BadFile`] naming the file (and the tensor, where it is one
+    /// tensor's fault); a missing or unreadable file is an [`Error::Io`]; a name already in the
+    /// store is [`Error::DuplicateName`]. Nothing is loaded when any of these happens.
+    ///
+    /// The file must not be truncated or rewritten while the store refers to it (as with any
+    /// memory-mapped loader).
+    ///
+    /// ```
+    /// # use strata::{DType, LoadOptions, Store, Tier};
+    /// # fn main() -> strata::Result<()> {
+    /// # let dir = tempfile::tempdir().unwrap();
+    /// # let path = dir.path().join("m.safetensors");
+    /// # let src = Store::builder().host_backend().build()?;
+    /// # let w = src.put("w", DType::F32, &[2, 2], &[0u8; 16])?;
+    /// # src.save_safetensors(&path, &[w])?;
+    /// let store = Store::builder().host_backend().capacity(Tier::Device, 1 << 20).build()?;
+    /// let loaded = store.load_safetensors(&path, LoadOptions::default())?;
+    /// let (name, id) = &loaded[0];
+    /// assert_eq!(name, "w");
+    /// assert_eq!(store.tier_of(*id)?, Tier::Disk); // in the file, in place
+    /// assert_eq!(store.read(*id)?, vec![0u8; 16]);
+    /// # Ok(()) }
+    /// ```
+    pub fn load_safetensors(
+        &self,
+        path: impl AsRef<Path>,
+        opts: LoadOptions,
+    ) -> Result<Vec<(String, TensorId)>> {
+        let path = path.as_ref();
+        let file = Arc::new(ExternalFile::open(path)?);
+        let found = parse(&file, &opts.name_prefix)?;
+        let be = &self.shared.backend;
+        let mut st = self.shared.state.lock();
+        // All or nothing: check every name first.
+        let mut seen = std::collections::HashSet::new();
+        for f in &found {
+            if st.names.contains_key(&f.name) || !seen.insert(&f.name) {
+                return Err(Error::DuplicateName(f.name.clone()));
+            }
+        }
+        if let Some(t) = opts.copy_to {
+            if t != Tier::Disk && !st.enabled(t) {
+                return Err(Error::TierDisabled { tier: t });
+            }
+        }
+        let mut out = Vec::with_capacity(found.len());
+        for f in &found {
+            let id = TensorId(st.next_id);
+            st.next_id += 1;
+            st.policy.on_insert(id, f.len);
+            let mut e = Entry::new(&f.name, f.dtype, &f.shape, f.len);
+            e.replicas[Tier::Disk.index()] = Some(Replica::new(
+                Ext::File { file: file.clone(), offset: f.offset, len: f.len },
+                None,
+            ));
+            st.entries.insert(id, e);
+            st.names.insert(f.name.clone(), id);
+            out.push((f.name.clone(), id));
+        }
+        let Some(t) = opts.copy_to else { return Ok(out) };
+        // Copy each tensor into `t` and drop the file's copy; on failure, undo the whole load.
+        let res = (|| -> Result<()> {
+            for (i, &(_, id)) in out.iter().enumerate() {
+                let f = &found[i];
+                let range = f.offset as usize..(f.offset + f.len) as usize;
+                let mut ext = if t == Tier::Disk {
+                    st.try_alloc(Tier::Disk, f.len)?
+                        .ok_or(Error::OutOfMemory { tier: t, bytes: f.len })?
+                } else {
+                    st.alloc_evicting(be, t, f.len, id, Level::Demand)?
+                        .ok_or(Error::OutOfMemory { tier: t, bytes: f.len })?
+                };
+                let ready = match st.fill_from_host(be, t, &mut ext, &file.bytes()[range]) {
+                    Ok(r) => r,
+                    Err(e) => {
+                        st.free_ext(t, ext);
+                        return Err(e);
+                    }
+                };
+                let old = st.take_replica(id, Tier::Disk);
+                st.free_ext(Tier::Disk, old.ext);
+                st.put_replica(id, t, Replica::new(ext, ready));
+                st.counters.bytes_in += f.len;
+            }
+            Ok(())
+        })();
+        if let Err(e) = res {
+            for (name, id) in &out {
+                st.settle(*id)?;
+                if let Some(mut entry) = st.entries.remove(id) {
+                    for tier in Tier::ALL {
+                        if let Some(r) = entry.replicas[tier.index()].take() {
+                            st.free_ext(tier, r.ext);
+                        }
+                    }
+                }
+                st.names.remove(name);
+                st.policy.on_remove(*id);
+            }
+            return Err(e);
+        }
+        Ok(out)
+    }
+
+    /// Writes these tensors' current contents (a copy written on the device included) to a new
+    /// safetensors file at `path`, atomically: the file is written beside `path` under a
+    /// temporary name, flushed to disk, then renamed over `path`. The result loads with the
+    /// Python `safetensors` package and with the Rust crate. One tensor is in memory at a time.
+    pub fn save_safetensors(&self, path: impl AsRef<Path>, ids: &[TensorId]) -> Result<()> {
+        let path = path.as_ref();
+        let failed = RefCell::new(None);
+        let mut views = Vec::with_capacity(ids.len());
+        let mut names = std::collections::HashSet::new();
+        for &id in ids {
+            let info = self.info(id)?;
+            if !names.insert(info.name.clone()) {
+                return Err(Error::DuplicateName(info.name));
+            }
+            views.push((
+                info.name,
+                Lazy {
+                    store: self,
+                    id,
+                    dtype: to_st(info.dtype),
+                    shape: info.shape,
+                    len: info.bytes as usize,
+                    failed: &failed,
+                },
+            ));
+        }
+        let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+        let file_name = path
+            .file_name()
+            .ok_or_else(|| Error::InvalidArgument(format!("{} names no file", path.display())))?;
+        let tmp: PathBuf =
+            dir.join(format!(".{}.strata-{}.tmp", file_name.to_string_lossy(), std::process::id()));
+        let written = safetensors::serialize_to_file(views, None, &tmp)
+            .map_err(|e| match e {
+                safetensors::SafeTensorError::IoError(io) => Error::io(&tmp, io),
+                other => bad(path, None, other.to_string()),
+            })
+            .and_then(|()| match failed.into_inner() {
+                Some(e) => Err(e),
+                None => Ok(()),
+            })
+            .and_then(|()| {
+                std::fs::File::open(&tmp).and_then(|f| f.sync_all()).map_err(|e| Error::io(&tmp, e))
+            })
+            .and_then(|()| std::fs::rename(&tmp, path).map_err(|e| Error::io(path, e)));
+        if let Err(e) = written {
+            let _ = std::fs::remove_file(&tmp);
+            return Err(e);
+        }
+        // The rename itself is durable once the directory is.
+        if let Ok(d) = std::fs::File::open(dir) {
+            let _ = d.sync_all();
+        }
+        Ok(())
+    }
+}
