@@ -44,6 +44,7 @@ mod engine;
 mod error;
 pub use backend::{kernels, linalg, probe};
 pub mod mlp;
+pub mod plan;
 pub mod policy;
 mod stats;
 mod store;

@@ -1,10 +1,12 @@
-//! The `strata` command line: `strata demo` (more subcommands come with their issues).
+//! The `strata` command line: `strata demo`, `bench`, `train-demo`, `inspect` (a tensor file's
+//! tensors and a memory plan) and `load` (a tensor file into a store).
 
 use std::process::ExitCode;
 use std::time::Instant;
 
 use clap::{Parser, Subcommand};
-use strata::{format_size, parse_size, DType, PolicyKind, Store, Tier};
+use strata::plan::{Bandwidths, Optimizer, PlanConfig};
+use strata::{format_size, parse_size, DType, LoadOptions, PolicyKind, Store, Tier};
 
 #[derive(Parser)]
 #[command(
@@ -40,6 +42,73 @@ enum Cmd {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
+    /// Lists the tensors of a .safetensors file (name, dtype, shape, bytes) and their totals
+    /// without reading the data, then a memory plan: parameters, gradients (--train) and
+    /// optimizer state (--train --optimizer sgd|adam) placed device first under the budgets, and
+    /// the predicted transfer time per step from `strata bench --json` results (--bench) or a
+    /// brief measurement. See docs/inspect.md for the accounting and the formula.
+    Inspect(InspectArgs),
+    /// Loads a .safetensors file into a store with these budgets (the GPU when there is one,
+    /// unless --host): in place by default (the disk tier refers to the mapped file, nothing is
+    /// copied), or --copy-to TIER copies each tensor into TIER with a progress bar. Ends with the
+    /// store's tier table.
+    Load(LoadArgs),
+}
+
+/// Tier budgets, as `strata inspect` and `strata load` take them (defaults: the store's).
+#[derive(clap::Args)]
+struct Budgets {
+    /// Device tier budget (units: 4096, 24KiB, 1MiB, 1GiB; 0 disables the tier).
+    #[arg(long, default_value = "1GiB", value_parser = size)]
+    device_budget: u64,
+    /// Pinned tier budget.
+    #[arg(long, default_value = "1GiB", value_parser = size)]
+    pinned_budget: u64,
+    /// Mapped tier budget.
+    #[arg(long, default_value = "256MiB", value_parser = size)]
+    mapped_budget: u64,
+    /// Disk tier budget (the store's own file; tensors loaded in place do not use it).
+    #[arg(long, default_value = "64GiB", value_parser = size)]
+    disk_budget: u64,
+}
+
+impl Budgets {
+    fn array(&self) -> [u64; 4] {
+        [self.device_budget, self.pinned_budget, self.mapped_budget, self.disk_budget]
+    }
+}
+
+#[derive(clap::Args)]
+struct InspectArgs {
+    /// The .safetensors file.
+    #[arg(value_name = "FILE.safetensors")]
+    file: std::path::PathBuf,
+    #[command(flatten)]
+    budgets: Budgets,
+    /// Optimizer whose state is counted with --train: none, sgd (momentum) or adam.
+    #[arg(long, default_value = "none")]
+    optimizer: Optimizer,
+    /// Plan for training steps (gradients, optimizer state) rather than forward passes.
+    #[arg(long)]
+    train: bool,
+    /// Bandwidths from a `strata bench --json` results file [default: measured briefly].
+    #[arg(long, value_name = "FILE.json")]
+    bench: Option<std::path::PathBuf>,
+}
+
+#[derive(clap::Args)]
+struct LoadArgs {
+    /// The .safetensors file.
+    #[arg(value_name = "FILE.safetensors")]
+    file: std::path::PathBuf,
+    #[command(flatten)]
+    budgets: Budgets,
+    /// Copy every tensor into this tier (device, pinned, mapped or disk) [default: in place].
+    #[arg(long, value_name = "TIER")]
+    copy_to: Option<Tier>,
+    /// Use the host backend even when a GPU is present.
+    #[arg(long)]
+    host: bool,
 }
 
 #[derive(clap::Args)]
@@ -126,6 +195,8 @@ fn main() -> ExitCode {
         Cmd::Demo(a) => demo(a),
         Cmd::Bench(a) => bench(a),
         Cmd::TrainDemo { args } => train_demo(&args),
+        Cmd::Inspect(a) => inspect(a),
+        Cmd::Load(a) => load(a),
     };
     match res {
         Ok(()) => ExitCode::SUCCESS,
@@ -232,5 +303,120 @@ fn train_demo(args: &[String]) -> Result<(), Box<dyn std::error::Error>> {
     if report.matches_resident == Some(false) {
         return Err("the out-of-core run differs from the all-resident run".into());
     }
+    Ok(())
+}
+
+fn inspect(a: InspectArgs) -> Result<(), Box<dyn std::error::Error>> {
+    let tensors = strata::plan::read_tensors(&a.file)?;
+    println!("strata inspect {}", a.file.display());
+    println!();
+    print!("{}", strata::plan::tensor_table(&tensors));
+    println!();
+    print!("{}", strata::plan::totals(&tensors));
+    println!();
+    let cfg = PlanConfig { budgets: a.budgets.array(), optimizer: a.optimizer, train: a.train };
+    let plan = strata::plan::plan(&tensors, &cfg);
+    print!("{plan}");
+    if !a.train && a.optimizer != Optimizer::None {
+        println!("note: --optimizer {} counts only with --train", a.optimizer);
+    }
+    println!();
+    let traffic = plan.traffic();
+    let bw = match &a.bench {
+        Some(path) => Bandwidths::from_bench_json(path)?,
+        None => {
+            let pcie = traffic.h2d + traffic.d2h > 0;
+            let disk = traffic.disk_read + traffic.disk_write > 0;
+            Bandwidths::measure(pcie, disk.then_some(a.file.as_path()))
+        }
+    };
+    print!("{}", plan.predict(&bw));
+    for n in &bw.notes {
+        println!("  {n}");
+    }
+    Ok(())
+}
+
+fn load(a: LoadArgs) -> Result<(), Box<dyn std::error::Error>> {
+    let mut b = Store::builder();
+    for (t, cap) in Tier::ALL.into_iter().zip(a.budgets.array()) {
+        b = b.capacity(t, cap);
+    }
+    if a.host {
+        b = b.host_backend();
+    }
+    let store = b.build()?;
+    println!("strata load {}", a.file.display());
+    println!("backend: {}", store.backend_description());
+    let t0 = Instant::now();
+    let copy_to_disk = a.copy_to == Some(Tier::Disk);
+    let opts = LoadOptions { copy_to: a.copy_to.filter(|_| copy_to_disk), ..Default::default() };
+    // A copy into the disk tier is one call (the tensors go from the file to the store's own
+    // file); the bar can only say it is running.
+    let spinner = copy_to_disk.then(|| {
+        let p = indicatif::ProgressBar::new_spinner();
+        p.set_message(format!("copying {} into the disk tier", a.file.display()));
+        p.enable_steady_tick(std::time::Duration::from_millis(120));
+        p
+    });
+    let loaded = store.load_safetensors(&a.file, opts);
+    if let Some(p) = spinner {
+        p.finish_and_clear();
+    }
+    let loaded = loaded?;
+    let mut sizes = Vec::with_capacity(loaded.len());
+    for (_, id) in &loaded {
+        sizes.push(store.info(*id)?.bytes);
+    }
+    let total: u64 = sizes.iter().sum();
+    let secs = t0.elapsed().as_secs_f64();
+    if copy_to_disk {
+        println!(
+            "copied {} tensors ({}) into the disk tier in {:.1} ms ({:.2} GB/s)",
+            loaded.len(),
+            format_size(total),
+            secs * 1e3,
+            total as f64 / secs.max(1e-9) / 1e9
+        );
+    } else {
+        println!(
+            "loaded {} tensors ({}) in place in {:.1} ms: the disk tier refers to the mapped file",
+            loaded.len(),
+            format_size(total),
+            secs * 1e3
+        );
+    }
+    if let Some(tier) = a.copy_to.filter(|_| !copy_to_disk) {
+        // Tensor by tensor, so that the bar moves: each `move_to` copies one tensor from the
+        // file into `tier` (the file stays its clean copy below).
+        let bar = indicatif::ProgressBar::new(total);
+        bar.set_style(
+            indicatif::ProgressStyle::with_template(
+                "{msg} [{bar:30}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}",
+            )?
+            .progress_chars("=> "),
+        );
+        bar.set_message(format!("copying into {tier}"));
+        let t = Instant::now();
+        for ((name, id), bytes) in loaded.iter().zip(&sizes) {
+            if let Err(e) = store.move_to(*id, tier) {
+                bar.abandon();
+                return Err(format!("copying {name:?} into {tier}: {e}").into());
+            }
+            bar.inc(*bytes);
+        }
+        bar.finish_and_clear();
+        let secs = t.elapsed().as_secs_f64();
+        println!(
+            "copied {} tensors ({}) into {tier} in {:.1} ms ({:.2} GB/s)",
+            loaded.len(),
+            format_size(total),
+            secs * 1e3,
+            total as f64 / secs.max(1e-9) / 1e9
+        );
+    }
+    println!();
+    println!("{}", store.stats());
+    store.check_err()?;
     Ok(())
 }

@@ -1644,8 +1644,18 @@ impl State {
             }
             (Ext::File { file, offset, len }, Ext::Disk(d)) => {
                 let disk = disk.as_mut().ok_or(Error::TierDisabled { tier: to })?;
-                let range = *offset as usize..(*offset + *len) as usize;
-                disk.write(d, &file.bytes()[range])?;
+                const PIECE: u64 = 8 << 20;
+                let mut buf = vec![0u8; PIECE.min(*len) as usize];
+                let mut crc = crc32fast::Hasher::new();
+                let mut off = 0;
+                while off < *len {
+                    let n = PIECE.min(*len - off) as usize;
+                    file.read_at(*offset + off, &mut buf[..n])?;
+                    crc.update(&buf[..n]);
+                    disk.write_range(d, off, &buf[..n])?;
+                    off += n as u64;
+                }
+                DiskTier::set_crc(d, crc.finalize());
                 Ok(None)
             }
             (_, Ext::File { .. }) | (Ext::Disk(_), Ext::Disk(_)) => {

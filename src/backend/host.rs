@@ -5,7 +5,6 @@
 //! event issues a job that blocks that stream's thread until the flag is set, so stream-ordering
 //! bugs in the layers above show up on this backend as they would on a GPU.
 
-use std::alloc::Layout;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
@@ -33,14 +32,27 @@ impl HostBackend {
     }
 
     pub(crate) fn alloc(&self, kind: MemKind, len: usize) -> Result<Block> {
-        let layout = Layout::from_size_align(len.max(1), HOST_BLOCK_ALIGN)
-            .map_err(|e| Error::InvalidArgument(format!("block of {len} bytes: {e}")))?;
-        // SAFETY: the layout has a non-zero size (len.max(1)).
-        let host = unsafe { std::alloc::alloc_zeroed(layout) };
-        if host.is_null() {
+        // An anonymous private mapping: page-aligned, zeroed, and committed lazily, so a store
+        // with large budgets costs nothing until tensors use them (an aligned `alloc_zeroed`
+        // would write every page up front).
+        let map_len = len.max(1).next_multiple_of(HOST_BLOCK_ALIGN);
+        // SAFETY: a fresh anonymous mapping with no address hint; the result is checked below
+        // and owned by the returned Block, which unmaps it once (Block's Drop).
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                map_len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
             return Err(Error::OutOfMemory { tier: kind_tier(kind), bytes: len as u64 });
         }
-        Ok(Block { host, dev: host as u64, len, kind, owner: BlockOwner::Host(layout) })
+        let host = p as *mut u8;
+        Ok(Block { host, dev: host as u64, len, kind, owner: BlockOwner::Host(map_len) })
     }
 }
 

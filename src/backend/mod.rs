@@ -55,8 +55,8 @@ pub(crate) struct Block {
 
 /// Who frees a [`Block`].
 pub(crate) enum BlockOwner {
-    /// `std::alloc` with this layout (host backend).
-    Host(std::alloc::Layout),
+    /// An anonymous mapping of this many bytes (host backend).
+    Host(usize),
     /// The CUDA driver, in this context.
     Cuda(Arc<cudarc::driver::CudaContext>),
 }
@@ -88,10 +88,10 @@ impl Block {
 impl Drop for Block {
     fn drop(&mut self) {
         match &self.owner {
-            BlockOwner::Host(layout) => {
-                // SAFETY: `host` was returned by `std::alloc::alloc_zeroed(layout)` in
-                // `host::HostBackend::alloc` and is freed exactly once, here.
-                unsafe { std::alloc::dealloc(self.host, *layout) }
+            BlockOwner::Host(map_len) => {
+                // SAFETY: `host` is the start of an anonymous mapping of `map_len` bytes made by
+                // `host::HostBackend::alloc`, unmapped exactly once, here.
+                unsafe { libc::munmap(self.host as *mut libc::c_void, *map_len) };
             }
             BlockOwner::Cuda(ctx) => cuda::free_block(ctx, self),
         }

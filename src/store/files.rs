@@ -69,10 +69,69 @@ struct Found {
     len: u64,
 }
 
+/// Checks every tensor's entry of the header against the file before the `safetensors` crate
+/// sees it: offsets in order and inside the data, size equal to shape × dtype, a name. The crate
+/// checks these too, but without naming the tensor for some, and with unchecked arithmetic on
+/// offsets near `u64::MAX`. Headers this cannot read are left to the crate to describe.
+fn precheck(path: &Path, bytes: &[u8]) -> Result<()> {
+    let Some(n) = bytes.get(..8).map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes"))) else {
+        return Ok(());
+    };
+    let Some(data_len) = (bytes.len() as u64).checked_sub(8).and_then(|l| l.checked_sub(n)) else {
+        return Ok(());
+    };
+    let Some(header) = bytes.get(8..8 + n as usize) else { return Ok(()) };
+    let Ok(serde_json::Value::Object(map)) = serde_json::from_slice::<serde_json::Value>(header)
+    else {
+        return Ok(());
+    };
+    for (name, v) in &map {
+        if name == "__metadata__" {
+            continue;
+        }
+        let t = Some(name.as_str());
+        if name.is_empty() {
+            return Err(bad(path, t, "empty tensor name"));
+        }
+        let offsets = v.get("data_offsets").and_then(|o| o.as_array());
+        let (Some(begin), Some(end)) = (
+            offsets.and_then(|o| o.first()).and_then(|x| x.as_u64()),
+            offsets.and_then(|o| o.get(1)).and_then(|x| x.as_u64()),
+        ) else {
+            continue;
+        };
+        if begin > end || end > data_len {
+            return Err(bad(
+                path,
+                t,
+                format!("data offsets [{begin}, {end}] outside the {data_len} bytes of data"),
+            ));
+        }
+        let size = match v.get("dtype").and_then(|d| d.as_str()) {
+            Some("F64" | "I64" | "U64" | "C64") => 8,
+            Some("F32" | "I32" | "U32") => 4,
+            Some("F16" | "BF16" | "I16" | "U16") => 2,
+            Some("U8" | "I8" | "BOOL") => 1,
+            _ => continue,
+        };
+        let Some(shape) = v.get("shape").and_then(|s| s.as_array()) else { continue };
+        let elems = shape.iter().try_fold(1u64, |a, d| d.as_u64().and_then(|d| a.checked_mul(d)));
+        if elems.and_then(|e| e.checked_mul(size)) != Some(end - begin) {
+            return Err(bad(
+                path,
+                t,
+                format!("shape {shape:?} does not match its {} bytes", end - begin),
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// Parses a mapped safetensors file: every tensor's dtype, shape and byte range, in file order.
 fn parse(file: &ExternalFile, prefix: &str) -> Result<Vec<Found>> {
     let path = file.path();
     let bytes = file.bytes();
+    precheck(path, bytes)?;
     let st = SafeTensors::deserialize(bytes).map_err(|e| {
         use safetensors::SafeTensorError as E;
         let tensor = match &e {
@@ -219,7 +278,6 @@ impl Store {
         let res = (|| -> Result<()> {
             for (i, &(_, id)) in out.iter().enumerate() {
                 let f = &found[i];
-                let range = f.offset as usize..(f.offset + f.len) as usize;
                 let mut ext = if t == Tier::Disk {
                     st.try_alloc(Tier::Disk, f.len)?
                         .ok_or(Error::OutOfMemory { tier: t, bytes: f.len })?
@@ -227,7 +285,8 @@ impl Store {
                     st.alloc_evicting(be, t, f.len, id, Level::Demand)?
                         .ok_or(Error::OutOfMemory { tier: t, bytes: f.len })?
                 };
-                let ready = match st.fill_from_host(be, t, &mut ext, &file.bytes()[range]) {
+                // Straight from the file (pread, or O_DIRECT where aligned) into the tier.
+                let ready = match st.copy_into(be, id, Tier::Disk, t, &mut ext) {
                     Ok(r) => r,
                     Err(e) => {
                         st.free_ext(t, ext);

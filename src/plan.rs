@@ -1,0 +1,1046 @@
+//! Memory plans for a tensor file: what a model's parameters, gradients and optimizer state
+//! take, where each group would live under given tier budgets, and how long the bytes that must
+//! cross PCIe (and come from disk) would take per step. `strata inspect` prints one.
+//!
+//! ```
+//! use strata::plan::{plan, Bandwidths, Optimizer, PlanConfig, TensorEntry};
+//! use strata::DType;
+//!
+//! // Two bf16 weights of 1 MiB each, trained with Adam, with 4 MiB of device memory.
+//! let tensors: Vec<TensorEntry> = (0..2)
+//!     .map(|i| TensorEntry::new(format!("w{i}"), DType::BF16, vec![512, 1024]))
+//!     .collect();
+//! let cfg = PlanConfig {
+//!     budgets: [4 << 20, 64 << 20, 0, 1 << 30],
+//!     optimizer: Optimizer::Adam,
+//!     train: true,
+//! };
+//! let p = plan(&tensors, &cfg);
+//! // Parameters (2 MiB) and gradients (2 MiB) fill the device; the optimizer state (two fp32
+//! // moments and fp32 master weights: 12 bytes per element, 12 MiB) goes to pinned memory.
+//! assert_eq!(p.parameters().tiers, [2 << 20, 0, 0, 0]);
+//! assert_eq!(p.gradients().tiers, [2 << 20, 0, 0, 0]);
+//! assert_eq!(p.optimizer_state().tiers, [0, 12 << 20, 0, 0]);
+//! // Per step the optimizer state crosses PCIe in and out.
+//! let t = p.traffic();
+//! assert_eq!((t.h2d, t.d2h), (12 << 20, 12 << 20));
+//! let bw = Bandwidths { h2d_gbps: Some(25.0), d2h_gbps: Some(25.0), ..Bandwidths::default() };
+//! let s = p.predict(&bw).pcie_s().unwrap();
+//! assert!((s - 2.0 * 12.0 * 1048576.0 / 25e9).abs() < 1e-12);
+//! ```
+//!
+//! ## The accounting
+//! - **parameters**: every tensor of the file, in its own dtype.
+//! - **gradients** (with `train`): the bytes of the floating-point parameters (f64, f32, f16,
+//!   bf16); integer and bool tensors (indices, masks, counters) are not trained.
+//! - **optimizer state** (with `train`), per element of the floating-point parameters: SGD with
+//!   momentum keeps one fp32 buffer (4 bytes), Adam two fp32 moments (8 bytes); with 16-bit
+//!   parameters (f16, bf16) either optimizer also keeps fp32 master weights (4 bytes: mixed
+//!   precision). `none` keeps nothing (gradients only: no optimizer step).
+//!
+//! ## The placement
+//! The device is filled first, with parameters, then gradients, then optimizer state; then
+//! pinned, mapped and disk in the same order. Placement is by whole tensors (a tensor's gradient
+//! or optimizer state is one piece), first fit in file order, so a group can split across tiers.
+//! Parameters that fit in no memory tier stay **in the file** (as `strata load` leaves them: the
+//! disk tier refers to the mapped file, using none of its budget); gradients and optimizer state
+//! that fit nowhere are reported as not fitting. The tiers' alignment padding is ignored.
+//!
+//! ## The transfer formula
+//! Let `P`, `G`, `S` be the bytes of parameters, gradients and optimizer state that are not on the
+//! device (anything not placed counts as not on the device), and `P_d`, `G_d`, `S_d` the bytes
+//! of each on disk (the disk tier, and for `P` the file). The update runs on the GPU. Per step:
+//!
+//! | | forward only | training, `none` | training, `sgd`/`adam` |
+//! |---|---|---|---|
+//! | host → device | `P` | `2P` | `2P + G + S` |
+//! | device → host | 0 | `G` | `P + G + S` |
+//! | disk read | `P_d` | `2P_d` | `2P_d + G_d + S_d` |
+//! | disk write | 0 | `G_d` | `P_d + G_d + S_d` |
+//!
+//! (training reads off-device parameters twice, in the forward and the backward pass; gradients
+//! go out as the backward pass makes them and come back for the optimizer step; the optimizer
+//! state comes in and goes out; the updated parameters go out.) The predicted time is
+//! `h2d / H2D bandwidth + d2h / D2H bandwidth` for PCIe plus `disk read / disk read bandwidth +
+//! disk write / disk write bandwidth` for the disk: every transfer one after the other, with no
+//! overlap, so an upper bound of what the transfers cost a step.
+
+use std::fmt::{self, Write as _};
+use std::fs::File;
+use std::io::Read as _;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::path::Path;
+use std::time::Instant;
+
+use crate::error::{Error, Result};
+use crate::types::{format_size, DType, Tier};
+use crate::{LoadOptions, Store};
+
+/// One tensor of a file, as the file's header describes it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TensorEntry {
+    /// Its name in the file.
+    pub name: String,
+    /// Element type.
+    pub dtype: DType,
+    /// Shape.
+    pub shape: Vec<usize>,
+    /// Size in bytes (elements times the dtype's size).
+    pub bytes: u64,
+}
+
+impl TensorEntry {
+    /// A tensor of this dtype and shape, its bytes computed (saturating on overflow).
+    pub fn new(name: impl Into<String>, dtype: DType, shape: Vec<usize>) -> TensorEntry {
+        let elems = shape.iter().fold(1u64, |a, &d| a.saturating_mul(d as u64));
+        let bytes = elems.saturating_mul(dtype.size_of() as u64);
+        TensorEntry { name: name.into(), dtype, shape, bytes }
+    }
+
+    /// Number of elements.
+    pub fn elements(&self) -> u64 {
+        self.bytes / self.dtype.size_of() as u64
+    }
+
+    /// Whether the tensor is trained (a floating-point dtype): it gets gradients and optimizer
+    /// state.
+    pub fn is_trainable(&self) -> bool {
+        matches!(self.dtype, DType::F64 | DType::F32 | DType::F16 | DType::BF16)
+    }
+
+    /// Whether mixed-precision training keeps fp32 master weights for it (f16, bf16).
+    pub fn is_half(&self) -> bool {
+        matches!(self.dtype, DType::F16 | DType::BF16)
+    }
+}
+
+/// The tensors of a `.safetensors` file, in file order, read from its header without reading the
+/// data: the file is mapped read-only into a small host store (nothing is copied) and each
+/// tensor's dtype, shape and size are taken from there, so the file gets the same checks as
+/// [`Store::load_safetensors`] (a missing file is an [`Error::Io`], a bad one an
+/// [`Error::BadFile`] naming the file and the tensor).
+pub fn read_tensors(path: impl AsRef<Path>) -> Result<Vec<TensorEntry>> {
+    let store = Store::builder()
+        .host_backend()
+        .capacity(Tier::Device, 0)
+        .capacity(Tier::Pinned, 4096)
+        .capacity(Tier::Mapped, 0)
+        .capacity(Tier::Disk, 0)
+        .build()?;
+    let loaded = store.load_safetensors(path, LoadOptions::default())?;
+    loaded
+        .into_iter()
+        .map(|(_, id)| {
+            let info = store.info(id)?;
+            Ok(TensorEntry {
+                name: info.name,
+                dtype: info.dtype,
+                shape: info.shape,
+                bytes: info.bytes,
+            })
+        })
+        .collect()
+}
+
+/// The optimizer whose state the plan counts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Optimizer {
+    /// No optimizer state (gradients only).
+    #[default]
+    None,
+    /// SGD with momentum: one fp32 buffer per element.
+    Sgd,
+    /// Adam: two fp32 moments per element.
+    Adam,
+}
+
+impl Optimizer {
+    /// Lower-case name, as printed and parsed.
+    pub fn name(self) -> &'static str {
+        match self {
+            Optimizer::None => "none",
+            Optimizer::Sgd => "sgd",
+            Optimizer::Adam => "adam",
+        }
+    }
+
+    /// Bytes of state per trained element, master weights not included.
+    pub fn moment_bytes(self) -> u64 {
+        match self {
+            Optimizer::None => 0,
+            Optimizer::Sgd => 4,
+            Optimizer::Adam => 8,
+        }
+    }
+}
+
+impl fmt::Display for Optimizer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for Optimizer {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Optimizer> {
+        [Optimizer::None, Optimizer::Sgd, Optimizer::Adam]
+            .into_iter()
+            .find(|o| o.name().eq_ignore_ascii_case(s.trim()))
+            .ok_or_else(|| {
+                Error::InvalidArgument(format!("unknown optimizer {s:?} (none, sgd or adam)"))
+            })
+    }
+}
+
+/// What a plan is made for.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PlanConfig {
+    /// Budget of each tier in bytes, indexed by [`Tier::index`] (0: the tier is not used).
+    pub budgets: [u64; 4],
+    /// The optimizer whose state is counted (with `train`).
+    pub optimizer: Optimizer,
+    /// Training (gradients and optimizer state) rather than forward passes only.
+    pub train: bool,
+}
+
+/// A group of bytes the plan places.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Group {
+    /// The file's tensors.
+    Parameters,
+    /// One gradient per trained parameter.
+    Gradients,
+    /// Moments (and fp32 master weights for 16-bit parameters).
+    OptimizerState,
+}
+
+impl Group {
+    /// The groups, in the order they are placed.
+    pub const ALL: [Group; 3] = [Group::Parameters, Group::Gradients, Group::OptimizerState];
+
+    /// Name as printed.
+    pub fn name(self) -> &'static str {
+        match self {
+            Group::Parameters => "parameters",
+            Group::Gradients => "gradients",
+            Group::OptimizerState => "optimizer state",
+        }
+    }
+}
+
+/// Where one group's bytes went.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GroupPlan {
+    /// The group.
+    pub group: Group,
+    /// Its bytes in all.
+    pub bytes: u64,
+    /// Bytes placed in each tier, indexed by [`Tier::index`].
+    pub tiers: [u64; 4],
+    /// Parameter bytes left in place in the file (0 for the other groups).
+    pub in_file: u64,
+    /// Bytes that fit in no tier.
+    pub unplaced: u64,
+}
+
+impl GroupPlan {
+    /// Bytes not on the device (in other tiers, in the file, or not placed).
+    pub fn off_device(&self) -> u64 {
+        self.bytes.saturating_sub(self.tiers[Tier::Device.index()])
+    }
+
+    /// Bytes on disk: the disk tier, and the file.
+    pub fn on_disk(&self) -> u64 {
+        self.tiers[Tier::Disk.index()].saturating_add(self.in_file)
+    }
+}
+
+/// Where parameters, gradients and optimizer state would live under a [`PlanConfig`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MemoryPlan {
+    /// What it was made for.
+    pub config: PlanConfig,
+    /// Parameters, gradients, optimizer state, in that order.
+    pub groups: [GroupPlan; 3],
+}
+
+/// Bytes that cross PCIe and the disk in one step.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Traffic {
+    /// Host to device.
+    pub h2d: u64,
+    /// Device to host.
+    pub d2h: u64,
+    /// Read from disk (the disk tier or the file).
+    pub disk_read: u64,
+    /// Written to disk.
+    pub disk_write: u64,
+}
+
+/// Makes the plan: sizes the groups by the accounting of the module documentation and places
+/// them, device first.
+pub fn plan(tensors: &[TensorEntry], config: &PlanConfig) -> MemoryPlan {
+    // Each group as pieces, one per tensor (a tensor's bytes in that group).
+    let pieces: [Vec<u64>; 3] = [
+        tensors.iter().map(|t| t.bytes).collect(),
+        tensors
+            .iter()
+            .map(|t| if config.train && t.is_trainable() { t.bytes } else { 0 })
+            .collect(),
+        tensors.iter().map(|t| state_bytes(t, config)).collect(),
+    ];
+    let mut placed: [Vec<bool>; 3] = pieces.clone().map(|p| p.iter().map(|&b| b == 0).collect());
+    let mut groups = Group::ALL.map(|group| GroupPlan {
+        group,
+        bytes: 0,
+        tiers: [0; 4],
+        in_file: 0,
+        unplaced: 0,
+    });
+    for (g, p) in groups.iter_mut().zip(&pieces) {
+        g.bytes = p.iter().fold(0u64, |a, &b| a.saturating_add(b));
+    }
+    for tier in Tier::ALL {
+        let mut free = config.budgets[tier.index()];
+        for (gi, group) in groups.iter_mut().enumerate() {
+            // Parameters stay in the file rather than take the disk tier's budget.
+            if tier == Tier::Disk && group.group == Group::Parameters {
+                continue;
+            }
+            for (done, &bytes) in placed[gi].iter_mut().zip(&pieces[gi]) {
+                if !*done && bytes <= free {
+                    free -= bytes;
+                    group.tiers[tier.index()] += bytes;
+                    *done = true;
+                }
+            }
+        }
+    }
+    for (gi, group) in groups.iter_mut().enumerate() {
+        let left = placed[gi]
+            .iter()
+            .zip(&pieces[gi])
+            .filter(|(done, _)| !**done)
+            .fold(0u64, |a, (_, &b)| a.saturating_add(b));
+        if group.group == Group::Parameters {
+            group.in_file = left;
+        } else {
+            group.unplaced = left;
+        }
+    }
+    MemoryPlan { config: config.clone(), groups }
+}
+
+/// Optimizer state of one tensor: moments, and fp32 master weights for 16-bit parameters.
+fn state_bytes(t: &TensorEntry, config: &PlanConfig) -> u64 {
+    if !config.train || !t.is_trainable() || config.optimizer == Optimizer::None {
+        return 0;
+    }
+    let per_elem = config.optimizer.moment_bytes() + if t.is_half() { 4 } else { 0 };
+    t.elements().saturating_mul(per_elem)
+}
+
+impl MemoryPlan {
+    /// The parameters' placement.
+    pub fn parameters(&self) -> &GroupPlan {
+        &self.groups[0]
+    }
+
+    /// The gradients' placement.
+    pub fn gradients(&self) -> &GroupPlan {
+        &self.groups[1]
+    }
+
+    /// The optimizer state's placement.
+    pub fn optimizer_state(&self) -> &GroupPlan {
+        &self.groups[2]
+    }
+
+    /// Bytes of every group.
+    pub fn total(&self) -> u64 {
+        self.groups.iter().fold(0u64, |a, g| a.saturating_add(g.bytes))
+    }
+
+    /// Bytes that fit nowhere.
+    pub fn unplaced(&self) -> u64 {
+        self.groups.iter().fold(0u64, |a, g| a.saturating_add(g.unplaced))
+    }
+
+    /// Bytes per step across PCIe and the disk, by the formula of the module documentation.
+    pub fn traffic(&self) -> Traffic {
+        let (p, g, s) = (self.parameters(), self.gradients(), self.optimizer_state());
+        let (po, go, so) = (p.off_device(), g.off_device(), s.off_device());
+        let (pd, gd, sd) = (p.on_disk(), g.on_disk(), s.on_disk());
+        let sum = |xs: &[u64]| xs.iter().fold(0u64, |a, &b| a.saturating_add(b));
+        if !self.config.train {
+            return Traffic { h2d: po, d2h: 0, disk_read: pd, disk_write: 0 };
+        }
+        let two = |x: u64| x.saturating_mul(2);
+        if self.config.optimizer == Optimizer::None {
+            return Traffic { h2d: two(po), d2h: go, disk_read: two(pd), disk_write: gd };
+        }
+        Traffic {
+            h2d: sum(&[two(po), go, so]),
+            d2h: sum(&[po, go, so]),
+            disk_read: sum(&[two(pd), gd, sd]),
+            disk_write: sum(&[pd, gd, sd]),
+        }
+    }
+
+    /// The formula of each of [`MemoryPlan::traffic`]'s figures (host to device, device to
+    /// host, disk read, disk write) for this plan's mode.
+    pub fn formulas(&self) -> [&'static str; 4] {
+        match (self.config.train, self.config.optimizer) {
+            (false, _) => ["P", "0", "P_d", "0"],
+            (true, Optimizer::None) => ["2P", "G", "2P_d", "G_d"],
+            (true, _) => ["2P + G + S", "P + G + S", "2P_d + G_d + S_d", "P_d + G_d + S_d"],
+        }
+    }
+
+    /// The predicted transfer time of one step with these bandwidths (D2H at the H2D figure and
+    /// disk writes at the read figure where those are missing).
+    pub fn predict(&self, bw: &Bandwidths) -> Prediction {
+        let t = self.traffic();
+        let secs = |bytes: u64, gbps: Option<f64>| -> Option<f64> {
+            if bytes == 0 {
+                return Some(0.0);
+            }
+            gbps.filter(|g| g.is_finite() && *g > 0.0).map(|g| bytes as f64 / (g * 1e9))
+        };
+        Prediction {
+            traffic: t,
+            formulas: self.formulas(),
+            secs: [
+                secs(t.h2d, bw.h2d_gbps),
+                secs(t.d2h, bw.d2h_gbps.or(bw.h2d_gbps)),
+                secs(t.disk_read, bw.disk_read_gbps),
+                secs(t.disk_write, bw.disk_write_gbps.or(bw.disk_read_gbps)),
+            ],
+        }
+    }
+}
+
+impl fmt::Display for MemoryPlan {
+    /// The plan as an aligned table, group by tier, with a total row.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let c = &self.config;
+        let mode = if c.train {
+            format!("training, optimizer {}", c.optimizer)
+        } else {
+            "forward only (no gradients or optimizer state; --train to count them)".to_string()
+        };
+        writeln!(f, "memory plan: {mode}")?;
+        let budgets: Vec<String> = Tier::ALL
+            .iter()
+            .map(|t| match c.budgets[t.index()] {
+                0 => format!("{t} off"),
+                b => format!("{t} {}", format_size(b)),
+            })
+            .collect();
+        writeln!(f, "budgets: {}", budgets.join(", "))?;
+        let head = ["group", "total", "device", "pinned", "mapped", "disk", "in file", "no room"];
+        let mut rows: Vec<[String; 8]> = Vec::new();
+        let cell = |b: u64| if b == 0 { "-".to_string() } else { format_size(b) };
+        let mut sum = [0u64; 7];
+        for g in &self.groups {
+            let vals =
+                [g.bytes, g.tiers[0], g.tiers[1], g.tiers[2], g.tiers[3], g.in_file, g.unplaced];
+            for (s, v) in sum.iter_mut().zip(vals) {
+                *s = s.saturating_add(v);
+            }
+            rows.push([
+                g.group.name().to_string(),
+                cell(vals[0]),
+                cell(vals[1]),
+                cell(vals[2]),
+                cell(vals[3]),
+                cell(vals[4]),
+                cell(vals[5]),
+                cell(vals[6]),
+            ]);
+        }
+        rows.push([
+            "total".to_string(),
+            cell(sum[0]),
+            cell(sum[1]),
+            cell(sum[2]),
+            cell(sum[3]),
+            cell(sum[4]),
+            cell(sum[5]),
+            cell(sum[6]),
+        ]);
+        let mut w = head.map(str::len);
+        for r in &rows {
+            for (wi, s) in w.iter_mut().zip(r) {
+                *wi = (*wi).max(s.len());
+            }
+        }
+        let line = |f: &mut fmt::Formatter<'_>, r: &[&str]| -> fmt::Result {
+            let mut s = String::new();
+            for (i, (v, wi)) in r.iter().zip(w).enumerate() {
+                if i == 0 {
+                    let _ = write!(s, "{v:<wi$}");
+                } else {
+                    let _ = write!(s, "  {v:>wi$}");
+                }
+            }
+            writeln!(f, "{}", s.trim_end())
+        };
+        line(f, &head)?;
+        for r in &rows {
+            let refs: Vec<&str> = r.iter().map(String::as_str).collect();
+            line(f, &refs)?;
+        }
+        if self.unplaced() > 0 {
+            writeln!(
+                f,
+                "does not fit: {} (raise the budgets, --disk-budget first)",
+                format_size(self.unplaced())
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// Bandwidths for the prediction, in GB/s (10^9 bytes per second); `None`: not known.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Bandwidths {
+    /// Pinned host to device.
+    pub h2d_gbps: Option<f64>,
+    /// Device to pinned host (the H2D figure is used when missing).
+    pub d2h_gbps: Option<f64>,
+    /// Disk read.
+    pub disk_read_gbps: Option<f64>,
+    /// Disk write (the read figure is used when missing).
+    pub disk_write_gbps: Option<f64>,
+    /// Where the figures come from, one line each (printed under the prediction).
+    pub notes: Vec<String>,
+}
+
+impl Bandwidths {
+    /// The figures of a `strata bench --json` results file: for `h2d_pinned`, `d2h_pinned`,
+    /// `disk_read` and `disk_write`, the cell of the largest size measured. A missing path stays
+    /// `None`. An unreadable file is an [`Error::Io`]; a file that is not such JSON an
+    /// [`Error::InvalidArgument`] naming it.
+    pub fn from_bench_json(path: impl AsRef<Path>) -> Result<Bandwidths> {
+        let path = path.as_ref();
+        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+        Bandwidths::from_bench_json_str(&text, &path.display().to_string())
+    }
+
+    /// [`Bandwidths::from_bench_json`] of the file's text; `name` names it in errors and notes.
+    pub fn from_bench_json_str(text: &str, name: &str) -> Result<Bandwidths> {
+        let bad = |why: String| {
+            Error::InvalidArgument(format!("{name} is not a `strata bench --json` file: {why}"))
+        };
+        let v: serde_json::Value = serde_json::from_str(text).map_err(|e| bad(e.to_string()))?;
+        let results =
+            v.get("results").and_then(|r| r.as_array()).ok_or_else(|| bad("no results".into()))?;
+        let machine = v.get("hostname").and_then(|h| h.as_str()).unwrap_or("unknown host");
+        let date = v.get("date").and_then(|d| d.as_str()).unwrap_or("unknown date");
+        let mut bw = Bandwidths::default();
+        bw.notes.push(format!("bandwidths from {name} ({machine}, {date}):"));
+        for (path, slot) in [
+            ("h2d_pinned", &mut bw.h2d_gbps),
+            ("d2h_pinned", &mut bw.d2h_gbps),
+            ("disk_read", &mut bw.disk_read_gbps),
+            ("disk_write", &mut bw.disk_write_gbps),
+        ] {
+            let best = results
+                .iter()
+                .filter(|r| r.get("path").and_then(|p| p.as_str()) == Some(path))
+                .filter_map(|r| {
+                    let size = r.get("size_bytes")?.as_u64()?;
+                    let gbps = r.get("gbps")?.as_f64().filter(|g| g.is_finite() && *g > 0.0)?;
+                    Some((size, gbps))
+                })
+                .max_by_key(|&(size, _)| size);
+            match best {
+                Some((size, gbps)) => {
+                    *slot = Some(gbps);
+                    bw.notes.push(format!("  {path}: {gbps:.2} GB/s at {}", format_size(size)));
+                }
+                None => bw.notes.push(format!("  {path}: not in the file")),
+            }
+        }
+        Ok(bw)
+    }
+
+    /// Measures briefly what a prediction needs. `pcie`: the pinned H2D and D2H bandwidth with
+    /// [`raw_pinned_copy`](crate::probe::raw_pinned_copy) of 64 MiB (median of 5 after a
+    /// warm-up), when there is a GPU; without one a note says PCIe time is not predicted.
+    /// `disk`: a file to read up to 64 MiB of, bypassing the page cache (`O_DIRECT`) where the
+    /// file system allows, for the disk read bandwidth (also used for writes). Never fails: what
+    /// could not be measured stays `None` with a note saying why.
+    pub fn measure(pcie: bool, disk: Option<&Path>) -> Bandwidths {
+        let mut bw = Bandwidths::default();
+        if pcie {
+            match crate::cuda_device_count() {
+                Ok(n) if n > 0 => match measure_pcie() {
+                    Ok((h2d, d2h)) => {
+                        bw.h2d_gbps = Some(h2d);
+                        bw.d2h_gbps = Some(d2h);
+                        bw.notes.push(format!(
+                            "pinned copies of 64 MiB on GPU 0, measured now: H2D {h2d:.2} GB/s, \
+                             D2H {d2h:.2} GB/s"
+                        ));
+                    }
+                    Err(e) => bw.notes.push(format!("PCIe time not predicted: {e}")),
+                },
+                Ok(_) => bw.notes.push("PCIe time not predicted (no GPU)".into()),
+                Err(why) => bw.notes.push(format!("PCIe time not predicted (no GPU: {why})")),
+            }
+        }
+        if let Some(path) = disk {
+            match measure_disk(path) {
+                Ok((gbps, bytes, direct)) => {
+                    bw.disk_read_gbps = Some(gbps);
+                    bw.notes.push(format!(
+                        "disk: {gbps:.2} GB/s reading {} of the file now ({}); writes assumed \
+                         as fast",
+                        format_size(bytes),
+                        if direct { "O_DIRECT" } else { "buffered: may be the page cache" }
+                    ));
+                }
+                Err(e) => bw.notes.push(format!("disk time not predicted: {e}")),
+            }
+        }
+        bw
+    }
+}
+
+/// Median pinned H2D and D2H GB/s of 64 MiB copies on GPU 0.
+fn measure_pcie() -> Result<(f64, f64)> {
+    const BYTES: usize = 64 << 20;
+    let ctx = cudarc::driver::CudaContext::new(0)
+        .map_err(|e| Error::Cuda { call: "cuDevicePrimaryCtxRetain", message: e.to_string() })?;
+    let mut gbps = [0.0f64; 2];
+    for (g, dir) in gbps
+        .iter_mut()
+        .zip([crate::probe::Direction::HostToDevice, crate::probe::Direction::DeviceToHost])
+    {
+        let secs = crate::probe::median(&crate::probe::raw_pinned_copy(&ctx, BYTES, dir, 5)?);
+        if secs <= 0.0 {
+            return Err(Error::InvalidArgument("a copy took no measurable time".into()));
+        }
+        *g = BYTES as f64 / secs / 1e9;
+    }
+    Ok((gbps[0], gbps[1]))
+}
+
+/// Reads up to 64 MiB of `path` in 16 MiB pieces: (GB/s, bytes read, whether `O_DIRECT`).
+fn measure_disk(path: &Path) -> Result<(f64, u64, bool)> {
+    const PIECE: usize = 16 << 20;
+    const MAX: u64 = 64 << 20;
+    const ALIGN: usize = 4096;
+    let io = |e| Error::io(path, e);
+    let len = std::fs::metadata(path).map_err(io)?.len();
+    if len < (1 << 20) {
+        return Err(Error::InvalidArgument(format!(
+            "{} is under 1 MiB, too small to time (give --bench)",
+            path.display()
+        )));
+    }
+    let want = len.min(MAX);
+    let mut buf = vec![0u8; PIECE + ALIGN];
+    let off = buf.as_ptr().align_offset(ALIGN).min(ALIGN);
+    let piece = buf
+        .get_mut(off..off + PIECE)
+        .ok_or_else(|| Error::InvalidArgument("could not align a read buffer".into()))?;
+    // O_DIRECT first; if the file system refuses it, a buffered read.
+    if let Ok(f) = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_DIRECT).open(path) {
+        if let Ok(r) = timed_read(&f, piece, want) {
+            return Ok((r.0, r.1, true));
+        }
+    }
+    let mut f = File::open(path).map_err(io)?;
+    let t = Instant::now();
+    let mut done = 0u64;
+    while done < want {
+        let n = (want - done).min(PIECE as u64) as usize;
+        let dst = piece.get_mut(..n).unwrap_or_default();
+        f.read_exact(dst).map_err(io)?;
+        done += n as u64;
+    }
+    let secs = t.elapsed().as_secs_f64().max(1e-9);
+    Ok((done as f64 / secs / 1e9, done, false))
+}
+
+/// Reads `want` bytes (whole aligned pieces) with positioned reads: (GB/s, bytes read).
+fn timed_read(f: &File, piece: &mut [u8], want: u64) -> std::io::Result<(f64, u64)> {
+    let t = Instant::now();
+    let mut done = 0u64;
+    while done < want {
+        let n = f.read_at(piece, done)?;
+        if n == 0 {
+            break;
+        }
+        done += n as u64;
+    }
+    let secs = t.elapsed().as_secs_f64().max(1e-9);
+    if done == 0 {
+        return Err(std::io::Error::from(std::io::ErrorKind::UnexpectedEof));
+    }
+    Ok((done as f64 / secs / 1e9, done))
+}
+
+/// A prediction of one step's transfer time.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Prediction {
+    /// The bytes it is made of.
+    pub traffic: Traffic,
+    /// The formula of each figure: host to device, device to host, disk read, disk write.
+    pub formulas: [&'static str; 4],
+    /// Seconds of each, in the same order (`None`: bytes to move and no bandwidth known).
+    pub secs: [Option<f64>; 4],
+}
+
+impl Prediction {
+    /// Seconds of PCIe transfers (both directions, one after the other).
+    pub fn pcie_s(&self) -> Option<f64> {
+        Some(self.secs[0]? + self.secs[1]?)
+    }
+
+    /// Seconds of disk reads and writes.
+    pub fn disk_s(&self) -> Option<f64> {
+        Some(self.secs[2]? + self.secs[3]?)
+    }
+
+    /// PCIe plus disk seconds, when both are known.
+    pub fn total_s(&self) -> Option<f64> {
+        Some(self.pcie_s()? + self.disk_s()?)
+    }
+}
+
+fn fmt_secs(s: Option<f64>) -> String {
+    match s {
+        None => "?".into(),
+        Some(s) if s >= 1.0 => format!("{s:.2} s"),
+        Some(s) => format!("{:.2} ms", s * 1e3),
+    }
+}
+
+impl fmt::Display for Prediction {
+    /// A table of the bytes per step, their formula and time, then the total.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let t = &self.traffic;
+        writeln!(f, "transfers per step (P, G, S: bytes of parameters, gradients, optimizer")?;
+        writeln!(f, "state not on the device; P_d, G_d, S_d: of them on disk or in the file):")?;
+        let labels = ["host -> device", "device -> host", "disk read", "disk write"];
+        let bytes = [t.h2d, t.d2h, t.disk_read, t.disk_write].map(format_size);
+        let times = self.secs.map(fmt_secs);
+        let fw = self.formulas.iter().map(|s| s.len()).max().unwrap_or(0).max(7);
+        let bw = bytes.iter().map(String::len).max().unwrap_or(0).max(5);
+        let tw = times.iter().map(String::len).max().unwrap_or(0).max(4);
+        writeln!(f, "  {:<14}  {:<fw$}  {:>bw$}  {:>tw$}", "", "formula", "bytes", "time")?;
+        for i in 0..4 {
+            writeln!(
+                f,
+                "  {:<14}  {:<fw$}  {:>bw$}  {:>tw$}",
+                labels[i], self.formulas[i], bytes[i], times[i]
+            )?;
+        }
+        let line = match (self.pcie_s(), self.disk_s()) {
+            (Some(p), Some(d)) => format!(
+                "{} (PCIe {} + disk {}, one after the other)",
+                fmt_secs(Some(p + d)),
+                fmt_secs(Some(p)),
+                fmt_secs(Some(d))
+            ),
+            (None, Some(d)) => {
+                format!("at least {} (disk only: PCIe time not predicted)", fmt_secs(Some(d)))
+            }
+            (Some(p), None) => {
+                format!("at least {} (PCIe only: disk time not predicted)", fmt_secs(Some(p)))
+            }
+            (None, None) => "not predicted".into(),
+        };
+        writeln!(f, "predicted transfer time per step: {line}")
+    }
+}
+
+/// The tensors as an aligned table: name, dtype, shape, bytes; one line each, in file order.
+pub fn tensor_table(tensors: &[TensorEntry]) -> String {
+    let shapes: Vec<String> = tensors.iter().map(|t| shape_str(&t.shape)).collect();
+    let sizes: Vec<String> = tensors.iter().map(|t| format_size(t.bytes)).collect();
+    let name_w = tensors.iter().map(|t| t.name.chars().count()).max().unwrap_or(0).clamp(4, 60);
+    let shape_w = shapes.iter().map(String::len).max().unwrap_or(0).max(5);
+    let size_w = sizes.iter().map(String::len).max().unwrap_or(0).max(5);
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "{:<name_w$}  {:<5}  {:<shape_w$}  {:>size_w$}",
+        "name", "dtype", "shape", "bytes"
+    );
+    for ((t, shape), size) in tensors.iter().zip(&shapes).zip(&sizes) {
+        let _ = writeln!(
+            s,
+            "{:<name_w$}  {:<5}  {shape:<shape_w$}  {size:>size_w$}",
+            t.name,
+            t.dtype.to_string()
+        );
+    }
+    s
+}
+
+/// `[4096, 4096]`; `[]` for a scalar.
+fn shape_str(shape: &[usize]) -> String {
+    let dims: Vec<String> = shape.iter().map(usize::to_string).collect();
+    format!("[{}]", dims.join(", "))
+}
+
+/// Totals: tensor count, elements, bytes per dtype, and the total.
+pub fn totals(tensors: &[TensorEntry]) -> String {
+    let mut by: Vec<(DType, usize, u64)> = Vec::new();
+    for t in tensors {
+        match by.iter_mut().find(|(d, _, _)| *d == t.dtype) {
+            Some(e) => {
+                e.1 += 1;
+                e.2 = e.2.saturating_add(t.bytes);
+            }
+            None => by.push((t.dtype, 1, t.bytes)),
+        }
+    }
+    by.sort_by_key(|&(_, _, b)| std::cmp::Reverse(b));
+    let total = tensors.iter().fold(0u64, |a, t| a.saturating_add(t.bytes));
+    let elems = tensors.iter().fold(0u64, |a, t| a.saturating_add(t.elements()));
+    let mut s = String::new();
+    let parts: Vec<String> = by
+        .iter()
+        .map(|(d, n, b)| {
+            format!("{d} {} ({n} tensor{})", format_size(*b), if *n == 1 { "" } else { "s" })
+        })
+        .collect();
+    let _ = writeln!(
+        s,
+        "{} tensors, {} elements, {} ({total} bytes)",
+        tensors.len(),
+        elems,
+        format_size(total)
+    );
+    if !parts.is_empty() {
+        let _ = writeln!(s, "by dtype: {}", parts.join(", "));
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(budgets: [u64; 4], optimizer: Optimizer, train: bool) -> PlanConfig {
+        PlanConfig { budgets, optimizer, train }
+    }
+
+    fn t(name: &str, dtype: DType, shape: &[usize]) -> TensorEntry {
+        TensorEntry::new(name, dtype, shape.to_vec())
+    }
+
+    const MIB: u64 = 1 << 20;
+
+    #[test]
+    fn optimizer_parses_and_prints() {
+        assert_eq!("ADAM".parse::<Optimizer>().unwrap(), Optimizer::Adam);
+        assert_eq!("sgd".parse::<Optimizer>().unwrap(), Optimizer::Sgd);
+        assert_eq!("none".parse::<Optimizer>().unwrap(), Optimizer::None);
+        assert!("lion".parse::<Optimizer>().is_err());
+        assert_eq!(Optimizer::Adam.to_string(), "adam");
+    }
+
+    #[test]
+    fn accounting_follows_dtype_optimizer_and_mode() {
+        // 1 Mi elements of bf16 (2 MiB) and 1 Mi elements of f32 (4 MiB), plus an i64 index.
+        let ts = [
+            t("h", DType::BF16, &[1024, 1024]),
+            t("f", DType::F32, &[1 << 20]),
+            t("i", DType::I64, &[8]),
+        ];
+        let big = [u64::MAX / 8; 4];
+        let forward = plan(&ts, &cfg(big, Optimizer::Adam, false));
+        assert_eq!(forward.parameters().bytes, 6 * MIB + 64);
+        assert_eq!((forward.gradients().bytes, forward.optimizer_state().bytes), (0, 0));
+
+        let none = plan(&ts, &cfg(big, Optimizer::None, true));
+        assert_eq!(none.gradients().bytes, 6 * MIB, "integers get no gradient");
+        assert_eq!(none.optimizer_state().bytes, 0);
+
+        let sgd = plan(&ts, &cfg(big, Optimizer::Sgd, true));
+        // momentum 4 B/elem for both, master weights 4 B/elem for the bf16 one.
+        assert_eq!(sgd.optimizer_state().bytes, 4 * MIB + 4 * MIB + 4 * MIB);
+
+        let adam = plan(&ts, &cfg(big, Optimizer::Adam, true));
+        // bf16: 8 + 4 per element; f32: 8 per element.
+        assert_eq!(adam.optimizer_state().bytes, 12 * MIB + 8 * MIB);
+        assert_eq!(adam.total(), (6 * MIB + 64) + 6 * MIB + 20 * MIB);
+        assert_eq!(adam.unplaced(), 0);
+    }
+
+    #[test]
+    fn placement_fills_device_first_in_group_order() {
+        // Four f32 tensors of 1 MiB; Adam: grads 4 MiB, state 8 MiB.
+        let ts: Vec<_> = (0..4).map(|i| t(&format!("w{i}"), DType::F32, &[1 << 18])).collect();
+        let p = plan(&ts, &cfg([6 * MIB, 4 * MIB, 0, 3 * MIB], Optimizer::Adam, true));
+        assert_eq!(p.parameters().tiers, [4 * MIB, 0, 0, 0]);
+        assert_eq!(p.gradients().tiers, [2 * MIB, 2 * MIB, 0, 0], "gradients split");
+        // Each tensor's state is 2 MiB: one in the 2 MiB left in pinned, one on disk (3 MiB).
+        assert_eq!(p.optimizer_state().tiers, [0, 2 * MIB, 0, 2 * MIB]);
+        assert_eq!(p.optimizer_state().unplaced, 4 * MIB);
+        assert_eq!(p.unplaced(), 4 * MIB);
+        let shown = p.to_string();
+        assert!(shown.contains("optimizer state") && shown.contains("does not fit"), "{shown}");
+    }
+
+    #[test]
+    fn parameters_that_fit_nowhere_stay_in_the_file() {
+        let ts: Vec<_> = (0..4).map(|i| t(&format!("w{i}"), DType::F32, &[1 << 18])).collect();
+        let p = plan(&ts, &cfg([MIB, MIB, 0, 64 * MIB], Optimizer::None, false));
+        let params = p.parameters();
+        assert_eq!(params.tiers, [MIB, MIB, 0, 0], "the disk budget is not used for them");
+        assert_eq!((params.in_file, params.unplaced), (2 * MIB, 0));
+        assert_eq!(params.on_disk(), 2 * MIB);
+        assert_eq!(params.off_device(), 3 * MIB);
+    }
+
+    #[test]
+    fn first_fit_places_smaller_tensors_past_a_large_one() {
+        let ts = [
+            t("small", DType::U8, &[100]),
+            t("big", DType::U8, &[1000]),
+            t("s2", DType::U8, &[50]),
+        ];
+        let p = plan(&ts, &cfg([200, 0, 0, 0], Optimizer::None, false));
+        assert_eq!(p.parameters().tiers[0], 150);
+        assert_eq!(p.parameters().in_file, 1000);
+    }
+
+    #[test]
+    fn traffic_follows_the_formula() {
+        let ts: Vec<_> = (0..4).map(|i| t(&format!("w{i}"), DType::F32, &[1 << 18])).collect();
+        // Forward: 1 MiB of 4 on device, 1 pinned, 2 in the file.
+        let p = plan(&ts, &cfg([MIB, MIB, 0, 0], Optimizer::None, false));
+        assert_eq!(
+            p.traffic(),
+            Traffic { h2d: 3 * MIB, d2h: 0, disk_read: 2 * MIB, disk_write: 0 }
+        );
+        // Training without optimizer: params twice, gradients out.
+        let p = plan(&ts, &cfg([4 * MIB, 4 * MIB, 0, 0], Optimizer::None, true));
+        assert_eq!(p.gradients().tiers, [0, 4 * MIB, 0, 0]);
+        assert_eq!(p.traffic(), Traffic { h2d: 0, d2h: 4 * MIB, disk_read: 0, disk_write: 0 });
+        // SGD: P = 0 (all on device), G = 4 MiB pinned, S = 4 MiB: 2 pinned... none left: disk.
+        let p = plan(&ts, &cfg([4 * MIB, 6 * MIB, 0, 8 * MIB], Optimizer::Sgd, true));
+        assert_eq!(p.optimizer_state().tiers, [0, 2 * MIB, 0, 2 * MIB]);
+        let tr = p.traffic();
+        assert_eq!(tr.h2d, 4 * MIB + 4 * MIB);
+        assert_eq!(tr.d2h, 4 * MIB + 4 * MIB);
+        assert_eq!((tr.disk_read, tr.disk_write), (2 * MIB, 2 * MIB));
+        // Parameters off the device: read twice, written back once.
+        let p = plan(&ts, &cfg([0, 16 * MIB, 0, 0], Optimizer::Sgd, true));
+        let tr = p.traffic();
+        assert_eq!(
+            (tr.h2d, tr.d2h),
+            (2 * 4 * MIB + 4 * MIB + 4 * MIB, 4 * MIB + 4 * MIB + 4 * MIB)
+        );
+        assert_eq!(p.formulas()[0], "2P + G + S");
+    }
+
+    #[test]
+    fn prediction_divides_by_bandwidth_and_says_when_it_cannot() {
+        let ts: Vec<_> = (0..4).map(|i| t(&format!("w{i}"), DType::F32, &[1 << 18])).collect();
+        let p = plan(&ts, &cfg([MIB, MIB, 0, 0], Optimizer::None, false));
+        let bw =
+            Bandwidths { h2d_gbps: Some(10.0), disk_read_gbps: Some(1.0), ..Bandwidths::default() };
+        let pr = p.predict(&bw);
+        let want_pcie = (3 * MIB) as f64 / 10e9;
+        let want_disk = (2 * MIB) as f64 / 1e9;
+        assert!((pr.pcie_s().unwrap() - want_pcie).abs() < 1e-15);
+        assert!((pr.disk_s().unwrap() - want_disk).abs() < 1e-15);
+        assert!((pr.total_s().unwrap() - want_pcie - want_disk).abs() < 1e-15);
+        let none = p.predict(&Bandwidths::default());
+        assert_eq!((none.pcie_s(), none.disk_s()), (None, None));
+        assert!(none.to_string().contains("not predicted"), "{none}");
+        // Everything on the device: nothing to move, zero without any bandwidth.
+        let all = plan(&ts, &cfg([4 * MIB, 0, 0, 0], Optimizer::None, false));
+        assert_eq!(all.predict(&Bandwidths::default()).total_s(), Some(0.0));
+    }
+
+    #[test]
+    fn bench_json_gives_the_largest_size() {
+        let json = r#"{"tool": "strata bench", "hostname": "gpu1", "date": "2026-11-23T08:30:00Z",
+            "results": [
+              {"path": "h2d_pinned", "size_bytes": 4096, "gbps": 2.5, "median_s": 1e-6},
+              {"path": "h2d_pinned", "size_bytes": 1073741824, "gbps": 54.45, "median_s": 0.02},
+              {"path": "h2d_pinned", "size_bytes": 1048576, "gbps": 40.0, "median_s": 0.0},
+              {"path": "d2h_pinned", "size_bytes": 1073741824, "gbps": 55.05, "median_s": 0.02},
+              {"path": "disk_read", "size_bytes": 1073741824, "gbps": null, "median_s": 0.5},
+              {"path": "disk_read", "size_bytes": 16777216, "gbps": 2.1, "median_s": 0.008}
+            ]}"#;
+        let bw = Bandwidths::from_bench_json_str(json, "b.json").unwrap();
+        assert_eq!(bw.h2d_gbps, Some(54.45));
+        assert_eq!(bw.d2h_gbps, Some(55.05));
+        assert_eq!(bw.disk_read_gbps, Some(2.1), "a null cell is skipped");
+        assert_eq!(bw.disk_write_gbps, None);
+        assert!(bw.notes[0].contains("gpu1") && bw.notes[0].contains("b.json"), "{:?}", bw.notes);
+        assert!(bw.notes.iter().any(|n| n.contains("disk_write: not in")), "{:?}", bw.notes);
+        assert!(Bandwidths::from_bench_json_str("{}", "x.json").is_err());
+        assert!(Bandwidths::from_bench_json_str("not json", "x.json").is_err());
+        let missing = Bandwidths::from_bench_json("/nonexistent/strata-bench.json");
+        assert!(matches!(missing, Err(Error::Io { .. })));
+    }
+
+    #[test]
+    fn bench_json_written_by_the_bench_parses() {
+        use crate::bench::{Measurement, Report, Timer};
+        use crate::probe::Timing;
+        let mut r = Report::new(vec![1 << 20, 64 << 20], ["h2d_pinned".to_string()]);
+        for (size, secs) in [(1u64 << 20, 1e-4), (64 << 20, 2e-3)] {
+            let timing = Timing { seconds: vec![secs; 3], bytes: size };
+            r.results.push(Measurement::new("h2d_pinned", size, &timing, Timer::CudaEvents));
+        }
+        let bw = Bandwidths::from_bench_json_str(&r.to_json(), "r.json").unwrap();
+        let want = (64u64 << 20) as f64 / 2e-3 / 1e9;
+        assert!((bw.h2d_gbps.unwrap() - want).abs() < 1e-6 * want, "{bw:?}");
+    }
+
+    #[test]
+    fn reads_tensors_of_a_file_and_prints_them() {
+        use safetensors::tensor::{Dtype, TensorView};
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("m.safetensors");
+        let a = vec![0u8; 2 * 3 * 4];
+        let b = vec![1u8; 5 * 2];
+        let views = vec![
+            ("layer.weight", TensorView::new(Dtype::F32, vec![2, 3], &a).unwrap()),
+            ("layer.bias", TensorView::new(Dtype::BF16, vec![5], &b).unwrap()),
+        ];
+        safetensors::serialize_to_file(views, None, &path).unwrap();
+        let ts = read_tensors(&path).unwrap();
+        assert_eq!(ts.len(), 2);
+        let w = ts.iter().find(|t| t.name == "layer.weight").unwrap();
+        assert_eq!((w.dtype, w.shape.clone(), w.bytes), (DType::F32, vec![2, 3], 24));
+        let table = tensor_table(&ts);
+        assert!(table.contains("layer.weight") && table.contains("[2, 3]"), "{table}");
+        assert!(table.lines().next().unwrap().starts_with("name"));
+        let tot = totals(&ts);
+        assert!(tot.starts_with("2 tensors, 11 elements, 34 B (34 bytes)"), "{tot}");
+        assert!(tot.contains("f32 24 B (1 tensor)"), "{tot}");
+
+        assert!(matches!(read_tensors(dir.path().join("none.safetensors")), Err(Error::Io { .. })));
+        let junk = dir.path().join("junk.safetensors");
+        std::fs::write(&junk, b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all").unwrap();
+        assert!(matches!(read_tensors(&junk), Err(Error::BadFile { .. })));
+    }
+
+    #[test]
+    fn disk_measure_reads_a_file_or_says_why_not() {
+        let dir = tempfile::tempdir().unwrap();
+        let small = dir.path().join("small");
+        std::fs::write(&small, [0u8; 100]).unwrap();
+        let bw = Bandwidths::measure(false, Some(&small));
+        assert_eq!(bw.disk_read_gbps, None);
+        assert!(bw.notes[0].contains("too small"), "{:?}", bw.notes);
+        let big = dir.path().join("big");
+        std::fs::write(&big, vec![7u8; 3 << 20]).unwrap();
+        let bw = Bandwidths::measure(false, Some(&big));
+        assert!(bw.disk_read_gbps.is_some_and(|g| g > 0.0), "{:?}", bw.notes);
+    }
+}
