@@ -247,3 +247,37 @@ impl Drop for BorrowedSlice {
         }
     }
 }
+
+/// Compiles CUDA C `source` with NVRTC for the context's device and loads `names` from it: the
+/// one way strata's kernels (`cuda/*.cu`) reach the GPU. A missing NVRTC library is a typed
+/// error, not a panic.
+pub(crate) fn load_kernels<const N: usize>(
+    ctx: &Arc<CudaContext>,
+    source: &str,
+    names: [&str; N],
+) -> Result<(Arc<cudarc::driver::CudaModule>, [cudarc::driver::CudaFunction; N])> {
+    // SAFETY: only tries to dlopen the NVRTC library and closes it again.
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        return Err(Error::Cuda {
+            call: "nvrtc",
+            message: "the NVRTC library (libnvrtc.so) was not found: install the CUDA runtime \
+                      compiler or put its lib directory on LD_LIBRARY_PATH"
+                .into(),
+        });
+    }
+    let (major, minor) = ctx.compute_capability().map_err(cu("cuDeviceGetAttribute"))?;
+    let opts = cudarc::nvrtc::CompileOptions {
+        options: vec![format!("--gpu-architecture=compute_{major}{minor}")],
+        ..Default::default()
+    };
+    let ptx = cudarc::nvrtc::compile_ptx_with_opts(source, opts)
+        .map_err(|e| Error::Cuda { call: "nvrtcCompileProgram", message: e.to_string() })?;
+    let module = ctx.load_module(ptx).map_err(cu("cuModuleLoadData"))?;
+    let mut funcs = Vec::with_capacity(N);
+    for name in names {
+        funcs.push(module.load_function(name).map_err(cu("cuModuleGetFunction"))?);
+    }
+    let funcs: [cudarc::driver::CudaFunction; N] =
+        funcs.try_into().unwrap_or_else(|_| unreachable!("one function per name"));
+    Ok((module, funcs))
+}

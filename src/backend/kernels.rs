@@ -80,36 +80,12 @@ pub fn pattern(len: usize, seed: u32) -> Vec<u8> {
         .collect()
 }
 
-fn nvrtc_err(call: &'static str, e: impl std::fmt::Display) -> Error {
-    Error::Cuda { call, message: e.to_string() }
-}
-
 impl Kernels {
     /// Compiles (CUDA: NVRTC, once per call) and loads the kernels for `store`'s backend.
     pub fn new(store: &Store) -> Result<Kernels> {
         let Some(ctx) = store.cuda_context() else { return Ok(Kernels { cuda: None }) };
-        // SAFETY: only tries to dlopen the NVRTC library and closes it again.
-        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
-            return Err(Error::Cuda {
-                call: "nvrtc",
-                message: "the NVRTC library (libnvrtc.so) was not found: install the CUDA runtime \
-                          compiler or put its lib directory on LD_LIBRARY_PATH"
-                    .into(),
-            });
-        }
-        let (major, minor) =
-            ctx.compute_capability().map_err(|e| Error::cuda("cuDeviceGetAttribute", e))?;
-        let arch: &'static str = Box::leak(format!("compute_{major}{minor}").into_boxed_str());
-        let opts = cudarc::nvrtc::CompileOptions { arch: Some(arch), ..Default::default() };
-        let ptx = cudarc::nvrtc::compile_ptx_with_opts(SOURCE, opts)
-            .map_err(|e| nvrtc_err("nvrtcCompileProgram", e))?;
-        let module = ctx.load_module(ptx).map_err(|e| Error::cuda("cuModuleLoadData", e))?;
-        let checksum = module
-            .load_function("strata_checksum")
-            .map_err(|e| Error::cuda("cuModuleGetFunction", e))?;
-        let fill = module
-            .load_function("strata_fill")
-            .map_err(|e| Error::cuda("cuModuleGetFunction", e))?;
+        let (module, [checksum, fill]) =
+            super::cuda::load_kernels(ctx, SOURCE, ["strata_checksum", "strata_fill"])?;
         Ok(Kernels { cuda: Some(CudaKernels { _module: module, checksum, fill }) })
     }
 

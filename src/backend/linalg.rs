@@ -140,26 +140,14 @@ impl Linalg {
             .ok_or_else(|| Error::BackendMismatch("a host stream with a CUDA store".into()))?
             .clone();
         // SAFETY: only tries to dlopen the library and closes it again.
-        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
-            return Err(Error::Cuda { call: "nvrtc", message: "libnvrtc.so was not found".into() });
-        }
-        // SAFETY: as above.
         if !unsafe { cudarc::cublas::sys::is_culib_present() } {
             return Err(Error::Cuda {
                 call: "cublas",
                 message: "libcublas.so was not found".into(),
             });
         }
-        let (major, minor) =
-            ctx.compute_capability().map_err(|e| Error::cuda("cuDeviceGetAttribute", e))?;
-        let arch: &'static str = Box::leak(format!("compute_{major}{minor}").into_boxed_str());
-        let opts = cudarc::nvrtc::CompileOptions { arch: Some(arch), ..Default::default() };
-        let ptx = cudarc::nvrtc::compile_ptx_with_opts(SOURCE, opts)
-            .map_err(|e| Error::Cuda { call: "nvrtcCompileProgram", message: e.to_string() })?;
-        let module = ctx.load_module(ptx).map_err(|e| Error::cuda("cuModuleLoadData", e))?;
-        let get =
-            |name| module.load_function(name).map_err(|e| Error::cuda("cuModuleGetFunction", e));
-        let (sgd, fill) = (get("strata_sgd_bf16")?, get("strata_fill_bf16")?);
+        let (module, [sgd, fill]) =
+            super::cuda::load_kernels(ctx, SOURCE, ["strata_sgd_bf16", "strata_fill_bf16"])?;
         let blas = CudaBlas::new(s.clone())
             .map_err(|e| Error::Cuda { call: "cublasCreate", message: e.to_string() })?;
         Ok(Linalg {

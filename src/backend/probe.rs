@@ -364,25 +364,8 @@ struct BenchKernels {
 const BENCH_SOURCE: &str = include_str!("../../cuda/bench.cu");
 
 fn compile_kernels(ctx: &Arc<CudaContext>) -> Result<BenchKernels> {
-    // SAFETY: only tries to dlopen the NVRTC library and closes it again.
-    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
-        return Err(Error::Cuda {
-            call: "nvrtc",
-            message: "the NVRTC library (libnvrtc.so) was not found: install the CUDA runtime \
-                      compiler or put its lib directory on LD_LIBRARY_PATH"
-                .into(),
-        });
-    }
-    let (major, minor) = ctx.compute_capability().map_err(cu("cuDeviceGetAttribute"))?;
-    let opts = cudarc::nvrtc::CompileOptions {
-        options: vec![format!("--gpu-architecture=compute_{major}{minor}")],
-        ..Default::default()
-    };
-    let ptx = cudarc::nvrtc::compile_ptx_with_opts(BENCH_SOURCE, opts)
-        .map_err(|e| Error::Cuda { call: "nvrtcCompileProgram", message: e.to_string() })?;
-    let module = ctx.load_module(ptx).map_err(cu("cuModuleLoadData"))?;
-    let rsum = module.load_function("strata_bench_rsum").map_err(cu("cuModuleGetFunction"))?;
-    let gather = module.load_function("strata_bench_gather").map_err(cu("cuModuleGetFunction"))?;
+    let (module, [rsum, gather]) =
+        super::cuda::load_kernels(ctx, BENCH_SOURCE, ["strata_bench_rsum", "strata_bench_gather"])?;
     Ok(BenchKernels { _module: module, rsum, gather })
 }
 
