@@ -489,6 +489,7 @@ impl ParallelCopier {
                 Err(e) => d.copy_from_slice(&s[..e.into_inner().len]),
             }
         }
+        drop(done_tx);
         for _ in 0..sent {
             // A worker that panicked drops its sender; the copy it held would be lost, so fail
             // loudly rather than return half-copied data.

@@ -158,7 +158,7 @@ impl StoreBuilder {
     /// buffers (at least 2) of `bytes` each (rounded up to 4 KiB), reserved at build. Default 4 x
     /// 16 MiB. More or larger buffers keep more copies in flight.
     pub fn staging(mut self, buffers: usize, bytes: usize) -> Self {
-        self.staging = (buffers.max(2), bytes.max(1).div_ceil(4096) * 4096);
+        self.staging = (buffers.max(2), bytes.clamp(1, 1 << 40).div_ceil(4096) * 4096);
         self
     }
 
@@ -185,7 +185,8 @@ impl StoreBuilder {
         let (backend, note) = self.pick_backend()?;
         if backend.kind() == BackendKind::Cuda {
             check_host_lockable(
-                self.capacity[Tier::Pinned.index()] + self.capacity[Tier::Mapped.index()],
+                self.capacity[Tier::Pinned.index()]
+                    .saturating_add(self.capacity[Tier::Mapped.index()]),
             )?;
         }
         let mut arenas: [Option<MemArena>; 3] = Default::default();
@@ -239,6 +240,7 @@ impl StoreBuilder {
             timeline: Timeline::new(Clock::start(&backend)?),
             probes: Vec::new(),
             reuse_waits: Vec::new(),
+            deferred_frees: Vec::new(),
         };
         let shared = Arc::new(Shared {
             backend,
@@ -362,6 +364,9 @@ pub(crate) struct Entry {
     pub(crate) replicas: [Option<Replica>; 4],
     /// Live views of the tensor.
     pub(crate) views: u32,
+    /// The tier the live views are of (all in one tier: a dirty view drops the other copies,
+    /// which must not be memory another live view points at).
+    pub(crate) view_tier: Option<Tier>,
     /// `pin` hints not yet undone by `unpin`.
     pub(crate) pins: u32,
     /// Live layer scopes that use the tensor.
@@ -387,6 +392,7 @@ impl Entry {
             bytes,
             replicas: Default::default(),
             views: 0,
+            view_tier: None,
             pins: 0,
             scopes: 0,
             prefetched: None,
@@ -458,6 +464,9 @@ pub(crate) struct State {
     /// Work still touching retired device memory; the host-to-device stream waits for it before
     /// its next copy.
     reuse_waits: Vec<RawEvent>,
+    /// Host-tier and disk extents dropped while work may still touch them, with that work's
+    /// events: freed once those complete.
+    deferred_frees: Vec<(Tier, Ext, Vec<RawEvent>)>,
     /// Stream waits whose length is known once both events complete: (mark on the consumer's
     /// stream, the copy's event).
     pub(crate) probes: Vec<(RawEvent, RawEvent)>,
@@ -760,6 +769,8 @@ impl Store {
     /// A snapshot of the counters.
     pub fn stats(&self) -> Stats {
         let mut st = self.shared.state.lock();
+        // Extents waiting for finished work are free: count them so.
+        let _ = st.reap(false);
         let mut tiers = [TierStats::default(); 4];
         for t in Tier::ALL {
             let s = &mut tiers[t.index()];
@@ -864,7 +875,11 @@ impl Store {
             fill.wait();
             self.shared.state.lock().counters.stall_s += t.elapsed().as_secs_f64();
         };
-        let bytes = st.entry(id)?.bytes;
+        let e = st.entry(id)?;
+        let bytes = e.bytes;
+        if e.views > 0 && e.view_tier != Some(Tier::Device) {
+            return Err(Error::Busy { id, holders: e.held() });
+        }
         if !st.enabled(Tier::Device) {
             return Err(Error::TierDisabled { tier: Tier::Device });
         }
@@ -898,9 +913,16 @@ impl Store {
             let mark = stream.raw.record()?;
             stream.raw.wait(&ev)?;
             st.probes.push((mark, ev));
+            if st.probes.len() > 4096 {
+                st.resolve_probes();
+            }
         }
+        // Copies still reading this replica (a write-back started by `release`) finish before
+        // the view's work may write it.
+        st.wait_for_readers(id, Tier::Device, &stream.raw)?;
         let e = st.entries.get_mut(&id).expect("checked above");
         e.views += 1;
+        e.view_tier = Some(Tier::Device);
         e.released = false;
         let (dtype, shape) = (e.dtype, e.shape.clone());
         st.pump_waiting(be, engine);
@@ -927,6 +949,9 @@ impl Store {
         let mut st = self.shared.state.lock();
         let e = st.entry(id)?;
         let (bytes, dtype, shape) = (e.bytes, e.dtype, e.shape.clone());
+        if e.views > 0 && e.view_tier != Some(Tier::Mapped) {
+            return Err(Error::Busy { id, holders: e.held() });
+        }
         let Some(rep) = e.replicas[Tier::Mapped.index()].as_ref() else {
             return Err(Error::NotInTier { id, tier: Tier::Mapped });
         };
@@ -936,7 +961,10 @@ impl Store {
         let Ext::Mem(ext) = &rep.ext else { unreachable!("mapped replicas are memory extents") };
         let ptr = st.arena(Tier::Mapped).expect("replica exists").dev_ptr(ext);
         st.policy.on_access(id);
-        st.entries.get_mut(&id).expect("checked above").views += 1;
+        st.wait_for_readers(id, Tier::Mapped, &stream.raw)?;
+        let e = st.entries.get_mut(&id).expect("checked above");
+        e.views += 1;
+        e.view_tier = Some(Tier::Mapped);
         drop(st);
         Ok(MappedView::new(DeviceView::new(
             self.shared.clone(),
@@ -971,14 +999,15 @@ impl Drop for Store {
         // Views hold the shared state alive; when the last goes, memory is freed after the
         // copies in flight. Waiting here keeps a plain `drop(store)` from freeing memory a copy
         // still uses.
-        let st = self.shared.state.lock();
+        let mut st = self.shared.state.lock();
         for e in st.entries.values() {
-            for r in e.replicas.iter().flatten() {
-                if let Some(ev) = &r.ready {
-                    let _ = ev.synchronize();
-                }
+            for ev in
+                e.replicas.iter().flatten().filter_map(|r| r.ready.as_ref()).chain(&e.last_use)
+            {
+                let _ = ev.synchronize();
             }
         }
+        let _ = st.reap(true);
     }
 }
 
@@ -1005,14 +1034,17 @@ impl Shared {
         let res = (|| -> Result<()> {
             let e = st.entries.get_mut(&id).ok_or(Error::UnknownId(id))?;
             e.views = e.views.saturating_sub(1);
+            if e.views == 0 {
+                e.view_tier = None;
+            }
             e.last_use.retain(|ev| !ev.is_complete());
             e.last_use.push(ev?);
             if dirty {
                 st.drop_other_replicas(id, tier)?;
             }
-            // The view's tensor no longer blocks eviction: waiting prefetches may start.
-            let engine = self.engine.get();
-            st.pump_waiting(&self.backend, engine);
+            // Waiting prefetches start at the next hint or view, not here: a Drop that could
+            // evict (and wait on other tensors' work) is a Drop that could deadlock when it runs
+            // on a host stream's own thread.
             Ok(())
         })();
         drop(st);
@@ -1153,14 +1185,71 @@ impl State {
         Ok(())
     }
 
+    /// Drops every replica but `keep`'s, without blocking the host: memory still touched by
+    /// copies or view work is freed once that work is done (device memory by stream order,
+    /// host and disk extents when their events complete).
     fn drop_other_replicas(&mut self, id: TensorId, keep: Tier) -> Result<()> {
         for t in Tier::ALL.into_iter().filter(|&t| t != keep) {
-            if t == Tier::Device && self.entries[&id].replicas[t.index()].is_some() {
+            if self.entries[&id].replicas[t.index()].is_none() {
+                continue;
+            }
+            if t == Tier::Device {
                 self.retire_device(id);
-            } else if self.entries[&id].replicas[t.index()].is_some() {
-                self.settle(id)?;
-                let r = self.take_replica(id, t);
+                continue;
+            }
+            let pending = self.pending_events(id);
+            let r = self.take_replica(id, t);
+            if pending.is_empty() {
                 self.free_ext(t, r.ext);
+            } else {
+                self.deferred_frees.push((t, r.ext, pending));
+            }
+        }
+        Ok(())
+    }
+
+    /// Incomplete events of work that may still touch `id`'s memory: views' last work and
+    /// copies into or out of its replicas.
+    fn pending_events(&self, id: TensorId) -> Vec<RawEvent> {
+        let Some(e) = self.entries.get(&id) else { return Vec::new() };
+        e.last_use
+            .iter()
+            .chain(e.replicas.iter().flatten().filter_map(|r| r.ready.as_ref()))
+            .filter(|ev| !ev.is_complete())
+            .cloned()
+            .collect()
+    }
+
+    /// Frees the deferred extents whose work has completed; with `block`, waits for all.
+    fn reap(&mut self, block: bool) -> Result<()> {
+        let mut i = 0;
+        while i < self.deferred_frees.len() {
+            let done = self.deferred_frees[i].2.iter().all(RawEvent::is_complete);
+            if done || block {
+                let (t, ext, evs) = self.deferred_frees.swap_remove(i);
+                for ev in &evs {
+                    ev.synchronize()?;
+                }
+                self.free_ext(t, ext);
+            } else {
+                i += 1;
+            }
+        }
+        Ok(())
+    }
+
+    /// Makes `stream` wait for copies still reading `id`'s replica in `tier` (their events are
+    /// the `ready` events of the other replicas they fill).
+    fn wait_for_readers(&self, id: TensorId, tier: Tier, stream: &RawStream) -> Result<()> {
+        let Some(e) = self.entries.get(&id) else { return Ok(()) };
+        for (t, r) in Tier::ALL.iter().zip(&e.replicas) {
+            if *t == tier {
+                continue;
+            }
+            if let Some(ev) =
+                r.as_ref().and_then(|r| r.ready.as_ref()).filter(|ev| !ev.is_complete())
+            {
+                stream.wait(ev)?;
             }
         }
         Ok(())
@@ -1168,6 +1257,9 @@ impl State {
 
     /// Allocates in `t` without evicting. The caller has checked the tier is enabled.
     fn try_alloc(&mut self, t: Tier, bytes: u64) -> Result<Option<Ext>> {
+        if !self.deferred_frees.is_empty() {
+            self.reap(false)?;
+        }
         Ok(match t {
             Tier::Disk => self.disk.as_mut().and_then(|d| d.alloc(bytes)).map(Ext::Disk),
             _ => match self.arenas[t.index()].as_mut() {
@@ -1258,6 +1350,11 @@ impl State {
                     return Ok(Some(e));
                 }
             }
+        }
+        // Last resort: memory waiting for in-flight work to finish.
+        if !self.deferred_frees.is_empty() {
+            self.reap(true)?;
+            return self.try_alloc(t, bytes);
         }
         Ok(None)
     }

@@ -39,6 +39,15 @@ impl Stream {
         self.raw.kind()
     }
 
+    /// Whether two handles name the same stream.
+    pub fn same_as(&self, other: &Stream) -> bool {
+        match (&self.raw, &other.raw) {
+            (RawStream::Cuda(a), RawStream::Cuda(b)) => a.cu_stream() == b.cu_stream(),
+            (RawStream::Host(a), RawStream::Host(b)) => Arc::ptr_eq(a, b),
+            _ => false,
+        }
+    }
+
     /// Blocks until all work issued to the stream has run.
     pub fn synchronize(&self) -> Result<()> {
         self.raw.synchronize()
@@ -162,15 +171,12 @@ impl DeviceView {
     }
 
     /// The memory as a cudarc slice of bytes (CUDA backend), for kernel launches and cuBLAS.
-    /// cudarc's own event tracking orders work on other streams against the view's stream.
+    /// Use it on the view's stream, which waited for the copy that brought the bytes; work on
+    /// another stream must first wait for the view's stream (an event recorded on it). For
+    /// writing, take [`DeviceView::cuda_view_mut`] (a `&mut CudaSlice` could be swapped out
+    /// of the view and freed by cudarc).
     pub fn cuda_slice(&self) -> Option<&CudaSlice<u8>> {
         self.cuda.as_ref().map(BorrowedSlice::get)
-    }
-
-    /// The memory as a mutable cudarc slice; marks the view dirty.
-    pub fn cuda_slice_mut(&mut self) -> Option<&mut CudaSlice<u8>> {
-        self.dirty = true;
-        self.cuda.as_mut().map(BorrowedSlice::get_mut)
     }
 
     /// The memory as a typed cudarc view of `T` (for example `half::bf16` or `f32`) for kernels

@@ -103,9 +103,9 @@ fn read_view(v: &DeviceView, f: impl FnOnce(&[u8])) {
 /// host-to-device copy on the view's stream on the CUDA backend.
 fn write_view(v: &mut DeviceView, data: &[u8]) {
     let stream = v.stream();
-    match (v.cuda_slice_mut(), stream.cuda()) {
-        (Some(slice), Some(cs)) => {
-            cs.memcpy_htod(data, slice).expect("copy into a device view");
+    match (v.cuda_view_mut::<u8>(), stream.cuda()) {
+        (Some(mut slice), Some(cs)) => {
+            cs.memcpy_htod(data, &mut slice).expect("copy into a device view");
             stream.synchronize().unwrap();
         }
         _ => v.with_host_bytes_mut(|b| b.copy_from_slice(data)).unwrap(),

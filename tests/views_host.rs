@@ -65,6 +65,8 @@ fn writing_through_a_view_keeps_only_the_device_copy() {
     drop(view);
     store.check_err().unwrap();
     assert_eq!(tiers(&store, id), vec![Tier::Device], "the stale Disk copy is dropped");
+    // Its extent is freed once the view's last work is done (the event its drop recorded).
+    s.synchronize().unwrap();
     assert_eq!(store.stats().used(Tier::Disk), 0);
     assert_eq!(store.read(id).unwrap(), new);
     // The new bytes survive the trip down and back.

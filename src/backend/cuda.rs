@@ -205,10 +205,6 @@ impl BorrowedSlice {
         self.0.as_ref().expect("present until drop")
     }
 
-    pub(crate) fn get_mut(&mut self) -> &mut cudarc::driver::CudaSlice<u8> {
-        self.0.as_mut().expect("present until drop")
-    }
-
     /// The bytes as a typed view: `None` unless the length is a whole number of `T`s.
     pub(crate) fn typed<T: cudarc::driver::DeviceRepr>(
         &self,
@@ -229,7 +225,7 @@ impl BorrowedSlice {
     pub(crate) fn typed_mut<T: cudarc::driver::DeviceRepr>(
         &mut self,
     ) -> Option<cudarc::driver::CudaViewMut<'_, T>> {
-        let s = self.get_mut();
+        let s = self.0.as_mut().expect("present until drop");
         let size = std::mem::size_of::<T>();
         if size == 0 || s.len() % size != 0 {
             return None;

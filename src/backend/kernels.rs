@@ -153,13 +153,13 @@ impl Kernels {
             .ok_or_else(|| Error::BackendMismatch("host stream, CUDA kernels".into()))?
             .clone();
         let n = view.len_bytes() as u64;
-        let slice = view
-            .cuda_slice_mut()
+        let mut slice = view
+            .cuda_view_mut::<u8>()
             .ok_or_else(|| Error::BackendMismatch("view without device memory".into()))?;
         let cfg =
             LaunchConfig { grid_dim: (264, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
         let mut b = s.launch_builder(&k.fill);
-        b.arg(slice).arg(&n).arg(&seed);
+        b.arg(&mut slice).arg(&n).arg(&seed);
         // SAFETY: parameters (u8*, u64, u32): the view's `n` writable bytes and two scalars.
         unsafe { b.launch(cfg) }.map_err(|e| Error::cuda("cuLaunchKernel", e))?;
         Ok(())

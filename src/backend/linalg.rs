@@ -223,6 +223,7 @@ impl Linalg {
     /// `y = x · Wᵀ`: `x` is `rows × in`, the view's tensor `W` is `out × in` bf16, `y` is
     /// `rows × out`.
     pub fn linear(&self, x: &Matrix, w: &DeviceView, y: &mut Matrix) -> Result<()> {
+        self.check_stream(w)?;
         let (rows, inp, out) = (x.rows, x.cols, y.cols);
         check_weight(w, out, inp)?;
         if y.rows != rows {
@@ -267,6 +268,7 @@ impl Linalg {
 
     /// `dx = dy · W`: `dy` is `rows × out`, `W` is `out × in`, `dx` is `rows × in`.
     pub fn linear_grad_input(&self, dy: &Matrix, w: &DeviceView, dx: &mut Matrix) -> Result<()> {
+        self.check_stream(w)?;
         let (rows, out, inp) = (dy.rows, dy.cols, dx.cols);
         check_weight(w, out, inp)?;
         if dx.rows != rows {
@@ -347,6 +349,7 @@ impl Linalg {
     /// `W -= lr · dW` on the weight's device copy, in f32, rounded once to bf16; marks the view
     /// dirty (the store writes the new weight back when it evicts it).
     pub fn sgd(&self, w: &mut DeviceView, dw: &Matrix, lr: f32) -> Result<()> {
+        self.check_stream(w)?;
         check_weight(w, dw.rows, dw.cols)?;
         match &self.cuda {
             Some(c) => {
@@ -371,6 +374,17 @@ impl Linalg {
         }
     }
 
+    /// Views must belong to this stream: it is the one `device_view` made wait for the copy
+    /// that brought the bytes.
+    fn check_stream(&self, w: &DeviceView) -> Result<()> {
+        if !w.stream().same_as(&self.stream) {
+            return Err(Error::InvalidArgument(
+                "the weight's view was made for another stream than this Linalg's".into(),
+            ));
+        }
+        Ok(())
+    }
+
     /// Blocks until the work issued so far has run.
     pub fn synchronize(&self) -> Result<()> {
         self.stream.synchronize()
@@ -378,7 +392,7 @@ impl Linalg {
 }
 
 fn check_weight(w: &DeviceView, out: usize, inp: usize) -> Result<()> {
-    if w.len_bytes() != out * inp * 2 {
+    if out.checked_mul(inp).and_then(|n| n.checked_mul(2)) != Some(w.len_bytes()) {
         return Err(shape_err(&format!(
             "weight of {} bytes for a {out}×{inp} bf16 matrix",
             w.len_bytes()

@@ -255,7 +255,7 @@ impl Store {
             }
         }
         if let Some(t) = opts.copy_to {
-            if t != Tier::Disk && !st.enabled(t) {
+            if !st.enabled(t) {
                 return Err(Error::TierDisabled { tier: t });
             }
         }
@@ -302,7 +302,9 @@ impl Store {
         })();
         if let Err(e) = res {
             for (name, id) in &out {
-                st.settle(*id)?;
+                // Undo everything, even if waiting for a copy fails: the error returned is the
+                // load's.
+                let _ = st.settle(*id);
                 if let Some(mut entry) = st.entries.remove(id) {
                     for tier in Tier::ALL {
                         if let Some(r) = entry.replicas[tier.index()].take() {

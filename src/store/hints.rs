@@ -67,9 +67,15 @@ impl Store {
         let engine = self.shared.engine.get();
         let mut st = self.shared.state.lock();
         st.check_ids(ids)?;
-        for &id in ids {
+        for (k, &id) in ids.iter().enumerate() {
+            if let Err(e) = st.prefetch_one(be, engine, id, Source::Hint, true) {
+                // All or nothing: undo the pins this call made.
+                for &done in &ids[..k] {
+                    st.entries.get_mut(&done).expect("checked").pins -= 1;
+                }
+                return Err(e);
+            }
             st.entries.get_mut(&id).expect("checked").pins += 1;
-            st.prefetch_one(be, engine, id, Source::Hint, true)?;
         }
         Ok(())
     }
@@ -122,9 +128,15 @@ impl Store {
         let mut st = self.shared.state.lock();
         st.check_ids(uses)?;
         st.check_ids(next)?;
-        for &id in uses {
+        for (k, &id) in uses.iter().enumerate() {
+            if let Err(e) = st.prefetch_one(be, engine, id, Source::Hint, true) {
+                // No scope is returned, so nothing would undo these: undo them here.
+                for &done in &uses[..k] {
+                    st.entries.get_mut(&done).expect("checked").scopes -= 1;
+                }
+                return Err(e);
+            }
             st.entries.get_mut(&id).expect("checked").scopes += 1;
-            st.prefetch_one(be, engine, id, Source::Hint, true)?;
         }
         for &id in next {
             if st.prefetch_one(be, engine, id, Source::Hint, false)? == Outcome::Wait

@@ -170,9 +170,9 @@ pub fn view_read(v: &DeviceView) -> Vec<u8> {
 /// host-to-device copy on the view's stream on the CUDA backend.
 pub fn view_write(v: &mut DeviceView, data: &[u8]) {
     let stream = v.stream();
-    match (v.cuda_slice_mut(), stream.cuda()) {
-        (Some(slice), Some(cs)) => {
-            cs.memcpy_htod(data, slice).expect("copy into a device view");
+    match (v.cuda_view_mut::<u8>(), stream.cuda()) {
+        (Some(mut slice), Some(cs)) => {
+            cs.memcpy_htod(data, &mut slice).expect("copy into a device view");
             stream.synchronize().expect("synchronize the view's stream");
         }
         _ => v.with_host_bytes_mut(|b| b.copy_from_slice(data)).expect("host bytes of a view"),

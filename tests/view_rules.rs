@@ -1,0 +1,95 @@
+//! Rules that keep views sound, each found by review and fixed: views of one tensor are all of
+//! one tier; dropping a dirty view never blocks (so dropping it on its own stream's thread cannot
+//! deadlock); a failed hint leaves nothing held; GEMMs only take views of their own stream.
+
+use std::sync::mpsc;
+use std::time::Duration;
+
+use strata::linalg::Linalg;
+use strata::{DType, Error, LoadOptions, Store, Tier};
+
+fn store() -> Store {
+    Store::builder()
+        .host_backend()
+        .capacity(Tier::Device, 1 << 20)
+        .capacity(Tier::Pinned, 1 << 20)
+        .capacity(Tier::Mapped, 1 << 20)
+        .capacity(Tier::Disk, 4 << 20)
+        .build()
+        .unwrap()
+}
+
+#[test]
+fn views_of_one_tensor_stay_in_one_tier() {
+    let store = store();
+    let s = store.stream().unwrap();
+    let id = store.put("a", DType::U8, &[4096], &[1; 4096]).unwrap();
+    store.move_to(id, Tier::Mapped).unwrap();
+    let dv = store.device_view(id, &s).unwrap();
+    assert!(matches!(store.mapped_view(id, &s), Err(Error::Busy { .. })));
+    let dv2 = store.device_view(id, &s).unwrap(); // same tier: fine
+    drop((dv, dv2));
+    let mv = store.mapped_view(id, &s).unwrap();
+    assert!(matches!(store.device_view(id, &s), Err(Error::Busy { .. })));
+    drop(mv);
+    drop(store.device_view(id, &s).unwrap());
+}
+
+#[test]
+fn dropping_a_dirty_view_on_its_own_stream_does_not_deadlock() {
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let store = store();
+        let s = store.stream().unwrap();
+        let id = store.put("a", DType::U8, &[4096], &[1; 4096]).unwrap();
+        store.move_to(id, Tier::Pinned).unwrap();
+        let mut v = store.device_view(id, &s).unwrap();
+        v.with_host_bytes_mut(|b| b.fill(7)).unwrap();
+        s.launch_host(move || drop(v)).unwrap();
+        s.synchronize().unwrap();
+        let _ = tx.send(store.read(id).unwrap());
+    });
+    let got = rx.recv_timeout(Duration::from_secs(20)).expect("deadlock: no answer in 20 s");
+    assert_eq!(got, vec![7; 4096]);
+}
+
+#[test]
+fn a_failed_scope_or_pin_holds_nothing() {
+    // A file-backed tensor whose file shrank after loading: promoting it fails with an I/O error.
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("m.safetensors");
+    let src = store();
+    let w = src.put("w", DType::U8, &[64 << 10], &vec![3; 64 << 10]).unwrap();
+    src.save_safetensors(&path, &[w]).unwrap();
+    // No disk tier: the copy to the device runs in the caller, so its error reaches it.
+    let store = Store::builder()
+        .host_backend()
+        .capacity(Tier::Device, 1 << 20)
+        .capacity(Tier::Pinned, 0)
+        .capacity(Tier::Mapped, 0)
+        .capacity(Tier::Disk, 0)
+        .build()
+        .unwrap();
+    let (_, id) = store.load_safetensors(&path, LoadOptions::default()).unwrap().remove(0);
+    let f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+    f.set_len(100).unwrap();
+    assert!(store.layer(&[id], &[]).is_err(), "promotion from a shrunk file fails");
+    assert!(store.pin(&[id]).is_err());
+    // Nothing is left held: the tensor can be removed.
+    store.remove(id).unwrap();
+}
+
+#[test]
+fn gemms_take_only_views_of_their_own_stream() {
+    let store = store();
+    let (s1, s2) = (store.stream().unwrap(), store.stream().unwrap());
+    let la = Linalg::new(&store, &s1).unwrap();
+    let w = store.put("w", DType::BF16, &[2, 2], &[0; 8]).unwrap();
+    let x = la.matrix(1, 2).unwrap();
+    let mut y = la.matrix(1, 2).unwrap();
+    let other = store.device_view(w, &s2).unwrap();
+    assert!(matches!(la.linear(&x, &other, &mut y), Err(Error::InvalidArgument(_))));
+    drop(other);
+    let mine = store.device_view(w, &s1).unwrap();
+    la.linear(&x, &mine, &mut y).unwrap();
+}
