@@ -56,7 +56,7 @@ pub use error::{Error, Result};
 pub use policy::{FrequencyPolicy, LruPolicy, Policy, PolicyKind, SchedulePolicy};
 pub use stats::{Stats, TierStats};
 pub use store::{LayerScope, LoadOptions, Store, StoreBuilder, TensorInfo};
-pub use types::{format_size, parse_size, BackendKind, DType, TensorId, Tier};
+pub use types::{format_size, parse_size, BackendKind, DType, Group, TensorId, Tier};
 pub use view::{DeviceView, MappedView, Stream};
 
 /// Number of CUDA devices the driver reports, or why there is no usable GPU (no driver library,

@@ -2,7 +2,7 @@
 
 use std::fmt;
 
-use crate::types::{format_size, BackendKind, Tier};
+use crate::types::{format_size, BackendKind, Group, Tier};
 
 /// Use of one tier.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -61,6 +61,9 @@ pub struct Stats {
     pub copy_seconds: f64,
     /// Bytes prefetched and not yet used or released.
     pub prefetch_in_flight: u64,
+    /// `groups[group][tier]`: bytes of the tensors of each [`Group`] with a copy in each tier
+    /// (a tensor cached in two tiers counts in both; file-backed tensors count in Disk).
+    pub groups: [[u64; 4]; 5],
     /// Whether the disk tier bypasses the page cache (`O_DIRECT`); false where the file system
     /// refuses it or the tier is disabled.
     pub disk_direct_io: bool,
@@ -80,6 +83,11 @@ impl Stats {
     /// Largest free extent of `tier`.
     pub fn largest_free(&self, tier: Tier) -> u64 {
         self.tiers[tier.index()].largest_free
+    }
+
+    /// Bytes of `group`'s tensors with a copy in `tier`.
+    pub fn group_bytes(&self, group: Group, tier: Tier) -> u64 {
+        self.groups[group.index()][tier.index()]
     }
 
     /// Bytes moved from `from` to `to`.
@@ -164,6 +172,21 @@ impl fmt::Display for Stats {
             format_size(self.bytes_in),
             format_size(self.bytes_out)
         )?;
+        if self.groups.iter().take(4).any(|g| g.iter().any(|&b| b > 0)) {
+            write!(f, "\nbytes per group (row) and tier (column)\n{:<11}", "")?;
+            for t in Tier::ALL {
+                write!(f, " {:>12}", t.name())?;
+            }
+            for g in Group::ALL {
+                if self.groups[g.index()].iter().all(|&b| b == 0) {
+                    continue;
+                }
+                write!(f, "\n{:<11}", g.name())?;
+                for t in Tier::ALL {
+                    write!(f, " {:>12}", format_size(self.group_bytes(g, t)))?;
+                }
+            }
+        }
         if self.prefetch_hits + self.prefetch_misses + self.prefetches > 0 {
             write!(
                 f,

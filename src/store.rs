@@ -29,7 +29,7 @@ use crate::error::{Error, Result};
 use crate::policy::{Policy, PolicyKind};
 use crate::stats::{Stats, TierStats};
 use crate::trace::{Clock, Span, TimePoint, Timeline, Track};
-use crate::types::{format_size, BackendKind, DType, TensorId, Tier};
+use crate::types::{format_size, BackendKind, DType, Group, TensorId, Tier};
 use crate::view::{DeviceView, MappedView, Stream};
 
 mod files;
@@ -378,6 +378,8 @@ pub(crate) struct Entry {
     pub(crate) released: bool,
     /// Times the tensor was copied into the Device tier from another tier.
     pub(crate) device_loads: u64,
+    /// What the tensor is for (memory accounting).
+    pub(crate) group: Group,
     /// Events recorded on view streams when views were dropped: the last device work that may
     /// touch the tensor's memory.
     pub(crate) last_use: Vec<RawEvent>,
@@ -398,6 +400,7 @@ impl Entry {
             prefetched: None,
             released: false,
             device_loads: 0,
+            group: Group::Other,
             last_use: Vec::new(),
         }
     }
@@ -490,6 +493,8 @@ pub struct TensorInfo {
     /// Times the tensor was copied into the Device tier from another tier (migrations,
     /// prefetches, promotions): how often it had to cross PCIe.
     pub device_loads: u64,
+    /// Its group.
+    pub group: Group,
 }
 
 fn e_bytes(st: &State, id: TensorId) -> u64 {
@@ -539,6 +544,18 @@ impl Store {
     /// (`dtype.size_of() * shape.iter().product()` of them, native byte order). The tensor goes
     /// to the fastest tier with room; when every tier is full, the policy picks tensors to demote.
     pub fn put(&self, name: &str, dtype: DType, shape: &[usize], data: &[u8]) -> Result<TensorId> {
+        self.put_group(name, Group::Other, dtype, shape, data)
+    }
+
+    /// [`Store::put`] with the tensor's [`Group`], for the per-group accounting of [`Stats`].
+    pub fn put_group(
+        &self,
+        name: &str,
+        group: Group,
+        dtype: DType,
+        shape: &[usize],
+        data: &[u8],
+    ) -> Result<TensorId> {
         if name.is_empty() {
             return Err(Error::InvalidArgument("tensor name is empty".into()));
         }
@@ -575,6 +592,7 @@ impl Store {
             }
         };
         let mut entry = Entry::new(name, dtype, shape, bytes);
+        entry.group = group;
         entry.replicas[tier.index()] = Some(Replica::new(ext, ready));
         st.entries.insert(id, entry);
         st.names.insert(name.to_string(), id);
@@ -686,6 +704,13 @@ impl Store {
         Ok(())
     }
 
+    /// Changes a tensor's [`Group`].
+    pub fn set_group(&self, id: TensorId, group: Group) -> Result<()> {
+        let mut st = self.shared.state.lock();
+        st.entries.get_mut(&id).ok_or(Error::UnknownId(id))?.group = group;
+        Ok(())
+    }
+
     /// The id of the tensor named `name`.
     pub fn lookup(&self, name: &str) -> Option<TensorId> {
         self.shared.state.lock().names.get(name).copied()
@@ -709,6 +734,7 @@ impl Store {
             bytes: e.bytes,
             tiers: Tier::ALL.into_iter().filter(|t| e.replicas[t.index()].is_some()).collect(),
             device_loads: e.device_loads,
+            group: e.group,
         })
     }
 
@@ -798,8 +824,15 @@ impl Store {
         st.resolve_probes();
         st.timeline.resolve();
         let copy_s = st.timeline.copy_seconds();
+        let mut groups = [[0u64; 4]; 5];
+        for e in st.entries.values() {
+            for t in Tier::ALL.into_iter().filter(|t| e.replicas[t.index()].is_some()) {
+                groups[e.group.index()][t.index()] += e.bytes;
+            }
+        }
         let c = &st.counters;
         Stats {
+            groups,
             prefetch_hits: c.prefetch_hits,
             prefetch_misses: c.prefetch_misses,
             prefetches: c.prefetches,

@@ -146,6 +146,53 @@ impl TensorId {
     }
 }
 
+/// What a tensor is for in training, for the memory accounting in [`Stats`](crate::Stats)
+/// (bytes per group and tier). Chosen at [`Store::put_group`](crate::Store::put_group) or
+/// changed with [`Store::set_group`](crate::Store::set_group); [`Store::put`](crate::Store::put)
+/// gives `Other`.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug, Default, PartialOrd, Ord)]
+pub enum Group {
+    /// Model parameters (weights).
+    Param,
+    /// Gradients.
+    Grad,
+    /// Optimizer state: master weights, moments.
+    OptimizerState,
+    /// Activations kept for the backward pass.
+    Activation,
+    /// Anything else.
+    #[default]
+    Other,
+}
+
+impl Group {
+    /// Every group.
+    pub const ALL: [Group; 5] =
+        [Group::Param, Group::Grad, Group::OptimizerState, Group::Activation, Group::Other];
+
+    /// Position in [`Group::ALL`].
+    pub const fn index(self) -> usize {
+        self as usize
+    }
+
+    /// Lower-case name.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Group::Param => "param",
+            Group::Grad => "grad",
+            Group::OptimizerState => "optimizer",
+            Group::Activation => "activation",
+            Group::Other => "other",
+        }
+    }
+}
+
+impl fmt::Display for Group {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 /// Which backend a store runs on.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
 pub enum BackendKind {

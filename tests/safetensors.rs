@@ -461,7 +461,11 @@ fn python_fixture_loads_with_known_values() {
         check_contents(&store, &loaded, &expected, "");
         for tier in [Tier::Pinned, Tier::Device, Tier::Disk] {
             let s = roomy_store(b);
-            let opts = LoadOptions { copy_to: Some(tier), name_prefix: "py.".into() };
+            let opts = LoadOptions {
+                copy_to: Some(tier),
+                name_prefix: "py.".into(),
+                ..Default::default()
+            };
             let loaded = s.load_safetensors(&path, opts).unwrap();
             for (name, id) in &loaded {
                 assert_eq!(s.tier_of(*id).unwrap(), tier, "{name}: copy_to {tier}");
@@ -888,10 +892,18 @@ fn name_prefix_and_duplicate_names() {
 
         let plain = load(&store, &path);
         check_contents(&store, &plain, &ts, "");
-        let opts = |p: &str| LoadOptions { copy_to: None, name_prefix: p.to_string() };
+        let opts = |p: &str| LoadOptions {
+            copy_to: None,
+            name_prefix: p.to_string(),
+            ..Default::default()
+        };
         let a = store.load_safetensors(&path, opts("a.")).unwrap();
         check_contents(&store, &a, &ts, "a.");
-        let pinned = LoadOptions { copy_to: Some(Tier::Pinned), name_prefix: "b.".into() };
+        let pinned = LoadOptions {
+            copy_to: Some(Tier::Pinned),
+            name_prefix: "b.".into(),
+            ..Default::default()
+        };
         let bb = store.load_safetensors(&path, pinned).unwrap();
         check_contents(&store, &bb, &ts, "b.");
         assert_eq!(store.stats().tensors, 3 * ts.len());
@@ -907,7 +919,11 @@ fn name_prefix_and_duplicate_names() {
         };
         dup(store.load_safetensors(&path, LoadOptions::default()), "");
         dup(store.load_safetensors(&path, opts("a.")), "a.");
-        let copy_b = LoadOptions { copy_to: Some(Tier::Device), name_prefix: "b.".into() };
+        let copy_b = LoadOptions {
+            copy_to: Some(Tier::Device),
+            name_prefix: "b.".into(),
+            ..Default::default()
+        };
         dup(store.load_safetensors(&path, copy_b), "b.");
         // Only one name of the file is taken ("c.w0", by a put): still nothing is loaded.
         match store.load_safetensors(&path, opts("c.")) {
@@ -1181,7 +1197,8 @@ fn bad_files_are_typed_errors_naming_the_file_and_tensor() {
     }
     // With copy_to and a prefix, the same errors.
     let p = dir.path().join("shape_too_small.safetensors");
-    let opts = LoadOptions { copy_to: Some(Tier::Pinned), name_prefix: "x.".into() };
+    let opts =
+        LoadOptions { copy_to: Some(Tier::Pinned), name_prefix: "x.".into(), ..Default::default() };
     match store.load_safetensors(&p, opts) {
         Err(Error::BadFile { path, .. }) if path == p => {}
         other => problems.push(format!("shape_too_small with copy_to: {other:?}")),

@@ -11,7 +11,7 @@ use safetensors::tensor::{Dtype as StDtype, SafeTensors, View};
 use super::{Entry, Ext, Level, Replica, Store};
 use crate::disk::ExternalFile;
 use crate::error::{Error, Result};
-use crate::types::{DType, TensorId, Tier};
+use crate::types::{DType, Group, TensorId, Tier};
 
 /// How [`Store::load_safetensors`] loads a file.
 #[derive(Clone, Debug, Default)]
@@ -23,6 +23,8 @@ pub struct LoadOptions {
     pub copy_to: Option<Tier>,
     /// Prepended to every tensor's name in the store (for loading several files side by side).
     pub name_prefix: String,
+    /// The group of the loaded tensors (default `Other`; weights are usually `Param`).
+    pub group: Group,
 }
 
 fn from_st(d: StDtype) -> Option<DType> {
@@ -265,6 +267,7 @@ impl Store {
             st.next_id += 1;
             st.policy.on_insert(id, f.len);
             let mut e = Entry::new(&f.name, f.dtype, &f.shape, f.len);
+            e.group = opts.group;
             e.replicas[Tier::Disk.index()] = Some(Replica::new(
                 Ext::File { file: file.clone(), offset: f.offset, len: f.len },
                 None,
