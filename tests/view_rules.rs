@@ -85,7 +85,7 @@ fn gemms_take_only_views_of_their_own_stream() {
     let (s1, s2) = (store.stream().unwrap(), store.stream().unwrap());
     let la = Linalg::new(&store, &s1).unwrap();
     let w = store.put("w", DType::BF16, &[2, 2], &[0; 8]).unwrap();
-    let x = la.matrix(1, 2).unwrap();
+    let x = la.matrix::<half::bf16>(1, 2).unwrap();
     let mut y = la.matrix(1, 2).unwrap();
     let other = store.device_view(w, &s2).unwrap();
     assert!(matches!(la.linear(&x, &other, &mut y), Err(Error::InvalidArgument(_))));

@@ -1,45 +1,186 @@
-//! Dense linear algebra over store tensors, for out-of-core training loops: bf16 GEMMs with f32
-//! accumulation (cuBLAS on the CUDA backend, a reference loop on the host backend) and an SGD
-//! update, reading weights through [`DeviceView`]s.
+//! Dense linear algebra over store tensors, for out-of-core training loops: GEMMs in bf16 or f32
+//! with f32 accumulation (cuBLAS on the CUDA backend, a reference loop on the host backend), the
+//! elementwise steps of a relu MLP with a squared-error loss, gradient accumulation in f32 and
+//! an SGD update, reading weights through [`DeviceView`]s.
 //!
 //! Matrices are row-major. A linear layer's weight `W` is `[out, in]`; `linear` computes
 //! `y = x Wᵀ`, `linear_grad_input` `dx = dy W`, `linear_grad_weight` `dW = dyᵀ x`, as
 //! `torch.nn.Linear` does. Activations and gradients are [`Matrix`] scratch buffers that live
-//! outside the store.
+//! outside the store; [`Linalg::copy_to_view`] and [`Linalg::copy_from_view`] move them in and
+//! out of store tensors. The element type is [`Element`]: `half::bf16` or `f32`.
 //!
-//! The host backend's GEMM is a plain triple loop (sum in f32 in index order, one bf16 rounding
-//! at the end): it is for checking out-of-core loops against all-resident ones on small models,
+//! The host backend's GEMM is a plain triple loop (sum in f32 in index order, one rounding at
+//! the end): it is for checking out-of-core loops against all-resident ones on small models,
 //! not for speed. cuBLAS sums in its own order, so host and CUDA results differ in the last bits;
-//! within one backend the same calls give the same bits.
+//! within one backend the same calls give the same bits. The elementwise kernels round exactly
+//! as the host code does.
+//!
+//! ```
+//! use half::bf16;
+//! use strata::linalg::Linalg;
+//! use strata::{DType, Store, Tier};
+//!
+//! # fn main() -> strata::Result<()> {
+//! let store = Store::builder().host_backend().capacity(Tier::Device, 1 << 20).build()?;
+//! let s = store.stream()?;
+//! let la = Linalg::new(&store, &s)?;
+//! // W = [[1, 2], [3, 4]] (f32), x = [[1, -1]]: y = x Wᵀ = [[-1, -1]], relu(y) = [[0, 0]].
+//! let w: Vec<u8> = [1.0f32, 2.0, 3.0, 4.0].iter().flat_map(|v| v.to_ne_bytes()).collect();
+//! let id = store.put("w", DType::F32, &[2, 2], &w)?;
+//! let view = store.device_view(id, &s)?;
+//! let mut x = la.matrix::<f32>(1, 2)?;
+//! la.upload(&mut x, &[1.0, -1.0])?;
+//! let mut y = la.matrix::<f32>(1, 2)?;
+//! la.linear(&x, &view, &mut y)?;
+//! assert_eq!(la.download(&y)?, [-1.0, -1.0]);
+//! la.relu(&mut y)?;
+//! assert_eq!(la.download(&y)?, [0.0, 0.0]);
+//! # Ok(()) }
+//! ```
 
 use std::sync::Arc;
 
 use cudarc::cublas::{sys::cublasOperation_t, CudaBlas, Gemm, GemmConfig};
 use cudarc::driver::{
-    CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
+    CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr,
+    LaunchConfig, PushKernelArg, ValidAsZeroBits,
 };
 use half::bf16;
 
 use crate::error::{Error, Result};
 use crate::store::Store;
+use crate::types::DType;
 use crate::view::{DeviceView, Stream};
 
 const SOURCE: &str = include_str!("../../cuda/mlp.cu");
 
-/// A row-major bf16 matrix of scratch memory (device memory on CUDA, host memory on the host
+/// Blocks of the loss kernel, and so the length of its partial sums (see [`Linalg::loss_grad`]).
+pub const LOSS_PARTIALS: usize = 264;
+
+mod sealed {
+    use super::*;
+
+    /// What only strata implements: cuBLAS dispatch.
+    pub trait Sealed: Sized {
+        /// # Safety
+        /// As cudarc's [`Gemm::gemm`]: the configuration must describe the three buffers.
+        unsafe fn gemm<A: DevicePtr<Self>, B: DevicePtr<Self>, C: DevicePtrMut<Self>>(
+            blas: &CudaBlas,
+            cfg: GemmConfig<Self>,
+            a: &A,
+            b: &B,
+            c: &mut C,
+        ) -> std::result::Result<(), cudarc::cublas::result::CublasError>;
+    }
+}
+
+/// An element type of [`Matrix`] and of the weights [`Linalg`] reads: `half::bf16` or `f32`.
+pub trait Element:
+    sealed::Sealed
+    + Copy
+    + PartialEq
+    + Default
+    + Send
+    + Sync
+    + std::fmt::Debug
+    + DeviceRepr
+    + ValidAsZeroBits
+    + Unpin
+    + 'static
+{
+    /// The store's dtype for it.
+    const DTYPE: DType;
+    /// Index into per-type kernel tables (0: bf16, 1: f32).
+    #[doc(hidden)]
+    const INDEX: usize;
+    /// Widens to f32 (exact).
+    fn to_f32(self) -> f32;
+    /// Narrows from f32, rounding to nearest even (exact for f32).
+    fn from_f32(f: f32) -> Self;
+    /// Values from native-endian bytes (a trailing partial value is ignored).
+    fn from_ne_bytes(bytes: &[u8]) -> Vec<Self>;
+    /// Writes values as native-endian bytes into `out` (`size_of::<Self>() * vals.len()` long).
+    fn write_ne_bytes(vals: &[Self], out: &mut [u8]);
+}
+
+impl sealed::Sealed for bf16 {
+    unsafe fn gemm<A: DevicePtr<bf16>, B: DevicePtr<bf16>, C: DevicePtrMut<bf16>>(
+        blas: &CudaBlas,
+        cfg: GemmConfig<bf16>,
+        a: &A,
+        b: &B,
+        c: &mut C,
+    ) -> std::result::Result<(), cudarc::cublas::result::CublasError> {
+        // SAFETY: the caller's contract is cudarc's.
+        unsafe { blas.gemm(cfg, a, b, c) }
+    }
+}
+
+impl sealed::Sealed for f32 {
+    unsafe fn gemm<A: DevicePtr<f32>, B: DevicePtr<f32>, C: DevicePtrMut<f32>>(
+        blas: &CudaBlas,
+        cfg: GemmConfig<f32>,
+        a: &A,
+        b: &B,
+        c: &mut C,
+    ) -> std::result::Result<(), cudarc::cublas::result::CublasError> {
+        // SAFETY: the caller's contract is cudarc's.
+        unsafe { blas.gemm(cfg, a, b, c) }
+    }
+}
+
+impl Element for bf16 {
+    const DTYPE: DType = DType::BF16;
+    const INDEX: usize = 0;
+    fn to_f32(self) -> f32 {
+        bf16::to_f32(self)
+    }
+    fn from_f32(f: f32) -> bf16 {
+        narrow(f)
+    }
+    fn from_ne_bytes(bytes: &[u8]) -> Vec<bf16> {
+        bytes.chunks_exact(2).map(|c| bf16::from_bits(u16::from_ne_bytes([c[0], c[1]]))).collect()
+    }
+    fn write_ne_bytes(vals: &[bf16], out: &mut [u8]) {
+        for (c, v) in out.chunks_exact_mut(2).zip(vals) {
+            c.copy_from_slice(&v.to_bits().to_ne_bytes());
+        }
+    }
+}
+
+impl Element for f32 {
+    const DTYPE: DType = DType::F32;
+    const INDEX: usize = 1;
+    fn to_f32(self) -> f32 {
+        self
+    }
+    fn from_f32(f: f32) -> f32 {
+        f
+    }
+    fn from_ne_bytes(bytes: &[u8]) -> Vec<f32> {
+        bytes.chunks_exact(4).map(|c| f32::from_ne_bytes([c[0], c[1], c[2], c[3]])).collect()
+    }
+    fn write_ne_bytes(vals: &[f32], out: &mut [u8]) {
+        for (c, v) in out.chunks_exact_mut(4).zip(vals) {
+            c.copy_from_slice(&v.to_ne_bytes());
+        }
+    }
+}
+
+/// A row-major matrix of scratch memory (device memory on CUDA, host memory on the host
 /// backend), for activations and gradients.
-pub struct Matrix {
+pub struct Matrix<T: Element = bf16> {
     rows: usize,
     cols: usize,
-    data: Data,
+    data: Data<T>,
 }
 
-enum Data {
-    Cuda(CudaSlice<bf16>),
-    Host(Vec<bf16>),
+enum Data<T: Element> {
+    Cuda(CudaSlice<T>),
+    Host(Vec<T>),
 }
 
-impl Matrix {
+impl<T: Element> Matrix<T> {
     /// Rows.
     pub fn rows(&self) -> usize {
         self.rows
@@ -48,41 +189,57 @@ impl Matrix {
     pub fn cols(&self) -> usize {
         self.cols
     }
-    fn host(&self) -> Result<&[bf16]> {
+    /// Bytes of memory it takes.
+    pub fn len_bytes(&self) -> u64 {
+        (self.rows * self.cols * std::mem::size_of::<T>()) as u64
+    }
+    fn len(&self) -> usize {
+        self.rows * self.cols
+    }
+    fn host(&self) -> Result<&[T]> {
         match &self.data {
             Data::Host(v) => Ok(v),
             Data::Cuda(_) => Err(Error::BackendMismatch("a device matrix on the host path".into())),
         }
     }
-    fn host_mut(&mut self) -> Result<&mut [bf16]> {
+    fn host_mut(&mut self) -> Result<&mut [T]> {
         match &mut self.data {
             Data::Host(v) => Ok(v),
             Data::Cuda(_) => Err(Error::BackendMismatch("a device matrix on the host path".into())),
         }
     }
-    fn dev(&self) -> Result<&CudaSlice<bf16>> {
+    fn dev(&self) -> Result<&CudaSlice<T>> {
         match &self.data {
             Data::Cuda(s) => Ok(s),
             Data::Host(_) => Err(Error::BackendMismatch("a host matrix on the CUDA path".into())),
         }
     }
-    fn dev_mut(&mut self) -> Result<&mut CudaSlice<bf16>> {
+    fn dev_mut(&mut self) -> Result<&mut CudaSlice<T>> {
         match &mut self.data {
             Data::Cuda(s) => Ok(s),
             Data::Host(_) => Err(Error::BackendMismatch("a host matrix on the CUDA path".into())),
         }
     }
+}
+
+/// Per-type kernels: index 0 bf16, 1 f32.
+struct Kernels {
+    sgd: CudaFunction,
+    fill: [CudaFunction; 2],
+    relu: [CudaFunction; 2],
+    relu_mask: [CudaFunction; 2],
+    loss_grad: [CudaFunction; 2],
+    accumulate: [CudaFunction; 2],
 }
 
 struct CudaLinalg {
     stream: Arc<CudaStream>,
     blas: CudaBlas,
     _module: Arc<CudaModule>,
-    sgd: CudaFunction,
-    fill: CudaFunction,
+    k: Kernels,
 }
 
-/// GEMMs and updates on one stream of a store's backend.
+/// GEMMs and elementwise work on one stream of a store's backend.
 pub struct Linalg {
     cuda: Option<CudaLinalg>,
     stream: Stream,
@@ -90,11 +247,6 @@ pub struct Linalg {
 
 fn shape_err(what: &str) -> Error {
     Error::InvalidArgument(format!("matrix shapes do not fit: {what}"))
-}
-
-/// bf16 from bits, and the bytes of a view as bf16 values (native byte order).
-fn to_bf16(bytes: &[u8]) -> Vec<bf16> {
-    bytes.chunks_exact(2).map(|c| bf16::from_bits(u16::from_ne_bytes([c[0], c[1]]))).collect()
 }
 
 /// Round-to-nearest-even narrowing, as the CUDA kernels do (`half`'s `from_f32` rounds the same
@@ -106,13 +258,13 @@ fn narrow(f: f32) -> bf16 {
 
 /// `c[m×n] = a · b` on the host, with `a(i, p)` and `b(p, j)` given as closures, summing in f32
 /// in order of `p`.
-fn host_gemm(
+fn host_gemm<T: Element>(
     m: usize,
     n: usize,
     k: usize,
     a: impl Fn(usize, usize) -> f32,
     b: impl Fn(usize, usize) -> f32,
-    c: &mut [bf16],
+    c: &mut [T],
 ) {
     for i in 0..m {
         for j in 0..n {
@@ -120,9 +272,17 @@ fn host_gemm(
             for p in 0..k {
                 acc += a(i, p) * b(p, j);
             }
-            c[i * n + j] = narrow(acc);
+            c[i * n + j] = T::from_f32(acc);
         }
     }
+}
+
+fn launch_err(e: cudarc::driver::DriverError) -> Error {
+    Error::cuda("cuLaunchKernel", e)
+}
+
+fn blas_err(e: cudarc::cublas::result::CublasError) -> Error {
+    Error::Cuda { call: "cublasGemmEx", message: e.to_string() }
 }
 
 impl Linalg {
@@ -146,12 +306,36 @@ impl Linalg {
                 message: "libcublas.so was not found".into(),
             });
         }
-        let (module, [sgd, fill]) =
-            super::cuda::load_kernels(ctx, SOURCE, ["strata_sgd_bf16", "strata_fill_bf16"])?;
+        let (module, f) = super::cuda::load_kernels(
+            ctx,
+            SOURCE,
+            [
+                "strata_sgd_bf16",
+                "strata_fill_bf16",
+                "strata_fill_f32",
+                "strata_relu_bf16",
+                "strata_relu_f32",
+                "strata_relu_mask_bf16",
+                "strata_relu_mask_f32",
+                "strata_loss_grad_bf16",
+                "strata_loss_grad_f32",
+                "strata_accumulate_bf16",
+                "strata_accumulate_f32",
+            ],
+        )?;
+        let [sgd, fill0, fill1, relu0, relu1, mask0, mask1, loss0, loss1, acc0, acc1] = f;
+        let k = Kernels {
+            sgd,
+            fill: [fill0, fill1],
+            relu: [relu0, relu1],
+            relu_mask: [mask0, mask1],
+            loss_grad: [loss0, loss1],
+            accumulate: [acc0, acc1],
+        };
         let blas = CudaBlas::new(s.clone())
             .map_err(|e| Error::Cuda { call: "cublasCreate", message: e.to_string() })?;
         Ok(Linalg {
-            cuda: Some(CudaLinalg { stream: s, blas, _module: module, sgd, fill }),
+            cuda: Some(CudaLinalg { stream: s, blas, _module: module, k }),
             stream: stream.clone(),
         })
     }
@@ -162,20 +346,20 @@ impl Linalg {
     }
 
     /// A `rows × cols` matrix of zeros.
-    pub fn matrix(&self, rows: usize, cols: usize) -> Result<Matrix> {
+    pub fn matrix<T: Element>(&self, rows: usize, cols: usize) -> Result<Matrix<T>> {
         let n = rows.checked_mul(cols).ok_or_else(|| shape_err("rows × cols overflows"))?;
         let data = match &self.cuda {
             Some(c) => Data::Cuda(
-                c.stream.alloc_zeros::<bf16>(n).map_err(|e| Error::cuda("cuMemAllocAsync", e))?,
+                c.stream.alloc_zeros::<T>(n).map_err(|e| Error::cuda("cuMemAllocAsync", e))?,
             ),
-            None => Data::Host(vec![bf16::ZERO; n]),
+            None => Data::Host(vec![T::default(); n]),
         };
         Ok(Matrix { rows, cols, data })
     }
 
     /// Copies `values` (row-major, `rows × cols` of them) into `m`.
-    pub fn upload(&self, m: &mut Matrix, values: &[bf16]) -> Result<()> {
-        if values.len() != m.rows * m.cols {
+    pub fn upload<T: Element>(&self, m: &mut Matrix<T>, values: &[T]) -> Result<()> {
+        if values.len() != m.len() {
             return Err(shape_err("upload length"));
         }
         match &self.cuda {
@@ -191,7 +375,7 @@ impl Linalg {
     }
 
     /// The matrix's values, once the work issued before has run.
-    pub fn download(&self, m: &Matrix) -> Result<Vec<bf16>> {
+    pub fn download<T: Element>(&self, m: &Matrix<T>) -> Result<Vec<T>> {
         match &self.cuda {
             Some(c) => {
                 c.stream.synchronize().map_err(|e| Error::cuda("cuStreamSynchronize", e))?;
@@ -201,57 +385,57 @@ impl Linalg {
         }
     }
 
-    /// Sets every element of `m` to `v`.
-    pub fn fill(&self, m: &mut Matrix, v: f32) -> Result<()> {
-        let bits = narrow(v).to_bits();
+    /// Sets every element of `m` to `v` (rounded to `T`).
+    pub fn fill<T: Element>(&self, m: &mut Matrix<T>, v: f32) -> Result<()> {
+        let v = T::from_f32(v);
         match &self.cuda {
             Some(c) => {
-                let n = (m.rows * m.cols) as u64;
-                let mut b = c.stream.launch_builder(&c.fill);
-                b.arg(m.dev_mut()?).arg(&bits).arg(&n);
-                // SAFETY: (u16*, u16, u64): the matrix's `n` elements and two scalars.
-                unsafe { b.launch(grid(n)) }.map_err(|e| Error::cuda("cuLaunchKernel", e))?;
+                let n = m.len() as u64;
+                let mut b = c.stream.launch_builder(&c.k.fill[T::INDEX]);
+                b.arg(m.dev_mut()?).arg(&v).arg(&n);
+                // SAFETY: (T*, T, u64): the matrix's `n` elements and two scalars.
+                unsafe { b.launch(grid(n)) }.map_err(launch_err)?;
                 Ok(())
             }
             None => {
-                m.host_mut()?.fill(bf16::from_bits(bits));
+                m.host_mut()?.fill(v);
                 Ok(())
             }
         }
     }
 
-    /// `y = x · Wᵀ`: `x` is `rows × in`, the view's tensor `W` is `out × in` bf16, `y` is
+    /// `y = x · Wᵀ`: `x` is `rows × in`, the view's tensor `W` is `out × in` of `T`, `y` is
     /// `rows × out`.
-    pub fn linear(&self, x: &Matrix, w: &DeviceView, y: &mut Matrix) -> Result<()> {
+    pub fn linear<T: Element>(
+        &self,
+        x: &Matrix<T>,
+        w: &DeviceView,
+        y: &mut Matrix<T>,
+    ) -> Result<()> {
         self.check_stream(w)?;
         let (rows, inp, out) = (x.rows, x.cols, y.cols);
-        check_weight(w, out, inp)?;
+        check_weight::<T>(w, out, inp)?;
         if y.rows != rows {
             return Err(shape_err("linear: y rows"));
         }
         match &self.cuda {
             Some(c) => {
-                let wv = w.cuda_view::<bf16>().ok_or_else(|| shape_err("weight view"))?;
+                let wv = w.cuda_view::<T>().ok_or_else(|| shape_err("weight view"))?;
                 // Column-major: yᵀ[out×rows] = W[out×in] · xᵀ[in×rows]; W's memory is Wᵀ in
                 // column-major, hence transa = T.
-                let cfg = gemm_cfg(
+                let cfg = gemm_cfg::<T>(
                     cublasOperation_t::CUBLAS_OP_T,
                     cublasOperation_t::CUBLAS_OP_N,
-                    out,
-                    rows,
-                    inp,
-                    inp,
-                    inp,
-                    out,
+                    [out, rows, inp],
+                    [inp, inp, out],
                 )?;
                 // SAFETY: the dimensions and leading dimensions describe exactly the three
                 // buffers (W out×in, x rows×in, y rows×out, checked above); all are device
                 // memory on the handle's stream (the view's memory is held by the view).
-                unsafe { c.blas.gemm(cfg, &wv, x.dev()?, y.dev_mut()?) }
-                    .map_err(|e| Error::Cuda { call: "cublasGemmEx", message: e.to_string() })
+                unsafe { T::gemm(&c.blas, cfg, &wv, x.dev()?, y.dev_mut()?) }.map_err(blas_err)
             }
             None => {
-                let wb = w.with_host_bytes(to_bf16)?;
+                let wb = w.with_host_bytes(T::from_ne_bytes)?;
                 let xb = x.host()?;
                 host_gemm(
                     rows,
@@ -267,33 +451,33 @@ impl Linalg {
     }
 
     /// `dx = dy · W`: `dy` is `rows × out`, `W` is `out × in`, `dx` is `rows × in`.
-    pub fn linear_grad_input(&self, dy: &Matrix, w: &DeviceView, dx: &mut Matrix) -> Result<()> {
+    pub fn linear_grad_input<T: Element>(
+        &self,
+        dy: &Matrix<T>,
+        w: &DeviceView,
+        dx: &mut Matrix<T>,
+    ) -> Result<()> {
         self.check_stream(w)?;
         let (rows, out, inp) = (dy.rows, dy.cols, dx.cols);
-        check_weight(w, out, inp)?;
+        check_weight::<T>(w, out, inp)?;
         if dx.rows != rows {
             return Err(shape_err("grad input: dx rows"));
         }
         match &self.cuda {
             Some(c) => {
-                let wv = w.cuda_view::<bf16>().ok_or_else(|| shape_err("weight view"))?;
+                let wv = w.cuda_view::<T>().ok_or_else(|| shape_err("weight view"))?;
                 // dxᵀ[in×rows] = Wᵀ[in×out] · dyᵀ[out×rows].
-                let cfg = gemm_cfg(
+                let cfg = gemm_cfg::<T>(
                     cublasOperation_t::CUBLAS_OP_N,
                     cublasOperation_t::CUBLAS_OP_N,
-                    inp,
-                    rows,
-                    out,
-                    inp,
-                    out,
-                    inp,
+                    [inp, rows, out],
+                    [inp, out, inp],
                 )?;
                 // SAFETY: as in `linear`, for W out×in, dy rows×out, dx rows×in.
-                unsafe { c.blas.gemm(cfg, &wv, dy.dev()?, dx.dev_mut()?) }
-                    .map_err(|e| Error::Cuda { call: "cublasGemmEx", message: e.to_string() })
+                unsafe { T::gemm(&c.blas, cfg, &wv, dy.dev()?, dx.dev_mut()?) }.map_err(blas_err)
             }
             None => {
-                let wb = w.with_host_bytes(to_bf16)?;
+                let wb = w.with_host_bytes(T::from_ne_bytes)?;
                 let g = dy.host()?;
                 host_gemm(
                     rows,
@@ -309,7 +493,12 @@ impl Linalg {
     }
 
     /// `dW = dyᵀ · x`: `dy` is `rows × out`, `x` is `rows × in`, `dw` is `out × in`.
-    pub fn linear_grad_weight(&self, dy: &Matrix, x: &Matrix, dw: &mut Matrix) -> Result<()> {
+    pub fn linear_grad_weight<T: Element>(
+        &self,
+        dy: &Matrix<T>,
+        x: &Matrix<T>,
+        dw: &mut Matrix<T>,
+    ) -> Result<()> {
         let (rows, out, inp) = (dy.rows, dy.cols, x.cols);
         if x.rows != rows || dw.rows != out || dw.cols != inp {
             return Err(shape_err("grad weight"));
@@ -317,19 +506,15 @@ impl Linalg {
         match &self.cuda {
             Some(c) => {
                 // dWᵀ[in×out] = xᵀ[in×rows] · dy[rows×out]; dy's memory is dyᵀ column-major.
-                let cfg = gemm_cfg(
+                let cfg = gemm_cfg::<T>(
                     cublasOperation_t::CUBLAS_OP_N,
                     cublasOperation_t::CUBLAS_OP_T,
-                    inp,
-                    out,
-                    rows,
-                    inp,
-                    out,
-                    inp,
+                    [inp, out, rows],
+                    [inp, out, inp],
                 )?;
                 // SAFETY: x rows×in, dy rows×out, dW out×in: the dimensions match the buffers.
-                unsafe { c.blas.gemm(cfg, x.dev()?, dy.dev()?, dw.dev_mut()?) }
-                    .map_err(|e| Error::Cuda { call: "cublasGemmEx", message: e.to_string() })
+                unsafe { T::gemm(&c.blas, cfg, x.dev()?, dy.dev()?, dw.dev_mut()?) }
+                    .map_err(blas_err)
             }
             None => {
                 let (g, xb) = (dy.host()?, x.host()?);
@@ -346,19 +531,19 @@ impl Linalg {
         }
     }
 
-    /// `W -= lr · dW` on the weight's device copy, in f32, rounded once to bf16; marks the view
-    /// dirty (the store writes the new weight back when it evicts it).
-    pub fn sgd(&self, w: &mut DeviceView, dw: &Matrix, lr: f32) -> Result<()> {
+    /// `W -= lr · dW` on a bf16 weight's device copy, in f32, rounded once to bf16; marks the
+    /// view dirty (the store writes the new weight back when it evicts it).
+    pub fn sgd(&self, w: &mut DeviceView, dw: &Matrix<bf16>, lr: f32) -> Result<()> {
         self.check_stream(w)?;
-        check_weight(w, dw.rows, dw.cols)?;
+        check_weight::<bf16>(w, dw.rows, dw.cols)?;
         match &self.cuda {
             Some(c) => {
-                let n = (dw.rows * dw.cols) as u64;
+                let n = dw.len() as u64;
                 let mut wv = w.cuda_view_mut::<bf16>().ok_or_else(|| shape_err("weight view"))?;
-                let mut b = c.stream.launch_builder(&c.sgd);
+                let mut b = c.stream.launch_builder(&c.k.sgd);
                 b.arg(&mut wv).arg(dw.dev()?).arg(&lr).arg(&n);
                 // SAFETY: (u16*, const u16*, f32, u64): the weight's and dW's `n` elements.
-                unsafe { b.launch(grid(n)) }.map_err(|e| Error::cuda("cuLaunchKernel", e))?;
+                unsafe { b.launch(grid(n)) }.map_err(launch_err)?;
                 Ok(())
             }
             None => {
@@ -370,6 +555,196 @@ impl Linalg {
                         c.copy_from_slice(&nv.to_bits().to_ne_bytes());
                     }
                 })
+            }
+        }
+    }
+
+    /// `x = max(x, 0)`, in place.
+    pub fn relu<T: Element>(&self, x: &mut Matrix<T>) -> Result<()> {
+        match &self.cuda {
+            Some(c) => {
+                let n = x.len() as u64;
+                let mut b = c.stream.launch_builder(&c.k.relu[T::INDEX]);
+                b.arg(x.dev_mut()?).arg(&n);
+                // SAFETY: (T*, u64): the matrix's `n` elements.
+                unsafe { b.launch(grid(n)) }.map_err(launch_err)?;
+                Ok(())
+            }
+            None => {
+                for v in x.host_mut()? {
+                    if !positive(v.to_f32()) {
+                        *v = T::from_f32(0.0);
+                    }
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// `g = a > 0 ? g : 0`: the gradient through a relu whose output is `a`.
+    pub fn relu_mask<T: Element>(&self, g: &mut Matrix<T>, a: &Matrix<T>) -> Result<()> {
+        if g.rows != a.rows || g.cols != a.cols {
+            return Err(shape_err("relu mask"));
+        }
+        match &self.cuda {
+            Some(c) => {
+                let n = g.len() as u64;
+                let mut b = c.stream.launch_builder(&c.k.relu_mask[T::INDEX]);
+                b.arg(g.dev_mut()?).arg(a.dev()?).arg(&n);
+                // SAFETY: (T*, const T*, u64): two matrices of `n` elements each.
+                unsafe { b.launch(grid(n)) }.map_err(launch_err)?;
+                Ok(())
+            }
+            None => {
+                let a = a.host()?;
+                for (v, a) in g.host_mut()?.iter_mut().zip(a) {
+                    if !positive(a.to_f32()) {
+                        *v = T::from_f32(0.0);
+                    }
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// The squared-error loss's gradient and value: `g = (out − y) · scale`, and
+    /// `Σ (out − y)²` (in f32) added into `partials`, a `1 × LOSS_PARTIALS` matrix that
+    /// [`loss_value`] sums. With `scale = 1 / R` and the loss `0.5 · Σ(out − y)² / R`, `g` is the
+    /// loss's gradient with respect to `out`.
+    pub fn loss_grad<T: Element>(
+        &self,
+        out: &Matrix<T>,
+        y: &Matrix<T>,
+        scale: f32,
+        g: &mut Matrix<T>,
+        partials: &mut Matrix<f32>,
+    ) -> Result<()> {
+        if out.rows != y.rows || out.cols != y.cols || g.rows != y.rows || g.cols != y.cols {
+            return Err(shape_err("loss: out, y and g differ"));
+        }
+        if partials.len() != LOSS_PARTIALS {
+            return Err(shape_err("loss partials are 1 × LOSS_PARTIALS"));
+        }
+        match &self.cuda {
+            Some(c) => {
+                let n = g.len() as u64;
+                let mut b = c.stream.launch_builder(&c.k.loss_grad[T::INDEX]);
+                b.arg(out.dev()?).arg(y.dev()?).arg(g.dev_mut()?).arg(&scale);
+                b.arg(partials.dev_mut()?).arg(&n);
+                let cfg = LaunchConfig {
+                    grid_dim: (LOSS_PARTIALS as u32, 1, 1),
+                    block_dim: (256, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                // SAFETY: (const T*, const T*, T*, f32, f32*, u64): three matrices of `n`
+                // elements, and LOSS_PARTIALS partial sums, one per block of the grid.
+                unsafe { b.launch(cfg) }.map_err(launch_err)?;
+                Ok(())
+            }
+            None => {
+                let (o, yv) = (out.host()?, y.host()?);
+                let mut acc = 0f32;
+                for ((gv, o), yv) in g.host_mut()?.iter_mut().zip(o).zip(yv) {
+                    let d = o.to_f32() - yv.to_f32();
+                    acc += d * d;
+                    *gv = T::from_f32(d * scale);
+                }
+                partials.host_mut()?[0] += acc;
+                Ok(())
+            }
+        }
+    }
+
+    /// Accumulates a gradient into a store tensor: `grad = (first ? 0 : grad) + dw`. An f32
+    /// `grad` accumulates any `T` (micro-batches in f32); a `grad` of `T` itself takes only
+    /// `first` (a copy). Marks the view dirty.
+    pub fn accumulate<T: Element>(
+        &self,
+        grad: &mut DeviceView,
+        dw: &Matrix<T>,
+        first: bool,
+    ) -> Result<()> {
+        self.check_stream(grad)?;
+        let f32_acc = grad.dtype() == DType::F32;
+        if !f32_acc && (grad.dtype() != T::DTYPE || !first) {
+            return Err(Error::InvalidArgument(format!(
+                "accumulating {} gradients needs an f32 tensor (got {})",
+                T::DTYPE,
+                grad.dtype()
+            )));
+        }
+        let elem = if f32_acc { 4 } else { std::mem::size_of::<T>() };
+        if grad.len_bytes() != dw.len() * elem {
+            return Err(shape_err("gradient tensor and dW differ in length"));
+        }
+        match &self.cuda {
+            Some(c) if f32_acc => {
+                let n = dw.len() as u64;
+                let first = i32::from(first);
+                let mut gv = grad.cuda_view_mut::<f32>().ok_or_else(|| shape_err("grad view"))?;
+                let mut b = c.stream.launch_builder(&c.k.accumulate[T::INDEX]);
+                b.arg(&mut gv).arg(dw.dev()?).arg(&first).arg(&n);
+                // SAFETY: (f32*, const T*, i32, u64): `n` elements of each, checked above.
+                unsafe { b.launch(grid(n)) }.map_err(launch_err)?;
+                Ok(())
+            }
+            Some(c) => {
+                let mut gv = grad.cuda_view_mut::<T>().ok_or_else(|| shape_err("grad view"))?;
+                c.stream
+                    .memcpy_dtod(dw.dev()?, &mut gv)
+                    .map_err(|e| Error::cuda("cuMemcpyDtoDAsync", e))
+            }
+            None => {
+                let d = dw.host()?;
+                grad.with_host_bytes_mut(|bytes| {
+                    if !f32_acc {
+                        T::write_ne_bytes(d, bytes);
+                        return;
+                    }
+                    for (c, v) in bytes.chunks_exact_mut(4).zip(d) {
+                        let old = f32::from_ne_bytes([c[0], c[1], c[2], c[3]]);
+                        let new = if first { v.to_f32() } else { old + v.to_f32() };
+                        c.copy_from_slice(&new.to_ne_bytes());
+                    }
+                })
+            }
+        }
+    }
+
+    /// Copies a matrix into a store tensor of the same type and size (an activation kept in
+    /// the store); marks the view dirty.
+    pub fn copy_to_view<T: Element>(&self, src: &Matrix<T>, dst: &mut DeviceView) -> Result<()> {
+        self.check_stream(dst)?;
+        check_len::<T>(dst, src.len())?;
+        match &self.cuda {
+            Some(c) => {
+                let mut dv = dst.cuda_view_mut::<T>().ok_or_else(|| shape_err("view"))?;
+                c.stream
+                    .memcpy_dtod(src.dev()?, &mut dv)
+                    .map_err(|e| Error::cuda("cuMemcpyDtoDAsync", e))
+            }
+            None => {
+                let s = src.host()?;
+                dst.with_host_bytes_mut(|b| T::write_ne_bytes(s, b))
+            }
+        }
+    }
+
+    /// Copies a store tensor of the same type and size into a matrix.
+    pub fn copy_from_view<T: Element>(&self, src: &DeviceView, dst: &mut Matrix<T>) -> Result<()> {
+        self.check_stream(src)?;
+        check_len::<T>(src, dst.len())?;
+        match &self.cuda {
+            Some(c) => {
+                let sv = src.cuda_view::<T>().ok_or_else(|| shape_err("view"))?;
+                c.stream
+                    .memcpy_dtod(&sv, dst.dev_mut()?)
+                    .map_err(|e| Error::cuda("cuMemcpyDtoDAsync", e))
+            }
+            None => {
+                let v = src.with_host_bytes(T::from_ne_bytes)?;
+                dst.host_mut()?.copy_from_slice(&v);
+                Ok(())
             }
         }
     }
@@ -391,27 +766,49 @@ impl Linalg {
     }
 }
 
-fn check_weight(w: &DeviceView, out: usize, inp: usize) -> Result<()> {
-    if out.checked_mul(inp).and_then(|n| n.checked_mul(2)) != Some(w.len_bytes()) {
+/// The loss `0.5 · Σ partials · scale` from the partial sums [`Linalg::loss_grad`] added up
+/// (downloaded), summed in index order. With `scale = 1 / R` it is `0.5 · Σ(out − y)² / R`.
+pub fn loss_value(partials: &[f32], scale: f32) -> f32 {
+    0.5 * partials.iter().sum::<f32>() * scale
+}
+
+/// `v > 0` (false for NaN), as the kernels test it.
+fn positive(v: f32) -> bool {
+    v.partial_cmp(&0.0) == Some(std::cmp::Ordering::Greater)
+}
+
+fn check_len<T: Element>(v: &DeviceView, elems: usize) -> Result<()> {
+    if v.dtype() != T::DTYPE || v.len_bytes() != elems * std::mem::size_of::<T>() {
         return Err(shape_err(&format!(
-            "weight of {} bytes for a {out}×{inp} bf16 matrix",
-            w.len_bytes()
+            "a {} tensor of {} bytes for {elems} elements of {}",
+            v.dtype(),
+            v.len_bytes(),
+            T::DTYPE
         )));
     }
     Ok(())
 }
 
-#[allow(clippy::too_many_arguments)]
-fn gemm_cfg(
+fn check_weight<T: Element>(w: &DeviceView, out: usize, inp: usize) -> Result<()> {
+    let want = out.checked_mul(inp).and_then(|n| n.checked_mul(std::mem::size_of::<T>()));
+    if want != Some(w.len_bytes()) || w.dtype() != T::DTYPE {
+        return Err(shape_err(&format!(
+            "weight of {} bytes ({}) for a {out}×{inp} {} matrix",
+            w.len_bytes(),
+            w.dtype(),
+            T::DTYPE
+        )));
+    }
+    Ok(())
+}
+
+/// cuBLAS's column-major configuration: `[m, n, k]` and leading dimensions `[lda, ldb, ldc]`.
+fn gemm_cfg<T: Element>(
     transa: cublasOperation_t,
     transb: cublasOperation_t,
-    m: usize,
-    n: usize,
-    k: usize,
-    lda: usize,
-    ldb: usize,
-    ldc: usize,
-) -> Result<GemmConfig<bf16>> {
+    [m, n, k]: [usize; 3],
+    [lda, ldb, ldc]: [usize; 3],
+) -> Result<GemmConfig<T>> {
     let i = |v: usize| i32::try_from(v).map_err(|_| shape_err("dimension over 2^31"));
     Ok(GemmConfig {
         transa,
@@ -419,10 +816,10 @@ fn gemm_cfg(
         m: i(m)?,
         n: i(n)?,
         k: i(k)?,
-        alpha: bf16::ONE,
+        alpha: T::from_f32(1.0),
         lda: i(lda)?,
         ldb: i(ldb)?,
-        beta: bf16::ZERO,
+        beta: T::from_f32(0.0),
         ldc: i(ldc)?,
     })
 }
@@ -470,7 +867,7 @@ mod tests {
         );
         la.sgd(&mut view, &dw, 0.5).unwrap();
         drop(view);
-        let got = to_bf16(&store.read(id).unwrap());
+        let got = <bf16 as Element>::from_ne_bytes(&store.read(id).unwrap());
         assert_eq!(got, [-0.5f32, 0.5, -0.5, 0.5, -0.5, 0.5].map(bf16::from_f32));
         let mut wrong = la.matrix(1, 2).unwrap();
         let v = store.device_view(id, &s).unwrap();
