@@ -4,15 +4,7 @@
 // computes in f32 uses the _rn intrinsics, so no multiply-add is contracted into an FMA and the
 // results round exactly as the host reference's.
 
-__device__ __forceinline__ float bf16_to_f32(unsigned short b) {
-    return __uint_as_float(((unsigned int)b) << 16);
-}
-
-__device__ __forceinline__ unsigned short f32_to_bf16(float f) {
-    unsigned int u = __float_as_uint(f);
-    u += 0x7FFFu + ((u >> 16) & 1u);
-    return (unsigned short)(u >> 16);
-}
+// bf16_to_f32 and f32_to_bf16 come from bf16.cuh, prepended at load.
 
 __device__ __forceinline__ float ld(const unsigned short* p, unsigned long long i) { return bf16_to_f32(p[i]); }
 __device__ __forceinline__ float ld(const float* p, unsigned long long i) { return p[i]; }

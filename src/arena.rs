@@ -20,6 +20,69 @@ use crate::backend::{Addr, Backend, Block, MemKind, RawEvent, RawStream};
 use crate::error::Result;
 use crate::types::Tier;
 
+/// A tensor's host bytes lent out by [`MemArena::host_region`] to a `HostView`, which the store
+/// makes only for a tensor with no other view, whose memory no copy touches, and which can
+/// neither be moved, evicted nor freed until the view drops (the view holds the store alive).
+pub(crate) struct HostRegion {
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the region is plain host memory owned exclusively by its one view (see above).
+unsafe impl Send for HostRegion {}
+// SAFETY: shared access only reads.
+unsafe impl Sync for HostRegion {}
+
+impl HostRegion {
+    /// The bytes.
+    pub(crate) fn bytes(&self) -> &[u8] {
+        // SAFETY: `ptr..ptr+len` is live host memory the region's owner holds exclusively
+        // (type docs); `&self` rules out a concurrent `&mut`.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+
+    /// The bytes, mutably.
+    pub(crate) fn bytes_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as in `bytes`; `&mut self` makes this the only reference.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+
+    /// The bytes as `f32`s, when the length is a whole number of them (the start is page
+    /// aligned: host arenas align extents to 4 KiB).
+    pub(crate) fn f32s(&self) -> Option<&[f32]> {
+        (self.len % 4 == 0 && self.ptr as usize % 4 == 0).then(|| {
+            // SAFETY: as in `bytes`, and the pointer is 4-byte aligned and every bit pattern is
+            // a valid f32.
+            unsafe { std::slice::from_raw_parts(self.ptr.cast::<f32>(), self.len / 4) }
+        })
+    }
+
+    /// The bytes as `bf16`s, mutably, when the length is a whole number of them.
+    pub(crate) fn bf16s_mut(&mut self) -> Option<&mut [half::bf16]> {
+        (self.len % 2 == 0 && self.ptr as usize % 2 == 0).then(|| {
+            // SAFETY: as in `f32s`: `bf16` is a transparent u16, 2-byte aligned here, and every
+            // bit pattern is valid; `&mut self` makes this the only reference.
+            unsafe { std::slice::from_raw_parts_mut(self.ptr.cast::<half::bf16>(), self.len / 2) }
+        })
+    }
+
+    /// The bytes as `bf16`s.
+    pub(crate) fn bf16s(&self) -> Option<&[half::bf16]> {
+        (self.len % 2 == 0 && self.ptr as usize % 2 == 0).then(|| {
+            // SAFETY: as in `bf16s_mut`, shared.
+            unsafe { std::slice::from_raw_parts(self.ptr.cast::<half::bf16>(), self.len / 2) }
+        })
+    }
+
+    /// The bytes as `f32`s, mutably.
+    pub(crate) fn f32s_mut(&mut self) -> Option<&mut [f32]> {
+        (self.len % 4 == 0 && self.ptr as usize % 4 == 0).then(|| {
+            // SAFETY: as in `f32s`; `&mut self` makes this the only reference.
+            unsafe { std::slice::from_raw_parts_mut(self.ptr.cast::<f32>(), self.len / 4) }
+        })
+    }
+}
+
 /// One tensor's bytes in a memory arena. Not `Clone`: whoever holds it owns the range.
 #[derive(Debug)]
 pub(crate) struct Extent {
@@ -128,6 +191,19 @@ impl MemArena {
         Some(unsafe {
             std::slice::from_raw_parts_mut(b.host.add(ext.offset as usize), ext.bytes as usize)
         })
+    }
+
+    /// The extent's bytes as a region the CPU may use without the store's lock, for a
+    /// [`HostView`](crate::HostView). `None` for memory the CPU cannot reach (the CUDA Device
+    /// tier).
+    pub(crate) fn host_region(&self, ext: &Extent, host_backend: bool) -> Option<HostRegion> {
+        let b = &self.block;
+        if !b.host_accessible() || (self.kind == MemKind::Device && !host_backend) {
+            return None;
+        }
+        // SAFETY: the offset lies inside the block (the allocator hands out ranges within it).
+        let ptr = unsafe { b.host.add(ext.offset as usize) };
+        Some(HostRegion { ptr, len: ext.bytes as usize })
     }
 
     /// The budget in bytes.

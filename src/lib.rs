@@ -42,7 +42,7 @@ pub mod bench;
 mod disk;
 mod engine;
 mod error;
-pub use backend::{kernels, linalg, probe};
+pub use backend::{kernels, linalg, optim, probe};
 pub mod mlp;
 pub mod plan;
 pub mod policy;
@@ -57,7 +57,7 @@ pub use policy::{FrequencyPolicy, LruPolicy, Policy, PolicyKind, SchedulePolicy}
 pub use stats::{Stats, TierStats};
 pub use store::{LayerScope, LoadOptions, Store, StoreBuilder, TensorInfo};
 pub use types::{format_size, parse_size, BackendKind, DType, Group, TensorId, Tier};
-pub use view::{DeviceView, MappedView, Stream};
+pub use view::{DeviceView, HostView, MappedView, Stream};
 
 /// Number of CUDA devices the driver reports, or why there is no usable GPU (no driver library,
 /// `cuInit` failed, no device). Never panics, also on machines without CUDA.

@@ -30,7 +30,7 @@ use crate::policy::{Policy, PolicyKind};
 use crate::stats::{Stats, TierStats};
 use crate::trace::{Clock, Span, TimePoint, Timeline, Track};
 use crate::types::{format_size, BackendKind, DType, Group, TensorId, Tier};
-use crate::view::{DeviceView, MappedView, Stream};
+use crate::view::{DeviceView, HostView, MappedView, Stream};
 
 mod files;
 mod hints;
@@ -556,6 +556,18 @@ impl Store {
         shape: &[usize],
         data: &[u8],
     ) -> Result<TensorId> {
+        self.put_inner(None, name, group, dtype, shape, data)
+    }
+
+    fn put_inner(
+        &self,
+        only: Option<Tier>,
+        name: &str,
+        group: Group,
+        dtype: DType,
+        shape: &[usize],
+        data: &[u8],
+    ) -> Result<TensorId> {
         if name.is_empty() {
             return Err(Error::InvalidArgument("tensor name is empty".into()));
         }
@@ -575,7 +587,7 @@ impl Store {
         let id = TensorId(st.next_id);
         st.next_id += 1;
         st.policy.on_insert(id, bytes);
-        let placed = st.place_new(be, id, bytes).and_then(|(tier, mut ext)| {
+        let placed = st.place_new_in(be, id, bytes, only).and_then(|(tier, mut ext)| {
             match st.fill_from_host(be, tier, &mut ext, data) {
                 Ok(ready) => Ok((tier, ext, ready)),
                 Err(e) => {
@@ -600,9 +612,35 @@ impl Store {
         Ok(id)
     }
 
+    /// [`Store::put_group`] into one tier: the tensor goes to `tier` (the policy demotes
+    /// tensors there to make room) or the call fails with [`Error::OutOfMemory`] or
+    /// [`Error::TooLarge`], leaving the other tiers alone. For state whose home is known, such
+    /// as an optimizer's moments in Pinned memory.
+    pub fn put_in(
+        &self,
+        tier: Tier,
+        name: &str,
+        group: Group,
+        dtype: DType,
+        shape: &[usize],
+        data: &[u8],
+    ) -> Result<TensorId> {
+        self.put_inner(Some(tier), name, group, dtype, shape, data)
+    }
+
     /// The tensor's bytes, from its fastest replica. Counts as an access; on a miss the policy
     /// may promote the tensor to the fastest tier.
     pub fn read(&self, id: TensorId) -> Result<Vec<u8>> {
+        self.read_inner(id, true)
+    }
+
+    /// `read` that never promotes: for state the caller reads, updates and writes back where
+    /// it was (an optimizer's moments on disk).
+    pub(crate) fn read_in_place(&self, id: TensorId) -> Result<Vec<u8>> {
+        self.read_inner(id, false)
+    }
+
+    fn read_inner(&self, id: TensorId, promote: bool) -> Result<Vec<u8>> {
         let be = &self.shared.backend;
         let mut st = self.shared.state.lock();
         let e = st.entry(id)?;
@@ -613,7 +651,7 @@ impl Store {
         st.policy.on_access(id);
         st.count_access(hit);
         st.counters.bytes_out += out.len() as u64;
-        if !hit && st.promote_on_read {
+        if !hit && promote && st.promote_on_read {
             st.maybe_promote(be, id, &out)?;
         }
         st.lookahead(be, self.shared.engine.get());
@@ -890,6 +928,23 @@ impl Store {
     /// is neither evicted nor moved; dropping it records an event on `stream` that anything later
     /// reusing the memory waits for. Call [`DeviceView::mark_dirty`] after writing through it.
     pub fn device_view(&self, id: TensorId, stream: &Stream) -> Result<DeviceView> {
+        self.device_view_inner(id, stream, false)
+    }
+
+    /// A device view for work that overwrites every byte of the tensor (an output: an
+    /// activation, a gradient): like [`Store::device_view`], but a tensor not on the device gets
+    /// its device memory without the copy in, and the view starts dirty, so the copies in other
+    /// tiers are dropped when it drops. Reading the memory before writing it gives stale bytes.
+    pub fn device_view_for_overwrite(&self, id: TensorId, stream: &Stream) -> Result<DeviceView> {
+        self.device_view_inner(id, stream, true)
+    }
+
+    fn device_view_inner(
+        &self,
+        id: TensorId,
+        stream: &Stream,
+        overwrite: bool,
+    ) -> Result<DeviceView> {
         self.check_stream(stream)?;
         let be = &self.shared.backend;
         let engine = self.shared.engine.get();
@@ -932,8 +987,16 @@ impl Store {
             let ext = st
                 .alloc_evicting(be, Tier::Device, bytes, id, Level::Demand)?
                 .ok_or(Error::OutOfMemory { tier: Tier::Device, bytes })?;
-            let src = st.entries[&id].fastest().ok_or(Error::UnknownId(id))?;
-            st.copy_replica(be, id, src, Tier::Device, ext)?;
+            if overwrite {
+                // No copy in; the view's work must still wait for work touching the memory's
+                // previous owner, which the host-to-device stream is ordered after.
+                st.h2d_ready(be)?;
+                stream.raw.wait(&be.h2d().record()?)?;
+                st.put_replica(id, Tier::Device, Replica::new(ext, None));
+            } else {
+                let src = st.entries[&id].fastest().ok_or(Error::UnknownId(id))?;
+                st.copy_replica(be, id, src, Tier::Device, ext)?;
+            }
         }
         st.consume_prefetch(id);
         let rep =
@@ -961,7 +1024,7 @@ impl Store {
         st.pump_waiting(be, engine);
         st.lookahead(be, engine);
         drop(st);
-        Ok(DeviceView::new(
+        let mut view = DeviceView::new(
             self.shared.clone(),
             id,
             Tier::Device,
@@ -970,7 +1033,11 @@ impl Store {
             bytes,
             dtype,
             shape,
-        ))
+        );
+        if overwrite {
+            view.mark_dirty();
+        }
+        Ok(view)
     }
 
     /// A view of the tensor's Mapped replica for zero-copy kernel access: its device pointer
@@ -1009,6 +1076,60 @@ impl Store {
             dtype,
             shape,
         )))
+    }
+
+    /// Exclusive CPU access, in place, to the tensor's copy in host memory: its Pinned or
+    /// Mapped replica (on the host backend, its fastest memory replica), without the store's
+    /// lock. Waits for copies and device work still touching the tensor. Fails with
+    /// [`Error::Busy`] if the tensor has another view, a pin or a scope, and with
+    /// [`Error::NotInTier`] if no such copy exists (`move_to(id, Tier::Pinned)` first).
+    ///
+    /// ```
+    /// use strata::{DType, Store, Tier};
+    /// # fn main() -> strata::Result<()> {
+    /// let store = Store::builder().host_backend().capacity(Tier::Pinned, 1 << 20).build()?;
+    /// let id = store.put("m", DType::F32, &[4], &[0u8; 16])?;
+    /// let mut v = store.host_view(id)?;
+    /// for x in v.f32s_mut().unwrap() {
+    ///     *x += 1.5;
+    /// }
+    /// drop(v);
+    /// assert_eq!(store.read(id)?, [1.5f32; 4].iter().flat_map(|x| x.to_ne_bytes()).collect::<Vec<_>>());
+    /// # Ok(()) }
+    /// ```
+    pub fn host_view(&self, id: TensorId) -> Result<HostView> {
+        let mut st = self.shared.lock_idle(id)?;
+        let host_backend = self.backend() == BackendKind::Host;
+        let e = st.entry(id)?;
+        if e.held() > 0 {
+            return Err(Error::Busy { id, holders: e.held() });
+        }
+        let dtype = e.dtype;
+        let candidates: &[Tier] = if host_backend {
+            &[Tier::Pinned, Tier::Mapped, Tier::Device]
+        } else {
+            &[Tier::Pinned, Tier::Mapped]
+        };
+        let tier = candidates
+            .iter()
+            .copied()
+            .find(|t| matches!(e.replicas[t.index()].as_ref().map(|r| &r.ext), Some(Ext::Mem(_))))
+            .ok_or(Error::NotInTier { id, tier: Tier::Pinned })?;
+        // Copies into or out of the tensor's replicas and device work through earlier views
+        // finish before the CPU touches the bytes.
+        st.settle(id)?;
+        let rep = st.entries[&id].replicas[tier.index()].as_ref().expect("found above");
+        let Ext::Mem(ext) = &rep.ext else { unreachable!("checked above") };
+        let region =
+            st.arena(tier).and_then(|a| a.host_region(ext, host_backend)).ok_or_else(|| {
+                Error::BackendMismatch(format!("the {tier} tier is not host memory here"))
+            })?;
+        let e = st.entries.get_mut(&id).expect("checked above");
+        e.views += 1;
+        e.view_tier = Some(tier);
+        st.policy.on_access(id);
+        drop(st);
+        Ok(HostView::new(self.shared.clone(), id, tier, region, dtype))
     }
 
     fn check_stream(&self, stream: &Stream) -> Result<()> {
@@ -1063,6 +1184,15 @@ impl Shared {
     /// the view wrote, keeps only the replica it wrote.
     pub(crate) fn release_view(&self, id: TensorId, tier: Tier, stream: &RawStream, dirty: bool) {
         let ev = stream.record();
+        self.unhold(id, tier, dirty, Some(ev));
+    }
+
+    /// Called by a host view's Drop: as `release_view`, with no device work to record.
+    pub(crate) fn release_host_view(&self, id: TensorId, tier: Tier, dirty: bool) {
+        self.unhold(id, tier, dirty, None);
+    }
+
+    fn unhold(&self, id: TensorId, tier: Tier, dirty: bool, ev: Option<Result<RawEvent>>) {
         let mut st = self.state.lock();
         let res = (|| -> Result<()> {
             let e = st.entries.get_mut(&id).ok_or(Error::UnknownId(id))?;
@@ -1070,8 +1200,10 @@ impl Shared {
             if e.views == 0 {
                 e.view_tier = None;
             }
-            e.last_use.retain(|ev| !ev.is_complete());
-            e.last_use.push(ev?);
+            if let Some(ev) = ev {
+                e.last_use.retain(|ev| !ev.is_complete());
+                e.last_use.push(ev?);
+            }
             if dirty {
                 st.drop_other_replicas(id, tier)?;
             }
@@ -1462,8 +1594,25 @@ impl State {
     /// Finds a home for a new tensor: the fastest tier with free room; else the fastest tier the
     /// policy admits it to, making room there by demoting.
     fn place_new(&mut self, be: &Backend, id: TensorId, bytes: u64) -> Result<(Tier, Ext)> {
+        self.place_new_in(be, id, bytes, None)
+    }
+
+    /// `place_new`, restricted to one tier when `only` names one.
+    fn place_new_in(
+        &mut self,
+        be: &Backend,
+        id: TensorId,
+        bytes: u64,
+        only: Option<Tier>,
+    ) -> Result<(Tier, Ext)> {
+        if let Some(t) = only {
+            if !self.enabled(t) {
+                return Err(Error::TierDisabled { tier: t });
+            }
+        }
         let fits: Vec<Tier> = Tier::ALL
             .into_iter()
+            .filter(|&t| only.is_none_or(|o| o == t))
             .filter(|&t| self.enabled(t) && self.can_ever_fit(t, bytes))
             .collect();
         if fits.is_empty() {

@@ -4,6 +4,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream, CudaView, CudaViewMut};
 
+use crate::arena::HostRegion;
 use crate::backend::cuda::BorrowedSlice;
 use crate::backend::RawStream;
 use crate::error::{Error, Result};
@@ -227,6 +228,11 @@ impl MappedView {
     pub(crate) fn new(v: DeviceView) -> MappedView {
         MappedView(v)
     }
+
+    /// The view as a plain [`DeviceView`] (its tier stays `Mapped`).
+    pub fn into_inner(self) -> DeviceView {
+        self.0
+    }
 }
 
 impl std::ops::Deref for MappedView {
@@ -239,5 +245,108 @@ impl std::ops::Deref for MappedView {
 impl std::ops::DerefMut for MappedView {
     fn deref_mut(&mut self) -> &mut DeviceView {
         &mut self.0
+    }
+}
+
+/// Exclusive CPU access, in place, to a tensor's copy in host memory (the Pinned or Mapped tier;
+/// on the host backend any memory tier), made by [`Store::host_view`](crate::Store::host_view).
+/// It works without the store's lock, so other threads keep using the store while the CPU
+/// reads or updates the bytes (an optimizer step, for example). While it lives the tensor has no
+/// other view and is neither moved nor evicted. After writing, the other copies (now stale) are
+/// dropped when the view drops.
+#[must_use = "the tensor is held in place only while the view lives"]
+pub struct HostView {
+    shared: Arc<Shared>,
+    id: TensorId,
+    tier: Tier,
+    region: HostRegion,
+    dtype: DType,
+    dirty: bool,
+}
+
+impl std::fmt::Debug for HostView {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HostView")
+            .field("id", &self.id)
+            .field("tier", &self.tier)
+            .field("bytes", &self.region.bytes().len())
+            .field("dirty", &self.dirty)
+            .finish()
+    }
+}
+
+impl HostView {
+    pub(crate) fn new(
+        shared: Arc<Shared>,
+        id: TensorId,
+        tier: Tier,
+        region: HostRegion,
+        dtype: DType,
+    ) -> HostView {
+        HostView { shared, id, tier, region, dtype, dirty: false }
+    }
+
+    /// The tensor viewed.
+    pub fn id(&self) -> TensorId {
+        self.id
+    }
+
+    /// The tier of the memory viewed.
+    pub fn tier(&self) -> Tier {
+        self.tier
+    }
+
+    /// The bytes.
+    pub fn bytes(&self) -> &[u8] {
+        self.region.bytes()
+    }
+
+    /// The bytes, for writing; marks the view dirty.
+    pub fn bytes_mut(&mut self) -> &mut [u8] {
+        self.dirty = true;
+        self.region.bytes_mut()
+    }
+
+    /// The values of an f32 tensor; `None` for other dtypes.
+    pub fn f32s(&self) -> Option<&[f32]> {
+        if self.dtype != DType::F32 {
+            return None;
+        }
+        self.region.f32s()
+    }
+
+    /// The values of an f32 tensor, for writing (marks the view dirty); `None` for other dtypes.
+    pub fn f32s_mut(&mut self) -> Option<&mut [f32]> {
+        if self.dtype != DType::F32 {
+            return None;
+        }
+        self.dirty = true;
+        self.region.f32s_mut()
+    }
+}
+
+impl HostView {
+    /// The values of a bf16 tensor; `None` for other dtypes.
+    pub fn bf16s(&self) -> Option<&[half::bf16]> {
+        if self.dtype != DType::BF16 {
+            return None;
+        }
+        self.region.bf16s()
+    }
+
+    /// The values of a bf16 tensor, for writing (marks the view dirty); `None` for other
+    /// dtypes.
+    pub fn bf16s_mut(&mut self) -> Option<&mut [half::bf16]> {
+        if self.dtype != DType::BF16 {
+            return None;
+        }
+        self.dirty = true;
+        self.region.bf16s_mut()
+    }
+}
+
+impl Drop for HostView {
+    fn drop(&mut self) {
+        self.shared.release_host_view(self.id, self.tier, self.dirty);
     }
 }

@@ -53,6 +53,8 @@ use crate::types::DType;
 use crate::view::{DeviceView, Stream};
 
 const SOURCE: &str = include_str!("../../cuda/mlp.cu");
+/// The bf16 helpers the source uses, prepended before compiling.
+const BF16_H: &str = include_str!("../../cuda/bf16.cuh");
 
 /// Blocks of the loss kernel, and so the length of its partial sums (see [`Linalg::loss_grad`]).
 pub const LOSS_PARTIALS: usize = 264;
@@ -308,7 +310,7 @@ impl Linalg {
         }
         let (module, f) = super::cuda::load_kernels(
             ctx,
-            SOURCE,
+            &format!("{BF16_H}{SOURCE}"),
             [
                 "strata_sgd_bf16",
                 "strata_fill_bf16",

@@ -13,6 +13,7 @@ pub(crate) mod cuda;
 pub(crate) mod host;
 pub mod kernels;
 pub mod linalg;
+pub mod optim;
 pub mod probe;
 
 use std::sync::Arc;

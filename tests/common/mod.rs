@@ -85,6 +85,11 @@ impl Rng {
     }
 
     /// Uniform in `0..n` (`n > 0`).
+    /// Uniform in `[0, 1)`.
+    pub fn next_f32(&mut self) -> f32 {
+        (self.next_u64() >> 40) as f32 / (1u64 << 24) as f32
+    }
+
     pub fn below(&mut self, n: u64) -> u64 {
         assert!(n > 0);
         self.next_u64() % n

@@ -1,0 +1,50 @@
+// Optimizer steps of strata::optim for the GpuMapped and GpuResident engines, compiled at run
+// time with NVRTC. `p` is the f32 master copy (or the f32 parameter itself), `m` and `v` the
+// AdamW moments, all f32; they may live in mapped host memory, read and written in place over
+// PCIe. `grad` is f32 or bf16 (`grad_bf16`). `out`, when not null, receives the bf16 compute
+// copy of the new value. Every operation rounds as the host engine's (the _rn intrinsics: no
+// FMA contraction), in the order of PyTorch's single-tensor AdamW, so all engines give the same
+// bits.
+
+// bf16_to_f32 and f32_to_bf16 come from bf16.cuh, prepended at load.
+
+__device__ __forceinline__ float grad_at(const void* g, int bf16, unsigned long long i) {
+    return bf16 ? bf16_to_f32(((const unsigned short*)g)[i]) : ((const float*)g)[i];
+}
+
+// decay = 1 - lr * weight_decay; step_size = lr / (1 - beta1^t); bc2_sqrt = sqrt(1 - beta2^t).
+extern "C" __global__ void strata_adamw(float* p, float* m, float* v, const void* grad,
+                                        int grad_bf16, unsigned short* out, unsigned long long n,
+                                        float decay, float one_minus_b1, float b2,
+                                        float one_minus_b2, float step_size, float bc2_sqrt,
+                                        float eps) {
+    const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+    for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += stride) {
+        float g = grad_at(grad, grad_bf16, i);
+        float pi = __fmul_rn(p[i], decay);
+        float mi = __fadd_rn(m[i], __fmul_rn(one_minus_b1, __fsub_rn(g, m[i])));
+        float vi = __fadd_rn(__fmul_rn(v[i], b2), __fmul_rn(__fmul_rn(one_minus_b2, g), g));
+        float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(vi), bc2_sqrt), eps);
+        pi = __fsub_rn(pi, __fmul_rn(step_size, __fdiv_rn(mi, denom)));
+        p[i] = pi;
+        m[i] = mi;
+        v[i] = vi;
+        if (out) out[i] = f32_to_bf16(pi);
+    }
+}
+
+// SGD as torch.optim.SGD without momentum: g += weight_decay * p; p -= lr * g.
+extern "C" __global__ void strata_sgd(float* p, const void* grad, int grad_bf16,
+                                      unsigned short* out, unsigned long long n, float lr,
+                                      float weight_decay) {
+    const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+    for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += stride) {
+        float g = grad_at(grad, grad_bf16, i);
+        if (weight_decay != 0.0f) g = __fadd_rn(g, __fmul_rn(weight_decay, p[i]));
+        float pi = __fsub_rn(p[i], __fmul_rn(lr, g));
+        p[i] = pi;
+        if (out) out[i] = f32_to_bf16(pi);
+    }
+}

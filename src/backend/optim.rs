@@ -1,0 +1,1168 @@
+//! Optimizers over parameters held in a store: SGD and AdamW with the semantics of PyTorch's
+//! `torch.optim.SGD` (no momentum) and `torch.optim.AdamW` (lr, betas, eps, weight decay, bias
+//! correction), with fp32 master weights and moments kept as store tensors of group
+//! [`Group::OptimizerState`], and gradients as store tensors of group [`Group::Grad`].
+//!
+//! For each parameter (a bf16 or f32 store tensor, `[out, in]` or any shape) an [`Optimizer`]
+//! keeps:
+//! - `NAME.grad`: the gradient ([`Group::Grad`]), in the parameter's dtype or, for gradient
+//!   accumulation over micro-batches, in f32 ([`OptimizerConfig::grad_dtype`]);
+//! - `NAME.master`: fp32 master weights, for bf16 parameters only (an f32 parameter is its own
+//!   master);
+//! - `NAME.exp_avg`, `NAME.exp_avg_sq`: AdamW's two fp32 moments.
+//!
+//! After each update the parameter (the compute copy the GEMMs read) is refreshed from the
+//! master, rounded to bf16.
+//!
+//! ## Engines
+//! - [`Engine::Cpu`]: the state lives in host memory (Pinned, or Disk when the host budgets are
+//!   short). [`Optimizer::update`] releases the gradient (the store starts writing it back) and
+//!   queues the update to a worker thread, which runs it over chunks on `threads` threads as
+//!   soon as the gradient has reached host memory, while the caller goes on with the backward
+//!   pass of the layers before. [`Optimizer::finish`] waits for the queue.
+//! - [`Engine::GpuMapped`]: the state lives in the Mapped tier; a kernel (`cuda/optim.cu`)
+//!   updates it in place over PCIe, zero-copy, without migrating it.
+//! - [`Engine::GpuResident`]: the state is migrated to the device like any tensor (the policy
+//!   evicts and writes it back when the device budget is short), and the same kernel runs on it.
+//! - [`Engine::Auto`]: picks one of the three from the bandwidths measured on the machine and
+//!   the tier budgets ([`AutoChoice`] says which and why).
+//!
+//! Every engine computes the same f32 operations in the same order (the GPU kernels use
+//! round-to-nearest intrinsics, no fused multiply-add), so they give the same bits, and the CPU
+//! engine gives the same bits with any number of threads (the update is elementwise).
+//!
+//! On the host backend the GPU engines run the same arithmetic on the host, through the same
+//! store views, so their placement and migration are exercised without a GPU.
+//!
+//! ```
+//! use std::sync::Arc;
+//! use strata::optim::{AdamW, Algorithm, Engine, Optimizer, OptimizerConfig};
+//! use strata::{DType, Store, Tier};
+//!
+//! # fn main() -> strata::Result<()> {
+//! let store = Arc::new(
+//!     Store::builder()
+//!         .host_backend()
+//!         .capacity(Tier::Device, 1 << 20)
+//!         .capacity(Tier::Pinned, 1 << 20)
+//!         .build()?,
+//! );
+//! let w = store.put("w", DType::F32, &[4], &[0u8; 16])?;
+//! let cfg = OptimizerConfig::new(Algorithm::AdamW(AdamW { lr: 0.1, ..AdamW::default() }), Engine::Cpu);
+//! let s = store.stream()?;
+//! let mut opt = Optimizer::new(store.clone(), &s, &[w], cfg)?;
+//! // The gradient: all ones (a real loop accumulates it on the device with strata::linalg).
+//! store.write(opt.grad(0), &[1.0f32; 4].iter().flat_map(|x| x.to_ne_bytes()).collect::<Vec<_>>())?;
+//! opt.update(0)?;
+//! opt.finish()?;
+//! // AdamW's first step moves every weight by lr against the gradient's sign.
+//! let w1: Vec<f32> = store.read(w)?.chunks(4).map(|c| f32::from_ne_bytes(c.try_into().unwrap())).collect();
+//! assert!(w1.iter().all(|&x| (x + 0.1).abs() < 1e-6));
+//! # Ok(()) }
+//! ```
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crossbeam::channel::{unbounded, Receiver, Sender};
+use cudarc::driver::{CudaFunction, CudaModule, LaunchConfig, PushKernelArg};
+use half::bf16;
+
+use crate::backend::linalg::Element;
+use crate::error::{Error, Result};
+use crate::probe::{median, raw_pinned_copy, Direction};
+use crate::store::Store;
+use crate::types::{format_size, DType, Group, TensorId, Tier};
+use crate::view::{DeviceView, HostView, Stream};
+
+const SOURCE: &str = include_str!("../../cuda/optim.cu");
+/// The bf16 helpers the source uses, prepended before compiling.
+const BF16_H: &str = include_str!("../../cuda/bf16.cuh");
+
+/// AdamW's hyperparameters (PyTorch's defaults, but `weight_decay` 0 as the out-of-core
+/// example's contract asks; PyTorch's default is 0.01).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AdamW {
+    /// Learning rate.
+    pub lr: f32,
+    /// First-moment decay.
+    pub beta1: f32,
+    /// Second-moment decay.
+    pub beta2: f32,
+    /// Added to the denominator.
+    pub eps: f32,
+    /// Decoupled weight decay (`p *= 1 - lr * weight_decay`).
+    pub weight_decay: f32,
+}
+
+impl Default for AdamW {
+    fn default() -> Self {
+        AdamW { lr: 1e-3, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0 }
+    }
+}
+
+/// SGD without momentum: `g += weight_decay · p; p -= lr · g`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Sgd {
+    /// Learning rate.
+    pub lr: f32,
+    /// L2 penalty added to the gradient.
+    pub weight_decay: f32,
+}
+
+/// The update rule.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Algorithm {
+    /// Plain SGD.
+    Sgd(Sgd),
+    /// AdamW.
+    AdamW(AdamW),
+}
+
+impl Algorithm {
+    /// fp32 moment tensors per parameter (0 or 2).
+    pub fn moments(&self) -> usize {
+        match self {
+            Algorithm::Sgd(_) => 0,
+            Algorithm::AdamW(_) => 2,
+        }
+    }
+}
+
+/// Where and by what the update runs (see the module docs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Engine {
+    /// Host threads, state in host memory.
+    Cpu,
+    /// A kernel, state in the Mapped tier, zero-copy.
+    GpuMapped,
+    /// A kernel, state migrated to the device.
+    GpuResident,
+    /// The fastest of the three on this machine, under these budgets.
+    Auto,
+}
+
+impl Engine {
+    /// The three concrete engines.
+    pub const CONCRETE: [Engine; 3] = [Engine::Cpu, Engine::GpuMapped, Engine::GpuResident];
+
+    /// Lower-case name, as printed and parsed.
+    pub fn name(self) -> &'static str {
+        match self {
+            Engine::Cpu => "cpu",
+            Engine::GpuMapped => "gpu-mapped",
+            Engine::GpuResident => "gpu-resident",
+            Engine::Auto => "auto",
+        }
+    }
+}
+
+impl std::fmt::Display for Engine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for Engine {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Engine> {
+        [Engine::Cpu, Engine::GpuMapped, Engine::GpuResident, Engine::Auto]
+            .into_iter()
+            .find(|e| e.name() == s)
+            .ok_or_else(|| {
+                Error::InvalidArgument(format!(
+                    "unknown optimizer engine {s:?} (cpu, gpu-mapped, gpu-resident or auto)"
+                ))
+            })
+    }
+}
+
+/// Traffic the rest of the training step puts on the links, for [`Engine::Auto`]'s estimate.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct StepTraffic {
+    /// Bytes per step copied host to device by everything but the optimizer (streamed weights).
+    pub h2d_bytes: u64,
+    /// Bytes per step copied device to host by everything but the optimizer.
+    pub d2h_bytes: u64,
+    /// Device bytes the rest of the step needs for itself (weights kept resident, activations,
+    /// prefetch room): what GpuResident cannot use for optimizer state.
+    pub device_bytes: u64,
+}
+
+/// What an [`Optimizer`] is made with.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct OptimizerConfig {
+    /// The update rule.
+    pub algorithm: Algorithm,
+    /// The engine.
+    pub engine: Engine,
+    /// Threads of the Cpu engine (0: every core).
+    pub threads: usize,
+    /// The gradient tensors' dtype: `None` for the parameter's own dtype, `Some(F32)` for
+    /// accumulation over micro-batches in f32.
+    pub grad_dtype: Option<DType>,
+    /// The rest of the step's traffic, for `Auto`.
+    pub traffic: StepTraffic,
+}
+
+impl OptimizerConfig {
+    /// `algorithm` on `engine`, every core, gradients in the parameters' dtype.
+    pub fn new(algorithm: Algorithm, engine: Engine) -> OptimizerConfig {
+        OptimizerConfig {
+            algorithm,
+            engine,
+            threads: 0,
+            grad_dtype: None,
+            traffic: StepTraffic::default(),
+        }
+    }
+}
+
+/// Bandwidths an [`Engine::Auto`] decision is made from, in bytes per second.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Bandwidths {
+    /// Pinned host to device (on the host backend: a single-thread host copy).
+    pub h2d: f64,
+    /// Device to pinned host.
+    pub d2h: f64,
+    /// Host memory traffic of a multi-threaded copy (bytes read plus bytes written per second).
+    pub host: f64,
+}
+
+impl Bandwidths {
+    /// Measures the three on `store`'s backend with `threads` host threads (about a second).
+    pub fn measure(store: &Store, threads: usize) -> Result<Bandwidths> {
+        let host = host_copy_bandwidth(threads, 256 << 20);
+        match store.cuda_context() {
+            Some(ctx) => {
+                let bytes = 256 << 20;
+                let h = median(&raw_pinned_copy(ctx, bytes, Direction::HostToDevice, 5)?);
+                let d = median(&raw_pinned_copy(ctx, bytes, Direction::DeviceToHost, 5)?);
+                Ok(Bandwidths { h2d: bytes as f64 / h, d2h: bytes as f64 / d, host })
+            }
+            None => {
+                let one = host_copy_bandwidth(1, 64 << 20) / 2.0;
+                Ok(Bandwidths { h2d: one, d2h: one, host })
+            }
+        }
+    }
+}
+
+/// Host memory bandwidth of a copy of `bytes` split over `threads` threads: (bytes read + bytes
+/// written) / seconds, the median of five after a warm-up.
+pub fn host_copy_bandwidth(threads: usize, bytes: usize) -> f64 {
+    let threads = resolve_threads(threads);
+    let src = vec![1u8; bytes];
+    let mut dst = vec![0u8; bytes];
+    let part = bytes.div_ceil(threads).max(1);
+    let mut times = Vec::new();
+    for i in 0..6 {
+        let t = Instant::now();
+        std::thread::scope(|s| {
+            for (d, c) in dst.chunks_mut(part).zip(src.chunks(part)) {
+                s.spawn(move || d.copy_from_slice(c));
+            }
+        });
+        if i > 0 {
+            times.push(t.elapsed().as_secs_f64());
+        }
+    }
+    std::hint::black_box(&dst);
+    2.0 * bytes as f64 / median(&times)
+}
+
+/// Why [`Engine::Auto`] chose what it chose: each engine's estimated step cost.
+#[derive(Clone, Debug, PartialEq)]
+pub struct AutoChoice {
+    /// The engine picked.
+    pub engine: Engine,
+    /// `(engine, estimated seconds per step, or why it cannot run)` for each concrete engine.
+    pub estimates: Vec<(Engine, std::result::Result<f64, String>)>,
+    /// The bandwidths used.
+    pub bandwidths: Bandwidths,
+}
+
+impl std::fmt::Display for AutoChoice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "auto chose {} (", self.engine)?;
+        for (i, (e, est)) in self.estimates.iter().enumerate() {
+            if i > 0 {
+                write!(f, "; ")?;
+            }
+            match est {
+                Ok(s) => write!(f, "{e} {:.2} ms", s * 1e3)?,
+                Err(why) => write!(f, "{e}: {why}")?,
+            }
+        }
+        write!(
+            f,
+            "; from H2D {:.1} GB/s, D2H {:.1} GB/s, host copy {:.1} GB/s)",
+            self.bandwidths.h2d / 1e9,
+            self.bandwidths.d2h / 1e9,
+            self.bandwidths.host / 1e9
+        )
+    }
+}
+
+/// Bytes per element an update moves, for estimates: `(state bytes, gradient bytes, parameter
+/// bytes)`; the state is read and written, the gradient read, the parameter written.
+fn per_elem(alg: &Algorithm, param: DType, grad: DType) -> (u64, u64, u64) {
+    let master = if param == DType::F32 { 0 } else { 4 };
+    let own = if param == DType::F32 { 4 } else { 0 };
+    (master + 4 * alg.moments() as u64 + own, grad.size_of() as u64, param.size_of() as u64)
+}
+
+/// Estimates each engine's step (the optimizer's part, and the links it shares with the rest
+/// of the step) and picks the fastest.
+pub fn choose(
+    alg: &Algorithm,
+    elems: u64,
+    param: DType,
+    grad: DType,
+    traffic: &StepTraffic,
+    capacities: [u64; 4],
+    bw: &Bandwidths,
+) -> AutoChoice {
+    let (s, g, p) = per_elem(alg, param, grad);
+    let (state, gbytes, pbytes) = (s * elems, g * elems, p * elems);
+    let link = |h2d: u64, d2h: u64| {
+        ((traffic.h2d_bytes + h2d) as f64 / bw.h2d).max((traffic.d2h_bytes + d2h) as f64 / bw.d2h)
+    };
+    let own_state = if param == DType::F32 { 0 } else { pbytes };
+    let mut estimates = Vec::new();
+    // Cpu: the gradient goes down, the CPU reads state and gradient, writes state and the
+    // compute copy; the new compute copy goes up with the streamed weights.
+    let cpu_host = (2 * state + gbytes + own_state) as f64 / bw.host;
+    let host_room = capacities[Tier::Pinned.index()] + capacities[Tier::Disk.index()];
+    estimates.push((
+        Engine::Cpu,
+        if state + gbytes <= host_room {
+            Ok(link(0, gbytes).max(cpu_host))
+        } else {
+            Err(format!("needs {} of Pinned + Disk", format_size(state + gbytes)))
+        },
+    ));
+    // GpuMapped: the kernel reads and writes the state over PCIe.
+    estimates.push((
+        Engine::GpuMapped,
+        if state <= capacities[Tier::Mapped.index()] {
+            Ok(link(state, state))
+        } else {
+            Err(format!(
+                "needs {} of Mapped (budget {})",
+                format_size(state),
+                format_size(capacities[Tier::Mapped.index()])
+            ))
+        },
+    ));
+    // GpuResident: what of the state does not fit next to the rest of the step moves in and out
+    // every step.
+    let room = capacities[Tier::Device.index()].saturating_sub(traffic.device_bytes + gbytes);
+    let swapped = state.saturating_sub(room);
+    estimates.push((Engine::GpuResident, Ok(link(swapped, swapped))));
+    let engine = estimates
+        .iter()
+        .filter_map(|(e, r)| r.as_ref().ok().map(|s| (*e, *s)))
+        .min_by(|a, b| a.1.total_cmp(&b.1))
+        .map_or(Engine::Cpu, |(e, _)| e);
+    AutoChoice { engine, estimates, bandwidths: *bw }
+}
+
+fn resolve_threads(threads: usize) -> usize {
+    if threads == 0 {
+        std::thread::available_parallelism().map_or(1, |n| n.get())
+    } else {
+        threads
+    }
+}
+
+/// A gradient's values.
+#[derive(Clone, Copy, Debug)]
+pub enum GradSlice<'a> {
+    /// f32 gradients (accumulated).
+    F32(&'a [f32]),
+    /// bf16 gradients.
+    Bf16(&'a [bf16]),
+}
+
+impl GradSlice<'_> {
+    fn len(&self) -> usize {
+        match self {
+            GradSlice::F32(g) => g.len(),
+            GradSlice::Bf16(g) => g.len(),
+        }
+    }
+}
+
+/// The scalars of AdamW's step `t` (1-based), computed in f64 as PyTorch does with Python floats
+/// and rounded once to f32.
+#[derive(Clone, Copy, Debug)]
+struct AdamScalars {
+    decay: f32,
+    one_minus_b1: f32,
+    b2: f32,
+    one_minus_b2: f32,
+    step_size: f32,
+    bc2_sqrt: f32,
+    eps: f32,
+}
+
+impl AdamScalars {
+    fn new(h: &AdamW, t: u64) -> AdamScalars {
+        let (lr, b1, b2) = (h.lr as f64, h.beta1 as f64, h.beta2 as f64);
+        let t = t.min(i32::MAX as u64) as i32;
+        let bc1 = 1.0 - b1.powi(t);
+        let bc2 = 1.0 - b2.powi(t);
+        AdamScalars {
+            decay: (1.0 - lr * h.weight_decay as f64) as f32,
+            one_minus_b1: (1.0 - b1) as f32,
+            b2: h.beta2,
+            one_minus_b2: (1.0 - b2) as f32,
+            step_size: (lr / bc1) as f32,
+            bc2_sqrt: bc2.sqrt() as f32,
+            eps: h.eps,
+        }
+    }
+}
+
+/// Elements per block of the CPU loops: the update of a block and its bf16 rounding run while
+/// the block is in L1.
+const BLOCK: usize = 4096;
+
+fn adamw_block(
+    k: &AdamScalars,
+    p: &mut [f32],
+    m: &mut [f32],
+    v: &mut [f32],
+    g: impl Fn(usize) -> f32,
+) {
+    for i in 0..p.len() {
+        let gi = g(i);
+        let pi = p[i] * k.decay;
+        let mi = m[i] + k.one_minus_b1 * (gi - m[i]);
+        let vi = v[i] * k.b2 + k.one_minus_b2 * gi * gi;
+        let denom = vi.sqrt() / k.bc2_sqrt + k.eps;
+        p[i] = pi - k.step_size * (mi / denom);
+        m[i] = mi;
+        v[i] = vi;
+    }
+}
+
+fn sgd_block(h: &Sgd, p: &mut [f32], g: impl Fn(usize) -> f32) {
+    for (i, pi) in p.iter_mut().enumerate() {
+        let mut gi = g(i);
+        if h.weight_decay != 0.0 {
+            gi += h.weight_decay * *pi;
+        }
+        *pi -= h.lr * gi;
+    }
+}
+
+fn round_block(p: &[f32], out: Option<&mut [bf16]>) {
+    if let Some(out) = out {
+        for (o, &x) in out.iter_mut().zip(p) {
+            *o = <bf16 as Element>::from_f32(x);
+        }
+    }
+}
+
+/// One update on the CPU over slices: AdamW's step `t` (1-based) or SGD's, on `threads`
+/// threads (0: every core). `p` is the f32 master (or parameter); `m` and `v` are the moments
+/// (empty for SGD); `out`, if given, receives `p` rounded to bf16 (the compute copy). The bits
+/// do not depend on `threads`.
+#[allow(clippy::too_many_arguments)]
+pub fn cpu_update(
+    alg: &Algorithm,
+    t: u64,
+    threads: usize,
+    p: &mut [f32],
+    m: &mut [f32],
+    v: &mut [f32],
+    g: GradSlice<'_>,
+    out: Option<&mut [bf16]>,
+) -> Result<()> {
+    let n = p.len();
+    let moments = alg.moments() > 0;
+    if g.len() != n
+        || out.as_ref().is_some_and(|o| o.len() != n)
+        || (moments && (m.len() != n || v.len() != n))
+    {
+        return Err(Error::InvalidArgument(format!(
+            "optimizer slices differ in length: p {n}, m {}, v {}, grad {}",
+            m.len(),
+            v.len(),
+            g.len()
+        )));
+    }
+    let threads = resolve_threads(threads).min(n.div_ceil(BLOCK)).max(1);
+    let part = n.div_ceil(threads).div_ceil(BLOCK) * BLOCK;
+    let part = part.max(BLOCK);
+    // Every slice split at the same points; empty moment slices (SGD) split into nothing.
+    let split = |len: usize| if len == 0 { 0 } else { part };
+    let mut ps: Vec<&mut [f32]> = p.chunks_mut(part).collect();
+    let mut ms: Vec<&mut [f32]> =
+        if moments { m.chunks_mut(split(n)).collect() } else { Vec::new() };
+    let mut vs: Vec<&mut [f32]> =
+        if moments { v.chunks_mut(split(n)).collect() } else { Vec::new() };
+    let mut outs: Vec<Option<&mut [bf16]>> = match out {
+        Some(o) => o.chunks_mut(part).map(Some).collect(),
+        None => ps.iter().map(|_| None).collect(),
+    };
+    let work = |c: usize,
+                p: &mut [f32],
+                m: Option<&mut [f32]>,
+                v: Option<&mut [f32]>,
+                mut o: Option<&mut [bf16]>| {
+        let base = c * part;
+        let mut m = m;
+        let mut v = v;
+        for (b, pb) in p.chunks_mut(BLOCK).enumerate() {
+            let off = base + b * BLOCK;
+            let len = pb.len();
+            let gv = |i: usize| match g {
+                GradSlice::F32(s) => s[off + i],
+                GradSlice::Bf16(s) => s[off + i].to_f32(),
+            };
+            match alg {
+                Algorithm::AdamW(h) => {
+                    let k = AdamScalars::new(h, t);
+                    let (mb, vb) = (
+                        &mut m.as_deref_mut().expect("moments")[b * BLOCK..b * BLOCK + len],
+                        &mut v.as_deref_mut().expect("moments")[b * BLOCK..b * BLOCK + len],
+                    );
+                    adamw_block(&k, pb, mb, vb, gv);
+                }
+                Algorithm::Sgd(h) => sgd_block(h, pb, gv),
+            }
+            round_block(pb, o.as_deref_mut().map(|o| &mut o[b * BLOCK..b * BLOCK + len]));
+        }
+    };
+    let mut ms_it = ms.drain(..).map(Some).chain(std::iter::repeat_with(|| None));
+    let mut vs_it = vs.drain(..).map(Some).chain(std::iter::repeat_with(|| None));
+    let jobs: Vec<_> = ps
+        .drain(..)
+        .zip(outs.drain(..))
+        .enumerate()
+        .map(|(c, (p, o))| (c, p, ms_it.next().flatten(), vs_it.next().flatten(), o))
+        .collect();
+    if jobs.len() == 1 {
+        for (c, p, m, v, o) in jobs {
+            work(c, p, m, v, o);
+        }
+    } else {
+        std::thread::scope(|s| {
+            for (c, p, m, v, o) in jobs {
+                let work = &work;
+                s.spawn(move || work(c, p, m, v, o));
+            }
+        });
+    }
+    Ok(())
+}
+
+/// The store tensors of one parameter.
+#[derive(Clone, Copy, Debug)]
+struct ParamState {
+    param: TensorId,
+    dtype: DType,
+    elems: usize,
+    grad: TensorId,
+    master: Option<TensorId>,
+    moments: Option<(TensorId, TensorId)>,
+}
+
+struct GpuKernels {
+    _module: Arc<CudaModule>,
+    adamw: CudaFunction,
+    sgd: CudaFunction,
+}
+
+struct CpuJob {
+    st: ParamState,
+    t: u64,
+}
+
+struct CpuWorker {
+    tx: Option<Sender<CpuJob>>,
+    done: Receiver<Result<()>>,
+    pending: usize,
+    handle: Option<std::thread::JoinHandle<()>>,
+}
+
+/// SGD or AdamW over parameters in a store (see the module docs).
+pub struct Optimizer {
+    store: Arc<Store>,
+    stream: Stream,
+    cfg: OptimizerConfig,
+    engine: Engine,
+    choice: Option<AutoChoice>,
+    params: Vec<ParamState>,
+    t: u64,
+    gpu: Option<GpuKernels>,
+    worker: Option<CpuWorker>,
+}
+
+impl std::fmt::Debug for Optimizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Optimizer")
+            .field("algorithm", &self.cfg.algorithm)
+            .field("engine", &self.engine)
+            .field("params", &self.params.len())
+            .field("steps", &self.t)
+            .finish()
+    }
+}
+
+fn f32_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_ne_bytes()).collect()
+}
+
+impl Optimizer {
+    /// An optimizer for `params` (bf16 or f32 store tensors). Creates each parameter's gradient,
+    /// master weights (bf16 parameters) and moments (AdamW) in the store, placed for the engine,
+    /// and, for `Auto`, measures the bandwidths and picks the engine. GPU work (the GPU engines'
+    /// kernels, and gradients accumulated by the caller) runs on `stream`.
+    pub fn new(
+        store: Arc<Store>,
+        stream: &Stream,
+        params: &[TensorId],
+        cfg: OptimizerConfig,
+    ) -> Result<Optimizer> {
+        if stream.backend() != store.backend() {
+            return Err(Error::BackendMismatch("the optimizer's stream is not the store's".into()));
+        }
+        let mut infos = Vec::with_capacity(params.len());
+        for &id in params {
+            let info = store.info(id)?;
+            if !matches!(info.dtype, DType::BF16 | DType::F32) {
+                return Err(Error::InvalidArgument(format!(
+                    "{:?} is {}: the optimizer trains bf16 and f32 parameters",
+                    info.name, info.dtype
+                )));
+            }
+            if let Some(g) = cfg.grad_dtype {
+                if g != DType::F32 && g != info.dtype {
+                    return Err(Error::InvalidArgument(format!(
+                        "gradients of {:?} ({}) in {g}: use f32 or the parameter's dtype",
+                        info.name, info.dtype
+                    )));
+                }
+            }
+            infos.push(info);
+        }
+        let mut choice = None;
+        let engine = match cfg.engine {
+            Engine::Auto => {
+                let elems: u64 =
+                    infos.iter().map(|i| i.shape.iter().product::<usize>() as u64).sum();
+                let dtype = infos.first().map_or(DType::F32, |i| i.dtype);
+                let grad = cfg.grad_dtype.unwrap_or(dtype);
+                let stats = store.stats();
+                let caps = [0, 1, 2, 3].map(|t| stats.tiers[t].capacity);
+                let bw = Bandwidths::measure(&store, cfg.threads)?;
+                let c = choose(&cfg.algorithm, elems, dtype, grad, &cfg.traffic, caps, &bw);
+                let e = c.engine;
+                choice = Some(c);
+                e
+            }
+            e => e,
+        };
+        let gpu = match (engine, store.cuda_context()) {
+            (Engine::GpuMapped | Engine::GpuResident, Some(ctx)) => {
+                let (module, [adamw, sgd]) = super::cuda::load_kernels(
+                    ctx,
+                    &format!("{BF16_H}{SOURCE}"),
+                    ["strata_adamw", "strata_sgd"],
+                )?;
+                Some(GpuKernels { _module: module, adamw, sgd })
+            }
+            _ => None,
+        };
+        let mut opt = Optimizer {
+            store,
+            stream: stream.clone(),
+            cfg,
+            engine,
+            choice,
+            params: Vec::new(),
+            t: 0,
+            gpu,
+            worker: None,
+        };
+        for info in infos {
+            match opt.add(info) {
+                Ok(st) => opt.params.push(st),
+                Err(e) => {
+                    opt.remove_state();
+                    return Err(e);
+                }
+            }
+        }
+        if engine == Engine::Cpu {
+            opt.worker = Some(spawn_worker(opt.store.clone(), opt.cfg.algorithm, opt.cfg.threads));
+        }
+        Ok(opt)
+    }
+
+    /// Where state goes: the engine's tier, else (Cpu) Disk.
+    fn put_state(
+        &self,
+        name: &str,
+        dtype: DType,
+        shape: &[usize],
+        data: &[u8],
+    ) -> Result<TensorId> {
+        let s = &self.store;
+        let tier = match self.engine {
+            Engine::GpuMapped => Tier::Mapped,
+            _ => Tier::Pinned,
+        };
+        match s.put_in(tier, name, Group::OptimizerState, dtype, shape, data) {
+            Ok(id) => Ok(id),
+            Err(
+                Error::OutOfMemory { .. } | Error::TooLarge { .. } | Error::TierDisabled { .. },
+            ) if self.engine != Engine::GpuMapped => {
+                s.put_in(Tier::Disk, name, Group::OptimizerState, dtype, shape, data)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    fn add(&self, info: crate::TensorInfo) -> Result<ParamState> {
+        let s = &self.store;
+        let elems: usize = info.shape.iter().product();
+        let id = s.lookup(&info.name).ok_or_else(|| Error::InvalidArgument(info.name.clone()))?;
+        let grad_dtype = self.cfg.grad_dtype.unwrap_or(info.dtype);
+        let zeros = vec![0u8; elems * grad_dtype.size_of()];
+        let gname = format!("{}.grad", info.name);
+        let grad =
+            match s.put_in(Tier::Pinned, &gname, Group::Grad, grad_dtype, &info.shape, &zeros) {
+                Ok(g) => g,
+                Err(
+                    Error::OutOfMemory { .. } | Error::TooLarge { .. } | Error::TierDisabled { .. },
+                ) => s.put_group(&gname, Group::Grad, grad_dtype, &info.shape, &zeros)?,
+                Err(e) => return Err(e),
+            };
+        let mut st =
+            ParamState { param: id, dtype: info.dtype, elems, grad, master: None, moments: None };
+        let r = (|| -> Result<()> {
+            if info.dtype == DType::BF16 {
+                let values: Vec<f32> = <bf16 as Element>::from_ne_bytes(&s.read(id)?)
+                    .iter()
+                    .map(|b| b.to_f32())
+                    .collect();
+                let name = format!("{}.master", info.name);
+                st.master =
+                    Some(self.put_state(&name, DType::F32, &info.shape, &f32_bytes(&values))?);
+            }
+            if self.cfg.algorithm.moments() > 0 {
+                let z = vec![0u8; elems * 4];
+                let m =
+                    self.put_state(&format!("{}.exp_avg", info.name), DType::F32, &info.shape, &z)?;
+                let v = match self.put_state(
+                    &format!("{}.exp_avg_sq", info.name),
+                    DType::F32,
+                    &info.shape,
+                    &z,
+                ) {
+                    Ok(v) => v,
+                    Err(e) => {
+                        let _ = s.remove(m);
+                        return Err(e);
+                    }
+                };
+                st.moments = Some((m, v));
+            }
+            Ok(())
+        })();
+        if let Err(e) = r {
+            for id in [Some(st.grad), st.master].into_iter().flatten() {
+                let _ = s.remove(id);
+            }
+            return Err(e);
+        }
+        Ok(st)
+    }
+
+    fn remove_state(&mut self) {
+        for st in self.params.drain(..) {
+            let ids = [Some(st.grad), st.master, st.moments.map(|m| m.0), st.moments.map(|m| m.1)];
+            for id in ids.into_iter().flatten() {
+                let _ = self.store.remove(id);
+            }
+        }
+    }
+
+    /// The engine in use (what `Auto` resolved to).
+    pub fn engine(&self) -> Engine {
+        self.engine
+    }
+
+    /// `Auto`'s decision and its estimates; `None` when an engine was named.
+    pub fn choice(&self) -> Option<&AutoChoice> {
+        self.choice.as_ref()
+    }
+
+    /// Parameters.
+    pub fn len(&self) -> usize {
+        self.params.len()
+    }
+
+    /// No parameters.
+    pub fn is_empty(&self) -> bool {
+        self.params.is_empty()
+    }
+
+    /// Steps completed ([`Optimizer::finish`] calls).
+    pub fn steps(&self) -> u64 {
+        self.t
+    }
+
+    /// The gradient tensor of parameter `i` (in the order given to `new`): accumulate into it
+    /// on the optimizer's stream, for example with [`Linalg::accumulate`](crate::linalg::Linalg::accumulate)
+    /// on a [`Store::device_view_for_overwrite`] (first micro-batch) or
+    /// [`Store::device_view`] (later ones) view.
+    ///
+    /// # Panics
+    /// If `i` is out of range.
+    pub fn grad(&self, i: usize) -> TensorId {
+        self.params[i].grad
+    }
+
+    /// Every optimizer-state tensor (masters and moments), for accounting.
+    pub fn state_tensors(&self) -> Vec<TensorId> {
+        self.params
+            .iter()
+            .flat_map(|st| [st.master, st.moments.map(|m| m.0), st.moments.map(|m| m.1)])
+            .flatten()
+            .collect()
+    }
+
+    /// Updates parameter `i` from its gradient, which must be complete (every view of it
+    /// dropped). Cpu: queues the update (it runs once the gradient has reached host memory);
+    /// GPU engines: issues the kernel on the optimizer's stream. The parameter's compute copy
+    /// is refreshed. Call [`Optimizer::finish`] once every parameter of the step was updated.
+    pub fn update(&mut self, i: usize) -> Result<()> {
+        let st = *self
+            .params
+            .get(i)
+            .ok_or_else(|| Error::InvalidArgument(format!("no parameter {i} in this optimizer")))?;
+        let t = self.t + 1;
+        match self.engine {
+            Engine::Cpu => {
+                // Start the write-back of a gradient made on the device now.
+                self.store.release(&[st.grad])?;
+                let w = self.worker.as_mut().expect("Cpu engine has a worker");
+                w.tx.as_ref().expect("open").send(CpuJob { st, t }).map_err(|_| {
+                    Error::InvalidArgument("the optimizer's worker thread has stopped".into())
+                })?;
+                w.pending += 1;
+                Ok(())
+            }
+            _ => self.gpu_update(&st, t),
+        }
+    }
+
+    /// Ends the step: waits for queued updates (Cpu) and returns the first error.
+    pub fn finish(&mut self) -> Result<()> {
+        let mut first = None;
+        if let Some(w) = self.worker.as_mut() {
+            while w.pending > 0 {
+                let r = w.done.recv().unwrap_or_else(|_| {
+                    Err(Error::InvalidArgument("the optimizer's worker thread has stopped".into()))
+                });
+                w.pending -= 1;
+                if let (Err(e), None) = (r, &first) {
+                    first = Some(e);
+                }
+            }
+        }
+        if let Some(e) = first {
+            return Err(e);
+        }
+        self.t += 1;
+        Ok(())
+    }
+
+    fn gpu_update(&self, st: &ParamState, t: u64) -> Result<()> {
+        let s = &self.store;
+        let stream = &self.stream;
+        let state_view = |id: TensorId| -> Result<DeviceView> {
+            match self.engine {
+                Engine::GpuMapped => s.mapped_view(id, stream).map(|v| v.into_inner()),
+                _ => s.device_view(id, stream),
+            }
+        };
+        let grad = s.device_view(st.grad, stream)?;
+        let mut p = match st.master {
+            Some(m) => state_view(m)?,
+            None => s.device_view(st.param, stream)?,
+        };
+        let mut out = match st.master {
+            Some(_) => Some(s.device_view(st.param, stream)?),
+            None => None,
+        };
+        let mut mv = match st.moments {
+            Some((m, v)) => Some((state_view(m)?, state_view(v)?)),
+            None => None,
+        };
+        p.mark_dirty();
+        if let Some(o) = out.as_mut() {
+            o.mark_dirty();
+        }
+        if let Some((m, v)) = mv.as_mut() {
+            m.mark_dirty();
+            v.mark_dirty();
+        }
+        match &self.gpu {
+            Some(k) => self.launch(k, st, t, &grad, &p, out.as_ref(), mv.as_ref()),
+            None => self.emulate(st, t, &grad, &mut p, out.as_mut(), mv.as_mut()),
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn launch(
+        &self,
+        k: &GpuKernels,
+        st: &ParamState,
+        t: u64,
+        grad: &DeviceView,
+        p: &DeviceView,
+        out: Option<&DeviceView>,
+        mv: Option<&(DeviceView, DeviceView)>,
+    ) -> Result<()> {
+        let cs =
+            self.stream.cuda().ok_or_else(|| Error::BackendMismatch("no CUDA stream".into()))?;
+        let n = st.elems as u64;
+        let grad_bf16 = i32::from(grad.dtype() == DType::BF16);
+        let (gp, pp) = (grad.device_ptr(), p.device_ptr());
+        let op = out.map_or(0u64, DeviceView::device_ptr);
+        let blocks = n.div_ceil(256).clamp(1, 132 * 16) as u32;
+        let cfg =
+            LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        match (&self.cfg.algorithm, mv) {
+            (Algorithm::AdamW(h), Some((m, v))) => {
+                let a = AdamScalars::new(h, t);
+                let (mp, vp) = (m.device_ptr(), v.device_ptr());
+                let mut b = cs.launch_builder(&k.adamw);
+                b.arg(&pp).arg(&mp).arg(&vp).arg(&gp).arg(&grad_bf16).arg(&op).arg(&n);
+                b.arg(&a.decay).arg(&a.one_minus_b1).arg(&a.b2).arg(&a.one_minus_b2);
+                b.arg(&a.step_size).arg(&a.bc2_sqrt).arg(&a.eps);
+                // SAFETY: the pointers are device addresses of views held until after the
+                // launch is issued (their drop records the stream's event, so the memory stays
+                // until the kernel has run): p, m, v are `n` f32s, grad `n` f32s or bf16s (as
+                // `grad_bf16` says), out `n` bf16s or null. The argument list matches
+                // `strata_adamw`'s signature.
+                unsafe { b.launch(cfg) }.map_err(|e| Error::cuda("cuLaunchKernel", e))?;
+            }
+            (Algorithm::Sgd(h), _) => {
+                let mut b = cs.launch_builder(&k.sgd);
+                b.arg(&pp)
+                    .arg(&gp)
+                    .arg(&grad_bf16)
+                    .arg(&op)
+                    .arg(&n)
+                    .arg(&h.lr)
+                    .arg(&h.weight_decay);
+                // SAFETY: as for AdamW: p `n` f32s, grad `n` f32s or bf16s, out `n` bf16s or
+                // null, all held by live views; matches `strata_sgd`'s signature.
+                unsafe { b.launch(cfg) }.map_err(|e| Error::cuda("cuLaunchKernel", e))?;
+            }
+            (Algorithm::AdamW(_), None) => unreachable!("AdamW state has moments"),
+        }
+        Ok(())
+    }
+
+    /// The GPU engines on the host backend: the same arithmetic over the views' bytes.
+    fn emulate(
+        &self,
+        st: &ParamState,
+        t: u64,
+        grad: &DeviceView,
+        p: &mut DeviceView,
+        out: Option<&mut DeviceView>,
+        mv: Option<&mut (DeviceView, DeviceView)>,
+    ) -> Result<()> {
+        let f32s = |b: &[u8]| <f32 as Element>::from_ne_bytes(b);
+        let g_f32;
+        let g_bf16;
+        let g = if grad.dtype() == DType::F32 {
+            g_f32 = grad.with_host_bytes(f32s)?;
+            GradSlice::F32(&g_f32)
+        } else {
+            g_bf16 = grad.with_host_bytes(<bf16 as Element>::from_ne_bytes)?;
+            GradSlice::Bf16(&g_bf16)
+        };
+        let mut pv = p.with_host_bytes(f32s)?;
+        let (mut m, mut v) = match &mv {
+            Some((m, v)) => (m.with_host_bytes(f32s)?, v.with_host_bytes(f32s)?),
+            None => (Vec::new(), Vec::new()),
+        };
+        let mut o = out.as_ref().map(|_| vec![bf16::ZERO; st.elems]);
+        cpu_update(&self.cfg.algorithm, t, 1, &mut pv, &mut m, &mut v, g, o.as_deref_mut())?;
+        p.with_host_bytes_mut(|b| f32::write_ne_bytes(&pv, b))?;
+        if let Some((mview, vview)) = mv {
+            mview.with_host_bytes_mut(|b| f32::write_ne_bytes(&m, b))?;
+            vview.with_host_bytes_mut(|b| f32::write_ne_bytes(&v, b))?;
+        }
+        if let (Some(view), Some(o)) = (out, o) {
+            view.with_host_bytes_mut(|b| bf16::write_ne_bytes(&o, b))?;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Optimizer {
+    fn drop(&mut self) {
+        if let Some(mut w) = self.worker.take() {
+            w.tx.take();
+            if let Some(h) = w.handle.take() {
+                let _ = h.join();
+            }
+        }
+    }
+}
+
+fn spawn_worker(store: Arc<Store>, alg: Algorithm, threads: usize) -> CpuWorker {
+    let (tx, rx) = unbounded::<CpuJob>();
+    let (done_tx, done) = unbounded();
+    let handle = std::thread::Builder::new()
+        .name("strata-optim".into())
+        .spawn(move || {
+            for job in rx {
+                let r = cpu_job(&store, &alg, threads, &job);
+                if done_tx.send(r).is_err() {
+                    break;
+                }
+            }
+        })
+        .ok();
+    CpuWorker { tx: Some(tx), done, pending: 0, handle }
+}
+
+/// A tensor's values for the CPU: in place through a host view, or (state on disk) read out
+/// and written back.
+enum Slot {
+    View(HostView),
+    F32(TensorId, Vec<f32>),
+    Bf16(TensorId, Vec<bf16>),
+}
+
+impl Slot {
+    fn open(store: &Store, id: TensorId, dtype: DType) -> Result<Slot> {
+        // The caller's views and scopes of the tensor end moments after it queued the update.
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            match store.host_view(id) {
+                Ok(v) => return Ok(Slot::View(v)),
+                Err(Error::Busy { .. }) if Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_micros(50));
+                }
+                Err(Error::NotInTier { .. }) => break,
+                Err(e) => return Err(e),
+            }
+        }
+        let bytes = store.read_in_place(id)?;
+        Ok(match dtype {
+            DType::F32 => Slot::F32(id, <f32 as Element>::from_ne_bytes(&bytes)),
+            _ => Slot::Bf16(id, <bf16 as Element>::from_ne_bytes(&bytes)),
+        })
+    }
+
+    fn f32s(&mut self) -> Result<&mut [f32]> {
+        match self {
+            Slot::View(v) => {
+                let id = v.id();
+                v.f32s_mut().ok_or_else(|| dtype_err(id))
+            }
+            Slot::F32(_, v) => Ok(v),
+            Slot::Bf16(id, _) => Err(dtype_err(*id)),
+        }
+    }
+
+    fn bf16s(&mut self) -> Result<&mut [bf16]> {
+        match self {
+            Slot::View(v) => {
+                let id = v.id();
+                v.bf16s_mut().ok_or_else(|| dtype_err(id))
+            }
+            Slot::Bf16(_, v) => Ok(v),
+            Slot::F32(id, _) => Err(dtype_err(*id)),
+        }
+    }
+
+    fn grad(&self) -> Result<GradSlice<'_>> {
+        Ok(match self {
+            Slot::View(v) => match (v.f32s(), v.bf16s()) {
+                (Some(f), _) => GradSlice::F32(f),
+                (_, Some(b)) => GradSlice::Bf16(b),
+                _ => return Err(dtype_err(v.id())),
+            },
+            Slot::F32(_, v) => GradSlice::F32(v),
+            Slot::Bf16(_, v) => GradSlice::Bf16(v),
+        })
+    }
+
+    /// Writes values read out back into the store (views wrote in place).
+    fn close(self, store: &Store) -> Result<()> {
+        match self {
+            Slot::View(_) => Ok(()),
+            Slot::F32(id, v) => store.write(id, &f32_bytes(&v)),
+            Slot::Bf16(id, v) => {
+                let mut b = vec![0u8; v.len() * 2];
+                bf16::write_ne_bytes(&v, &mut b);
+                store.write(id, &b)
+            }
+        }
+    }
+}
+
+fn dtype_err(id: TensorId) -> Error {
+    Error::InvalidArgument(format!("optimizer tensor {id:?} has an unexpected dtype"))
+}
+
+fn cpu_job(store: &Store, alg: &Algorithm, threads: usize, job: &CpuJob) -> Result<()> {
+    let st = &job.st;
+    let grad = Slot::open(store, st.grad, store.info(st.grad)?.dtype)?;
+    let mut p = Slot::open(store, st.master.unwrap_or(st.param), DType::F32)?;
+    let mut mv = match st.moments {
+        Some((m, v)) => {
+            Some((Slot::open(store, m, DType::F32)?, Slot::open(store, v, DType::F32)?))
+        }
+        None => None,
+    };
+    let mut out = match st.master {
+        Some(_) => Some(Slot::open(store, st.param, st.dtype)?),
+        None => None,
+    };
+    {
+        let g = grad.grad()?;
+        let (m, v): (&mut [f32], &mut [f32]) = match mv.as_mut() {
+            Some((m, v)) => (m.f32s()?, v.f32s()?),
+            None => (&mut [], &mut []),
+        };
+        let o = match out.as_mut() {
+            Some(o) => Some(o.bf16s()?),
+            None => None,
+        };
+        cpu_update(alg, job.t, threads, p.f32s()?, m, v, g, o)?;
+    }
+    drop(grad);
+    p.close(store)?;
+    if let Some((m, v)) = mv {
+        m.close(store)?;
+        v.close(store)?;
+    }
+    if let Some(o) = out {
+        o.close(store)?;
+    }
+    Ok(())
+}
+
+/// The bytes an update must read and write per step, for bandwidth bounds: state read and
+/// written, gradient read, compute copy written.
+pub fn update_bytes(alg: &Algorithm, elems: u64, param: DType, grad: DType) -> u64 {
+    let (s, g, p) = per_elem(alg, param, grad);
+    let written_copy = if param == DType::F32 { 0 } else { p };
+    elems * (2 * s + g + written_copy)
+}
