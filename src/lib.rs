@@ -49,6 +49,7 @@ pub mod policy;
 mod stats;
 mod store;
 mod trace;
+pub mod train;
 mod types;
 mod view;
 

@@ -30,13 +30,18 @@ enum Cmd {
     /// own moves beside the raw figures), swept over sizes: prints a table of GB/s and writes
     /// CSV, JSON and an SVG plot on request. Without a GPU: the host and disk paths only.
     Bench(BenchArgs),
-    /// Trains (or runs forward) an MLP of L square bf16 linear layers whose weights live in a
-    /// store with a device budget smaller than the model, with cuBLAS GEMMs and a layer scope
-    /// around each layer, and reports each step against the compute and PCIe floors of the same
-    /// run. Flags: --layers L --hidden H --rows R --device-budget SIZE --mode forward|train
-    /// --hints on|off --ahead K --prefetch-budget SIZE --policy frequency|lru|schedule --steps N --lr F --seed S
-    /// --weights-in pinned|disk --compare on|off --host. A quick check without a GPU:
-    /// `strata train-demo --layers 4 --hidden 64 --rows 8 --device-budget 24KiB --mode train`.
+    /// Out-of-core training and inference of an MLP whose state lives in a store with a device
+    /// budget smaller than the model. `--mode train`: relu MLP with a squared-error loss, SGD or
+    /// AdamW with fp32 master weights and moments in the store, on the cpu, gpu-mapped,
+    /// gpu-resident or auto engine (or all), activations kept, offloaded or recomputed, inputs
+    /// from safetensors files: flags --layers L --hidden H --rows R --steps N --lr X
+    /// --optimizer sgd|adamw --engine E|all --accumulate N --dtype f32|bf16
+    /// --activations keep|offload|recompute --checkpoint-every K --init FILE --data FILE
+    /// --save FILE --device-budget SIZE --pinned-budget SIZE --mapped-budget SIZE --host.
+    /// `--mode forward` (default) and `--mode train --optimizer device-sgd`: the bf16 benchmark
+    /// loop (flags --hints on|off --ahead K --prefetch-budget SIZE --weights-in pinned|disk ...).
+    /// Quick checks without a GPU: `strata train-demo --mode train --layers 4 --hidden 64
+    /// --rows 8 --device-budget 64KiB --host`.
     TrainDemo {
         /// The flags above.
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
@@ -296,12 +301,13 @@ fn demo(a: DemoArgs) -> Result<(), Box<dyn std::error::Error>> {
 }
 
 fn train_demo(args: &[String]) -> Result<(), Box<dyn std::error::Error>> {
-    let cfg = strata::mlp::MlpConfig::parse(args)?;
     println!("strata train-demo");
-    let report = strata::mlp::run(&cfg, |line| println!("{line}"))?;
-    println!("{report}");
-    if report.matches_resident == Some(false) {
-        return Err("the out-of-core run differs from the all-resident run".into());
+    let outcome = strata::train::dispatch(args, |line| println!("{line}"))?;
+    println!("{outcome}");
+    if let strata::train::Outcome::Mlp(r) = &outcome {
+        if r.matches_resident == Some(false) {
+            return Err("the out-of-core run differs from the all-resident run".into());
+        }
     }
     Ok(())
 }
@@ -314,7 +320,12 @@ fn inspect(a: InspectArgs) -> Result<(), Box<dyn std::error::Error>> {
     println!();
     print!("{}", strata::plan::totals(&tensors));
     println!();
-    let cfg = PlanConfig { budgets: a.budgets.array(), optimizer: a.optimizer, train: a.train };
+    let cfg = PlanConfig {
+        budgets: a.budgets.array(),
+        optimizer: a.optimizer,
+        train: a.train,
+        fp32_grads: false,
+    };
     let plan = strata::plan::plan(&tensors, &cfg);
     print!("{plan}");
     if !a.train && a.optimizer != Optimizer::None {

@@ -14,6 +14,7 @@
 //!     budgets: [4 << 20, 64 << 20, 0, 1 << 30],
 //!     optimizer: Optimizer::Adam,
 //!     train: true,
+//!     fp32_grads: false,
 //! };
 //! let p = plan(&tensors, &cfg);
 //! // Parameters (2 MiB) and gradients (2 MiB) fill the device; the optimizer state (two fp32
@@ -32,11 +33,13 @@
 //! ## The accounting
 //! - **parameters**: every tensor of the file, in its own dtype.
 //! - **gradients** (with `train`): the bytes of the floating-point parameters (f64, f32, f16,
-//!   bf16); integer and bool tensors (indices, masks, counters) are not trained.
+//!   bf16), or 4 bytes per element with `fp32_grads` (accumulation over micro-batches);
+//!   integer and bool tensors (indices, masks, counters) are not trained.
 //! - **optimizer state** (with `train`), per element of the floating-point parameters: SGD with
-//!   momentum keeps one fp32 buffer (4 bytes), Adam two fp32 moments (8 bytes); with 16-bit
-//!   parameters (f16, bf16) either optimizer also keeps fp32 master weights (4 bytes: mixed
-//!   precision). `none` keeps nothing (gradients only: no optimizer step).
+//!   momentum keeps one fp32 buffer (4 bytes), Adam two fp32 moments (8 bytes), `sgd-plain`
+//!   (no momentum, as `strata::optim`'s SGD) none; with 16-bit parameters (f16, bf16) each of
+//!   them also keeps fp32 master weights (4 bytes: mixed precision). `none` keeps nothing
+//!   (gradients only: no optimizer step).
 //!
 //! ## The placement
 //! The device is filled first, with parameters, then gradients, then optimizer state; then
@@ -152,6 +155,9 @@ pub enum Optimizer {
     Sgd,
     /// Adam: two fp32 moments per element.
     Adam,
+    /// SGD without momentum (`strata::optim`'s SGD): no moments, but fp32 master weights for
+    /// 16-bit parameters.
+    PlainSgd,
 }
 
 impl Optimizer {
@@ -161,13 +167,14 @@ impl Optimizer {
             Optimizer::None => "none",
             Optimizer::Sgd => "sgd",
             Optimizer::Adam => "adam",
+            Optimizer::PlainSgd => "sgd-plain",
         }
     }
 
     /// Bytes of state per trained element, master weights not included.
     pub fn moment_bytes(self) -> u64 {
         match self {
-            Optimizer::None => 0,
+            Optimizer::None | Optimizer::PlainSgd => 0,
             Optimizer::Sgd => 4,
             Optimizer::Adam => 8,
         }
@@ -183,11 +190,13 @@ impl fmt::Display for Optimizer {
 impl std::str::FromStr for Optimizer {
     type Err = Error;
     fn from_str(s: &str) -> Result<Optimizer> {
-        [Optimizer::None, Optimizer::Sgd, Optimizer::Adam]
+        [Optimizer::None, Optimizer::Sgd, Optimizer::Adam, Optimizer::PlainSgd]
             .into_iter()
             .find(|o| o.name().eq_ignore_ascii_case(s.trim()))
             .ok_or_else(|| {
-                Error::InvalidArgument(format!("unknown optimizer {s:?} (none, sgd or adam)"))
+                Error::InvalidArgument(format!(
+                    "unknown optimizer {s:?} (none, sgd, adam or sgd-plain)"
+                ))
             })
     }
 }
@@ -201,6 +210,9 @@ pub struct PlanConfig {
     pub optimizer: Optimizer,
     /// Training (gradients and optimizer state) rather than forward passes only.
     pub train: bool,
+    /// Gradients kept in fp32 (4 bytes per element, for accumulation over micro-batches)
+    /// rather than in the parameter's dtype.
+    pub fp32_grads: bool,
 }
 
 /// A group of bytes the plan places.
@@ -285,7 +297,11 @@ pub fn plan(tensors: &[TensorEntry], config: &PlanConfig) -> MemoryPlan {
         tensors.iter().map(|t| t.bytes).collect(),
         tensors
             .iter()
-            .map(|t| if config.train && t.is_trainable() { t.bytes } else { 0 })
+            .map(|t| match (config.train && t.is_trainable(), config.fp32_grads) {
+                (false, _) => 0,
+                (true, false) => t.bytes,
+                (true, true) => t.elements().saturating_mul(4),
+            })
             .collect(),
         tensors.iter().map(|t| state_bytes(t, config)).collect(),
     ];
@@ -829,7 +845,7 @@ mod tests {
     use super::*;
 
     fn cfg(budgets: [u64; 4], optimizer: Optimizer, train: bool) -> PlanConfig {
-        PlanConfig { budgets, optimizer, train }
+        PlanConfig { budgets, optimizer, train, fp32_grads: false }
     }
 
     fn t(name: &str, dtype: DType, shape: &[usize]) -> TensorEntry {

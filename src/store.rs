@@ -1302,7 +1302,13 @@ impl State {
 
     /// Whether `e`'s replica in `t` may be demoted or dropped now by an allocation of `level`.
     fn evictable(e: &Entry, t: Tier, level: Level) -> bool {
-        e.held() == 0
+        // Views of a slower replica (the CPU or a zero-copy kernel using it) leave the device
+        // copy free to go: it is clean, since the viewed replica exists.
+        let lent_elsewhere = t == Tier::Device
+            && e.pins == 0
+            && e.scopes == 0
+            && e.view_tier.is_some_and(|vt| vt != Tier::Device);
+        (e.held() == 0 || lent_elsewhere)
             && e.filling().is_none()
             && e.replicas[t.index()].is_some()
             && match (t, e.prefetched) {
@@ -1565,6 +1571,8 @@ impl State {
     /// those copies filled), so it is enough that this stream waits, before its next copy, for
     /// what still touches the memory: the views' last work and copies reading the replica.
     fn retire_device(&mut self, id: TensorId) {
+        // A prefetched copy going away no longer counts against the prefetch budget.
+        self.consume_prefetch(id);
         let Some(e) = self.entries.get(&id) else { return };
         let mut waits: Vec<RawEvent> =
             e.last_use.iter().filter(|ev| !ev.is_complete()).cloned().collect();

@@ -829,6 +829,40 @@ impl Optimizer {
         self.params[i].grad
     }
 
+    /// The fp32 master weights of parameter `i`; `None` for an f32 parameter (its own master)
+    /// or an index out of range.
+    pub fn master(&self, i: usize) -> Option<TensorId> {
+        self.params.get(i).and_then(|st| st.master)
+    }
+
+    /// Sets parameter `i`'s fp32 master weights to `values` (for example the f32 values a
+    /// bf16 model was initialised from, which its bf16 copy only approximates) and the
+    /// parameter to their bf16 rounding. For an f32 parameter, sets the parameter.
+    pub fn load_master(&mut self, i: usize, values: &[f32]) -> Result<()> {
+        let st = *self
+            .params
+            .get(i)
+            .ok_or_else(|| Error::InvalidArgument(format!("no parameter {i} in this optimizer")))?;
+        if values.len() != st.elems {
+            return Err(Error::LengthMismatch {
+                expected: st.elems as u64 * 4,
+                got: values.len() as u64 * 4,
+                what: "master weights".into(),
+            });
+        }
+        match st.master {
+            Some(m) => {
+                self.store.write(m, &f32_bytes(values))?;
+                let rounded: Vec<bf16> =
+                    values.iter().map(|&x| <bf16 as Element>::from_f32(x)).collect();
+                let mut b = vec![0u8; st.elems * 2];
+                bf16::write_ne_bytes(&rounded, &mut b);
+                self.store.write(st.param, &b)
+            }
+            None => self.store.write(st.param, &f32_bytes(values)),
+        }
+    }
+
     /// Every optimizer-state tensor (masters and moments), for accounting.
     pub fn state_tensors(&self) -> Vec<TensorId> {
         self.params

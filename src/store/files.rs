@@ -328,17 +328,30 @@ impl Store {
     /// temporary name, flushed to disk, then renamed over `path`. The result loads with the
     /// Python `safetensors` package and with the Rust crate. One tensor is in memory at a time.
     pub fn save_safetensors(&self, path: impl AsRef<Path>, ids: &[TensorId]) -> Result<()> {
+        let named =
+            ids.iter().map(|&id| Ok((id, self.info(id)?.name))).collect::<Result<Vec<_>>>()?;
+        self.save_safetensors_as(path, &named)
+    }
+
+    /// [`Store::save_safetensors`] under names of the caller's choosing: `(tensor, name in the
+    /// file)` pairs (to save fp32 master weights under their parameters' names, for example).
+    pub fn save_safetensors_as(
+        &self,
+        path: impl AsRef<Path>,
+        tensors: &[(TensorId, String)],
+    ) -> Result<()> {
         let path = path.as_ref();
         let failed = RefCell::new(None);
-        let mut views = Vec::with_capacity(ids.len());
+        let mut views = Vec::with_capacity(tensors.len());
         let mut names = std::collections::HashSet::new();
-        for &id in ids {
+        for (id, name) in tensors {
+            let id = *id;
             let info = self.info(id)?;
-            if !names.insert(info.name.clone()) {
-                return Err(Error::DuplicateName(info.name));
+            if !names.insert(name.clone()) {
+                return Err(Error::DuplicateName(name.clone()));
             }
             views.push((
-                info.name,
+                name.clone(),
                 Lazy {
                     store: self,
                     id,

@@ -222,6 +222,11 @@ impl State {
         }
         let e = self.entry(id)?;
         let bytes = e.bytes;
+        if e.views > 0 && e.view_tier != Some(Tier::Device) {
+            // Lent to the CPU or to zero-copy kernels, which may be writing it: a copy now
+            // would be stale.
+            return Ok(Outcome::Skipped);
+        }
         if e.replicas[Tier::Device.index()].is_some() {
             // Resident or on its way: protect it until used, as a prefetch would.
             let e = self.entries.get_mut(&id).expect("checked");

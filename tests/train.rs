@@ -1,0 +1,369 @@
+//! strata::train on the host backend: the loop against a plain reference written here, gradient
+//! accumulation, the three activation modes, the three optimizer engines, and bad input files.
+
+use std::path::{Path, PathBuf};
+
+use safetensors::tensor::TensorView;
+use safetensors::Dtype;
+use strata::train::{load_init, run, Outcome, TrainConfig};
+use strata::Error;
+
+fn write_file(path: &Path, tensors: &[(&str, Dtype, Vec<usize>, Vec<u8>)]) {
+    let views: Vec<(String, TensorView<'_>)> = tensors
+        .iter()
+        .map(|(n, d, s, b)| (n.to_string(), TensorView::new(*d, s.clone(), b).unwrap()))
+        .collect();
+    safetensors::serialize_to_file(views, None, path).unwrap();
+}
+
+fn le(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+/// Seeded values in [-a, a].
+fn values(seed: u64, n: usize, a: f32) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            ((s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * a
+        })
+        .collect()
+}
+
+struct Files {
+    _dir: tempfile::TempDir,
+    init: PathBuf,
+    data: PathBuf,
+    dir: PathBuf,
+}
+
+const L: usize = 3;
+const H: usize = 8;
+const R: usize = 8;
+
+fn files() -> Files {
+    let dir = tempfile::tempdir().unwrap();
+    let init = dir.path().join("init.safetensors");
+    let data = dir.path().join("data.safetensors");
+    let ws: Vec<(String, Vec<f32>)> =
+        (0..L).map(|i| (format!("layers.{i}.weight"), values(1 + i as u64, H * H, 0.6))).collect();
+    let t: Vec<(&str, Dtype, Vec<usize>, Vec<u8>)> =
+        ws.iter().map(|(n, w)| (n.as_str(), Dtype::F32, vec![H, H], le(w))).collect();
+    write_file(&init, &t);
+    write_file(
+        &data,
+        &[
+            ("x", Dtype::F32, vec![R, H], le(&values(100, R * H, 1.0))),
+            ("y", Dtype::F32, vec![R, H], le(&values(200, R * H, 1.0))),
+        ],
+    );
+    let p = dir.path().to_path_buf();
+    Files { _dir: dir, init, data, dir: p }
+}
+
+fn train(f: &Files, extra: &[&str], out: &str) -> Vec<Vec<f32>> {
+    let save = f.dir.join(out);
+    let mut args: Vec<String> = [
+        "--init",
+        f.init.to_str().unwrap(),
+        "--data",
+        f.data.to_str().unwrap(),
+        "--steps",
+        "4",
+        "--device-budget",
+        "64KiB",
+        "--host",
+        "--compare",
+        "off",
+        "--save",
+        save.to_str().unwrap(),
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    args.extend(extra.iter().map(|s| s.to_string()));
+    let cfg = TrainConfig::parse(&args).unwrap();
+    let report = run(&cfg, |_| {}).unwrap();
+    assert_eq!(report.losses.len(), 4);
+    load_init(&save).unwrap().1
+}
+
+/// The model and optimizers of the contract, written out plainly: f32 everywhere, sums in
+/// index order (as the host backend's GEMMs).
+fn reference(f: &Files, adamw: bool, lr: f32, steps: usize) -> Vec<Vec<f32>> {
+    let (_, mut w) = load_init(&f.init).unwrap();
+    let x = values(100, R * H, 1.0);
+    let y = values(200, R * H, 1.0);
+    let mut m = vec![vec![0f32; H * H]; L];
+    let mut v = vec![vec![0f32; H * H]; L];
+    // z = a · Wᵀ
+    let lin = |a: &[f32], w: &[f32]| -> Vec<f32> {
+        let mut z = vec![0f32; R * H];
+        for r in 0..R {
+            for o in 0..H {
+                let mut acc = 0f32;
+                for i in 0..H {
+                    acc += a[r * H + i] * w[o * H + i];
+                }
+                z[r * H + o] = acc;
+            }
+        }
+        z
+    };
+    for t in 1..=steps {
+        let mut acts = vec![x.clone()];
+        for (l, wl) in w.iter().enumerate() {
+            let mut z = lin(acts.last().unwrap(), wl);
+            if l + 1 < L {
+                for e in &mut z {
+                    if *e <= 0.0 {
+                        *e = 0.0;
+                    }
+                }
+            }
+            acts.push(z);
+        }
+        let out = acts.pop().unwrap();
+        let mut g: Vec<f32> = out.iter().zip(&y).map(|(o, y)| (o - y) * (1.0 / R as f32)).collect();
+        for l in (0..L).rev() {
+            let a = &acts[l];
+            // dW[o][i] = Σ_r g[r][o] a[r][i]
+            let mut dw = vec![0f32; H * H];
+            for o in 0..H {
+                for i in 0..H {
+                    let mut acc = 0f32;
+                    for r in 0..R {
+                        acc += g[r * H + o] * a[r * H + i];
+                    }
+                    dw[o * H + i] = acc;
+                }
+            }
+            if l > 0 {
+                // da[r][i] = Σ_o g[r][o] W[o][i], through the relu whose output is a
+                let mut da = vec![0f32; R * H];
+                for r in 0..R {
+                    for i in 0..H {
+                        let mut acc = 0f32;
+                        for o in 0..H {
+                            acc += g[r * H + o] * w[l][o * H + i];
+                        }
+                        da[r * H + i] = if a[r * H + i] > 0.0 { acc } else { 0.0 };
+                    }
+                }
+                g = da;
+            }
+            let p = &mut w[l];
+            if adamw {
+                let (b1, b2, eps) = (0.9f64, 0.999f64, 1e-8f32);
+                let bc1 = 1.0 - b1.powi(t as i32);
+                let bc2 = (1.0 - b2.powi(t as i32)).sqrt() as f32;
+                let step = (lr as f64 / bc1) as f32;
+                for k in 0..H * H {
+                    m[l][k] += 0.1 * (dw[k] - m[l][k]);
+                    v[l][k] = v[l][k] * 0.999 + (1.0 - 0.999f64) as f32 * dw[k] * dw[k];
+                    p[k] -= step * (m[l][k] / (v[l][k].sqrt() / bc2 + eps));
+                }
+            } else {
+                for k in 0..H * H {
+                    p[k] -= lr * dw[k];
+                }
+            }
+        }
+    }
+    w
+}
+
+fn assert_close(got: &[Vec<f32>], want: &[Vec<f32>], tol: f32, what: &str) {
+    for (l, (g, w)) in got.iter().zip(want).enumerate() {
+        for (k, (a, b)) in g.iter().zip(w).enumerate() {
+            assert!(
+                (a - b).abs() <= tol * b.abs().max(1e-2),
+                "{what}: layer {l} element {k}: {a} vs {b}"
+            );
+        }
+    }
+}
+
+#[test]
+fn sgd_and_adamw_match_a_plain_reference() {
+    let f = files();
+    for (opt, adamw, lr) in [("sgd", false, "0.05"), ("adamw", true, "0.01")] {
+        let got = train(&f, &["--optimizer", opt, "--lr", lr], &format!("{opt}.safetensors"));
+        let want = reference(&f, adamw, lr.parse().unwrap(), 4);
+        assert_close(&got, &want, 1e-5, opt);
+    }
+}
+
+#[test]
+fn activation_modes_and_engines_give_the_same_weights() {
+    let f = files();
+    let keep = train(&f, &["--activations", "keep", "--engine", "cpu"], "keep.safetensors");
+    for (extra, name) in [
+        (&["--activations", "offload", "--engine", "cpu"][..], "offload"),
+        (
+            &["--activations", "recompute", "--checkpoint-every", "2", "--engine", "cpu"][..],
+            "recompute2",
+        ),
+        (
+            &["--activations", "recompute", "--checkpoint-every", "1", "--engine", "cpu"][..],
+            "recompute1",
+        ),
+        (&["--activations", "offload", "--engine", "gpu-mapped"][..], "mapped"),
+        (
+            &["--activations", "keep", "--engine", "gpu-resident", "--device-budget", "1MiB"][..],
+            "resident",
+        ),
+        (&["--activations", "keep", "--engine", "cpu", "--threads", "3"][..], "threads"),
+        (&["--activations", "offload", "--engine", "cpu", "--pinned-budget", "8KiB"][..], "disk"),
+    ] {
+        let got = train(&f, extra, &format!("{name}.safetensors"));
+        assert_eq!(got, keep, "{name} gives the same bits as keep");
+    }
+}
+
+#[test]
+fn four_micro_batches_equal_one_batch() {
+    let f = files();
+    for opt in ["sgd", "adamw"] {
+        let one = train(&f, &["--optimizer", opt], &format!("one-{opt}.safetensors"));
+        let four = train(
+            &f,
+            &["--optimizer", opt, "--accumulate", "4"],
+            &format!("four-{opt}.safetensors"),
+        );
+        assert_close(&four, &one, 1e-5, opt);
+    }
+}
+
+#[test]
+fn bf16_compute_trains_and_saves_f32_masters() {
+    let f = files();
+    let got =
+        train(&f, &["--dtype", "bf16", "--optimizer", "sgd", "--lr", "0.05"], "bf16.safetensors");
+    let want = reference(&f, false, 0.05, 4);
+    // bf16 GEMM inputs: close to the f32 run, not equal.
+    assert_close(&got, &want, 5e-2, "bf16");
+    assert_ne!(got, want);
+}
+
+fn expect_bad(args: &[&str], tensor: Option<&str>) {
+    let cfg = TrainConfig::parse(args).unwrap();
+    match run(&cfg, |_| {}) {
+        Err(Error::BadFile { tensor: t, .. }) => assert_eq!(t.as_deref(), tensor, "{args:?}"),
+        other => panic!("{args:?}: want BadFile naming {tensor:?}, got {other:?}"),
+    }
+}
+
+#[test]
+fn bad_inputs_are_typed_errors_naming_the_tensor() {
+    let f = files();
+    let p = |n: &str| f.dir.join(n);
+    let w = le(&values(1, H * H, 0.5));
+    // Layers 0 and 2: layer 1 is missing.
+    write_file(
+        &p("gap.safetensors"),
+        &[
+            ("layers.0.weight", Dtype::F32, vec![H, H], w.clone()),
+            ("layers.2.weight", Dtype::F32, vec![H, H], w.clone()),
+        ],
+    );
+    let shape = le(&values(1, H * (H + 1), 0.5));
+    write_file(
+        &p("shape.safetensors"),
+        &[
+            ("layers.0.weight", Dtype::F32, vec![H, H], w.clone()),
+            ("layers.1.weight", Dtype::F32, vec![H, H + 1], shape),
+        ],
+    );
+    write_file(&p("dtype.safetensors"), &[("layers.0.weight", Dtype::I32, vec![H, H], w.clone())]);
+    let x = le(&values(3, R * H, 1.0));
+    let y_short = le(&values(4, (R - 1) * H, 1.0));
+    write_file(
+        &p("xy.safetensors"),
+        &[("x", Dtype::F32, vec![R, H], x.clone()), ("y", Dtype::F32, vec![R - 1, H], y_short)],
+    );
+    write_file(&p("noy.safetensors"), &[("x", Dtype::F32, vec![R, H], x.clone())]);
+    let xw = le(&values(3, R * (H + 2), 1.0));
+    write_file(
+        &p("width.safetensors"),
+        &[("x", Dtype::F32, vec![R, H + 2], xw.clone()), ("y", Dtype::F32, vec![R, H + 2], xw)],
+    );
+    let s = |n: &str| p(n).to_str().unwrap().to_string();
+    let init = f.init.to_str().unwrap().to_string();
+    expect_bad(&["--init", &s("gap.safetensors"), "--host"], Some("layers.1.weight"));
+    expect_bad(&["--init", &s("shape.safetensors"), "--host"], Some("layers.1.weight"));
+    expect_bad(&["--init", &s("dtype.safetensors"), "--host"], Some("layers.0.weight"));
+    expect_bad(&["--init", &init, "--data", &s("xy.safetensors"), "--host"], Some("y"));
+    expect_bad(&["--init", &init, "--data", &s("noy.safetensors"), "--host"], Some("y"));
+    expect_bad(&["--init", &init, "--data", &s("width.safetensors"), "--host"], Some("x"));
+    // Not a safetensors file at all.
+    std::fs::write(p("junk.safetensors"), b"not a tensor file").unwrap();
+    expect_bad(&["--init", &s("junk.safetensors"), "--host"], None);
+    // A missing file is an I/O error naming the path.
+    let cfg = TrainConfig::parse(["--init", "/nonexistent/w.safetensors", "--host"]).unwrap();
+    assert!(matches!(run(&cfg, |_| {}), Err(Error::Io { .. })));
+}
+
+#[test]
+fn keep_that_cannot_fit_says_so() {
+    let cfg = TrainConfig::parse([
+        "--layers",
+        "4",
+        "--hidden",
+        "64",
+        "--rows",
+        "64",
+        "--device-budget",
+        "40KiB",
+        "--activations",
+        "keep",
+        "--host",
+        "--compare",
+        "off",
+    ])
+    .unwrap();
+    match run(&cfg, |_| {}) {
+        Err(Error::InvalidArgument(m)) => assert!(m.contains("--activations keep"), "{m}"),
+        other => panic!("want a clear error, got {other:?}"),
+    }
+    // Offload trains in the same budget.
+    let cfg = TrainConfig::parse([
+        "--layers",
+        "4",
+        "--hidden",
+        "64",
+        "--rows",
+        "64",
+        "--device-budget",
+        "64KiB",
+        "--activations",
+        "offload",
+        "--host",
+        "--compare",
+        "off",
+        "--steps",
+        "2",
+    ])
+    .unwrap();
+    run(&cfg, |_| {}).unwrap();
+}
+
+#[test]
+fn the_example_entry_point_dispatches_by_mode() {
+    let args = |s: &str| s.split_whitespace().map(str::to_string).collect::<Vec<_>>();
+    let t = strata::train::dispatch(
+        &args("--mode train --layers 2 --hidden 16 --rows 4 --steps 2 --device-budget 1MiB --host"),
+        |_| {},
+    )
+    .unwrap();
+    assert!(matches!(t, Outcome::Train(_)));
+    let m = strata::train::dispatch(
+        &args("--mode train --optimizer device-sgd --layers 2 --hidden 16 --rows 4 --steps 2 --device-budget 24KiB --host"),
+        |_| {},
+    )
+    .unwrap();
+    assert!(matches!(m, Outcome::Mlp(ref r) if r.matches_resident == Some(true)));
+}
