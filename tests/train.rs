@@ -1,6 +1,8 @@
 //! strata::train on the host backend: the loop against a plain reference written here, gradient
 //! accumulation, the three activation modes, the three optimizer engines, and bad input files.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 
 use safetensors::tensor::TensorView;
@@ -65,6 +67,10 @@ fn files() -> Files {
 }
 
 fn train(f: &Files, extra: &[&str], out: &str) -> Vec<Vec<f32>> {
+    train_on(common::Backend::Host, f, extra, out)
+}
+
+fn train_on(backend: common::Backend, f: &Files, extra: &[&str], out: &str) -> Vec<Vec<f32>> {
     let save = f.dir.join(out);
     let mut args: Vec<String> = [
         "--init",
@@ -75,7 +81,6 @@ fn train(f: &Files, extra: &[&str], out: &str) -> Vec<Vec<f32>> {
         "4",
         "--device-budget",
         "64KiB",
-        "--host",
         "--compare",
         "off",
         "--save",
@@ -85,6 +90,9 @@ fn train(f: &Files, extra: &[&str], out: &str) -> Vec<Vec<f32>> {
     .map(|s| s.to_string())
     .collect();
     args.extend(extra.iter().map(|s| s.to_string()));
+    if backend == common::Backend::Host {
+        args.push("--host".into());
+    }
     let cfg = TrainConfig::parse(&args).unwrap();
     let report = run(&cfg, |_| {}).unwrap();
     assert_eq!(report.losses.len(), 4);
@@ -366,4 +374,32 @@ fn the_example_entry_point_dispatches_by_mode() {
     )
     .unwrap();
     assert!(matches!(m, Outcome::Mlp(ref r) if r.matches_resident == Some(true)));
+}
+
+#[test]
+fn engines_and_activation_modes_agree_on_each_backend() {
+    // On CUDA: cuBLAS GEMMs, the update kernels and the CPU engine must give the same bits
+    // as each other (the same GEMM calls, the same rounding in every update).
+    let f = files();
+    common::each_backend("engines_and_activation_modes_agree_on_each_backend", |backend| {
+        for dtype in ["f32", "bf16"] {
+            let base = ["--dtype", dtype, "--device-budget", "1MiB"];
+            let run = |extra: &[&str], name: &str| {
+                let mut a = base.to_vec();
+                a.extend_from_slice(extra);
+                train_on(backend, &f, &a, &format!("{}-{dtype}-{name}.safetensors", backend.name()))
+            };
+            let cpu = run(&["--engine", "cpu", "--activations", "keep"], "cpu");
+            for (extra, name) in [
+                (&["--engine", "gpu-mapped", "--activations", "offload"][..], "mapped"),
+                (&["--engine", "gpu-resident", "--activations", "recompute"][..], "resident"),
+                (
+                    &["--engine", "cpu", "--activations", "offload", "--device-budget", "16KiB"][..],
+                    "tight",
+                ),
+            ] {
+                assert_eq!(run(extra, name), cpu, "{} {dtype} {name}", backend.name());
+            }
+        }
+    });
 }
