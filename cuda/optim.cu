@@ -12,10 +12,11 @@ __device__ __forceinline__ float grad_at(const void* g, int bf16, unsigned long 
     return bf16 ? bf16_to_f32(((const unsigned short*)g)[i]) : ((const float*)g)[i];
 }
 
-// decay = 1 - lr * weight_decay; step_size = lr / (1 - beta1^t); bc2_sqrt = sqrt(1 - beta2^t).
+// decay = 1 - lr * weight_decay; w = 1 - beta1, w_rest = 1 - w (f32), w_hi = |w| >= 0.5;
+// step_size = lr / (1 - beta1^t); bc2_sqrt = sqrt(1 - beta2^t).
 extern "C" __global__ void strata_adamw(float* p, float* m, float* v, const void* grad,
                                         int grad_bf16, unsigned short* out, unsigned long long n,
-                                        float decay, float one_minus_b1, float b2,
+                                        float decay, float w, float w_rest, int w_hi, float b2,
                                         float one_minus_b2, float step_size, float bc2_sqrt,
                                         float eps) {
     const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
@@ -23,7 +24,9 @@ extern "C" __global__ void strata_adamw(float* p, float* m, float* v, const void
          i += stride) {
         float g = grad_at(grad, grad_bf16, i);
         float pi = __fmul_rn(p[i], decay);
-        float mi = __fadd_rn(m[i], __fmul_rn(one_minus_b1, __fsub_rn(g, m[i])));
+        // torch's lerp(m, g, w): m + w (g - m) for |w| < 0.5, else g - (g - m)(1 - w).
+        float mi = w_hi ? __fsub_rn(g, __fmul_rn(__fsub_rn(g, m[i]), w_rest))
+                        : __fadd_rn(m[i], __fmul_rn(w, __fsub_rn(g, m[i])));
         float vi = __fadd_rn(__fmul_rn(v[i], b2), __fmul_rn(__fmul_rn(one_minus_b2, g), g));
         float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(vi), bc2_sqrt), eps);
         pi = __fsub_rn(pi, __fmul_rn(step_size, __fdiv_rn(mi, denom)));

@@ -367,6 +367,9 @@ pub(crate) struct Entry {
     /// The tier the live views are of (all in one tier: a dirty view drops the other copies,
     /// which must not be memory another live view points at).
     pub(crate) view_tier: Option<Tier>,
+    /// A [`HostView`] has the tensor: the CPU may be writing it, so no other view, read or
+    /// copy of it may start.
+    pub(crate) host_lent: bool,
     /// `pin` hints not yet undone by `unpin`.
     pub(crate) pins: u32,
     /// Live layer scopes that use the tensor.
@@ -395,6 +398,7 @@ impl Entry {
             replicas: Default::default(),
             views: 0,
             view_tier: None,
+            host_lent: false,
             pins: 0,
             scopes: 0,
             prefetched: None,
@@ -644,6 +648,9 @@ impl Store {
         let be = &self.shared.backend;
         let mut st = self.shared.state.lock();
         let e = st.entry(id)?;
+        if e.host_lent {
+            return Err(Error::Busy { id, holders: e.held() });
+        }
         let tier = e.fastest_readable().ok_or(Error::UnknownId(id))?;
         let hit = Some(e.fastest().unwrap_or(tier)) == st.fastest_enabled();
         let mut out = vec![0u8; e.bytes as usize];
@@ -965,7 +972,7 @@ impl Store {
         };
         let e = st.entry(id)?;
         let bytes = e.bytes;
-        if e.views > 0 && e.view_tier != Some(Tier::Device) {
+        if e.host_lent || (e.views > 0 && e.view_tier != Some(Tier::Device)) {
             return Err(Error::Busy { id, holders: e.held() });
         }
         if !st.enabled(Tier::Device) {
@@ -1049,7 +1056,7 @@ impl Store {
         let mut st = self.shared.state.lock();
         let e = st.entry(id)?;
         let (bytes, dtype, shape) = (e.bytes, e.dtype, e.shape.clone());
-        if e.views > 0 && e.view_tier != Some(Tier::Mapped) {
+        if e.host_lent || (e.views > 0 && e.view_tier != Some(Tier::Mapped)) {
             return Err(Error::Busy { id, holders: e.held() });
         }
         let Some(rep) = e.replicas[Tier::Mapped.index()].as_ref() else {
@@ -1127,6 +1134,7 @@ impl Store {
         let e = st.entries.get_mut(&id).expect("checked above");
         e.views += 1;
         e.view_tier = Some(tier);
+        e.host_lent = true;
         st.policy.on_access(id);
         drop(st);
         Ok(HostView::new(self.shared.clone(), id, tier, region, dtype))
@@ -1189,6 +1197,9 @@ impl Shared {
 
     /// Called by a host view's Drop: as `release_view`, with no device work to record.
     pub(crate) fn release_host_view(&self, id: TensorId, tier: Tier, dirty: bool) {
+        if let Some(e) = self.state.lock().entries.get_mut(&id) {
+            e.host_lent = false;
+        }
         self.unhold(id, tier, dirty, None);
     }
 

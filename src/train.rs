@@ -85,15 +85,15 @@ pub struct TrainConfig {
     /// Steps.
     pub steps: usize,
     /// Learning rate.
-    pub lr: f32,
+    pub lr: f64,
     /// SGD or AdamW.
     pub optimizer: OptimizerKind,
     /// AdamW's betas.
-    pub betas: (f32, f32),
+    pub betas: (f64, f64),
     /// AdamW's eps.
-    pub eps: f32,
+    pub eps: f64,
     /// Weight decay (decoupled for AdamW, L2 for SGD).
-    pub weight_decay: f32,
+    pub weight_decay: f64,
     /// The optimizer's engine.
     pub engine: Engine,
     /// Run every engine (and `Auto`) one after the other and compare their step times.
@@ -193,7 +193,7 @@ impl TrainConfig {
             }
             let v = it.next().ok_or_else(|| bad(&flag, "<missing>"))?;
             let num = |v: &str| v.parse::<usize>().map_err(|_| bad(&flag, v));
-            let float = |v: &str| v.parse::<f32>().map_err(|_| bad(&flag, v));
+            let float = |v: &str| v.parse::<f64>().map_err(|_| bad(&flag, v));
             match flag.as_str() {
                 "--mode" if v == "train" => {}
                 "--layers" => c.layers = num(&v)?,

@@ -22,31 +22,33 @@ fn bytes(v: &[f32]) -> Vec<u8> {
     v.iter().flat_map(|x| x.to_ne_bytes()).collect()
 }
 
-/// PyTorch's single-tensor AdamW, written out from its documentation: scalars in f64, tensor
-/// arithmetic in f32.
+/// PyTorch's single-tensor AdamW, written out from its source: hyperparameters are Python
+/// floats (f64), each scalar is rounded to f32 where it meets a tensor, and `lerp` takes its
+/// second form for weights of 0.5 and more.
 fn reference_adamw(h: &AdamW, p: &mut [f32], m: &mut [f32], v: &mut [f32], g: &[f32], t: u64) {
-    let bc1 = 1.0 - (h.beta1 as f64).powi(t as i32);
-    let bc2 = 1.0 - (h.beta2 as f64).powi(t as i32);
-    let step_size = (h.lr as f64 / bc1) as f32;
+    let bc1 = 1.0 - h.beta1.powi(t as i32);
+    let bc2 = 1.0 - h.beta2.powi(t as i32);
+    let step_size = (h.lr / bc1) as f32;
     let bc2_sqrt = bc2.sqrt() as f32;
-    let decay = (1.0 - h.lr as f64 * h.weight_decay as f64) as f32;
+    let decay = (1.0 - h.lr * h.weight_decay) as f32;
+    let w = (1.0 - h.beta1) as f32;
     for i in 0..p.len() {
         p[i] *= decay;
-        m[i] += (1.0 - h.beta1 as f64) as f32 * (g[i] - m[i]);
-        v[i] = v[i] * h.beta2 + (1.0 - h.beta2 as f64) as f32 * g[i] * g[i];
-        let denom = v[i].sqrt() / bc2_sqrt + h.eps;
-        p[i] -= step_size * (m[i] / denom);
+        m[i] =
+            if w.abs() < 0.5 { m[i] + w * (g[i] - m[i]) } else { g[i] - (g[i] - m[i]) * (1.0 - w) };
+        v[i] = v[i] * h.beta2 as f32 + (1.0 - h.beta2) as f32 * g[i] * g[i];
+        let denom = v[i].sqrt() / bc2_sqrt + h.eps as f32;
+        p[i] += -step_size * (m[i] / denom);
     }
 }
 
 fn reference_sgd(h: &Sgd, p: &mut [f32], g: &[f32]) {
     for (p, &g) in p.iter_mut().zip(g) {
-        let g = g + h.weight_decay * *p;
-        *p -= h.lr * g;
+        let g = g + h.weight_decay as f32 * *p;
+        *p += -(h.lr as f32) * g;
     }
 }
 
-/// Small host budgets; Mapped only for the engine that keeps its state there.
 fn store(backend: Backend, mapped: bool) -> Arc<Store> {
     let dir = tempfile::tempdir().unwrap();
     let s = backend
@@ -166,10 +168,12 @@ fn assert_close(got: &[Vec<f32>], want: &[Vec<f32>], what: &str) {
     }
 }
 
-fn algorithms() -> [Algorithm; 2] {
+fn algorithms() -> [Algorithm; 3] {
     [
         Algorithm::Sgd(Sgd { lr: 0.05, weight_decay: 0.01 }),
         Algorithm::AdamW(AdamW { lr: 0.01, weight_decay: 0.1, ..AdamW::default() }),
+        // beta1 below 0.5: torch's lerp takes its other form.
+        Algorithm::AdamW(AdamW { lr: 0.01, beta1: 0.3, ..AdamW::default() }),
     ]
 }
 
@@ -228,8 +232,13 @@ fn bad_parameters_are_typed_errors() {
     let e = Optimizer::new(store.clone(), &s, &[i], cfg).unwrap_err();
     assert!(matches!(e, strata::Error::InvalidArgument(ref m) if m.contains("idx")), "{e}");
     let w = store.put("w", DType::F32, &[4], &[0u8; 16]).unwrap();
-    let mut opt = Optimizer::new(store.clone(), &s, &[w], cfg).unwrap();
+    let empty = store.put("empty", DType::F32, &[0], &[]).unwrap();
+    let mut opt = Optimizer::new(store.clone(), &s, &[w, empty], cfg).unwrap();
     assert!(matches!(opt.update(3), Err(strata::Error::InvalidArgument(_))));
+    opt.update(1).unwrap(); // zero elements: nothing to do, and the worker lives on
+    opt.update(0).unwrap();
+    opt.finish().unwrap();
+    assert_eq!(opt.steps(), 1);
     assert_eq!("gpu-mapped".parse::<Engine>().unwrap(), Engine::GpuMapped);
     assert!("gpu".parse::<Engine>().is_err());
 }

@@ -93,3 +93,26 @@ fn gemms_take_only_views_of_their_own_stream() {
     let mine = store.device_view(w, &s1).unwrap();
     la.linear(&x, &mine, &mut y).unwrap();
 }
+
+#[test]
+fn a_host_view_excludes_every_other_access() {
+    let store = store();
+    let s = store.stream().unwrap();
+    for tier in [Tier::Pinned, Tier::Mapped, Tier::Device] {
+        let name = format!("h{tier}");
+        let id = store.put(&name, DType::F32, &[1024], &[0u8; 4096]).unwrap();
+        store.move_to(id, tier).unwrap();
+        let mut hv = store.host_view(id).unwrap();
+        assert!(matches!(store.device_view(id, &s), Err(Error::Busy { .. })), "{tier}");
+        assert!(matches!(store.mapped_view(id, &s), Err(Error::Busy { .. })), "{tier}");
+        assert!(matches!(store.host_view(id), Err(Error::Busy { .. })), "{tier}");
+        assert!(matches!(store.read(id), Err(Error::Busy { .. })), "{tier}");
+        assert!(matches!(store.write(id, &[0u8; 4096]), Err(Error::Busy { .. })), "{tier}");
+        assert!(matches!(store.move_to(id, Tier::Disk), Err(Error::Busy { .. })), "{tier}");
+        hv.f32s_mut().unwrap().fill(2.0);
+        drop(hv);
+        let back = store.read(id).unwrap();
+        assert!(back.chunks(4).all(|c| f32::from_ne_bytes(c.try_into().unwrap()) == 2.0));
+        drop(store.device_view(id, &s).unwrap());
+    }
+}

@@ -80,19 +80,21 @@ const SOURCE: &str = include_str!("../../cuda/optim.cu");
 const BF16_H: &str = include_str!("../../cuda/bf16.cuh");
 
 /// AdamW's hyperparameters (PyTorch's defaults, but `weight_decay` 0 as the out-of-core
-/// example's contract asks; PyTorch's default is 0.01).
+/// example's contract asks; PyTorch's default is 0.01). Held in f64 as PyTorch holds them (Python
+/// floats): the scalars of each step are computed in f64 and rounded once to f32, so that
+/// `1 - beta1` is f32(0.1), not 1 − f32(0.9).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct AdamW {
     /// Learning rate.
-    pub lr: f32,
+    pub lr: f64,
     /// First-moment decay.
-    pub beta1: f32,
+    pub beta1: f64,
     /// Second-moment decay.
-    pub beta2: f32,
+    pub beta2: f64,
     /// Added to the denominator.
-    pub eps: f32,
+    pub eps: f64,
     /// Decoupled weight decay (`p *= 1 - lr * weight_decay`).
-    pub weight_decay: f32,
+    pub weight_decay: f64,
 }
 
 impl Default for AdamW {
@@ -105,9 +107,9 @@ impl Default for AdamW {
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Sgd {
     /// Learning rate.
-    pub lr: f32,
+    pub lr: f64,
     /// L2 penalty added to the gradient.
-    pub weight_decay: f32,
+    pub weight_decay: f64,
 }
 
 /// The update rule.
@@ -428,7 +430,11 @@ impl GradSlice<'_> {
 #[derive(Clone, Copy, Debug)]
 struct AdamScalars {
     decay: f32,
-    one_minus_b1: f32,
+    /// `1 - beta1`: the weight of torch's `exp_avg.lerp_(grad, 1 - beta1)`.
+    w: f32,
+    /// `1 - w` in f32, and whether lerp takes its second form (`|w| >= 0.5`), as torch's does.
+    w_rest: f32,
+    w_hi: bool,
     b2: f32,
     one_minus_b2: f32,
     step_size: f32,
@@ -438,18 +444,30 @@ struct AdamScalars {
 
 impl AdamScalars {
     fn new(h: &AdamW, t: u64) -> AdamScalars {
-        let (lr, b1, b2) = (h.lr as f64, h.beta1 as f64, h.beta2 as f64);
         let t = t.min(i32::MAX as u64) as i32;
-        let bc1 = 1.0 - b1.powi(t);
-        let bc2 = 1.0 - b2.powi(t);
+        let bc1 = 1.0 - h.beta1.powi(t);
+        let bc2 = 1.0 - h.beta2.powi(t);
+        let w = (1.0 - h.beta1) as f32;
         AdamScalars {
-            decay: (1.0 - lr * h.weight_decay as f64) as f32,
-            one_minus_b1: (1.0 - b1) as f32,
-            b2: h.beta2,
-            one_minus_b2: (1.0 - b2) as f32,
-            step_size: (lr / bc1) as f32,
+            decay: (1.0 - h.lr * h.weight_decay) as f32,
+            w,
+            w_rest: 1.0 - w,
+            w_hi: w.abs() >= 0.5,
+            b2: h.beta2 as f32,
+            one_minus_b2: (1.0 - h.beta2) as f32,
+            step_size: (h.lr / bc1) as f32,
             bc2_sqrt: bc2.sqrt() as f32,
-            eps: h.eps,
+            eps: h.eps as f32,
+        }
+    }
+
+    /// torch's `lerp(m, g, w)`: `m + w (g - m)` for `|w| < 0.5`, else `g - (g - m)(1 - w)`.
+    #[inline(always)]
+    fn lerp(&self, m: f32, g: f32) -> f32 {
+        if self.w_hi {
+            g - (g - m) * self.w_rest
+        } else {
+            m + self.w * (g - m)
         }
     }
 }
@@ -462,7 +480,7 @@ fn adamw_block<G: Element>(k: &AdamScalars, p: &mut [f32], m: &mut [f32], v: &mu
     for (((p, m), v), g) in p.iter_mut().zip(m.iter_mut()).zip(v.iter_mut()).zip(g) {
         let gi = g.to_f32();
         let pi = *p * k.decay;
-        let mi = *m + k.one_minus_b1 * (gi - *m);
+        let mi = k.lerp(*m, gi);
         let vi = *v * k.b2 + k.one_minus_b2 * gi * gi;
         let denom = vi.sqrt() / k.bc2_sqrt + k.eps;
         *p = pi - k.step_size * (mi / denom);
@@ -472,12 +490,13 @@ fn adamw_block<G: Element>(k: &AdamScalars, p: &mut [f32], m: &mut [f32], v: &mu
 }
 
 fn sgd_block<G: Element>(h: &Sgd, p: &mut [f32], g: &[G]) {
+    let (lr, wd) = (h.lr as f32, h.weight_decay as f32);
     for (p, g) in p.iter_mut().zip(g) {
         let mut gi = g.to_f32();
-        if h.weight_decay != 0.0 {
-            gi += h.weight_decay * *p;
+        if wd != 0.0 {
+            gi += wd * *p;
         }
-        *p -= h.lr * gi;
+        *p -= lr * gi;
     }
 }
 
@@ -506,6 +525,9 @@ pub fn cpu_update(
 ) -> Result<()> {
     let n = p.len();
     let moments = alg.moments() > 0;
+    if n == 0 && g.len() == 0 {
+        return Ok(());
+    }
     if g.len() != n
         || out.as_ref().is_some_and(|o| o.len() != n)
         || (moments && (m.len() != n || v.len() != n))
@@ -1006,7 +1028,8 @@ impl Optimizer {
                 let (mp, vp) = (m.device_ptr(), v.device_ptr());
                 let mut b = cs.launch_builder(&k.adamw);
                 b.arg(&pp).arg(&mp).arg(&vp).arg(&gp).arg(&grad_bf16).arg(&op).arg(&n);
-                b.arg(&a.decay).arg(&a.one_minus_b1).arg(&a.b2).arg(&a.one_minus_b2);
+                let w_hi = i32::from(a.w_hi);
+                b.arg(&a.decay).arg(&a.w).arg(&a.w_rest).arg(&w_hi).arg(&a.b2).arg(&a.one_minus_b2);
                 b.arg(&a.step_size).arg(&a.bc2_sqrt).arg(&a.eps);
                 // SAFETY: the pointers are device addresses of views held until after the
                 // launch is issued (their drop records the stream's event, so the memory stays
@@ -1016,14 +1039,9 @@ impl Optimizer {
                 unsafe { b.launch(cfg) }.map_err(|e| Error::cuda("cuLaunchKernel", e))?;
             }
             (Algorithm::Sgd(h), _) => {
+                let (lr, wd) = (h.lr as f32, h.weight_decay as f32);
                 let mut b = cs.launch_builder(&k.sgd);
-                b.arg(&pp)
-                    .arg(&gp)
-                    .arg(&grad_bf16)
-                    .arg(&op)
-                    .arg(&n)
-                    .arg(&h.lr)
-                    .arg(&h.weight_decay);
+                b.arg(&pp).arg(&gp).arg(&grad_bf16).arg(&op).arg(&n).arg(&lr).arg(&wd);
                 // SAFETY: as for AdamW: p `n` f32s, grad `n` f32s or bf16s, out `n` bf16s or
                 // null, all held by live views; matches `strata_sgd`'s signature.
                 unsafe { b.launch(cfg) }.map_err(|e| Error::cuda("cuLaunchKernel", e))?;
@@ -1073,9 +1091,18 @@ impl Optimizer {
 }
 
 impl Drop for Optimizer {
+    /// Waits for queued updates; their errors go to the store's [`Store::check_err`].
     fn drop(&mut self) {
         if let Some(mut w) = self.worker.take() {
             w.tx.take();
+            while w.pending > 0 {
+                match w.done.recv() {
+                    Ok(Err(e)) => self.store.shared.deferred.lock().push(e),
+                    Ok(Ok(())) => {}
+                    Err(_) => break,
+                }
+                w.pending -= 1;
+            }
             if let Some(h) = w.handle.take() {
                 let _ = h.join();
             }
@@ -1090,7 +1117,13 @@ fn spawn_worker(store: Arc<Store>, alg: Algorithm, threads: usize) -> CpuWorker 
         .name("strata-optim".into())
         .spawn(move || {
             for job in rx {
-                let r = cpu_job(&store, &alg, threads, &job);
+                // A panic in a job (a bug) is reported as an error; the worker lives on.
+                let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    cpu_job(&store, &alg, threads, &job)
+                }))
+                .unwrap_or_else(|_| {
+                    Err(Error::InvalidArgument("the optimizer's update panicked".into()))
+                });
                 if done_tx.send(r).is_err() {
                     break;
                 }
@@ -1110,19 +1143,12 @@ enum Slot {
 
 impl Slot {
     fn open(store: &Store, id: TensorId, dtype: DType) -> Result<Slot> {
-        // The caller's views and scopes of the tensor end moments after it queued the update.
-        let deadline = Instant::now() + Duration::from_secs(60);
-        loop {
-            match store.host_view(id) {
-                Ok(v) => return Ok(Slot::View(v)),
-                Err(Error::Busy { .. }) if Instant::now() < deadline => {
-                    std::thread::sleep(Duration::from_micros(50));
-                }
-                Err(Error::NotInTier { .. }) => break,
-                Err(e) => return Err(e),
-            }
+        match retry_busy(|| store.host_view(id)) {
+            Ok(v) => return Ok(Slot::View(v)),
+            Err(Error::NotInTier { .. }) => {}
+            Err(e) => return Err(e),
         }
-        let bytes = store.read_in_place(id)?;
+        let bytes = retry_busy(|| store.read_in_place(id))?;
         Ok(match dtype {
             DType::F32 => Slot::F32(id, <f32 as Element>::from_ne_bytes(&bytes)),
             _ => Slot::Bf16(id, <bf16 as Element>::from_ne_bytes(&bytes)),
@@ -1167,12 +1193,30 @@ impl Slot {
     fn close(self, store: &Store) -> Result<()> {
         match self {
             Slot::View(_) => Ok(()),
-            Slot::F32(id, v) => store.write(id, &f32_bytes(&v)),
+            Slot::F32(id, v) => {
+                let b = f32_bytes(&v);
+                retry_busy(|| store.write(id, &b))
+            }
             Slot::Bf16(id, v) => {
                 let mut b = vec![0u8; v.len() * 2];
                 bf16::write_ne_bytes(&v, &mut b);
-                store.write(id, &b)
+                retry_busy(|| store.write(id, &b))
             }
+        }
+    }
+}
+
+/// Runs `f` until it is not [`Error::Busy`], for up to a minute: the caller's views and scopes
+/// of a tensor end moments after it queued the update. A tensor held longer (a `pin` on a
+/// parameter the Cpu engine updates) gives the `Busy` error.
+fn retry_busy<T>(mut f: impl FnMut() -> Result<T>) -> Result<T> {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        match f() {
+            Err(Error::Busy { .. }) if Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_micros(50));
+            }
+            r => return r,
         }
     }
 }
