@@ -294,12 +294,10 @@ fn bad_file(path: &Path, tensor: Option<&str>, why: impl Into<String>) -> Error 
     Error::BadFile { path: path.to_path_buf(), tensor: tensor.map(str::to_string), why: why.into() }
 }
 
-fn map_file(path: &Path) -> Result<memmap2::Mmap> {
-    let f = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
-    // SAFETY: the map is read-only and private to this function's caller, which copies the
-    // values out before dropping it; a concurrent truncation of the file by another process
-    // would fault, as it would for any reader of a mapped file (see memmap2's docs).
-    unsafe { memmap2::Mmap::map(&f) }.map_err(|e| Error::io(path, e))
+/// The file mapped read-only (the disk tier's `ExternalFile`, which owns the mapping's safety
+/// argument).
+fn map_file(path: &Path) -> Result<crate::disk::ExternalFile> {
+    crate::disk::ExternalFile::open(path)
 }
 
 /// A tensor's values as f32 (f32 or, where `allow_bf16`, bf16 in the file).
@@ -335,7 +333,7 @@ fn deserialize<'a>(path: &Path, bytes: &'a [u8]) -> Result<safetensors::SafeTens
 /// Weights from `--init`: `layers.{i}.weight` for `i` in `0..L`, every one `[H, H]`.
 pub fn load_init(path: &Path) -> Result<(usize, Vec<Vec<f32>>)> {
     let map = map_file(path)?;
-    let st = deserialize(path, &map)?;
+    let st = deserialize(path, map.bytes())?;
     let mut layers = 0;
     for name in st.names() {
         let idx = name
@@ -373,7 +371,7 @@ pub fn load_init(path: &Path) -> Result<(usize, Vec<Vec<f32>>)> {
 /// `x` and `y` from `--data`: both `[R, H]` f32.
 pub fn load_data(path: &Path, hidden: usize) -> Result<(usize, Vec<f32>, Vec<f32>)> {
     let map = map_file(path)?;
-    let st = deserialize(path, &map)?;
+    let st = deserialize(path, map.bytes())?;
     let (xs, x) = tensor_f32(path, &st, "x", false)?;
     let (ys, y) = tensor_f32(path, &st, "y", false)?;
     if xs.len() != 2 || xs[1] != hidden || xs[0] == 0 {
