@@ -90,12 +90,16 @@ struct InspectArgs {
     file: std::path::PathBuf,
     #[command(flatten)]
     budgets: Budgets,
-    /// Optimizer whose state is counted with --train: none, sgd (momentum) or adam.
+    /// Optimizer whose state is counted with --train: none, sgd (momentum), adam, or sgd-plain
+    /// (no momentum: strata::optim's SGD).
     #[arg(long, default_value = "none")]
     optimizer: Optimizer,
     /// Plan for training steps (gradients, optimizer state) rather than forward passes.
     #[arg(long)]
     train: bool,
+    /// Count gradients in fp32 (4 bytes per element), as for accumulation over micro-batches.
+    #[arg(long)]
+    fp32_grads: bool,
     /// Bandwidths from a `strata bench --json` results file [default: measured briefly].
     #[arg(long, value_name = "FILE.json")]
     bench: Option<std::path::PathBuf>,
@@ -324,7 +328,7 @@ fn inspect(a: InspectArgs) -> Result<(), Box<dyn std::error::Error>> {
         budgets: a.budgets.array(),
         optimizer: a.optimizer,
         train: a.train,
-        fp32_grads: false,
+        fp32_grads: a.fp32_grads,
     };
     let plan = strata::plan::plan(&tensors, &cfg);
     print!("{plan}");

@@ -795,7 +795,9 @@ fn train_once<T: Element>(
         b = b.host_backend();
     }
     let device = if floor { model + acts + 2 * lb + slack } else { cfg.device_budget };
-    let pinned = cfg.pinned_budget.unwrap_or(model + grads + acts + state + slack);
+    // GpuMapped keeps the state in Mapped only; every other engine may put it in Pinned.
+    let host_state = if engine == Engine::GpuMapped { 0 } else { state };
+    let pinned = cfg.pinned_budget.unwrap_or(model + grads + acts + host_state + slack);
     let mapped = match (engine, cfg.mapped_budget) {
         (_, Some(m)) => m,
         (Engine::GpuMapped | Engine::Auto, None) if !floor => state + slack,
