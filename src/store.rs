@@ -370,6 +370,8 @@ pub(crate) struct Entry {
     /// A [`HostView`] has the tensor: the CPU may be writing it, so no other view, read or
     /// copy of it may start.
     pub(crate) host_lent: bool,
+    /// `Store::discard`ed and not written since: evicting it need not write it back.
+    pub(crate) discarded: bool,
     /// `pin` hints not yet undone by `unpin`.
     pub(crate) pins: u32,
     /// Live layer scopes that use the tensor.
@@ -399,6 +401,7 @@ impl Entry {
             views: 0,
             view_tier: None,
             host_lent: false,
+            discarded: false,
             pins: 0,
             scopes: 0,
             prefetched: None,
@@ -683,6 +686,7 @@ impl Store {
         }
         let tier = e.fastest().ok_or(Error::UnknownId(id))?;
         st.settle(id)?;
+        st.entries.get_mut(&id).expect("checked above").discarded = false;
         if matches!(
             st.entries[&id].replicas[tier.index()].as_ref().map(|r| &r.ext),
             Some(Ext::File { .. })
@@ -746,6 +750,17 @@ impl Store {
         let e = st.entries.remove(&id).expect("checked above");
         st.names.remove(&e.name);
         st.policy.on_remove(id);
+        Ok(())
+    }
+
+    /// Declares the tensor's contents dead until it is next written (a gradient the optimizer
+    /// has consumed, an activation the backward pass is done with): when the policy evicts its
+    /// device copy, the copy is dropped without being written back to a memory tier, saving
+    /// the device-to-host traffic. Reads before the next write return unspecified bytes.
+    /// Work already issued on the device copy is unaffected.
+    pub fn discard(&self, id: TensorId) -> Result<()> {
+        let mut st = self.shared.state.lock();
+        st.entries.get_mut(&id).ok_or(Error::UnknownId(id))?.discarded = true;
         Ok(())
     }
 
@@ -1216,6 +1231,7 @@ impl Shared {
                 e.last_use.push(ev?);
             }
             if dirty {
+                st.entries.get_mut(&id).expect("checked above").discarded = false;
                 st.drop_other_replicas(id, tier)?;
             }
             // Waiting prefetches start at the next hint or view, not here: a Drop that could
@@ -1560,7 +1576,13 @@ impl State {
                 next = t.slower();
             }
             let Some((to, ext)) = placed else { return Ok(false) };
-            self.copy_replica(be, id, from, to, ext)?;
+            if self.entries[&id].discarded && to != Tier::Disk {
+                // Contents declared dead (`Store::discard`): a home without the write-back. (Disk
+                // extents carry a checksum of their bytes, so those are still written.)
+                self.put_replica(id, to, Replica::new(ext, None));
+            } else {
+                self.copy_replica(be, id, from, to, ext)?;
+            }
             if from != Tier::Device {
                 self.sync_replica(id, to)?;
             }

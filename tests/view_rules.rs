@@ -116,3 +116,32 @@ fn a_host_view_excludes_every_other_access() {
         drop(store.device_view(id, &s).unwrap());
     }
 }
+
+#[test]
+fn a_discarded_tensor_is_evicted_without_a_write_back() {
+    for discard in [false, true] {
+        let store = Store::builder()
+            .host_backend()
+            .capacity(Tier::Device, 8 << 10)
+            .capacity(Tier::Pinned, 1 << 20)
+            .build()
+            .unwrap();
+        let a = store.put("a", DType::U8, &[4096], &[1; 4096]).unwrap();
+        assert_eq!(store.tier_of(a).unwrap(), Tier::Device, "a's only copy is on the device");
+        if discard {
+            store.discard(a).unwrap();
+        }
+        let s = store.stream().unwrap();
+        let b = store.put("b", DType::U8, &[4096], &[2; 4096]).unwrap(); // fills the device
+        let c = store.put("c", DType::U8, &[4096], &[3; 4096]).unwrap(); // in Pinned
+        let held = store.device_view(b, &s).unwrap();
+        drop(store.device_view(c, &s).unwrap()); // needs a's room
+        drop(held);
+        let back = store.stats().moved(Tier::Device, Tier::Pinned);
+        assert_eq!(back, if discard { 0 } else { 4096 }, "discard {discard}");
+        assert_eq!(store.tier_of(a).unwrap(), Tier::Pinned);
+        // Written again, it is live again.
+        store.write(a, &[9; 4096]).unwrap();
+        assert_eq!(store.read(a).unwrap(), vec![9; 4096]);
+    }
+}

@@ -996,10 +996,14 @@ impl Optimizer {
             m.mark_dirty();
             v.mark_dirty();
         }
-        match &self.gpu {
+        let r = match &self.gpu {
             Some(k) => self.launch(k, st, t, &grad, &p, out.as_ref(), mv.as_ref()),
             None => self.emulate(st, t, &grad, &mut p, out.as_mut(), mv.as_mut()),
-        }
+        };
+        drop((grad, p, out, mv));
+        r?;
+        // The gradient is consumed: evicting it later must not write it back.
+        s.discard(st.grad)
     }
 
     #[allow(clippy::too_many_arguments)]
