@@ -1212,16 +1212,18 @@ impl Shared {
 
     /// Called by a host view's Drop: as `release_view`, with no device work to record.
     pub(crate) fn release_host_view(&self, id: TensorId, tier: Tier, dirty: bool) {
-        if let Some(e) = self.state.lock().entries.get_mut(&id) {
-            e.host_lent = false;
-        }
         self.unhold(id, tier, dirty, None);
     }
 
+    /// Releases a view's hold; `ev: None` for a host view, whose lending ends under the same
+    /// lock as its dirty copies are dropped.
     fn unhold(&self, id: TensorId, tier: Tier, dirty: bool, ev: Option<Result<RawEvent>>) {
         let mut st = self.state.lock();
         let res = (|| -> Result<()> {
             let e = st.entries.get_mut(&id).ok_or(Error::UnknownId(id))?;
+            if ev.is_none() {
+                e.host_lent = false;
+            }
             e.views = e.views.saturating_sub(1);
             if e.views == 0 {
                 e.view_tier = None;

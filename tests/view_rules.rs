@@ -145,3 +145,20 @@ fn a_discarded_tensor_is_evicted_without_a_write_back() {
         assert_eq!(store.read(a).unwrap(), vec![9; 4096]);
     }
 }
+
+#[test]
+fn releasing_a_discarded_tensor_starts_no_write_back() {
+    let store = Store::builder()
+        .host_backend()
+        .capacity(Tier::Device, 8 << 10)
+        .capacity(Tier::Pinned, 1 << 20)
+        .build()
+        .unwrap();
+    let a = store.put("a", DType::U8, &[4096], &[1; 4096]).unwrap();
+    store.discard(a).unwrap();
+    store.release(&[a]).unwrap();
+    assert_eq!(store.stats().moved(Tier::Device, Tier::Pinned), 0);
+    let b = store.put("b", DType::U8, &[4096], &[1; 4096]).unwrap();
+    store.release(&[b]).unwrap(); // not discarded: written back at once
+    assert_eq!(store.stats().moved(Tier::Device, Tier::Pinned), 4096);
+}

@@ -29,7 +29,9 @@
 //!
 //! Every engine computes the same f32 operations in the same order (the GPU kernels use
 //! round-to-nearest intrinsics, no fused multiply-add), so they give the same bits, and the CPU
-//! engine gives the same bits with any number of threads (the update is elementwise).
+//! engine gives the same bits with any number of threads (the update is elementwise). The
+//! order and the f32 scalars are those of torch's scalar code; torch's vectorized CPU `lerp`
+//! fuses a multiply-add, so bits may differ from torch's in the last place of `exp_avg`.
 //!
 //! On the host backend the GPU engines run the same arithmetic on the host, through the same
 //! store views, so their placement and migration are exercised without a GPU.
@@ -866,7 +868,9 @@ impl Optimizer {
         self.t
     }
 
-    /// The gradient tensor of parameter `i` (in the order given to `new`): accumulate into it
+    /// The gradient tensor of parameter `i` (in the order given to `new`). [`Optimizer::update`]
+    /// consumes it: its contents are unspecified afterwards until it is written again (the GPU
+    /// engines [`Store::discard`] it, so evicting it costs no write-back). Accumulate into it
     /// on the optimizer's stream, for example with [`Linalg::accumulate`](crate::linalg::Linalg::accumulate)
     /// on a [`Store::device_view_for_overwrite`] (first micro-batch) or
     /// [`Store::device_view`] (later ones) view.
@@ -921,7 +925,7 @@ impl Optimizer {
     }
 
     /// Updates parameter `i` from its gradient, which must be complete (every view of it
-    /// dropped). Cpu: queues the update (it runs once the gradient has reached host memory);
+    /// dropped) and is consumed (see [`Optimizer::grad`]). Cpu: queues the update (it runs once the gradient has reached host memory);
     /// GPU engines: issues the kernel on the optimizer's stream. The parameter's compute copy
     /// is refreshed. Call [`Optimizer::finish`] once every parameter of the step was updated.
     pub fn update(&mut self, i: usize) -> Result<()> {

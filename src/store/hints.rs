@@ -338,7 +338,7 @@ impl State {
         e.released = true;
         // Written on the device and held nowhere else: start the write-back now, into a host
         // tier with free room (no eviction for a hint), so that dropping it later is free.
-        if e.held() == 0 && e.filling().is_none() && e.count() == 1 {
+        if e.held() == 0 && e.filling().is_none() && e.count() == 1 && !e.discarded {
             let bytes = e.bytes;
             for t in [Tier::Pinned, Tier::Mapped] {
                 if self.enabled(t) {
