@@ -120,12 +120,7 @@ fn a_host_view_excludes_every_other_access() {
 #[test]
 fn a_discarded_tensor_is_evicted_without_a_write_back() {
     for discard in [false, true] {
-        let store = Store::builder()
-            .host_backend()
-            .capacity(Tier::Device, 8 << 10)
-            .capacity(Tier::Pinned, 1 << 20)
-            .build()
-            .unwrap();
+        let store = two_page_device();
         let a = store.put("a", DType::U8, &[4096], &[1; 4096]).unwrap();
         assert_eq!(store.tier_of(a).unwrap(), Tier::Device, "a's only copy is on the device");
         if discard {
@@ -148,12 +143,7 @@ fn a_discarded_tensor_is_evicted_without_a_write_back() {
 
 #[test]
 fn releasing_a_discarded_tensor_starts_no_write_back() {
-    let store = Store::builder()
-        .host_backend()
-        .capacity(Tier::Device, 8 << 10)
-        .capacity(Tier::Pinned, 1 << 20)
-        .build()
-        .unwrap();
+    let store = two_page_device();
     let a = store.put("a", DType::U8, &[4096], &[1; 4096]).unwrap();
     store.discard(a).unwrap();
     store.release(&[a]).unwrap();
@@ -161,4 +151,14 @@ fn releasing_a_discarded_tensor_starts_no_write_back() {
     let b = store.put("b", DType::U8, &[4096], &[1; 4096]).unwrap();
     store.release(&[b]).unwrap(); // not discarded: written back at once
     assert_eq!(store.stats().moved(Tier::Device, Tier::Pinned), 4096);
+}
+
+/// A host store whose Device tier holds two 4 KiB tensors.
+fn two_page_device() -> Store {
+    Store::builder()
+        .host_backend()
+        .capacity(Tier::Device, 8 << 10)
+        .capacity(Tier::Pinned, 1 << 20)
+        .build()
+        .unwrap()
 }
