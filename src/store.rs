@@ -1515,12 +1515,16 @@ impl State {
             .collect();
         c.sort();
         self.policy.order_victims(t, &mut c);
+        // Released tensors go first; then, on the device, training state touched once per step
+        // (gradients, optimizer state) before what is used every pass; prefetched ones last.
         let rank = |id: &TensorId| {
             let e = &self.entries[id];
-            match (e.released, e.prefetched) {
-                (true, _) => 0,
-                (false, None) => 1,
-                (false, Some(_)) => 2,
+            let once = t == Tier::Device && matches!(e.group, Group::Grad | Group::OptimizerState);
+            match (e.released, e.prefetched, once) {
+                (true, _, _) => 0,
+                (false, None, true) => 1,
+                (false, None, false) => 2,
+                (false, Some(_), _) => 3,
             }
         };
         c.sort_by_key(rank); // stable: keeps the policy's order within each rank

@@ -3,7 +3,7 @@
 
 mod common;
 
-use strata::{DType, Group, LoadOptions, Tier};
+use strata::{DType, Group, LoadOptions, PolicyKind, Store, Tier};
 
 #[test]
 fn stats_count_bytes_per_group_and_tier() {
@@ -59,4 +59,27 @@ fn loaded_tensors_take_the_group_asked_for() {
     let (_, id) = store.load_safetensors(&path, opts).unwrap().remove(0);
     assert_eq!(store.info(id).unwrap().group, Group::Param);
     assert_eq!(store.stats().group_bytes(Group::Param, Tier::Disk), 16);
+}
+
+#[test]
+fn device_evictions_take_once_per_step_state_before_weights() {
+    let store = Store::builder()
+        .host_backend()
+        .policy(PolicyKind::Lru)
+        .capacity(Tier::Device, 8 << 10)
+        .capacity(Tier::Pinned, 1 << 20)
+        .build()
+        .unwrap();
+    let s = store.stream().unwrap();
+    let w = store.put_group("w", Group::Param, DType::U8, &[4096], &[1; 4096]).unwrap();
+    let m = store.put_group("m", Group::OptimizerState, DType::U8, &[4096], &[2; 4096]).unwrap();
+    assert_eq!(
+        (store.tier_of(w).unwrap(), store.tier_of(m).unwrap()),
+        (Tier::Device, Tier::Device)
+    );
+    store.read(m).unwrap(); // w is now the least recently used
+    let x = store.put("x", DType::U8, &[4096], &[3; 4096]).unwrap(); // Pinned: the device is full
+    drop(store.device_view(x, &s).unwrap());
+    assert_eq!(store.tier_of(w).unwrap(), Tier::Device, "the weight stays");
+    assert_eq!(store.tier_of(m).unwrap(), Tier::Pinned, "the optimizer state made room");
 }
