@@ -19,10 +19,8 @@ use std::time::Instant;
 use half::bf16;
 
 use crate::linalg::{Linalg, Matrix};
-use crate::probe::{median, raw_pinned_copy, Direction};
-use crate::{
-    format_size, parse_size, DType, Error, PolicyKind, Result, Stats, Store, TensorId, Tier,
-};
+use crate::probe::{median, median_after_first, raw_pinned_copy, Direction};
+use crate::{format_size, parse_size, DType, Error, PolicyKind, Result, Store, TensorId, Tier};
 
 /// Inference or training.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -215,27 +213,27 @@ pub struct MlpReport {
     pub max_abs_diff: f32,
 }
 
-fn moved(s: &Stats, into_device: bool) -> u64 {
-    Tier::ALL
-        .iter()
-        .filter(|&&t| t != Tier::Device)
-        .map(|&t| if into_device { s.moved(t, Tier::Device) } else { s.moved(Tier::Device, t) })
-        .sum()
-}
-
-/// Deterministic values uniform in `[-a, a]`, as bf16 bytes.
-fn values(seed: u64, stream: u64, n: usize, a: f32) -> Vec<u8> {
+/// Deterministic values uniform in `[-a, a]` (xorshift64 from `seed` and `stream`).
+pub(crate) fn uniform(seed: u64, stream: u64, n: usize, a: f32) -> Vec<f32> {
     let mut x =
         (seed ^ stream.wrapping_mul(0x9E37_79B9_7F4A_7C15)).wrapping_add(0x2545_F491_4F6C_DD1D) | 1;
-    let mut out = Vec::with_capacity(n * 2);
-    for _ in 0..n {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        let u = (x >> 40) as f32 / (1u64 << 24) as f32; // [0, 1)
-        out.extend_from_slice(&bf16::from_f32((2.0 * u - 1.0) * a).to_bits().to_ne_bytes());
-    }
-    out
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let u = (x >> 40) as f32 / (1u64 << 24) as f32; // [0, 1)
+            (2.0 * u - 1.0) * a
+        })
+        .collect()
+}
+
+/// [`uniform`] values as bf16 bytes.
+fn values(seed: u64, stream: u64, n: usize, a: f32) -> Vec<u8> {
+    uniform(seed, stream, n, a)
+        .into_iter()
+        .flat_map(|v| bf16::from_f32(v).to_bits().to_ne_bytes())
+        .collect()
 }
 
 /// Every layer's weights, generated on all cores.
@@ -460,8 +458,8 @@ pub fn run(cfg: &MlpConfig, mut progress: impl FnMut(&str)) -> Result<MlpReport>
         let after = net.store.stats();
         let r = StepReport {
             seconds,
-            h2d_bytes: moved(&after, true) - moved(&before, true),
-            d2h_bytes: moved(&after, false) - moved(&before, false),
+            h2d_bytes: after.moved_into(Tier::Device) - before.moved_into(Tier::Device),
+            d2h_bytes: after.moved_out_of(Tier::Device) - before.moved_out_of(Tier::Device),
             stall_seconds: after.stall_seconds - before.stall_seconds,
             prefetch_hits: after.prefetch_hits - before.prefetch_hits,
             prefetch_misses: after.prefetch_misses - before.prefetch_misses,
@@ -501,8 +499,7 @@ pub fn run(cfg: &MlpConfig, mut progress: impl FnMut(&str)) -> Result<MlpReport>
         Mode::Train => (2 * must, must),
     };
     let pcie_seconds = h2d_bandwidth.map(|bw| min_bytes.0.max(min_bytes.1) as f64 / bw);
-    let later: Vec<f64> = steps.iter().skip(1).map(|s| s.seconds).collect();
-    let step_seconds = if later.is_empty() { steps[0].seconds } else { median(&later) };
+    let step_seconds = median_after_first(&steps.iter().map(|s| s.seconds).collect::<Vec<_>>());
     let floor = match (compute, pcie_seconds) {
         (Some(c), Some(p)) => Some(c.max(p)),
         (Some(c), None) => Some(c),

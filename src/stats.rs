@@ -95,6 +95,16 @@ impl Stats {
         self.moved[from.index()][to.index()]
     }
 
+    /// Bytes copied into `tier` from every other tier.
+    pub fn moved_into(&self, tier: Tier) -> u64 {
+        Tier::ALL.iter().filter(|&&t| t != tier).map(|&t| self.moved(t, tier)).sum()
+    }
+
+    /// Bytes copied out of `tier` into every other tier.
+    pub fn moved_out_of(&self, tier: Tier) -> u64 {
+        Tier::ALL.iter().filter(|&&t| t != tier).map(|&t| self.moved(tier, t)).sum()
+    }
+
     /// The share of copy time that consumers did not wait for: 1 when every copy overlapped
     /// other work, 0 when consumers waited for all of it (1 when nothing was copied).
     pub fn overlap_ratio(&self) -> f64 {

@@ -753,6 +753,13 @@ impl Store {
         Ok(())
     }
 
+    /// Bytes of the tensors of each [`Group`] (indexed by [`Group::index`]) with a copy in
+    /// `tier`: `Stats::groups` for one tier, without the rest of a stats snapshot (cheap enough
+    /// to sample after every layer).
+    pub fn bytes_by_group(&self, tier: Tier) -> [u64; 5] {
+        self.shared.state.lock().bytes_by_group(tier)
+    }
+
     /// Declares the tensor's contents dead until it is next written (a gradient the optimizer
     /// has consumed, an activation the backward pass is done with): when the policy evicts its
     /// device copy, the copy is dropped without being written back to a memory tier, saving
@@ -885,9 +892,9 @@ impl Store {
         st.timeline.resolve();
         let copy_s = st.timeline.copy_seconds();
         let mut groups = [[0u64; 4]; 5];
-        for e in st.entries.values() {
-            for t in Tier::ALL.into_iter().filter(|t| e.replicas[t.index()].is_some()) {
-                groups[e.group.index()][t.index()] += e.bytes;
+        for t in Tier::ALL {
+            for (g, b) in st.bytes_by_group(t).into_iter().enumerate() {
+                groups[g][t.index()] = b;
             }
         }
         let c = &st.counters;
@@ -1271,6 +1278,14 @@ impl Shared {
 }
 
 impl State {
+    fn bytes_by_group(&self, tier: Tier) -> [u64; 5] {
+        let mut out = [0u64; 5];
+        for e in self.entries.values().filter(|e| e.replicas[tier.index()].is_some()) {
+            out[e.group.index()] += e.bytes;
+        }
+        out
+    }
+
     fn entry(&self, id: TensorId) -> Result<&Entry> {
         self.entries.get(&id).ok_or(Error::UnknownId(id))
     }

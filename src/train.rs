@@ -32,7 +32,7 @@ use half::bf16;
 use crate::linalg::{loss_value, Element, Linalg, Matrix, LOSS_PARTIALS};
 use crate::optim::{AdamW, Algorithm, Engine, Optimizer, OptimizerConfig, Sgd, StepTraffic};
 use crate::plan::{self, PlanConfig, TensorEntry};
-use crate::probe::median;
+use crate::probe::median_after_first;
 use crate::{
     format_size, parse_size, DType, Error, Group, PolicyKind, Result, Store, TensorId, Tier,
 };
@@ -383,21 +383,6 @@ pub fn load_data(path: &Path, hidden: usize) -> Result<(usize, Vec<f32>, Vec<f32
     Ok((xs[0], x, y))
 }
 
-/// xorshift values uniform in `[-a, a]`.
-fn uniform(seed: u64, stream: u64, n: usize, a: f32) -> Vec<f32> {
-    let mut s =
-        (seed ^ stream.wrapping_mul(0x9E37_79B9_7F4A_7C15)).wrapping_add(0x2545_F491_4F6C_DD1D) | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            let u = (s >> 40) as f32 / (1u64 << 24) as f32;
-            (2.0 * u - 1.0) * a
-        })
-        .collect()
-}
-
 impl Inputs {
     /// The inputs `cfg` names: files where given, seeded values otherwise.
     pub fn load(cfg: &TrainConfig) -> Result<Inputs> {
@@ -408,7 +393,9 @@ impl Inputs {
                 let n = cfg.hidden * cfg.hidden;
                 (
                     cfg.hidden,
-                    (0..cfg.layers).map(|l| uniform(cfg.seed, 1 + l as u64, n, a)).collect(),
+                    (0..cfg.layers)
+                        .map(|l| crate::mlp::uniform(cfg.seed, 1 + l as u64, n, a))
+                        .collect(),
                 )
             }
         };
@@ -416,7 +403,11 @@ impl Inputs {
             Some(p) => load_data(p, hidden)?,
             None => {
                 let n = cfg.rows * hidden;
-                (cfg.rows, uniform(cfg.seed, 1 << 32, n, 1.0), uniform(cfg.seed, 1 << 33, n, 1.0))
+                (
+                    cfg.rows,
+                    crate::mlp::uniform(cfg.seed, 1 << 32, n, 1.0),
+                    crate::mlp::uniform(cfg.seed, 1 << 33, n, 1.0),
+                )
             }
         };
         if rows % cfg.accumulate != 0 {
@@ -670,12 +661,7 @@ fn run_typed<T: Element>(
 }
 
 fn later_median(steps: &[StepRecord]) -> f64 {
-    let later: Vec<f64> = steps.iter().skip(1).map(|s| s.seconds).collect();
-    if later.is_empty() {
-        steps.first().map_or(0.0, |s| s.seconds)
-    } else {
-        median(&later)
-    }
+    median_after_first(&steps.iter().map(|s| s.seconds).collect::<Vec<_>>())
 }
 
 /// Bytes of the stored activations (one micro-batch's).
@@ -747,20 +733,6 @@ fn t_bytes<T: Element>(v: &[T]) -> Vec<u8> {
     let mut b = vec![0u8; std::mem::size_of_val(v)];
     T::write_ne_bytes(v, &mut b);
     b
-}
-
-/// Bytes of each group with a copy in `tier`.
-fn group_bytes(store: &Store, tier: Tier) -> [u64; 5] {
-    let s = store.stats();
-    Group::ALL.map(|g| s.groups[g.index()][tier.index()])
-}
-
-fn moved(s: &crate::Stats, into_device: bool) -> u64 {
-    Tier::ALL
-        .iter()
-        .filter(|&&t| t != Tier::Device)
-        .map(|&t| if into_device { s.moved(t, Tier::Device) } else { s.moved(Tier::Device, t) })
-        .sum()
 }
 
 fn train_once<T: Element>(
@@ -982,8 +954,8 @@ fn train_once<T: Element>(
         let r = StepRecord {
             seconds,
             loss,
-            h2d_bytes: moved(&after, true) - moved(&before, true),
-            d2h_bytes: moved(&after, false) - moved(&before, false),
+            h2d_bytes: after.moved_into(Tier::Device) - before.moved_into(Tier::Device),
+            d2h_bytes: after.moved_out_of(Tier::Device) - before.moved_out_of(Tier::Device),
             stall_seconds: after.stall_seconds - before.stall_seconds,
         };
         if !floor {
@@ -1088,7 +1060,7 @@ impl Ctx<'_> {
     }
 
     fn track(&self, peak: &mut [u64; 5]) {
-        for (p, b) in peak.iter_mut().zip(group_bytes(self.store, Tier::Device)) {
+        for (p, b) in peak.iter_mut().zip(self.store.bytes_by_group(Tier::Device)) {
             *p = (*p).max(b);
         }
     }

@@ -90,6 +90,16 @@ pub fn raw_pinned_copy(
     out
 }
 
+/// The median of the timings after the first (a warm-up), or the first when it is all there is
+/// (0 for none).
+pub fn median_after_first(xs: &[f64]) -> f64 {
+    match xs {
+        [] => 0.0,
+        [only] => *only,
+        [_, rest @ ..] => median(rest),
+    }
+}
+
 /// The median of some timings (0 for none).
 pub fn median(xs: &[f64]) -> f64 {
     let mut v = xs.to_vec();
