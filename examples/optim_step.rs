@@ -62,7 +62,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "AdamW on {params} parameters ({dtype} parameters and gradients, fp32 state), {threads} threads: {} bytes per step",
         bytes
     );
-    let copy_bw = host_copy_bandwidth(threads, params * 4);
+    let copy_bw = host_copy_bandwidth(threads, params * 4)?;
     let rmw_bw = host_update_bandwidth(threads, params * 4);
     println!(
         "host in-place update bandwidth ({} MB, {threads} threads): {:.2} GB/s (read + write)",

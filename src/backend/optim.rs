@@ -236,7 +236,7 @@ pub struct Bandwidths {
 impl Bandwidths {
     /// Measures the three on `store`'s backend with `threads` host threads (about a second).
     pub fn measure(store: &Store, threads: usize) -> Result<Bandwidths> {
-        let host = host_copy_bandwidth(threads, 256 << 20);
+        let host = host_copy_bandwidth(threads, 256 << 20)?;
         match store.cuda_context() {
             Some(ctx) => {
                 let bytes = 256 << 20;
@@ -245,34 +245,19 @@ impl Bandwidths {
                 Ok(Bandwidths { h2d: bytes as f64 / h, d2h: bytes as f64 / d, host })
             }
             None => {
-                let one = host_copy_bandwidth(1, 64 << 20) / 2.0;
+                let one = host_copy_bandwidth(1, 64 << 20)? / 2.0;
                 Ok(Bandwidths { h2d: one, d2h: one, host })
             }
         }
     }
 }
 
-/// Host memory bandwidth of a copy of `bytes` split over `threads` threads: (bytes read + bytes
-/// written) / seconds, the median of five after a warm-up.
-pub fn host_copy_bandwidth(threads: usize, bytes: usize) -> f64 {
-    let threads = resolve_threads(threads);
-    let src = vec![1u8; bytes];
-    let mut dst = vec![0u8; bytes];
-    let part = bytes.div_ceil(threads).max(1);
-    let mut times = Vec::new();
-    for i in 0..6 {
-        let t = Instant::now();
-        std::thread::scope(|s| {
-            for (d, c) in dst.chunks_mut(part).zip(src.chunks(part)) {
-                s.spawn(move || d.copy_from_slice(c));
-            }
-        });
-        if i > 0 {
-            times.push(t.elapsed().as_secs_f64());
-        }
-    }
-    std::hint::black_box(&dst);
-    2.0 * bytes as f64 / median(&times)
+/// Host memory bandwidth of a copy of `bytes` split over `threads` threads (0: every core):
+/// (bytes read + bytes written) / seconds, the median of five after a warm-up (`strata bench`'s
+/// `host_memcpy`, on these threads).
+pub fn host_copy_bandwidth(threads: usize, bytes: usize) -> Result<f64> {
+    let t = crate::bench::host::memcpy_on(bytes.max(1), resolve_threads(threads), 1, 5)?;
+    Ok(2.0 * t.bytes as f64 / t.median_s())
 }
 
 /// Host memory bandwidth of an in-place update of `bytes` of f32s (`x = x · a + b`) split over

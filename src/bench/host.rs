@@ -18,13 +18,25 @@ fn copier_threads() -> usize {
 /// copier uses (one below 4 MiB). The threads are started once, before the clock runs: each
 /// timed run only releases them and waits for them, as the copier's standing threads do.
 pub(super) fn memcpy(bytes: usize, warmup: usize, reps: usize) -> Result<crate::probe::Timing> {
+    let threads = if bytes >= PARALLEL_MIN { copier_threads() } else { 1 };
+    memcpy_on(bytes, threads, warmup, reps)
+}
+
+/// [`memcpy`] on exactly `threads` threads (at least one), for bounds that must use the same
+/// threads as the work they bound (the optimizer's CPU step).
+pub(crate) fn memcpy_on(
+    bytes: usize,
+    threads: usize,
+    warmup: usize,
+    reps: usize,
+) -> Result<crate::probe::Timing> {
     if bytes == 0 || reps == 0 {
         return Err(Error::InvalidArgument("host_memcpy of 0 bytes or 0 runs".into()));
     }
     let src = vec![1u8; bytes];
     let mut dst = vec![0u8; bytes];
     let runs = warmup + reps;
-    let threads = if bytes >= PARALLEL_MIN { copier_threads() } else { 1 };
+    let threads = threads.max(1);
     let mut seconds = Vec::with_capacity(reps);
     if threads == 1 {
         for run in 0..runs {

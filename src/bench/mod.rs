@@ -37,7 +37,7 @@
 //! ```
 
 mod disk;
-mod host;
+pub(crate) mod host;
 mod report;
 mod store_paths;
 mod svg;
