@@ -28,7 +28,7 @@
 //! | residency: where each tensor's copies are | `store.rs` (`Entry`) |
 //! | policy: victims and promotions | `policy/` (a file per policy) |
 //! | tier arenas and the extent allocator | `arena.rs`, `alloc.rs`, `disk.rs` |
-//! | backend: host emulation or CUDA | `backend/` |
+//! | backend: host emulation (optionally in simulated time) or CUDA | `backend/` |
 //!
 //! See `docs/architecture.md` for the whole picture.
 
@@ -42,6 +42,7 @@ pub mod bench;
 mod disk;
 mod engine;
 mod error;
+pub use backend::sim::Simulation;
 pub use backend::{kernels, linalg, optim, probe};
 pub mod mlp;
 pub mod plan;

@@ -20,7 +20,9 @@ use half::bf16;
 
 use crate::linalg::{Linalg, Matrix};
 use crate::probe::{median, median_after_first, raw_pinned_copy, Direction};
-use crate::{format_size, parse_size, DType, Error, PolicyKind, Result, Store, TensorId, Tier};
+use crate::{
+    format_size, parse_size, DType, Error, PolicyKind, Result, Simulation, Store, TensorId, Tier,
+};
 
 /// Inference or training.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -48,8 +50,9 @@ pub struct MlpConfig {
     pub hints: bool,
     /// How many layers ahead a scope prefetches.
     pub ahead: usize,
-    /// The store's prefetch budget (default: `ahead + 1` layers, enough to keep the copy
-    /// engine busy; the rest of the device budget keeps layers resident).
+    /// The store's prefetch budget (default: `ahead` layers: one copy queued behind the one in
+    /// progress keeps the copy engine busy, since the host issues the whole step ahead of the
+    /// GPU; the rest of the device budget keeps layers resident).
     pub prefetch_budget: Option<u64>,
     /// The store's policy.
     pub policy: PolicyKind,
@@ -65,6 +68,13 @@ pub struct MlpConfig {
     pub host: bool,
     /// Also run every weight resident (the compute floor and the correctness reference).
     pub compare: bool,
+    /// Simulate this machine on the host backend (`--simulate h100`): the loop runs a model
+    /// with the same layer count and budget in layers, shrunk to `hidden ≤ 64` and `rows ≤ 8`,
+    /// in [simulated time](crate::StoreBuilder::simulate) scaled so that each layer's copies
+    /// and GEMMs take the time they would at the configured size.
+    pub simulate: Option<Simulation>,
+    /// Write a Chrome trace of the out-of-core run's copies and waits here (`--trace FILE`).
+    pub trace: Option<std::path::PathBuf>,
 }
 
 impl Default for MlpConfig {
@@ -76,7 +86,7 @@ impl Default for MlpConfig {
             device_budget: 1 << 30,
             mode: Mode::Forward,
             hints: true,
-            ahead: 2,
+            ahead: 1,
             prefetch_budget: None,
             policy: PolicyKind::Schedule,
             steps: 5,
@@ -85,6 +95,8 @@ impl Default for MlpConfig {
             weights_in: Tier::Pinned,
             host: false,
             compare: true,
+            simulate: None,
+            trace: None,
         }
     }
 }
@@ -92,11 +104,11 @@ impl Default for MlpConfig {
 /// The flags `parse` accepts, for usage messages.
 pub const USAGE: &str = "--layers L --hidden H --rows R --device-budget SIZE --mode forward|train \
 --hints on|off --ahead K --prefetch-budget SIZE --policy frequency|lru|schedule --steps N --lr F --seed S \
---weights-in pinned|disk --compare on|off --host";
+--weights-in pinned|disk --compare on|off --host --simulate h100 --trace FILE";
 
 impl MlpConfig {
     /// Parses command-line flags (see [`USAGE`]) over the defaults (L=32, H=8192, rows 2048,
-    /// budget 1 GiB, forward, hints on, schedule policy, 5 steps). Sizes take units.
+    /// budget 1 GiB, forward, hints on, 1 ahead, schedule policy, 5 steps). Sizes take units.
     pub fn parse<I, S>(args: I) -> Result<MlpConfig>
     where
         I: IntoIterator<Item = S>,
@@ -138,6 +150,13 @@ impl MlpConfig {
                 "--seed" => c.seed = v.parse().map_err(|_| bad(&flag, &v))?,
                 "--weights-in" => c.weights_in = v.parse()?,
                 "--compare" => c.compare = on(&v)?,
+                "--trace" => c.trace = Some(v.into()),
+                "--simulate" => {
+                    c.simulate = match v.as_str() {
+                        "h100" => Some(Simulation::h100()),
+                        _ => return Err(bad(&flag, &v)),
+                    }
+                }
                 _ => return Err(Error::InvalidArgument(format!("unknown flag {flag} ({USAGE})"))),
             }
         }
@@ -160,6 +179,23 @@ impl MlpConfig {
         self.layers as u64 * self.layer_bytes()
     }
 
+    /// The model that runs and the scales of a simulation: with `--simulate`, the same layers,
+    /// budgets in layers, shrunk to `hidden ≤ 64` and `rows ≤ 8`, on a simulated store whose
+    /// bytes and flops stand for the configured model's; else `self` unchanged.
+    fn data_model(&self) -> (MlpConfig, Option<Simulation>) {
+        let Some(sim) = self.simulate else { return (self.clone(), None) };
+        let mut d = self.clone();
+        d.hidden = self.hidden.min(64);
+        d.rows = self.rows.min(8);
+        let bytes = (self.hidden as f64 / d.hidden as f64).powi(2);
+        let flops = bytes * self.rows as f64 / d.rows as f64;
+        d.device_budget = (self.device_budget as f64 / bytes).round() as u64;
+        d.prefetch_budget = self.prefetch_budget.map(|b| (b as f64 / bytes).round() as u64);
+        d.simulate = None;
+        d.host = true;
+        (d, Some(sim.scaled(bytes, flops)))
+    }
+
     /// Layer order of one step: forward 0..L, then backward L..0 when training.
     fn order(&self) -> Vec<usize> {
         let f = 0..self.layers;
@@ -173,8 +209,11 @@ impl MlpConfig {
 /// One step's figures.
 #[derive(Clone, Debug)]
 pub struct StepReport {
-    /// Wall-clock seconds, issue to completion.
+    /// Wall-clock seconds, issue to completion (simulated seconds with `--simulate`).
     pub seconds: f64,
+    /// Seconds the host took to issue the step's work, before it waited for the device: near
+    /// `seconds`, the host (not the GPU or the link) is what limits the step.
+    pub issue_seconds: f64,
     /// Bytes copied into the Device tier.
     pub h2d_bytes: u64,
     /// Bytes copied out of the Device tier (write-backs).
@@ -211,6 +250,8 @@ pub struct MlpReport {
     pub matches_resident: Option<bool>,
     /// Largest absolute difference from the resident run.
     pub max_abs_diff: f32,
+    /// Whether the times are simulated ([`MlpConfig::simulate`]).
+    pub simulated: bool,
 }
 
 /// Deterministic values uniform in `[-a, a]` (xorshift64 from `seed` and `stream`).
@@ -265,21 +306,29 @@ struct Net {
     dw: Option<Matrix>,
 }
 
-fn build(cfg: &MlpConfig, resident: bool, w: &[Vec<u8>], x: &[bf16]) -> Result<Net> {
+fn build(
+    cfg: &MlpConfig,
+    sim: Option<Simulation>,
+    resident: bool,
+    w: &[Vec<u8>],
+    x: &[bf16],
+) -> Result<Net> {
     let model = cfg.model_bytes();
     let slack = 1 << 20;
     let mut b = Store::builder().capacity(Tier::Mapped, 0).policy(cfg.policy);
     b = if resident {
         b.capacity(Tier::Device, model + slack).capacity(Tier::Pinned, 0).capacity(Tier::Disk, 0)
     } else {
-        let prefetch = cfg.prefetch_budget.unwrap_or((cfg.ahead as u64 + 1) * cfg.layer_bytes());
+        let prefetch = cfg.prefetch_budget.unwrap_or(cfg.ahead.max(1) as u64 * cfg.layer_bytes());
         let b = b.capacity(Tier::Device, cfg.device_budget).prefetch_budget(prefetch);
         match cfg.weights_in {
             Tier::Disk => b.capacity(Tier::Pinned, 0).capacity(Tier::Disk, model + slack),
             _ => b.capacity(Tier::Pinned, model + slack).capacity(Tier::Disk, 0),
         }
     };
-    if cfg.host {
+    if let Some(sim) = sim {
+        b = b.simulate(sim);
+    } else if cfg.host {
         b = b.host_backend();
     }
     // Staging pieces no larger than a layer keep small models' pipelines honest.
@@ -311,8 +360,25 @@ fn build(cfg: &MlpConfig, resident: bool, w: &[Vec<u8>], x: &[bf16]) -> Result<N
     Ok(Net { store, la, ids, x: xm, acts, g, dw })
 }
 
-/// One step; returns when the device has finished it.
-fn step(cfg: &MlpConfig, net: &mut Net, hints: bool) -> Result<()> {
+/// Seconds on a store's clock: simulated on a simulated store, the host's otherwise.
+struct StepClock(Option<f64>, Instant);
+
+impl StepClock {
+    fn start(store: &Store) -> StepClock {
+        StepClock(store.simulated_seconds(), Instant::now())
+    }
+    fn elapsed(&self, store: &Store) -> f64 {
+        match (self.0, store.simulated_seconds()) {
+            (Some(t0), Some(t)) => t - t0,
+            _ => self.1.elapsed().as_secs_f64(),
+        }
+    }
+}
+
+/// One step; returns when the device has finished it, with the seconds the host took to issue
+/// it (before it waited for the device).
+fn step(cfg: &MlpConfig, net: &mut Net, hints: bool) -> Result<f64> {
+    let clock = StepClock::start(&net.store);
     let order = cfg.order();
     let Net { store, la, ids, x, acts, g, dw } = net;
     let s = la.stream().clone();
@@ -349,7 +415,9 @@ fn step(cfg: &MlpConfig, net: &mut Net, hints: bool) -> Result<()> {
             g.swap(0, 1);
         }
     }
-    la.synchronize()
+    let issued = clock.elapsed(store);
+    la.synchronize()?;
+    Ok(issued)
 }
 
 /// `(&v[i], &mut v[o])` for `i != o`.
@@ -384,8 +452,12 @@ fn result(cfg: &MlpConfig, net: &Net) -> Result<Vec<bf16>> {
 /// gets a line per phase and per step.
 pub fn run(cfg: &MlpConfig, mut progress: impl FnMut(&str)) -> Result<MlpReport> {
     let t0 = Instant::now();
-    let w = weights(cfg);
-    let x: Vec<bf16> = values(cfg.seed, 0, cfg.rows * cfg.hidden, 1.0)
+    // With --simulate a small model runs, timed (and its bytes counted) as `cfg`'s.
+    let (data, sim) = cfg.data_model();
+    let scale = sim.map_or(1.0, |s| s.bytes_scale);
+    let big = |b: u64| (b as f64 * scale).round() as u64;
+    let w = weights(&data);
+    let x: Vec<bf16> = values(data.seed, 0, data.rows * data.hidden, 1.0)
         .chunks_exact(2)
         .map(|c| bf16::from_bits(u16::from_ne_bytes([c[0], c[1]])))
         .collect();
@@ -398,22 +470,30 @@ pub fn run(cfg: &MlpConfig, mut progress: impl FnMut(&str)) -> Result<MlpReport>
         t0.elapsed().as_secs_f64(),
         h = cfg.hidden
     ));
+    if sim.is_some() {
+        progress(&format!(
+            "simulated: runs [{h}, {h}] layers with {} rows, timed as the model above on the \
+             simulated machine (strata::Simulation)",
+            data.rows,
+            h = data.hidden
+        ));
+    }
 
     let mut compute = None;
     let mut reference = None;
     if cfg.compare {
-        match build(cfg, true, &w, &x) {
+        match build(&data, sim, true, &w, &x) {
             Ok(mut net) => {
                 let mut times = Vec::new();
                 for i in 0..cfg.steps {
-                    let t = Instant::now();
-                    step(cfg, &mut net, false)?;
+                    let t = StepClock::start(&net.store);
+                    step(&data, &mut net, false)?;
                     if i > 0 || cfg.steps == 1 {
-                        times.push(t.elapsed().as_secs_f64());
+                        times.push(t.elapsed(&net.store));
                     }
                 }
                 compute = Some(median(&times));
-                reference = Some(result(cfg, &net)?);
+                reference = Some(result(&data, &net)?);
                 progress(&format!(
                     "all weights resident ({}): {:.2} ms per step (compute floor)",
                     net.store.backend_description(),
@@ -427,11 +507,11 @@ pub fn run(cfg: &MlpConfig, mut progress: impl FnMut(&str)) -> Result<MlpReport>
         }
     }
 
-    let mut net = build(cfg, false, &w, &x)?;
+    let mut net = build(&data, sim, false, &w, &x)?;
     drop(w);
     let backend = net.store.backend_description();
-    let h2d_bandwidth = match net.store.cuda_context() {
-        Some(ctx) => {
+    let h2d_bandwidth = match (net.store.cuda_context(), sim) {
+        (Some(ctx), _) => {
             let t = median(&raw_pinned_copy(
                 ctx,
                 cfg.layer_bytes() as usize,
@@ -440,7 +520,8 @@ pub fn run(cfg: &MlpConfig, mut progress: impl FnMut(&str)) -> Result<MlpReport>
             )?);
             Some(cfg.layer_bytes() as f64 / t)
         }
-        None => None,
+        (None, Some(s)) => Some(s.h2d_bytes_per_s),
+        (None, None) => None,
     };
     progress(&format!(
         "out of core ({backend}): device budget {}, weights in {}, hints {}, policy {}",
@@ -452,41 +533,50 @@ pub fn run(cfg: &MlpConfig, mut progress: impl FnMut(&str)) -> Result<MlpReport>
     let mut steps = Vec::new();
     for i in 0..cfg.steps {
         let before = net.store.stats();
-        let t = Instant::now();
-        step(cfg, &mut net, cfg.hints)?;
-        let seconds = t.elapsed().as_secs_f64();
+        let t = StepClock::start(&net.store);
+        let issue_seconds = step(&data, &mut net, data.hints)?;
+        let seconds = t.elapsed(&net.store);
         let after = net.store.stats();
         let r = StepReport {
             seconds,
-            h2d_bytes: after.moved_into(Tier::Device) - before.moved_into(Tier::Device),
-            d2h_bytes: after.moved_out_of(Tier::Device) - before.moved_out_of(Tier::Device),
+            issue_seconds,
+            h2d_bytes: big(after.moved_into(Tier::Device) - before.moved_into(Tier::Device)),
+            d2h_bytes: big(after.moved_out_of(Tier::Device) - before.moved_out_of(Tier::Device)),
             stall_seconds: after.stall_seconds - before.stall_seconds,
             prefetch_hits: after.prefetch_hits - before.prefetch_hits,
             prefetch_misses: after.prefetch_misses - before.prefetch_misses,
         };
         progress(&format!(
-            "step {:>3}: {:>9.2} ms  h2d {:>10}  d2h {:>10}  stall {:>8.2} ms  prefetch hits {:>4} misses {:>4}",
+            "step {:>3}: {:>9.2} ms  h2d {:>10}  d2h {:>10}  stall {:>8.2} ms  prefetch hits {:>4} misses {:>4}  issued in {:.2} ms",
             i + 1,
             seconds * 1e3,
             format_size(r.h2d_bytes),
             format_size(r.d2h_bytes),
             r.stall_seconds * 1e3,
             r.prefetch_hits,
-            r.prefetch_misses
+            r.prefetch_misses,
+            r.issue_seconds * 1e3
         ));
         steps.push(r);
     }
     net.store.check_err()?;
+    if let Some(path) = &cfg.trace {
+        net.store.trace(path)?;
+        progress(&format!("trace of the copies and waits: {}", path.display()));
+    }
 
     let (matches_resident, max_abs_diff) = match &reference {
         Some(want) => {
-            let got = result(cfg, &net)?;
+            let got = result(&data, &net)?;
             let diff = got
                 .iter()
                 .zip(want)
                 .map(|(a, b)| (a.to_f32() - b.to_f32()).abs())
                 .fold(0f32, f32::max);
-            (Some(got == *want), diff)
+            // Bits, not values: NaNs (a diverging model) compare equal when they are the same.
+            let same = got.len() == want.len()
+                && got.iter().zip(want).all(|(a, b)| a.to_bits() == b.to_bits());
+            (Some(same), diff)
         }
         None => (None, 0.0),
     };
@@ -517,6 +607,7 @@ pub fn run(cfg: &MlpConfig, mut progress: impl FnMut(&str)) -> Result<MlpReport>
         ratio: floor.map(|f| step_seconds / f),
         matches_resident,
         max_abs_diff,
+        simulated: sim.is_some(),
     })
 }
 
@@ -529,10 +620,11 @@ impl std::fmt::Display for MlpReport {
         if let (Some(bw), Some(p)) = (self.h2d_bandwidth, self.pcie_seconds) {
             writeln!(
                 f,
-                "PCIe floor: {} in, {} out per step at {:.2} GB/s (raw pinned H2D) = {:.2} ms",
+                "PCIe floor: {} in, {} out per step at {:.2} GB/s ({}) = {:.2} ms",
                 format_size(self.min_bytes.0),
                 format_size(self.min_bytes.1),
                 bw / 1e9,
+                if self.simulated { "simulated H2D" } else { "raw pinned H2D" },
                 p * 1e3
             )?;
         }

@@ -21,6 +21,7 @@ use parking_lot::{Mutex, MutexGuard};
 use crate::arena::{copier, copy_extent, Extent, MemArena, PinnedStaging, StagingBuf};
 use crate::backend::cuda::{self, CudaBackend};
 use crate::backend::host::HostBackend;
+use crate::backend::sim::{SimClock, Simulation};
 use crate::backend::{Backend, RawEvent, RawStream};
 use crate::disk::{DiskExtent, DiskTier};
 use crate::disk::{DiskReader, ExternalFile};
@@ -49,6 +50,7 @@ enum BackendChoice {
     Auto,
     Host,
     RequireGpu,
+    Simulate(Simulation),
 }
 
 /// Configures and builds a [`Store`].
@@ -113,6 +115,30 @@ impl StoreBuilder {
     /// Forces the host backend (tiers emulated in host memory) even when a GPU is present.
     pub fn host_backend(mut self) -> Self {
         self.backend = BackendChoice::Host;
+        self
+    }
+
+    /// The host backend in simulated time: copies and kernels take the time they would take on
+    /// the machine `sim` describes, and the store's timings ([`Stats`], traces, step times read
+    /// from events) are simulated ones. For planning an out-of-core run and studying its
+    /// pipeline on a machine without a GPU; see [`Simulation`] for what the model leaves out.
+    ///
+    /// ```
+    /// use strata::{DType, Simulation, Store, Tier};
+    /// # fn main() -> strata::Result<()> {
+    /// // Each simulated byte stands for 1 MiB: a 64 KiB tensor is timed as 64 GiB.
+    /// let sim = Simulation::h100().scaled((1 << 20) as f64, 1.0);
+    /// let store = Store::builder().simulate(sim).capacity(Tier::Device, 1 << 20).build()?;
+    /// let w = store.put("w", DType::U8, &[65536], &[1; 65536])?;
+    /// store.move_to(w, Tier::Pinned)?;
+    /// let t0 = store.simulated_seconds().unwrap();
+    /// store.move_to(w, Tier::Device)?;
+    /// let secs = store.simulated_seconds().unwrap() - t0;
+    /// assert!((secs - 64.0 * 1.073741824 / 54.3).abs() < 1e-3); // 64 GiB at 54.3 GB/s
+    /// # Ok(()) }
+    /// ```
+    pub fn simulate(mut self, sim: Simulation) -> Self {
+        self.backend = BackendChoice::Simulate(sim);
         self
     }
 
@@ -241,6 +267,7 @@ impl StoreBuilder {
             probes: Vec::new(),
             reuse_waits: Vec::new(),
             deferred_frees: Vec::new(),
+            copy_start: None,
         };
         let shared = Arc::new(Shared {
             backend,
@@ -264,6 +291,10 @@ impl StoreBuilder {
         }
         match self.backend {
             BackendChoice::Host => Ok((Backend::Host(HostBackend::new()?), None)),
+            BackendChoice::Simulate(sim) => {
+                sim.check()?;
+                Ok((Backend::Host(HostBackend::simulated(SimClock::new(sim))), None))
+            }
             BackendChoice::RequireGpu => Ok((Backend::Cuda(CudaBackend::new(self.device)?), None)),
             BackendChoice::Auto => match cuda::device_count() {
                 Ok(_) => Ok((Backend::Cuda(CudaBackend::new(self.device)?), None)),
@@ -379,6 +410,9 @@ pub(crate) struct Entry {
     /// Prefetched to the device and not yet used by a view (counts against the prefetch budget
     /// and is not evicted meanwhile).
     pub(crate) prefetched: Option<Source>,
+    /// The prefetch started a copy, whose bytes count against the prefetch budget until the
+    /// tensor is used (a prefetch of a tensor already resident only protects it).
+    pub(crate) prefetch_charged: bool,
     /// Released by a hint or a scope's end: the first to go when room is needed.
     pub(crate) released: bool,
     /// Times the tensor was copied into the Device tier from another tier.
@@ -405,6 +439,7 @@ impl Entry {
             pins: 0,
             scopes: 0,
             prefetched: None,
+            prefetch_charged: false,
             released: false,
             device_loads: 0,
             group: Group::Other,
@@ -464,7 +499,7 @@ pub(crate) struct State {
     next_id: u64,
     pub(crate) counters: Counters,
     promote_on_read: bool,
-    /// Bytes prefetched and not yet used or released.
+    /// Bytes whose copies prefetches started and that are not yet used or released.
     pub(crate) inflight: u64,
     pub(crate) prefetch_budget: u64,
     /// Hinted prefetches waiting for room in the prefetch budget, in order.
@@ -480,6 +515,8 @@ pub(crate) struct State {
     /// Stream waits whose length is known once both events complete: (mark on the consumer's
     /// stream, the copy's event).
     pub(crate) probes: Vec<(RawEvent, RawEvent)>,
+    /// Set by a device copy after its stream's waits: where its trace span starts.
+    copy_start: Option<RawEvent>,
 }
 
 /// Public facts about one tensor.
@@ -532,6 +569,16 @@ impl Store {
             Some(why) => format!("{} ({why})", self.shared.backend.describe()),
             None => self.shared.backend.describe(),
         }
+    }
+
+    /// The host's simulated time in seconds, on a [simulated](StoreBuilder::simulate) store.
+    pub fn simulated_seconds(&self) -> Option<f64> {
+        self.shared.backend.sim().map(|c| c.now())
+    }
+
+    /// The machine a [simulated](StoreBuilder::simulate) store simulates.
+    pub fn simulation(&self) -> Option<Simulation> {
+        self.shared.backend.sim().map(|c| c.spec)
     }
 
     /// The CUDA context, on the CUDA backend.
@@ -1365,7 +1412,7 @@ impl State {
     /// The tensor was used by a view (or left the device): it no longer counts as prefetched.
     fn consume_prefetch(&mut self, id: TensorId) {
         if let Some(e) = self.entries.get_mut(&id) {
-            if e.prefetched.take().is_some() {
+            if e.prefetched.take().is_some() && std::mem::take(&mut e.prefetch_charged) {
                 self.inflight = self.inflight.saturating_sub(e.bytes);
             }
         }
@@ -1848,7 +1895,9 @@ impl State {
             (Tier::Device, _) => (Track::D2h, TimePoint::Ev(be.d2h().record()?)),
             _ => (Track::Host, TimePoint::Host(Instant::now())),
         };
+        self.copy_start = None;
         let res = self.copy_into(be, id, from, to, &mut dst);
+        let start = self.copy_start.take().map_or(start, TimePoint::Ev);
         match res {
             Ok(ready) => {
                 let (bytes, name) = (self.entries[&id].bytes, self.entries[&id].name.clone());
@@ -1893,7 +1942,7 @@ impl State {
         if to == Tier::Device {
             self.h2d_ready(be)?;
         }
-        let State { arenas, disk, staging, entries, .. } = self;
+        let State { arenas, disk, staging, entries, copy_start, .. } = self;
         let e = entries.get_mut(&id).ok_or(Error::UnknownId(id))?;
         let name = &e.name;
         let src = e.replicas[from.index()].as_ref().ok_or(Error::NotInTier { id, tier: from })?;
@@ -1920,6 +1969,8 @@ impl State {
                 for ev in &e.last_use {
                     stream.wait(ev)?;
                 }
+                // The copy's span starts after the waits, so a trace shows them as idle time.
+                *copy_start = Some(stream.record()?);
                 Ok(Some(copy_extent(stream, da, d, sa, s)?))
             }
             (Ext::Mem(s), Ext::Disk(d)) => {

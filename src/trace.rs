@@ -140,6 +140,10 @@ impl Clock {
             ev.synchronize()?;
             return Ok(Clock { base: Instant::now(), base_ev: Some(ev) });
         }
+        if let Some(sim) = backend.sim() {
+            // Simulated events complete at instants after the simulation's base.
+            return Ok(Clock { base: sim.base(), base_ev: None });
+        }
         Ok(Clock { base: Instant::now(), base_ev: None })
     }
 

@@ -195,15 +195,21 @@ impl DeviceView {
 
     /// The bytes on the CPU, after the view's stream has run what was issued to it: on the host
     /// backend for every tier, on the CUDA backend for mapped views. `f` runs under the store's
-    /// lock: it must not call the store.
+    /// lock: it must not call the store. On a [simulated](crate::StoreBuilder::simulate) store
+    /// the work issued has run already, and `f` stands for a kernel issued on the stream: it
+    /// does not wait for the stream in simulated time.
     pub fn with_host_bytes<R>(&self, f: impl FnOnce(&[u8]) -> R) -> Result<R> {
-        self.stream.synchronize()?;
+        if !self.stream.is_simulated() {
+            self.stream.synchronize()?;
+        }
         self.shared.with_view_bytes(self.id, self.tier, |b| f(b))
     }
 
     /// Like [`DeviceView::with_host_bytes`], for writing; marks the view dirty.
     pub fn with_host_bytes_mut<R>(&mut self, f: impl FnOnce(&mut [u8]) -> R) -> Result<R> {
-        self.stream.synchronize()?;
+        if !self.stream.is_simulated() {
+            self.stream.synchronize()?;
+        }
         self.dirty = true;
         self.shared.with_view_bytes(self.id, self.tier, f)
     }

@@ -677,3 +677,50 @@ fn trace_is_chrome_json_of_the_copies() {
         store.check_err().unwrap();
     });
 }
+
+#[test]
+fn hinting_a_resident_tensor_leaves_the_prefetch_budget_to_copies() {
+    common::each_backend("hinting_a_resident_tensor", |backend| {
+        // Room for four 16 KiB tensors, and copies of one in flight at a time.
+        let store = backend
+            .builder()
+            .capacity(Tier::Device, 64 * KIB)
+            .capacity(Tier::Pinned, 128 * KIB)
+            .capacity(Tier::Mapped, 0)
+            .capacity(Tier::Disk, 0)
+            .staging(2, 16 * KIB as usize)
+            .prefetch_budget(16 * KIB)
+            .build()
+            .unwrap();
+        let l16 = 16 * KIB as usize;
+        let (a, da) = put(&store, "a", l16, 40);
+        let (b, db) = put(&store, "b", l16, 41);
+        let (c, dc) = put(&store, "c", l16, 42);
+        store.move_to(a, Tier::Device).unwrap();
+        store.move_to(b, Tier::Pinned).unwrap();
+        store.move_to(c, Tier::Pinned).unwrap();
+
+        // `a` is resident: hinting it protects it but moves nothing, so `b`'s copy starts now
+        // (counting `a` would leave `b` waiting while the copy engine idles).
+        store.prefetch(&[a]).unwrap();
+        assert_eq!(store.stats().prefetch_in_flight, 0, "a resident tensor costs no budget");
+        store.prefetch(&[b]).unwrap();
+        assert_eq!(store.tier_of(b).unwrap(), Tier::Device, "b's copy started");
+        assert_eq!(store.stats().prefetch_in_flight, 16 * KIB);
+        // The budget is b's until b is used: c waits.
+        store.prefetch(&[c]).unwrap();
+        assert_eq!(store.tier_of(c).unwrap(), Tier::Pinned, "c waits for the budget");
+        let s = store.stream().unwrap();
+        let v = store.device_view(b, &s).unwrap();
+        assert_eq!(view_read(&v), db);
+        drop(v);
+        assert_eq!(store.tier_of(c).unwrap(), Tier::Device, "using b started c");
+        for (id, data) in [(a, &da), (c, &dc)] {
+            let v = store.device_view(id, &s).unwrap();
+            assert_eq!(view_read(&v), *data);
+        }
+        assert_eq!(store.stats().prefetch_in_flight, 0);
+        assert_eq!(store.stats().prefetch_misses, 0);
+        store.check_err().unwrap();
+    });
+}

@@ -4,6 +4,12 @@
 //! ordering a CUDA stream gives; a [`HostEvent`] is a flag set by a job. Waiting a stream on an
 //! event issues a job that blocks that stream's thread until the flag is set, so stream-ordering
 //! bugs in the layers above show up on this backend as they would on a GPU.
+//!
+//! With a [`Simulation`] the streams have no threads: each operation runs at once on the calling
+//! thread (issue order is a valid order, since a stream only ever waits for events recorded
+//! before), and is placed in *simulated* time, where copies take the time the simulated link
+//! would need and the host's clock only advances by a launch overhead per operation and by
+//! waiting. Events complete at their simulated times. See [`Simulation`] for the model.
 
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -11,6 +17,7 @@ use std::thread::JoinHandle;
 use crossbeam::channel::{unbounded, Sender};
 use parking_lot::{Condvar, Mutex};
 
+use super::sim::{Lane, SimClock};
 use super::{Addr, Block, BlockOwner, MemKind, RawStream};
 use crate::error::{Error, Result};
 
@@ -21,6 +28,8 @@ const HOST_BLOCK_ALIGN: usize = 4096;
 pub(crate) struct HostBackend {
     pub(crate) h2d: RawStream,
     pub(crate) d2h: RawStream,
+    /// Simulated time, when the backend simulates a GPU machine.
+    pub(crate) sim: Option<Arc<SimClock>>,
 }
 
 impl HostBackend {
@@ -28,7 +37,25 @@ impl HostBackend {
         Ok(HostBackend {
             h2d: RawStream::Host(HostStream::new("strata-h2d")?),
             d2h: RawStream::Host(HostStream::new("strata-d2h")?),
+            sim: None,
         })
+    }
+
+    /// A backend whose streams run in simulated time.
+    pub(crate) fn simulated(clock: Arc<SimClock>) -> HostBackend {
+        HostBackend {
+            h2d: RawStream::Host(HostStream::simulated(&clock, Lane::H2d)),
+            d2h: RawStream::Host(HostStream::simulated(&clock, Lane::D2h)),
+            sim: Some(clock),
+        }
+    }
+
+    /// A stream for the user's work.
+    pub(crate) fn new_stream(&self) -> Result<Arc<HostStream>> {
+        match &self.sim {
+            Some(clock) => Ok(HostStream::simulated(clock, Lane::Compute)),
+            None => HostStream::new("strata-user"),
+        }
     }
 
     pub(crate) fn alloc(&self, kind: MemKind, len: usize) -> Result<Block> {
@@ -66,10 +93,20 @@ fn kind_tier(kind: MemKind) -> crate::Tier {
 
 type Job = Box<dyn FnOnce() + Send>;
 
-/// A worker thread that runs jobs in issue order: the host stand-in for a CUDA stream.
+/// A worker thread that runs jobs in issue order: the host stand-in for a CUDA stream. A
+/// simulated stream has no thread (see the module docs).
 pub(crate) struct HostStream {
     tx: Option<Sender<Job>>,
     thread: Option<JoinHandle<()>>,
+    sim: Option<SimLane>,
+}
+
+/// A simulated stream's place in simulated time.
+struct SimLane {
+    clock: Arc<SimClock>,
+    lane: Lane,
+    /// When the work issued so far ends (simulated seconds).
+    free_at: Mutex<f64>,
 }
 
 /// A raw copy to run on a stream thread.
@@ -110,7 +147,33 @@ impl HostStream {
                 }
             })
             .map_err(|e| Error::io("<thread spawn>", e))?;
-        Ok(Arc::new(HostStream { tx: Some(tx), thread: Some(thread) }))
+        Ok(Arc::new(HostStream { tx: Some(tx), thread: Some(thread), sim: None }))
+    }
+
+    /// A stream that runs its work at once and places it in `clock`'s simulated time.
+    pub(crate) fn simulated(clock: &Arc<SimClock>, lane: Lane) -> Arc<HostStream> {
+        Arc::new(HostStream {
+            tx: None,
+            thread: None,
+            sim: Some(SimLane { clock: clock.clone(), lane, free_at: Mutex::new(0.0) }),
+        })
+    }
+
+    /// Whether the stream runs in simulated time.
+    pub(crate) fn is_simulated(&self) -> bool {
+        self.sim.is_some()
+    }
+
+    /// Simulated: places an operation of `seconds` (or, for a copy, of `copy_bytes` over the
+    /// lane's link) after the stream's earlier work and after the host issued it.
+    fn sim_issue(lane: &SimLane, seconds: f64, copy_bytes: Option<usize>) {
+        let issued = lane.clock.issue();
+        let mut free = lane.free_at.lock();
+        let start = free.max(issued);
+        *free = match copy_bytes {
+            Some(n) => lane.clock.copy_end(lane.lane, start, n),
+            None => start + seconds,
+        };
     }
 
     fn submit(&self, job: Job) {
@@ -132,12 +195,24 @@ impl HostStream {
             return Ok(());
         }
         let job = CopyJob { dst: host_ptr(dst), src: host_ptr(src), len };
-        self.submit(Box::new(move || job.run()));
+        match &self.sim {
+            Some(lane) => {
+                // Issue order is a valid order (module docs): copy now, account for it in
+                // simulated time.
+                job.run();
+                Self::sim_issue(lane, 0.0, Some(len));
+            }
+            None => self.submit(Box::new(move || job.run())),
+        }
         Ok(())
     }
 
     /// An event set once every job issued before it has run.
     pub(crate) fn record(&self) -> Arc<HostEvent> {
+        if let Some(lane) = &self.sim {
+            let at = lane.free_at.lock().max(lane.clock.now());
+            return Arc::new(HostEvent::simulated(lane.clock.clone(), at));
+        }
         let ev = Arc::new(HostEvent::default());
         let e = ev.clone();
         self.submit(Box::new(move || e.set()));
@@ -146,6 +221,13 @@ impl HostStream {
 
     /// Later jobs on this stream wait until `ev` is set.
     pub(crate) fn wait(&self, ev: Arc<HostEvent>) {
+        if let Some(lane) = &self.sim {
+            if let Some(at) = ev.sim_time() {
+                let mut free = lane.free_at.lock();
+                *free = free.max(at);
+            }
+            return;
+        }
         if ev.is_complete() {
             return;
         }
@@ -153,9 +235,29 @@ impl HostStream {
     }
 
     /// Runs `f` on the stream thread after everything issued before: how host-backend users run
-    /// their "kernels" in stream order.
+    /// their "kernels" in stream order. Simulated: runs `f` now, taking no simulated time.
     pub(crate) fn launch(&self, f: Box<dyn FnOnce() + Send>) {
-        self.submit(f);
+        self.launch_timed(f, 0.0);
+    }
+
+    /// [`HostStream::launch`] of work that takes `seconds` of simulated time (ignored by a
+    /// threaded stream).
+    pub(crate) fn launch_timed(&self, f: Box<dyn FnOnce() + Send>, seconds: f64) {
+        match &self.sim {
+            Some(lane) => {
+                f();
+                Self::sim_issue(lane, seconds, None);
+            }
+            None => self.submit(f),
+        }
+    }
+
+    /// Simulated: `seconds` more of device work on this stream, issued now (the work itself has
+    /// been done by the caller). Nothing on a threaded stream.
+    pub(crate) fn advance(&self, seconds: f64) {
+        if let Some(lane) = &self.sim {
+            Self::sim_issue(lane, seconds, None);
+        }
     }
 }
 
@@ -169,15 +271,26 @@ impl Drop for HostStream {
     }
 }
 
-/// A completion flag: the host stand-in for a CUDA event.
+/// A completion flag: the host stand-in for a CUDA event. A simulated event completes at a
+/// known simulated time.
 #[derive(Default)]
 pub(crate) struct HostEvent {
     /// When the event completed, once it has.
     done: Mutex<Option<std::time::Instant>>,
     cv: Condvar,
+    sim: Option<(Arc<SimClock>, f64)>,
 }
 
 impl HostEvent {
+    fn simulated(clock: Arc<SimClock>, at: f64) -> HostEvent {
+        HostEvent { sim: Some((clock, at)), ..HostEvent::default() }
+    }
+
+    /// A simulated event's completion time.
+    fn sim_time(&self) -> Option<f64> {
+        self.sim.as_ref().map(|(_, at)| *at)
+    }
+
     pub(crate) fn set(&self) {
         let mut d = self.done.lock();
         if d.is_none() {
@@ -187,6 +300,10 @@ impl HostEvent {
     }
 
     pub(crate) fn synchronize(&self) {
+        if let Some((clock, at)) = &self.sim {
+            clock.wait_until(*at);
+            return;
+        }
         let mut d = self.done.lock();
         while d.is_none() {
             self.cv.wait(&mut d);
@@ -194,12 +311,19 @@ impl HostEvent {
     }
 
     pub(crate) fn is_complete(&self) -> bool {
-        self.done.lock().is_some()
+        match &self.sim {
+            Some((clock, at)) => clock.now() >= *at,
+            None => self.done.lock().is_some(),
+        }
     }
 
-    /// When the event completed (None while it has not).
+    /// When the event completed (None while it has not); for a simulated event, the simulated
+    /// time as an instant after the clock's base.
     pub(crate) fn completed_at(&self) -> Option<std::time::Instant> {
-        *self.done.lock()
+        match &self.sim {
+            Some((clock, at)) => (clock.now() >= *at).then(|| clock.instant(*at)),
+            None => *self.done.lock(),
+        }
     }
 }
 

@@ -47,6 +47,7 @@ use cudarc::driver::{
 };
 use half::bf16;
 
+use super::sim::SimClock;
 use crate::error::{Error, Result};
 use crate::store::Store;
 use crate::types::DType;
@@ -245,6 +246,9 @@ struct CudaLinalg {
 pub struct Linalg {
     cuda: Option<CudaLinalg>,
     stream: Stream,
+    /// The simulated clock of a [simulated](crate::StoreBuilder::simulate) store: host work is
+    /// charged to the stream as the device time it stands for.
+    sim: Option<Arc<SimClock>>,
 }
 
 fn shape_err(what: &str) -> Error {
@@ -295,7 +299,8 @@ impl Linalg {
             if stream.cuda().is_some() {
                 return Err(Error::BackendMismatch("a CUDA stream with a host store".into()));
             }
-            return Ok(Linalg { cuda: None, stream: stream.clone() });
+            let sim = store.shared.backend.sim().cloned();
+            return Ok(Linalg { cuda: None, stream: stream.clone(), sim });
         };
         let s = stream
             .cuda()
@@ -339,7 +344,16 @@ impl Linalg {
         Ok(Linalg {
             cuda: Some(CudaLinalg { stream: s, blas, _module: module, k }),
             stream: stream.clone(),
+            sim: None,
         })
+    }
+
+    /// Simulated store: charges the stream with the device time of `flops` of GEMM and `bytes`
+    /// of elementwise memory traffic (the host has just done the work itself).
+    fn charge(&self, flops: usize, bytes: u64) {
+        if let Some(c) = &self.sim {
+            self.stream.raw.advance(c.kernel_seconds(flops as f64, bytes as f64));
+        }
     }
 
     /// The stream the work runs on.
@@ -383,7 +397,13 @@ impl Linalg {
                 c.stream.synchronize().map_err(|e| Error::cuda("cuStreamSynchronize", e))?;
                 c.stream.clone_dtoh(m.dev()?).map_err(|e| Error::cuda("cuMemcpyDtoH", e))
             }
-            None => Ok(m.host()?.to_vec()),
+            None => {
+                if self.sim.is_some() {
+                    // As a device-to-host copy would, wait for the work issued before.
+                    self.stream.synchronize()?;
+                }
+                Ok(m.host()?.to_vec())
+            }
         }
     }
 
@@ -400,6 +420,7 @@ impl Linalg {
                 Ok(())
             }
             None => {
+                self.charge(0, m.len_bytes());
                 m.host_mut()?.fill(v);
                 Ok(())
             }
@@ -437,6 +458,7 @@ impl Linalg {
                 unsafe { T::gemm(&c.blas, cfg, &wv, x.dev()?, y.dev_mut()?) }.map_err(blas_err)
             }
             None => {
+                self.charge(2 * rows * out * inp, 0);
                 let wb = w.with_host_bytes(T::from_ne_bytes)?;
                 let xb = x.host()?;
                 host_gemm(
@@ -479,6 +501,7 @@ impl Linalg {
                 unsafe { T::gemm(&c.blas, cfg, &wv, dy.dev()?, dx.dev_mut()?) }.map_err(blas_err)
             }
             None => {
+                self.charge(2 * rows * out * inp, 0);
                 let wb = w.with_host_bytes(T::from_ne_bytes)?;
                 let g = dy.host()?;
                 host_gemm(
@@ -519,6 +542,7 @@ impl Linalg {
                     .map_err(blas_err)
             }
             None => {
+                self.charge(2 * rows * out * inp, 0);
                 let (g, xb) = (dy.host()?, x.host()?);
                 host_gemm(
                     out,
@@ -549,6 +573,7 @@ impl Linalg {
                 Ok(())
             }
             None => {
+                self.charge(0, 3 * dw.len_bytes());
                 let g = dw.host()?;
                 w.with_host_bytes_mut(|bytes| {
                     for (c, gv) in bytes.chunks_exact_mut(2).zip(g) {
@@ -573,6 +598,7 @@ impl Linalg {
                 Ok(())
             }
             None => {
+                self.charge(0, 2 * x.len_bytes());
                 for v in x.host_mut()? {
                     if !positive(v.to_f32()) {
                         *v = T::from_f32(0.0);
@@ -598,6 +624,7 @@ impl Linalg {
                 Ok(())
             }
             None => {
+                self.charge(0, 3 * g.len_bytes());
                 let a = a.host()?;
                 for (v, a) in g.host_mut()?.iter_mut().zip(a) {
                     if !positive(a.to_f32()) {
@@ -644,6 +671,7 @@ impl Linalg {
                 Ok(())
             }
             None => {
+                self.charge(0, 3 * out.len_bytes());
                 let (o, yv) = (out.host()?, y.host()?);
                 let mut acc = 0f32;
                 for ((gv, o), yv) in g.host_mut()?.iter_mut().zip(o).zip(yv) {
@@ -697,6 +725,7 @@ impl Linalg {
                     .map_err(|e| Error::cuda("cuMemcpyDtoDAsync", e))
             }
             None => {
+                self.charge(0, 2 * grad.len_bytes() as u64 + dw.len_bytes());
                 let d = dw.host()?;
                 grad.with_host_bytes_mut(|bytes| {
                     if !f32_acc {
@@ -726,6 +755,7 @@ impl Linalg {
                     .map_err(|e| Error::cuda("cuMemcpyDtoDAsync", e))
             }
             None => {
+                self.charge(0, 2 * src.len_bytes());
                 let s = src.host()?;
                 dst.with_host_bytes_mut(|b| T::write_ne_bytes(s, b))
             }
@@ -744,6 +774,7 @@ impl Linalg {
                     .map_err(|e| Error::cuda("cuMemcpyDtoDAsync", e))
             }
             None => {
+                self.charge(0, 2 * dst.len_bytes());
                 let v = src.with_host_bytes(T::from_ne_bytes)?;
                 dst.host_mut()?.copy_from_slice(&v);
                 Ok(())

@@ -15,6 +15,7 @@ pub mod kernels;
 pub mod linalg;
 pub mod optim;
 pub mod probe;
+pub(crate) mod sim;
 
 use std::sync::Arc;
 
@@ -170,6 +171,19 @@ impl RawStream {
         }
     }
 
+    /// Whether the stream runs in simulated time (its work is done when issued).
+    pub(crate) fn is_simulated(&self) -> bool {
+        matches!(self, RawStream::Host(s) if s.is_simulated())
+    }
+
+    /// Simulated: `seconds` of device work issued now on this stream (the caller did the work).
+    /// Nothing on other streams.
+    pub(crate) fn advance(&self, seconds: f64) {
+        if let RawStream::Host(s) = self {
+            s.advance(seconds);
+        }
+    }
+
     /// Which backend this stream belongs to.
     pub(crate) fn kind(&self) -> BackendKind {
         match self {
@@ -271,14 +285,25 @@ impl Backend {
     /// A new stream for the user's work (`Store::stream`).
     pub(crate) fn new_stream(&self) -> Result<RawStream> {
         match self {
-            Backend::Host(_) => Ok(RawStream::Host(host::HostStream::new("strata-user")?)),
+            Backend::Host(b) => Ok(RawStream::Host(b.new_stream()?)),
             Backend::Cuda(b) => b.new_stream(),
+        }
+    }
+
+    /// The simulated clock, when the host backend simulates a GPU machine.
+    pub(crate) fn sim(&self) -> Option<&Arc<sim::SimClock>> {
+        match self {
+            Backend::Host(b) => b.sim.as_ref(),
+            Backend::Cuda(_) => None,
         }
     }
 
     /// A one-line description: the device's name and memory, or the host backend.
     pub(crate) fn describe(&self) -> String {
         match self {
+            Backend::Host(b) if b.sim.is_some() => {
+                format!("{} (simulated time)", BackendKind::Host)
+            }
             Backend::Host(_) => BackendKind::Host.to_string(),
             Backend::Cuda(b) => b.describe(),
         }

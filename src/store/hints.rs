@@ -228,14 +228,14 @@ impl State {
             return Ok(Outcome::Skipped);
         }
         if e.replicas[Tier::Device.index()].is_some() {
-            // Resident or on its way: protect it until used, as a prefetch would.
+            // Resident or on its way: protect it until used, as a prefetch would. It moves no
+            // bytes, so it does not count against the prefetch budget, which limits copies:
+            // counting it would keep the copies the hints and the policy's lookahead want next
+            // from starting while hinted layers are resident (an idle copy engine).
             let e = self.entries.get_mut(&id).expect("checked");
             e.released = false;
             match e.prefetched {
-                None if e.views == 0 => {
-                    e.prefetched = Some(source);
-                    self.inflight += bytes;
-                }
+                None if e.views == 0 => e.prefetched = Some(source),
                 Some(Source::Policy) if source == Source::Hint => e.prefetched = Some(source),
                 _ => {}
             }
@@ -274,6 +274,7 @@ impl State {
         }
         let e = self.entries.get_mut(&id).expect("checked");
         e.prefetched = Some(source);
+        e.prefetch_charged = true;
         e.released = false;
         self.inflight += bytes;
         self.counters.prefetches += 1;

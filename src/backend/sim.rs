@@ -1,0 +1,287 @@
+//! Simulated time for the host backend: what a run would cost on a GPU machine, computed on a
+//! machine without one.
+//!
+//! A store built with [`StoreBuilder::simulate`](crate::StoreBuilder::simulate) runs on the host
+//! backend with streams that have no threads: every copy and every host "kernel" runs at once on
+//! the calling thread, and is placed on a simulated timeline:
+//!
+//! - a copy on the host-to-device or device-to-host stream starts when its stream is free, the
+//!   events it waits for have completed and the host has issued it, and moves
+//!   `bytes × bytes_scale` at the direction's bandwidth, or, while a copy in the other direction
+//!   is already scheduled, at what that copy leaves of the two-way bandwidth (one copy engine
+//!   each way, one link);
+//! - a kernel issued by [`Linalg`](crate::linalg::Linalg) takes
+//!   `flops × flops_scale / gemm_flops_per_s` (GEMMs) or
+//!   `bytes × bytes_scale / memory_bytes_per_s` (elementwise work);
+//! - the host's clock advances by `launch_seconds` per operation it issues, and jumps forward
+//!   when it waits for an event (a `synchronize`), exactly as a host thread blocks.
+//!
+//! Running the operations in issue order is a valid execution, since a stream only ever waits for
+//! events recorded before, so the bytes are the same as on a GPU and the timeline is that of the
+//! dependency graph the store and its caller built. The scales let a small model stand for a
+//! large one: a model whose layers are `k` times smaller in bytes and flops runs with
+//! `bytes_scale = flops_scale = k` and is timed as the large one.
+//!
+//! What the simulation leaves out: the host's own run time (only `launch_seconds` per operation
+//! counts), kernels running concurrently with each other, disk reads (they take no simulated
+//! time), and contention beyond the two-way rule (a copy already scheduled is not slowed by one
+//! scheduled after it in the other direction: the later one takes the whole slowdown). It is a
+//! model for planning and for studying a
+//! pipeline's bubbles, not a measurement.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+
+/// A machine to simulate (see the [module docs](self)): link bandwidths, device throughput, the
+/// host's cost per operation, and how many bytes and flops each simulated one stands for.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Simulation {
+    /// Host-to-device copy bandwidth, bytes per second.
+    pub h2d_bytes_per_s: f64,
+    /// Device-to-host copy bandwidth, bytes per second.
+    pub d2h_bytes_per_s: f64,
+    /// Both directions at once, bytes per second in all.
+    pub both_bytes_per_s: f64,
+    /// GEMM throughput, flops per second.
+    pub gemm_flops_per_s: f64,
+    /// Elementwise kernels' memory throughput (bytes read and written), bytes per second.
+    pub memory_bytes_per_s: f64,
+    /// Host time to issue one copy or kernel, seconds.
+    pub launch_seconds: f64,
+    /// Bytes each copied or touched byte stands for.
+    pub bytes_scale: f64,
+    /// Flops each computed flop stands for.
+    pub flops_scale: f64,
+}
+
+impl Simulation {
+    /// The reference H100 machine of `docs/benchmarks.md` (PCIe Gen5, measured 2026-11-23):
+    /// pinned H2D 54.3 GB/s and D2H 55.0 GB/s (`strata bench`, 1 GiB), both directions 88 GB/s
+    /// (`../shared/design.md`), bf16 GEMMs at 796 Tflop/s (the all-resident forward pass of
+    /// `examples/out_of_core.rs`, 32 layers of 8192², rows 2048, in 11.05 ms), elementwise work
+    /// at 3 TB/s (device-to-device copy, read + write). `launch_seconds` is 5 µs, an assumption
+    /// (a kernel launch or async copy costs a few µs of host time; not measured here). Scales 1.
+    pub fn h100() -> Simulation {
+        Simulation {
+            h2d_bytes_per_s: 54.3e9,
+            d2h_bytes_per_s: 55.0e9,
+            both_bytes_per_s: 88.0e9,
+            gemm_flops_per_s: 796e12,
+            memory_bytes_per_s: 3.0e12,
+            launch_seconds: 5e-6,
+            bytes_scale: 1.0,
+            flops_scale: 1.0,
+        }
+    }
+
+    /// The same machine with each simulated byte standing for `bytes` and each flop for `flops`.
+    pub fn scaled(mut self, bytes: f64, flops: f64) -> Simulation {
+        self.bytes_scale = bytes;
+        self.flops_scale = flops;
+        self
+    }
+
+    pub(crate) fn check(&self) -> crate::Result<()> {
+        let rates = [
+            self.h2d_bytes_per_s,
+            self.d2h_bytes_per_s,
+            self.both_bytes_per_s,
+            self.gemm_flops_per_s,
+            self.memory_bytes_per_s,
+            self.bytes_scale,
+            self.flops_scale,
+        ];
+        if rates.iter().any(|r| !(r.is_finite() && *r > 0.0))
+            || !(self.launch_seconds.is_finite() && self.launch_seconds >= 0.0)
+        {
+            return Err(crate::Error::InvalidArgument(format!(
+                "a simulation needs positive, finite rates and scales: {self:?}"
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Which engine a simulated stream stands for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Lane {
+    H2d,
+    D2h,
+    Compute,
+}
+
+/// Copies scheduled per direction, kept for the two-way rule.
+const KEEP_INTERVALS: usize = 4096;
+
+/// The simulated clock shared by a backend's streams and events.
+pub(crate) struct SimClock {
+    pub(crate) spec: Simulation,
+    /// The instant simulated time 0 stands for (so events can be given as instants).
+    base: Instant,
+    /// The host's simulated time, seconds.
+    now: Mutex<f64>,
+    /// Scheduled copies of each direction: (start, end, bytes per second), in order.
+    copies: Mutex<[VecDeque<(f64, f64, f64)>; 2]>,
+}
+
+impl SimClock {
+    pub(crate) fn new(spec: Simulation) -> Arc<SimClock> {
+        Arc::new(SimClock {
+            spec,
+            base: Instant::now(),
+            now: Mutex::new(0.0),
+            copies: Mutex::new([VecDeque::new(), VecDeque::new()]),
+        })
+    }
+
+    /// The host's simulated time.
+    pub(crate) fn now(&self) -> f64 {
+        *self.now.lock()
+    }
+
+    /// The host issues an operation: its clock advances by the launch cost; returns the time
+    /// the operation reaches its stream.
+    pub(crate) fn issue(&self) -> f64 {
+        let mut now = self.now.lock();
+        *now += self.spec.launch_seconds;
+        *now
+    }
+
+    /// The host waits until simulated time `t`.
+    pub(crate) fn wait_until(&self, t: f64) {
+        let mut now = self.now.lock();
+        *now = now.max(t);
+    }
+
+    /// Simulated time `t` as an instant.
+    pub(crate) fn instant(&self, t: f64) -> Instant {
+        self.base + Duration::from_secs_f64(t.max(0.0))
+    }
+
+    /// The instant simulated time 0 stands for.
+    pub(crate) fn base(&self) -> Instant {
+        self.base
+    }
+
+    /// Seconds of device work for `flops` of GEMM and `bytes` of elementwise memory traffic.
+    pub(crate) fn kernel_seconds(&self, flops: f64, bytes: f64) -> f64 {
+        let s = &self.spec;
+        flops * s.flops_scale / s.gemm_flops_per_s + bytes * s.bytes_scale / s.memory_bytes_per_s
+    }
+
+    /// When a copy of `bytes` on `lane` that starts at `start` ends, and records it.
+    ///
+    /// While a copy in the other direction is scheduled, this one gets what that copy leaves of
+    /// the two-way bandwidth (at most its own direction's): the link never carries more than
+    /// `both_bytes_per_s` in all. Copies already scheduled keep their times (their events may
+    /// have been waited on), so the newcomer takes the whole slowdown.
+    pub(crate) fn copy_end(&self, lane: Lane, start: f64, bytes: usize) -> f64 {
+        let s = &self.spec;
+        let mut left = bytes as f64 * s.bytes_scale;
+        let (mine, own) = match lane {
+            Lane::H2d => (0, s.h2d_bytes_per_s),
+            Lane::D2h => (1, s.d2h_bytes_per_s),
+            Lane::Compute => return start + left / s.memory_bytes_per_s,
+        };
+        let mut copies = self.copies.lock();
+        // The link's share for this copy from `start` on: (until when, bytes per second).
+        let mut shares = Vec::new();
+        let mut t = start;
+        for &(a, b, other) in copies[1 - mine].iter().filter(|c| c.1 > start) {
+            if a > t {
+                shares.push((a, own)); // alone until the other direction's copy starts
+            }
+            shares.push((b, (s.both_bytes_per_s - other).min(own).max(own * 1e-3)));
+            t = b;
+        }
+        shares.push((f64::INFINITY, own));
+        let mut segments = Vec::new();
+        let mut t = start;
+        for (until, rate) in shares {
+            if until <= t {
+                continue;
+            }
+            let end = (t + left / rate).min(until);
+            segments.push((t, end, rate));
+            left -= (end - t) * rate;
+            t = end;
+            if end < until || left <= 0.0 {
+                break;
+            }
+        }
+        let q = &mut copies[mine];
+        q.extend(segments.into_iter().filter(|(a, b, _)| b > a));
+        while q.len() > KEEP_INTERVALS {
+            q.pop_front();
+        }
+        t
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec() -> Simulation {
+        Simulation {
+            h2d_bytes_per_s: 100.0,
+            d2h_bytes_per_s: 100.0,
+            both_bytes_per_s: 120.0,
+            gemm_flops_per_s: 1000.0,
+            memory_bytes_per_s: 500.0,
+            launch_seconds: 0.0,
+            bytes_scale: 1.0,
+            flops_scale: 1.0,
+        }
+    }
+
+    #[test]
+    fn a_copy_alone_runs_at_its_direction_bandwidth() {
+        let c = SimClock::new(spec());
+        assert_eq!(c.copy_end(Lane::H2d, 1.0, 200), 3.0);
+        // Back to back on the same direction: no sharing.
+        assert_eq!(c.copy_end(Lane::H2d, 3.0, 100), 4.0);
+    }
+
+    #[test]
+    fn overlapping_directions_share_the_link() {
+        let c = SimClock::new(spec().scaled(2.0, 1.0));
+        // 100 bytes stand for 200: H2D alone takes [0, 2).
+        assert_eq!(c.copy_end(Lane::H2d, 0.0, 100), 2.0);
+        // D2H from 1: the link has 120 - 100 = 20/s left over [1, 2) (20 moved), then it is
+        // alone: 180 more at 100/s.
+        let end = c.copy_end(Lane::D2h, 1.0, 100);
+        assert!((end - 3.8).abs() < 1e-12, "{end}");
+        // An H2D copy from 2.5 overlaps that D2H's second part (at 100/s): it gets 20/s until
+        // 3.8 (26 moved), then 174 at 100/s.
+        let end = c.copy_end(Lane::H2d, 2.5, 100);
+        assert!((end - 5.54).abs() < 1e-9, "{end}");
+    }
+
+    #[test]
+    fn host_time_advances_by_launches_and_waits() {
+        let mut s = spec();
+        s.launch_seconds = 0.5;
+        let c = SimClock::new(s);
+        assert_eq!(c.issue(), 0.5);
+        c.wait_until(0.2);
+        assert_eq!(c.now(), 0.5, "waiting for the past costs nothing");
+        c.wait_until(2.0);
+        assert_eq!(c.issue(), 2.5);
+        assert_eq!(c.kernel_seconds(1000.0, 500.0), 2.0);
+    }
+
+    #[test]
+    fn bad_specs_are_refused() {
+        assert!(Simulation::h100().check().is_ok());
+        let mut s = Simulation::h100();
+        s.both_bytes_per_s = 0.0;
+        assert!(s.check().is_err());
+        let mut s = Simulation::h100();
+        s.launch_seconds = f64::NAN;
+        assert!(s.check().is_err());
+    }
+}

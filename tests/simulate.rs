@@ -1,0 +1,117 @@
+//! The host backend in simulated time (`StoreBuilder::simulate`, `--simulate h100`): copies and
+//! kernels are placed on a simulated timeline, deterministically, so the out-of-core MLP at the
+//! shapes of issue 6 (L=32, H=8192, 4 GiB of weights) can be checked against its floors on a
+//! machine without a GPU, in milliseconds. These are checks of the pipeline the store builds
+//! (what waits for what, how many bytes cross), under the model `strata::Simulation` documents;
+//! the figures on a real GPU come from `examples/out_of_core.rs` on one (docs/benchmarks.md).
+
+use strata::mlp::{run, MlpConfig, MlpReport};
+use strata::{DType, Error, Simulation, Store, Tier};
+
+fn simulate(flags: &[&str]) -> MlpReport {
+    let mut args = vec!["--layers", "32", "--hidden", "8192", "--simulate", "h100", "--steps", "6"];
+    args.extend_from_slice(flags);
+    let cfg = MlpConfig::parse(&args).unwrap();
+    let report = run(&cfg, |_| {}).unwrap_or_else(|e| panic!("{flags:?}: {e}"));
+    assert!(report.simulated);
+    assert_eq!(report.matches_resident, Some(true), "{flags:?}: differs from the resident run");
+    report
+}
+
+/// Steps after the first: no misses, and at most `max_bytes` into the device each.
+fn steady(report: &MlpReport, flags: &[&str]) {
+    for (i, s) in report.steps.iter().enumerate().skip(1) {
+        assert_eq!(s.prefetch_misses, 0, "{flags:?}: step {} missed", i + 1);
+        assert!(
+            s.h2d_bytes <= report.min_bytes.0,
+            "{flags:?}: step {} moved {} into the device, more than the {} that must cross",
+            i + 1,
+            s.h2d_bytes,
+            report.min_bytes.0
+        );
+    }
+}
+
+#[test]
+fn forward_streams_at_the_pcie_floor() {
+    // Issue 6's forward targets: within 5% of max(compute, PCIe), at 1 and 2 GiB of budget and
+    // with both few (transfer-bound) and many (compute-bound) rows.
+    for flags in [
+        &["--rows", "2048", "--device-budget", "1GiB"][..],
+        &["--rows", "16384", "--device-budget", "1GiB"],
+        &["--rows", "2048", "--device-budget", "2GiB"],
+    ] {
+        let r = simulate(flags);
+        steady(&r, flags);
+        let ratio = r.ratio.expect("both floors are known");
+        assert!(ratio <= 1.05, "{flags:?}: {ratio:.3}x its floor");
+    }
+}
+
+#[test]
+fn training_moves_weights_both_ways_near_its_floor() {
+    // Not issue 6's 15% target (the simulation puts this loop at 1.17x: the write-backs of the
+    // backward pass share the link with its loads); a guard against the pipeline getting worse.
+    let flags = &["--mode", "train", "--rows", "4096", "--device-budget", "1GiB"][..];
+    let r = simulate(flags);
+    let ratio = r.ratio.expect("both floors are known");
+    assert!(ratio <= 1.20, "{ratio:.3}x its floor");
+    for s in &r.steps[1..] {
+        assert_eq!(s.prefetch_misses, 0);
+        // Every layer is updated each step and every layer leaves the device once.
+        assert_eq!(s.d2h_bytes, 4 << 30);
+    }
+}
+
+#[test]
+fn simulated_runs_are_deterministic() {
+    let flags = &["--rows", "2048", "--device-budget", "1GiB", "--hints", "off"][..];
+    let (a, b) = (simulate(flags), simulate(flags));
+    let times = |r: &MlpReport| r.steps.iter().map(|s| s.seconds).collect::<Vec<_>>();
+    assert_eq!(times(&a), times(&b));
+    assert!(a.steps[1..].iter().all(|s| s.issue_seconds < s.seconds / 10.0), "host-bound?");
+}
+
+#[test]
+fn a_copy_takes_its_simulated_time_and_overlaps_the_host() {
+    // Each byte stands for 1 MiB: 64 KiB is timed as 64 GiB, about 1.27 s at 54.3 GB/s.
+    let sim = Simulation::h100().scaled((1 << 20) as f64, 1.0);
+    let store = Store::builder()
+        .simulate(sim)
+        .capacity(Tier::Device, 1 << 20)
+        .capacity(Tier::Pinned, 1 << 20)
+        .build()
+        .unwrap();
+    assert_eq!(store.simulation(), Some(sim));
+    let w = store.put("w", DType::U8, &[65536], &[7; 65536]).unwrap();
+    store.move_to(w, Tier::Pinned).unwrap();
+    let copy = 65536.0 * (1 << 20) as f64 / sim.h2d_bytes_per_s;
+
+    // A prefetch returns at once: the host's clock has only paid the launch.
+    let t0 = store.simulated_seconds().unwrap();
+    store.prefetch(&[w]).unwrap();
+    let issued = store.simulated_seconds().unwrap() - t0;
+    assert!(issued < 1e-3, "the host waited {issued} s for a prefetch");
+
+    // Reading the bytes back waits for the copy.
+    let s = store.stream().unwrap();
+    let v = store.device_view(w, &s).unwrap();
+    assert!(v.with_host_bytes(|b| b.iter().all(|&x| x == 7)).unwrap());
+    drop(v);
+    s.synchronize().unwrap();
+    let waited = store.simulated_seconds().unwrap() - t0;
+    assert!((waited - copy).abs() < 1e-3, "{waited} s, expected {copy} s");
+    let stats = store.stats();
+    assert!(stats.stall_seconds > copy * 0.99, "stall {} s", stats.stall_seconds);
+}
+
+#[test]
+fn bad_simulations_are_refused() {
+    let mut sim = Simulation::h100();
+    sim.h2d_bytes_per_s = -1.0;
+    assert!(matches!(Store::builder().simulate(sim).build(), Err(Error::InvalidArgument(_))));
+    assert!(matches!(
+        MlpConfig::parse(["--simulate", "a100"]),
+        Err(Error::InvalidArgument(m)) if m.contains("--simulate")
+    ));
+}
