@@ -1217,6 +1217,14 @@ impl Store {
                 self.backend()
             )));
         }
+        let simulated = self.shared.backend.sim().is_some();
+        if stream.raw.is_simulated() != simulated {
+            return Err(Error::BackendMismatch(if simulated {
+                "a stream in real time used with a simulated store (use its store.stream())".into()
+            } else {
+                "a simulated stream used with a store in real time".into()
+            }));
+        }
         Ok(())
     }
 }

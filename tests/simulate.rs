@@ -115,3 +115,16 @@ fn bad_simulations_are_refused() {
         Err(Error::InvalidArgument(m)) if m.contains("--simulate")
     ));
 }
+
+#[test]
+fn streams_of_a_simulated_store_and_a_real_one_do_not_mix() {
+    let sim = Store::builder().simulate(Simulation::h100()).build().unwrap();
+    let real = Store::builder().host_backend().build().unwrap();
+    let w = sim.put("w", DType::U8, &[4096], &[1; 4096]).unwrap();
+    let v = real.put("v", DType::U8, &[4096], &[2; 4096]).unwrap();
+    let (s_sim, s_real) = (sim.stream().unwrap(), real.stream().unwrap());
+    assert!(matches!(sim.device_view(w, &s_real), Err(Error::BackendMismatch(_))));
+    assert!(matches!(real.device_view(v, &s_sim), Err(Error::BackendMismatch(_))));
+    assert!(sim.device_view(w, &s_sim).is_ok());
+    assert!(real.device_view(v, &s_real).is_ok());
+}

@@ -222,9 +222,14 @@ impl HostStream {
     /// Later jobs on this stream wait until `ev` is set.
     pub(crate) fn wait(&self, ev: Arc<HostEvent>) {
         if let Some(lane) = &self.sim {
-            if let Some(at) = ev.sim_time() {
-                let mut free = lane.free_at.lock();
-                *free = free.max(at);
+            match ev.sim_time() {
+                Some(at) => {
+                    let mut free = lane.free_at.lock();
+                    *free = free.max(at);
+                }
+                // A threaded stream's event (stores are not meant to mix, and refuse to): this
+                // stream's work runs as it is issued, so it must not start before that event.
+                None => ev.synchronize(),
             }
             return;
         }
