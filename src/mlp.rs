@@ -50,9 +50,9 @@ pub struct MlpConfig {
     pub hints: bool,
     /// How many layers ahead a scope prefetches.
     pub ahead: usize,
-    /// The store's prefetch budget (default: `ahead` layers: one copy queued behind the one in
-    /// progress keeps the copy engine busy, since the host issues the whole step ahead of the
-    /// GPU; the rest of the device budget keeps layers resident).
+    /// The store's prefetch budget (default: `ahead` layers, at least one. One copy queued behind
+    /// the one in progress keeps the copy engine busy, since the host issues the whole step
+    /// ahead of the GPU; the rest of the device budget keeps layers resident).
     pub prefetch_budget: Option<u64>,
     /// The store's policy.
     pub policy: PolicyKind,
@@ -187,13 +187,17 @@ impl MlpConfig {
         let mut d = self.clone();
         d.hidden = self.hidden.min(64);
         d.rows = self.rows.min(8);
-        let bytes = (self.hidden as f64 / d.hidden as f64).powi(2);
-        let flops = bytes * self.rows as f64 / d.rows as f64;
+        let wide = self.hidden as f64 / d.hidden as f64;
+        let tall = self.rows as f64 / d.rows as f64;
+        let bytes = wide * wide;
+        let flops = bytes * tall;
         d.device_budget = (self.device_budget as f64 / bytes).round() as u64;
         d.prefetch_budget = self.prefetch_budget.map(|b| (b as f64 / bytes).round() as u64);
         d.simulate = None;
         d.host = true;
-        (d, Some(sim.scaled(bytes, flops)))
+        let mut sim = sim.scaled(bytes, flops);
+        sim.matrix_bytes_scale = wide * tall; // activations are rows × hidden
+        (d, Some(sim))
     }
 
     /// Layer order of one step: forward 0..L, then backward L..0 when training.

@@ -233,9 +233,11 @@ impl StoreBuilder {
         } else {
             None
         };
-        // The engine's disk workers, with their own staging, exist when both ends do.
+        // The engine's disk workers, with their own staging, exist when both ends do. A simulated
+        // store has none: its operations run on the thread that issues them, on one host clock,
+        // so disk-to-device copies go through the staging on the caller's thread.
         let (disk_reader, worker_staging) = match (&disk, &staging) {
-            (Some(d), Some(_)) => {
+            (Some(d), Some(_)) if backend.sim().is_none() => {
                 let bufs = (0..self.disk_workers)
                     .map(|_| {
                         Ok(Mutex::new([
@@ -286,6 +288,12 @@ impl StoreBuilder {
     }
 
     fn pick_backend(&self) -> Result<(Backend, Option<String>)> {
+        if let (Some(_), BackendChoice::Simulate(_)) = (&self.context, &self.backend) {
+            return Err(Error::InvalidArgument(
+                "a CUDA context and a simulation: a simulated store runs on the host backend"
+                    .into(),
+            ));
+        }
         if let Some(ctx) = &self.context {
             return Ok((Backend::Cuda(CudaBackend::from_context(ctx.clone())?), None));
         }
@@ -1209,7 +1217,8 @@ impl Store {
         Ok(HostView::new(self.shared.clone(), id, tier, region, dtype))
     }
 
-    fn check_stream(&self, stream: &Stream) -> Result<()> {
+    /// Refuses a stream of another backend, or of another simulated clock.
+    pub(crate) fn check_stream(&self, stream: &Stream) -> Result<()> {
         if stream.raw.kind() != self.backend() {
             return Err(Error::BackendMismatch(format!(
                 "a {:?} stream used with a {:?} store",
@@ -1217,15 +1226,21 @@ impl Store {
                 self.backend()
             )));
         }
-        let simulated = self.shared.backend.sim().is_some();
-        if stream.raw.is_simulated() != simulated {
-            return Err(Error::BackendMismatch(if simulated {
-                "a stream in real time used with a simulated store (use its store.stream())".into()
-            } else {
-                "a simulated stream used with a store in real time".into()
-            }));
+        let mine = self.shared.backend.sim();
+        match (mine, stream.raw.sim_clock()) {
+            (None, None) => Ok(()),
+            (Some(a), Some(b)) if Arc::ptr_eq(a, b) => Ok(()),
+            (Some(_), Some(_)) => Err(Error::BackendMismatch(
+                "a stream of another simulated store (each has its own clock: use store.stream())"
+                    .into(),
+            )),
+            (Some(_), None) => Err(Error::BackendMismatch(
+                "a stream in real time used with a simulated store (use its store.stream())".into(),
+            )),
+            (None, Some(_)) => Err(Error::BackendMismatch(
+                "a simulated stream used with a store in real time".into(),
+            )),
         }
-        Ok(())
     }
 }
 

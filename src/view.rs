@@ -55,7 +55,10 @@ impl Stream {
     }
 
     /// Host backend: runs `f` on the stream's thread after everything issued before it, the
-    /// host stand-in for a kernel launch. Fails on the CUDA backend.
+    /// host stand-in for a kernel launch. On a [simulated](crate::StoreBuilder::simulate) store
+    /// the stream has no thread: `f` runs at once, on the calling thread (so it must not wait for
+    /// anything the caller does afterwards), and takes no simulated time. Fails on the CUDA
+    /// backend.
     pub fn launch_host(&self, f: impl FnOnce() + Send + 'static) -> Result<()> {
         match &self.raw {
             RawStream::Host(s) => {

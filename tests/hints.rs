@@ -678,20 +678,24 @@ fn trace_is_chrome_json_of_the_copies() {
     });
 }
 
+/// Room for four 16 KiB tensors on the device, and prefetched copies of one in flight at a time.
+fn one_copy_store(backend: Backend) -> Store {
+    backend
+        .builder()
+        .capacity(Tier::Device, 64 * KIB)
+        .capacity(Tier::Pinned, 128 * KIB)
+        .capacity(Tier::Mapped, 0)
+        .capacity(Tier::Disk, 0)
+        .staging(2, 16 * KIB as usize)
+        .prefetch_budget(16 * KIB)
+        .build()
+        .unwrap()
+}
+
 #[test]
 fn hinting_a_resident_tensor_leaves_the_prefetch_budget_to_copies() {
     common::each_backend("hinting_a_resident_tensor", |backend| {
-        // Room for four 16 KiB tensors, and copies of one in flight at a time.
-        let store = backend
-            .builder()
-            .capacity(Tier::Device, 64 * KIB)
-            .capacity(Tier::Pinned, 128 * KIB)
-            .capacity(Tier::Mapped, 0)
-            .capacity(Tier::Disk, 0)
-            .staging(2, 16 * KIB as usize)
-            .prefetch_budget(16 * KIB)
-            .build()
-            .unwrap();
+        let store = one_copy_store(backend);
         let l16 = 16 * KIB as usize;
         let (a, da) = put(&store, "a", l16, 40);
         let (b, db) = put(&store, "b", l16, 41);
@@ -721,6 +725,25 @@ fn hinting_a_resident_tensor_leaves_the_prefetch_budget_to_copies() {
         }
         assert_eq!(store.stats().prefetch_in_flight, 0);
         assert_eq!(store.stats().prefetch_misses, 0);
+        store.check_err().unwrap();
+    });
+}
+
+#[test]
+fn unpinning_an_unused_tensor_gives_its_prefetch_budget_back() {
+    common::each_backend("unpinning_an_unused_tensor", |backend| {
+        let store = one_copy_store(backend);
+        let l16 = 16 * KIB as usize;
+        let (a, _) = put(&store, "a", l16, 50);
+        let (b, _) = put(&store, "b", l16, 51);
+        store.move_to(a, Tier::Pinned).unwrap();
+        store.move_to(b, Tier::Pinned).unwrap();
+        store.pin(&[a]).unwrap();
+        assert_eq!(store.stats().prefetch_in_flight, 16 * KIB, "the pin's copy is in flight");
+        store.unpin(&[a]).unwrap();
+        assert_eq!(store.stats().prefetch_in_flight, 0, "unpinned: no longer a pending prefetch");
+        store.prefetch(&[b]).unwrap();
+        assert_eq!(store.tier_of(b).unwrap(), Tier::Device, "b's prefetch was not held back");
         store.check_err().unwrap();
     });
 }

@@ -117,7 +117,8 @@ struct CopyJob {
 }
 
 // SAFETY: the issuer of a copy guarantees (RawStream::copy's contract) that both ranges stay valid
-// and unaliased until the copy has run; the pointers are only used by the stream thread.
+// and unaliased until the copy has run; the pointers are only used by whoever runs the job (the
+// stream thread, or the issuing thread of a simulated stream).
 unsafe impl Send for CopyJob {}
 
 impl CopyJob {
@@ -159,9 +160,9 @@ impl HostStream {
         })
     }
 
-    /// Whether the stream runs in simulated time.
-    pub(crate) fn is_simulated(&self) -> bool {
-        self.sim.is_some()
+    /// The simulated clock, for a simulated stream.
+    pub(crate) fn sim_clock(&self) -> Option<&Arc<SimClock>> {
+        self.sim.as_ref().map(|l| &l.clock)
     }
 
     /// Simulated: places an operation of `seconds` (or, for a copy, of `copy_bytes` over the

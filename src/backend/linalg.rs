@@ -295,10 +295,8 @@ impl Linalg {
     /// Linear algebra on `stream` (a stream of `store`'s backend). On CUDA this compiles the
     /// elementwise kernels with NVRTC and opens a cuBLAS handle bound to the stream.
     pub fn new(store: &Store, stream: &Stream) -> Result<Linalg> {
+        store.check_stream(stream)?;
         let Some(ctx) = store.cuda_context() else {
-            if stream.cuda().is_some() {
-                return Err(Error::BackendMismatch("a CUDA stream with a host store".into()));
-            }
             let sim = store.shared.backend.sim().cloned();
             return Ok(Linalg { cuda: None, stream: stream.clone(), sim });
         };
@@ -348,11 +346,13 @@ impl Linalg {
         })
     }
 
-    /// Simulated store: charges the stream with the device time of `flops` of GEMM and `bytes`
-    /// of elementwise memory traffic (the host has just done the work itself).
-    fn charge(&self, flops: usize, bytes: u64) {
+    /// Simulated store: charges the stream with the device time of `flops` of GEMM, `bytes` of
+    /// elementwise traffic on store tensors and weight-shaped operands, and `matrix_bytes` on
+    /// matrices (the host has just done the work itself).
+    fn charge(&self, flops: usize, bytes: u64, matrix_bytes: u64) {
         if let Some(c) = &self.sim {
-            self.stream.raw.advance(c.kernel_seconds(flops as f64, bytes as f64));
+            let secs = c.kernel_seconds(flops as f64, bytes as f64, matrix_bytes as f64);
+            self.stream.raw.advance(secs);
         }
     }
 
@@ -420,7 +420,7 @@ impl Linalg {
                 Ok(())
             }
             None => {
-                self.charge(0, m.len_bytes());
+                self.charge(0, 0, m.len_bytes());
                 m.host_mut()?.fill(v);
                 Ok(())
             }
@@ -458,7 +458,7 @@ impl Linalg {
                 unsafe { T::gemm(&c.blas, cfg, &wv, x.dev()?, y.dev_mut()?) }.map_err(blas_err)
             }
             None => {
-                self.charge(2 * rows * out * inp, 0);
+                self.charge(2 * rows * out * inp, 0, 0);
                 let wb = w.with_host_bytes(T::from_ne_bytes)?;
                 let xb = x.host()?;
                 host_gemm(
@@ -501,7 +501,7 @@ impl Linalg {
                 unsafe { T::gemm(&c.blas, cfg, &wv, dy.dev()?, dx.dev_mut()?) }.map_err(blas_err)
             }
             None => {
-                self.charge(2 * rows * out * inp, 0);
+                self.charge(2 * rows * out * inp, 0, 0);
                 let wb = w.with_host_bytes(T::from_ne_bytes)?;
                 let g = dy.host()?;
                 host_gemm(
@@ -542,7 +542,7 @@ impl Linalg {
                     .map_err(blas_err)
             }
             None => {
-                self.charge(2 * rows * out * inp, 0);
+                self.charge(2 * rows * out * inp, 0, 0);
                 let (g, xb) = (dy.host()?, x.host()?);
                 host_gemm(
                     out,
@@ -573,7 +573,7 @@ impl Linalg {
                 Ok(())
             }
             None => {
-                self.charge(0, 3 * dw.len_bytes());
+                self.charge(0, 3 * dw.len_bytes(), 0);
                 let g = dw.host()?;
                 w.with_host_bytes_mut(|bytes| {
                     for (c, gv) in bytes.chunks_exact_mut(2).zip(g) {
@@ -598,7 +598,7 @@ impl Linalg {
                 Ok(())
             }
             None => {
-                self.charge(0, 2 * x.len_bytes());
+                self.charge(0, 0, 2 * x.len_bytes());
                 for v in x.host_mut()? {
                     if !positive(v.to_f32()) {
                         *v = T::from_f32(0.0);
@@ -624,7 +624,7 @@ impl Linalg {
                 Ok(())
             }
             None => {
-                self.charge(0, 3 * g.len_bytes());
+                self.charge(0, 0, 3 * g.len_bytes());
                 let a = a.host()?;
                 for (v, a) in g.host_mut()?.iter_mut().zip(a) {
                     if !positive(a.to_f32()) {
@@ -671,7 +671,7 @@ impl Linalg {
                 Ok(())
             }
             None => {
-                self.charge(0, 3 * out.len_bytes());
+                self.charge(0, 0, 3 * out.len_bytes());
                 let (o, yv) = (out.host()?, y.host()?);
                 let mut acc = 0f32;
                 for ((gv, o), yv) in g.host_mut()?.iter_mut().zip(o).zip(yv) {
@@ -725,7 +725,7 @@ impl Linalg {
                     .map_err(|e| Error::cuda("cuMemcpyDtoDAsync", e))
             }
             None => {
-                self.charge(0, 2 * grad.len_bytes() as u64 + dw.len_bytes());
+                self.charge(0, 2 * grad.len_bytes() as u64 + dw.len_bytes(), 0);
                 let d = dw.host()?;
                 grad.with_host_bytes_mut(|bytes| {
                     if !f32_acc {
@@ -755,7 +755,7 @@ impl Linalg {
                     .map_err(|e| Error::cuda("cuMemcpyDtoDAsync", e))
             }
             None => {
-                self.charge(0, 2 * src.len_bytes());
+                self.charge(0, src.len_bytes(), src.len_bytes());
                 let s = src.host()?;
                 dst.with_host_bytes_mut(|b| T::write_ne_bytes(s, b))
             }
@@ -774,7 +774,7 @@ impl Linalg {
                     .map_err(|e| Error::cuda("cuMemcpyDtoDAsync", e))
             }
             None => {
-                self.charge(0, 2 * dst.len_bytes());
+                self.charge(0, dst.len_bytes(), dst.len_bytes());
                 let v = src.with_host_bytes(T::from_ne_bytes)?;
                 dst.host_mut()?.copy_from_slice(&v);
                 Ok(())

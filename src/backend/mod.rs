@@ -173,7 +173,15 @@ impl RawStream {
 
     /// Whether the stream runs in simulated time (its work is done when issued).
     pub(crate) fn is_simulated(&self) -> bool {
-        matches!(self, RawStream::Host(s) if s.is_simulated())
+        self.sim_clock().is_some()
+    }
+
+    /// The simulated clock the stream runs on, if it is simulated.
+    pub(crate) fn sim_clock(&self) -> Option<&Arc<sim::SimClock>> {
+        match self {
+            RawStream::Host(s) => s.sim_clock(),
+            RawStream::Cuda(_) => None,
+        }
     }
 
     /// Simulated: `seconds` of device work issued now on this stream (the caller did the work).

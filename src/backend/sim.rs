@@ -1,33 +1,5 @@
-//! Simulated time for the host backend: what a run would cost on a GPU machine, computed on a
-//! machine without one.
-//!
-//! A store built with [`StoreBuilder::simulate`](crate::StoreBuilder::simulate) runs on the host
-//! backend with streams that have no threads: every copy and every host "kernel" runs at once on
-//! the calling thread, and is placed on a simulated timeline:
-//!
-//! - a copy on the host-to-device or device-to-host stream starts when its stream is free, the
-//!   events it waits for have completed and the host has issued it, and moves
-//!   `bytes × bytes_scale` at the direction's bandwidth, or, while a copy in the other direction
-//!   is already scheduled, at what that copy leaves of the two-way bandwidth (one copy engine
-//!   each way, one link);
-//! - a kernel issued by [`Linalg`](crate::linalg::Linalg) takes
-//!   `flops × flops_scale / gemm_flops_per_s` (GEMMs) or
-//!   `bytes × bytes_scale / memory_bytes_per_s` (elementwise work);
-//! - the host's clock advances by `launch_seconds` per operation it issues, and jumps forward
-//!   when it waits for an event (a `synchronize`), exactly as a host thread blocks.
-//!
-//! Running the operations in issue order is a valid execution, since a stream only ever waits for
-//! events recorded before, so the bytes are the same as on a GPU and the timeline is that of the
-//! dependency graph the store and its caller built. The scales let a small model stand for a
-//! large one: a model whose layers are `k` times smaller in bytes and flops runs with
-//! `bytes_scale = flops_scale = k` and is timed as the large one.
-//!
-//! What the simulation leaves out: the host's own run time (only `launch_seconds` per operation
-//! counts), kernels running concurrently with each other, disk reads (they take no simulated
-//! time), and contention beyond the two-way rule (a copy already scheduled is not slowed by one
-//! scheduled after it in the other direction: the later one takes the whole slowdown). It is a
-//! model for planning and for studying a
-//! pipeline's bubbles, not a measurement.
+//! Simulated time for the host backend: the clock a simulated store's streams and events share.
+//! The model is described on [`Simulation`].
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -35,8 +7,43 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
-/// A machine to simulate (see the [module docs](self)): link bandwidths, device throughput, the
-/// host's cost per operation, and how many bytes and flops each simulated one stands for.
+/// A GPU machine to simulate on the host backend: what a run would cost on it, computed on a
+/// machine without one.
+///
+/// A store built with [`StoreBuilder::simulate`](crate::StoreBuilder::simulate) runs on the host
+/// backend with streams that have no threads: every copy and every host "kernel" runs at once on
+/// the thread that issues it, and is placed on a simulated timeline:
+///
+/// - a copy on the host-to-device or device-to-host stream starts when its stream is free, the
+///   events it waits for have completed and the host has issued it, and moves
+///   `bytes × bytes_scale` at the direction's bandwidth, or, while a copy in the other direction
+///   is already scheduled, at what that copy leaves of the two-way bandwidth (one copy engine
+///   each way, one link);
+/// - a kernel issued by [`Linalg`](crate::linalg::Linalg) takes
+///   `flops × flops_scale / gemm_flops_per_s` (GEMMs) or `bytes × scale / memory_bytes_per_s`
+///   (elementwise work; `scale` is `bytes_scale` for store tensors and weight-shaped operands,
+///   `matrix_bytes_scale` for `Linalg` matrices such as activations);
+/// - the host's clock advances by `launch_seconds` per operation it issues, and jumps forward
+///   when it waits for an event (a `synchronize`), as a host thread blocks.
+///
+/// Running the operations in issue order is a valid execution, since a stream only ever waits for
+/// events recorded before, so the bytes are those a GPU would compute and the timeline is that of
+/// the dependency graph the store and its caller built. Runs are deterministic. The scales let a
+/// small model stand for a large one: a model whose tensors are `k` times smaller and whose GEMMs
+/// do `m` times fewer flops runs with `bytes_scale = k`, `flops_scale = m`, and is timed as the
+/// large one (`examples/out_of_core.rs --simulate h100` does this).
+///
+/// What the model leaves out: the host's own run time (only `launch_seconds` per operation
+/// counts); contention between kernels (each stream is its own lane, so kernels on different
+/// streams overlap freely); the time of disk reads (none) and of work a caller runs through
+/// [`Stream::launch_host`](crate::Stream::launch_host) or
+/// [`DeviceView::with_host_bytes`](crate::DeviceView::with_host_bytes) (none); and fairness
+/// between the two directions (a copy already scheduled keeps its time, since its event may have
+/// been waited on; the copy scheduled after it takes the whole slowdown). A simulated store has
+/// no disk-worker threads: disk-to-device copies go through staging on the issuing thread, which
+/// waits for each staging buffer to drain (a GPU store's workers would wait instead), so loops
+/// fed from the Disk tier are timed as host-bound. It is a model for planning and for finding a
+/// pipeline's bubbles, not a measurement.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Simulation {
     /// Host-to-device copy bandwidth, bytes per second.
@@ -51,8 +58,11 @@ pub struct Simulation {
     pub memory_bytes_per_s: f64,
     /// Host time to issue one copy or kernel, seconds.
     pub launch_seconds: f64,
-    /// Bytes each copied or touched byte stands for.
+    /// Bytes each copied byte, or byte of elementwise work on a store tensor, stands for.
     pub bytes_scale: f64,
+    /// Bytes each byte of elementwise work on a [`Matrix`](crate::linalg::Matrix) (activations,
+    /// gradients in flight) stands for.
+    pub matrix_bytes_scale: f64,
     /// Flops each computed flop stands for.
     pub flops_scale: f64,
 }
@@ -73,13 +83,16 @@ impl Simulation {
             memory_bytes_per_s: 3.0e12,
             launch_seconds: 5e-6,
             bytes_scale: 1.0,
+            matrix_bytes_scale: 1.0,
             flops_scale: 1.0,
         }
     }
 
-    /// The same machine with each simulated byte standing for `bytes` and each flop for `flops`.
+    /// The same machine with each simulated byte (of copies and of all elementwise work)
+    /// standing for `bytes` and each flop for `flops`.
     pub fn scaled(mut self, bytes: f64, flops: f64) -> Simulation {
         self.bytes_scale = bytes;
+        self.matrix_bytes_scale = bytes;
         self.flops_scale = flops;
         self
     }
@@ -92,6 +105,7 @@ impl Simulation {
             self.gemm_flops_per_s,
             self.memory_bytes_per_s,
             self.bytes_scale,
+            self.matrix_bytes_scale,
             self.flops_scale,
         ];
         if rates.iter().any(|r| !(r.is_finite() && *r > 0.0))
@@ -99,6 +113,15 @@ impl Simulation {
         {
             return Err(crate::Error::InvalidArgument(format!(
                 "a simulation needs positive, finite rates and scales: {self:?}"
+            )));
+        }
+        let one_way = self.h2d_bytes_per_s.max(self.d2h_bytes_per_s);
+        let two_ways = self.h2d_bytes_per_s + self.d2h_bytes_per_s;
+        if self.both_bytes_per_s < one_way || self.both_bytes_per_s > two_ways {
+            return Err(crate::Error::InvalidArgument(format!(
+                "both_bytes_per_s ({}) must lie between the faster direction ({one_way}) and the \
+                 sum of both ({two_ways})",
+                self.both_bytes_per_s
             )));
         }
         Ok(())
@@ -166,10 +189,12 @@ impl SimClock {
         self.base
     }
 
-    /// Seconds of device work for `flops` of GEMM and `bytes` of elementwise memory traffic.
-    pub(crate) fn kernel_seconds(&self, flops: f64, bytes: f64) -> f64 {
+    /// Seconds of device work for `flops` of GEMM, `bytes` of elementwise memory traffic on store
+    /// tensors (and weight-shaped operands) and `matrix_bytes` on `Linalg` matrices.
+    pub(crate) fn kernel_seconds(&self, flops: f64, bytes: f64, matrix_bytes: f64) -> f64 {
         let s = &self.spec;
-        flops * s.flops_scale / s.gemm_flops_per_s + bytes * s.bytes_scale / s.memory_bytes_per_s
+        flops * s.flops_scale / s.gemm_flops_per_s
+            + (bytes * s.bytes_scale + matrix_bytes * s.matrix_bytes_scale) / s.memory_bytes_per_s
     }
 
     /// When a copy of `bytes` on `lane` that starts at `start` ends, and records it.
@@ -234,6 +259,7 @@ mod tests {
             memory_bytes_per_s: 500.0,
             launch_seconds: 0.0,
             bytes_scale: 1.0,
+            matrix_bytes_scale: 1.0,
             flops_scale: 1.0,
         }
     }
@@ -271,7 +297,7 @@ mod tests {
         assert_eq!(c.now(), 0.5, "waiting for the past costs nothing");
         c.wait_until(2.0);
         assert_eq!(c.issue(), 2.5);
-        assert_eq!(c.kernel_seconds(1000.0, 500.0), 2.0);
+        assert_eq!(c.kernel_seconds(1000.0, 250.0, 250.0), 2.0);
     }
 
     #[test]
@@ -283,5 +309,11 @@ mod tests {
         let mut s = Simulation::h100();
         s.launch_seconds = f64::NAN;
         assert!(s.check().is_err());
+        // The two-way bandwidth lies between one direction's and the sum of both.
+        for both in [50e9, 120e9] {
+            let mut s = Simulation::h100();
+            s.both_bytes_per_s = both;
+            assert!(s.check().is_err(), "{both}");
+        }
     }
 }

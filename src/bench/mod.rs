@@ -102,7 +102,7 @@ impl Default for Options {
 }
 
 /// Parses a comma-separated list of sizes with units (`4KiB,1MiB,1GiB`, see
-/// [`parse_size`](crate::parse_size)). Refuses an empty list and a size of 0.
+/// [`parse_size`]). Refuses an empty list and a size of 0.
 ///
 /// ```
 /// assert_eq!(strata::bench::parse_sizes("4KiB, 1MiB").unwrap(), vec![4096, 1 << 20]);

@@ -95,7 +95,14 @@ impl Store {
             }
         }
         for &id in ids {
-            st.entries.get_mut(&id).expect("checked").pins -= 1;
+            let e = st.entries.get_mut(&id).expect("checked");
+            e.pins -= 1;
+            if e.pins == 0 {
+                // The pin's copy no longer counts as a prefetch waiting for its use: without
+                // this, a tensor pinned and unpinned unused kept its bytes against the prefetch
+                // budget (and its protection) for good.
+                st.consume_prefetch(id);
+            }
         }
         st.pump_waiting(&self.shared.backend, self.shared.engine.get());
         Ok(())
