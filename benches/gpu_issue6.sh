@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Issue 6's measurements, for a session with the lent GPU machine. Build and stage here with
-# `../shared/gpu/stage`, then run on the GPU machine (carry [".gpu"]):
+# `../shared/gpu/stage && strip .gpu/bin/*` (unstripped, the release binaries with debug info
+# come to about 690 MiB, over the 64 MiB a device run carries; stripped, about 41 MiB), then run
+# on the GPU machine (carry [".gpu"]):
 #     bash benches/gpu_issue6.sh
 # It runs the six out-of-core rows of docs/benchmarks.md (L=32, H=8192, 4 GiB of bf16 weights)
 # with 10 steps each, writes each run's output and a Chrome trace of its copies and waits to
