@@ -44,7 +44,11 @@ use parking_lot::Mutex;
 /// waits for each staging buffer to drain (a GPU store's workers would wait instead), so loops
 /// fed from the Disk tier are timed as host-bound. It is a model for planning and for finding a
 /// pipeline's bubbles, not a measurement.
+///
+/// Start from [`Simulation::h100`] and change fields: the struct may gain fields, so it cannot be
+/// written as a literal outside strata.
 #[derive(Clone, Copy, Debug, PartialEq)]
+#[non_exhaustive]
 pub struct Simulation {
     /// Host-to-device copy bandwidth, bytes per second.
     pub h2d_bytes_per_s: f64,
