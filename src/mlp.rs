@@ -89,7 +89,7 @@ impl Default for MlpConfig {
             ahead: 1,
             prefetch_budget: None,
             policy: PolicyKind::Schedule,
-            steps: 5,
+            steps: 10,
             lr: 1e-3,
             seed: 0,
             weights_in: Tier::Pinned,
@@ -108,7 +108,7 @@ pub const USAGE: &str = "--layers L --hidden H --rows R --device-budget SIZE --m
 
 impl MlpConfig {
     /// Parses command-line flags (see [`USAGE`]) over the defaults (L=32, H=8192, rows 2048,
-    /// budget 1 GiB, forward, hints on, 1 ahead, schedule policy, 5 steps). Sizes take units.
+    /// budget 1 GiB, forward, hints on, 1 ahead, schedule policy, 10 steps). Sizes take units.
     pub fn parse<I, S>(args: I) -> Result<MlpConfig>
     where
         I: IntoIterator<Item = S>,
