@@ -54,6 +54,11 @@ pub struct MlpConfig {
     /// the one in progress keeps the copy engine busy, since the host issues the whole step
     /// ahead of the GPU; the rest of the device budget keeps layers resident).
     pub prefetch_budget: Option<u64>,
+    /// Layers pinned on the device for the whole run (`--keep K`). Default: in training with
+    /// hints, half the layers the device budget holds; else none. Every layer is written each
+    /// training step, so a layer that stays is never written back, while the other half of the
+    /// budget still keeps the layers at each turn of the step resident (see [`MlpConfig::kept`]).
+    pub keep: Option<usize>,
     /// The store's policy.
     pub policy: PolicyKind,
     /// Steps to run (the first is a warm-up for the figures).
@@ -88,6 +93,7 @@ impl Default for MlpConfig {
             hints: true,
             ahead: 1,
             prefetch_budget: None,
+            keep: None,
             policy: PolicyKind::Schedule,
             steps: 10,
             lr: 1e-3,
@@ -103,7 +109,7 @@ impl Default for MlpConfig {
 
 /// The flags `parse` accepts, for usage messages.
 pub const USAGE: &str = "--layers L --hidden H --rows R --device-budget SIZE --mode forward|train \
---hints on|off --ahead K --prefetch-budget SIZE --policy frequency|lru|schedule --steps N --lr F --seed S \
+--hints on|off --ahead K --prefetch-budget SIZE --keep K --policy frequency|lru|schedule --steps N --lr F --seed S \
 --weights-in pinned|disk --compare on|off --host --simulate h100 --trace FILE";
 
 impl MlpConfig {
@@ -150,6 +156,7 @@ impl MlpConfig {
                 "--seed" => c.seed = v.parse().map_err(|_| bad(&flag, &v))?,
                 "--weights-in" => c.weights_in = v.parse()?,
                 "--compare" => c.compare = on(&v)?,
+                "--keep" => c.keep = Some(num(&v)?),
                 "--trace" => c.trace = Some(v.into()),
                 "--simulate" => {
                     c.simulate = match v.as_str() {
@@ -173,6 +180,25 @@ impl MlpConfig {
 
     fn layer_bytes(&self) -> u64 {
         (self.hidden * self.hidden * 2) as u64
+    }
+
+    /// The layers pinned on the device for the whole run: `keep` of them (by default half of
+    /// what the budget holds, in training with hints), just before the last layers the rest of
+    /// the budget holds, so that at the turn from forward to backward the whole budget holds the
+    /// layers used next. At least two of the budget's layers stay free for the stream; none are
+    /// pinned when the model fits.
+    pub fn kept(&self) -> std::ops::Range<usize> {
+        let fits = (self.device_budget / self.layer_bytes().max(1)) as usize;
+        let default = match (self.mode, self.hints) {
+            (Mode::Train, true) => fits / 2,
+            _ => 0,
+        };
+        let k = self.keep.unwrap_or(default).min(fits.saturating_sub(2));
+        if fits >= self.layers || k == 0 {
+            return 0..0;
+        }
+        let start = self.layers - fits;
+        start..start + k
     }
 
     fn model_bytes(&self) -> u64 {
@@ -350,6 +376,7 @@ fn build(
         for &id in &ids {
             store.move_to(id, cfg.weights_in)?;
         }
+        store.pin(&ids[cfg.kept()])?;
     }
     let mut xm = la.matrix(cfg.rows, h)?;
     la.upload(&mut xm, x)?;
@@ -527,12 +554,18 @@ pub fn run(cfg: &MlpConfig, mut progress: impl FnMut(&str)) -> Result<MlpReport>
         (None, Some(s)) => Some(s.h2d_bytes_per_s),
         (None, None) => None,
     };
+    let kept = data.kept();
     progress(&format!(
-        "out of core ({backend}): device budget {}, weights in {}, hints {}, policy {}",
+        "out of core ({backend}): device budget {}, weights in {}, hints {}, policy {}, {}",
         format_size(cfg.device_budget),
         cfg.weights_in,
         if cfg.hints { format!("on ({} ahead)", cfg.ahead) } else { "off".into() },
-        cfg.policy
+        cfg.policy,
+        if kept.is_empty() {
+            "no layers pinned".to_string()
+        } else {
+            format!("layers {}..{} pinned", kept.start, kept.end)
+        }
     ));
     let mut steps = Vec::new();
     for i in 0..cfg.steps {

@@ -730,20 +730,34 @@ fn hinting_a_resident_tensor_leaves_the_prefetch_budget_to_copies() {
 }
 
 #[test]
-fn unpinning_an_unused_tensor_gives_its_prefetch_budget_back() {
-    common::each_backend("unpinning_an_unused_tensor", |backend| {
+fn pins_hold_memory_without_holding_back_prefetches() {
+    common::each_backend("pins_hold_memory_without_holding_back_prefetches", |backend| {
         let store = one_copy_store(backend);
         let l16 = 16 * KIB as usize;
-        let (a, _) = put(&store, "a", l16, 50);
+        let (a, da) = put(&store, "a", l16, 50);
         let (b, _) = put(&store, "b", l16, 51);
-        store.move_to(a, Tier::Pinned).unwrap();
-        store.move_to(b, Tier::Pinned).unwrap();
+        let (c, _) = put(&store, "c", l16, 52);
+        for id in [a, b, c] {
+            store.move_to(id, Tier::Pinned).unwrap();
+        }
         store.pin(&[a]).unwrap();
-        assert_eq!(store.stats().prefetch_in_flight, 16 * KIB, "the pin's copy is in flight");
-        store.unpin(&[a]).unwrap();
-        assert_eq!(store.stats().prefetch_in_flight, 0, "unpinned: no longer a pending prefetch");
+        assert_eq!(store.tier_of(a).unwrap(), Tier::Device);
+        assert_eq!(store.stats().prefetch_in_flight, 0, "a pin's copy is not a prefetch's");
         store.prefetch(&[b]).unwrap();
         assert_eq!(store.tier_of(b).unwrap(), Tier::Device, "b's prefetch was not held back");
+        // Unpinned unused, `a` is an ordinary resident tensor again, not a protected prefetch:
+        // four views that need the whole device evict it (and `b`, which they then use).
+        store.unpin(&[a]).unwrap();
+        let s = store.stream().unwrap();
+        let others: Vec<TensorId> = [b, c]
+            .into_iter()
+            .chain((0..2).map(|k| put(&store, &format!("d{k}"), l16, 60 + k).0))
+            .collect();
+        let views: Vec<_> = others.iter().map(|&id| store.device_view(id, &s).unwrap()).collect();
+        assert_ne!(store.tier_of(a).unwrap(), Tier::Device, "a was evicted");
+        drop(views);
+        assert_eq!(store.read(a).unwrap(), da);
+        assert_eq!(store.stats().prefetch_in_flight, 0);
         store.check_err().unwrap();
     });
 }

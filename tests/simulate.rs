@@ -49,18 +49,24 @@ fn forward_streams_at_the_pcie_floor() {
 }
 
 #[test]
-fn training_moves_weights_both_ways_near_its_floor() {
-    // Not issue 6's 15% target (the simulation puts this loop at 1.17x: the write-backs of the
-    // backward pass share the link with its loads); a guard against the pipeline getting worse.
+fn training_moves_weights_both_ways_within_its_target() {
+    // Issue 6's training target: within 15% of the floor, weights in both directions.
     let flags = &["--mode", "train", "--rows", "4096", "--device-budget", "1GiB"][..];
     let r = simulate(flags);
     let ratio = r.ratio.expect("both floors are known");
-    assert!(ratio <= 1.20, "{ratio:.3}x its floor");
-    for s in &r.steps[1..] {
-        assert_eq!(s.prefetch_misses, 0);
-        // Every layer is updated each step and every layer leaves the device once.
-        assert_eq!(s.d2h_bytes, 4 << 30);
+    assert!(ratio <= 1.15, "{ratio:.3}x its floor");
+    assert!(r.steps[1..].iter().all(|s| s.prefetch_misses == 0));
+    for s in &r.steps[3..] {
+        // Once the schedule policy's order has settled (step 4): 48 of the 64 layer loads of a
+        // step (forward and backward) and 28 of 32 write-backs. The 4 pinned layers (half the
+        // budget) never cross; the other half of the budget keeps the 4 layers at each turn of
+        // the step.
+        assert_eq!((s.h2d_bytes, s.d2h_bytes), (6 << 30, 7 << 29));
     }
+    // Without the pinned half the 4 layers are written back too, and the step is slower.
+    let all = simulate(&[flags, &["--keep", "0"][..]].concat());
+    assert!(all.steps[3..].iter().all(|s| s.d2h_bytes == 4 << 30));
+    assert!(all.step_seconds > r.step_seconds * 1.03, "{} s", all.step_seconds);
 }
 
 #[test]

@@ -61,7 +61,9 @@ impl Store {
     }
 
     /// Keeps these tensors on the device until [`unpin`](Store::unpin)ned (bringing them there
-    /// first, asynchronously). A pinned tensor is never evicted, moved or removed (`Busy`).
+    /// first, asynchronously). A pinned tensor is never evicted, moved or removed (`Busy`). The
+    /// pin holds the memory, so its copy does not count against the prefetch budget (which
+    /// limits what prefetches bring ahead of use) and does not hold back other prefetches.
     pub fn pin(&self, ids: &[TensorId]) -> Result<()> {
         let be = &self.shared.backend;
         let engine = self.shared.engine.get();
@@ -75,7 +77,12 @@ impl Store {
                 }
                 return Err(e);
             }
-            st.entries.get_mut(&id).expect("checked").pins += 1;
+            let e = st.entries.get_mut(&id).expect("checked");
+            e.pins += 1;
+            if std::mem::take(&mut e.prefetch_charged) {
+                let bytes = e.bytes;
+                st.inflight = st.inflight.saturating_sub(bytes);
+            }
         }
         Ok(())
     }
@@ -98,9 +105,8 @@ impl Store {
             let e = st.entries.get_mut(&id).expect("checked");
             e.pins -= 1;
             if e.pins == 0 {
-                // The pin's copy no longer counts as a prefetch waiting for its use: without
-                // this, a tensor pinned and unpinned unused kept its bytes against the prefetch
-                // budget (and its protection) for good.
+                // No longer protected as a prefetch waiting for its use (a tensor pinned and
+                // unpinned unused kept that protection for good).
                 st.consume_prefetch(id);
             }
         }
