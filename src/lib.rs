@@ -42,7 +42,7 @@ pub mod bench;
 mod disk;
 mod engine;
 mod error;
-pub use backend::sim::Simulation;
+pub use backend::sim::{LinkSharing, Simulation};
 pub use backend::{kernels, linalg, optim, probe};
 pub mod mlp;
 pub mod plan;

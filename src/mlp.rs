@@ -21,7 +21,8 @@ use half::bf16;
 use crate::linalg::{Linalg, Matrix};
 use crate::probe::{median, median_after_first, raw_pinned_copy, Direction};
 use crate::{
-    format_size, parse_size, DType, Error, PolicyKind, Result, Simulation, Store, TensorId, Tier,
+    format_size, parse_size, DType, Error, LinkSharing, PolicyKind, Result, Simulation, Store,
+    TensorId, Tier,
 };
 
 /// Inference or training.
@@ -73,7 +74,8 @@ pub struct MlpConfig {
     pub host: bool,
     /// Also run every weight resident (the compute floor and the correctness reference).
     pub compare: bool,
-    /// Simulate this machine on the host backend (`--simulate h100`): the loop runs a model
+    /// Simulate this machine on the host backend (`--simulate h100`, or `h100-half` for
+    /// [`LinkSharing::Half`]): the loop runs a model
     /// with the same layer count and budget in layers, shrunk to `hidden ≤ 64` and `rows ≤ 8`,
     /// in [simulated time](crate::StoreBuilder::simulate) scaled so that each layer's copies
     /// and GEMMs take the time they would at the configured size.
@@ -110,7 +112,7 @@ impl Default for MlpConfig {
 /// The flags `parse` accepts, for usage messages.
 pub const USAGE: &str = "--layers L --hidden H --rows R --device-budget SIZE --mode forward|train \
 --hints on|off --ahead K --prefetch-budget SIZE --keep K --policy frequency|lru|schedule --steps N --lr F --seed S \
---weights-in pinned|disk --compare on|off --host --simulate h100 --trace FILE";
+--weights-in pinned|disk --compare on|off --host --simulate h100|h100-half --trace FILE";
 
 impl MlpConfig {
     /// Parses command-line flags (see [`USAGE`]) over the defaults (L=32, H=8192, rows 2048,
@@ -161,6 +163,11 @@ impl MlpConfig {
                 "--simulate" => {
                     c.simulate = match v.as_str() {
                         "h100" => Some(Simulation::h100()),
+                        "h100-half" => {
+                            let mut s = Simulation::h100();
+                            s.sharing = LinkSharing::Half;
+                            Some(s)
+                        }
                         _ => return Err(bad(&flag, &v)),
                     }
                 }

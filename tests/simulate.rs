@@ -150,3 +150,17 @@ fn streams_of_a_simulated_store_and_a_real_one_do_not_mix() {
     assert!(matches!(sim.device_view(w, &s_other), Err(Error::BackendMismatch(_))));
     assert!(matches!(strata::linalg::Linalg::new(&sim, &s_other), Err(Error::BackendMismatch(_))));
 }
+
+#[test]
+fn the_two_link_sharing_models_bracket_training() {
+    // The later of two copies in opposite directions gets what the earlier leaves of the two-way
+    // bandwidth (h100), or half of it (h100-half): forward moves one way only and is the same
+    // under both; training is faster under the optimistic one.
+    let flags = &["--mode", "train", "--rows", "4096", "--device-budget", "1GiB"][..];
+    let half = simulate(&[flags, &["--simulate", "h100-half"][..]].concat());
+    let leftover = simulate(flags);
+    assert!(half.step_seconds < leftover.step_seconds);
+    let fwd = &["--rows", "2048", "--device-budget", "1GiB"][..];
+    let (a, b) = (simulate(fwd), simulate(&[fwd, &["--simulate", "h100-half"][..]].concat()));
+    assert!((a.step_seconds - b.step_seconds).abs() < 1e-9);
+}

@@ -39,7 +39,8 @@ use parking_lot::Mutex;
 /// [`Stream::launch_host`](crate::Stream::launch_host) or
 /// [`DeviceView::with_host_bytes`](crate::DeviceView::with_host_bytes) (none); and fairness
 /// between the two directions (a copy already scheduled keeps its time, since its event may have
-/// been waited on; the copy scheduled after it takes the whole slowdown). A simulated store has
+/// been waited on; the copy scheduled after it takes the whole slowdown, or gets half the two-way
+/// bandwidth: see [`LinkSharing`]). A simulated store has
 /// no disk-worker threads: disk-to-device copies go through staging on the issuing thread, which
 /// waits for each staging buffer to drain (a GPU store's workers would wait instead), so loops
 /// fed from the Disk tier are timed as host-bound. It is a model for planning and for finding a
@@ -62,6 +63,8 @@ pub struct Simulation {
     pub memory_bytes_per_s: f64,
     /// Host time to issue one copy or kernel, seconds.
     pub launch_seconds: f64,
+    /// How a copy scheduled while the other direction copies shares the link.
+    pub sharing: LinkSharing,
     /// Bytes each copied byte, or byte of elementwise work on a store tensor, stands for.
     pub bytes_scale: f64,
     /// Bytes each byte of elementwise work on a [`Matrix`](crate::linalg::Matrix) (activations,
@@ -86,6 +89,7 @@ impl Simulation {
             gemm_flops_per_s: 796e12,
             memory_bytes_per_s: 3.0e12,
             launch_seconds: 5e-6,
+            sharing: LinkSharing::Leftover,
             bytes_scale: 1.0,
             matrix_bytes_scale: 1.0,
             flops_scale: 1.0,
@@ -130,6 +134,18 @@ impl Simulation {
         }
         Ok(())
     }
+}
+
+/// How a copy scheduled while a copy in the other direction is running shares the link. The
+/// copy already scheduled keeps its rate either way (its end may have been waited on), so the
+/// two bracket a fair split: `Leftover` is pessimistic for the later copy, `Half` optimistic.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum LinkSharing {
+    /// It gets what the other copy leaves of `both_bytes_per_s` (the link never carries more).
+    #[default]
+    Leftover,
+    /// It gets half of `both_bytes_per_s` (the link may carry more than that in all).
+    Half,
 }
 
 /// Which engine a simulated stream stands for.
@@ -223,7 +239,11 @@ impl SimClock {
             if a > t {
                 shares.push((a, own)); // alone until the other direction's copy starts
             }
-            shares.push((b, (s.both_bytes_per_s - other).min(own).max(own * 1e-3)));
+            let rate = match s.sharing {
+                LinkSharing::Leftover => s.both_bytes_per_s - other,
+                LinkSharing::Half => s.both_bytes_per_s / 2.0,
+            };
+            shares.push((b, rate.min(own).max(own * 1e-3)));
             t = b;
         }
         shares.push((f64::INFINITY, own));
@@ -262,6 +282,7 @@ mod tests {
             gemm_flops_per_s: 1000.0,
             memory_bytes_per_s: 500.0,
             launch_seconds: 0.0,
+            sharing: LinkSharing::Leftover,
             bytes_scale: 1.0,
             matrix_bytes_scale: 1.0,
             flops_scale: 1.0,
@@ -289,6 +310,15 @@ mod tests {
         // 3.8 (26 moved), then 174 at 100/s.
         let end = c.copy_end(Lane::H2d, 2.5, 100);
         assert!((end - 5.54).abs() < 1e-9, "{end}");
+
+        // Half: the D2H copy gets 60/s while the H2D one runs (60 moved over [1, 2)), then 140
+        // more alone at 100/s.
+        let mut half = spec().scaled(2.0, 1.0);
+        half.sharing = LinkSharing::Half;
+        let c = SimClock::new(half);
+        assert_eq!(c.copy_end(Lane::H2d, 0.0, 100), 2.0);
+        let end = c.copy_end(Lane::D2h, 1.0, 100);
+        assert!((end - 3.4).abs() < 1e-12, "{end}");
     }
 
     #[test]
