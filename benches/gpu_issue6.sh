@@ -4,7 +4,7 @@
 # come to about 690 MiB, over the 64 MiB a device run carries; stripped, about 41 MiB), then run
 # on the GPU machine (carry [".gpu"]):
 #     bash benches/gpu_issue6.sh
-# It runs the six out-of-core rows of docs/benchmarks.md (L=32, H=8192, 4 GiB of bf16 weights)
+# It runs the seven out-of-core rows of docs/benchmarks.md (L=32, H=8192, 4 GiB of bf16 weights)
 # with 10 steps each, writes each run's output and a Chrome trace of its copies and waits to
 # $OUT, then the peers (PyTorch hand-written prefetch, Accelerate cpu_offload and disk_offload)
 # on the same machine.
@@ -23,6 +23,7 @@ if [ ! -x "$bin" ]; then
 fi
 nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.width.current \
     --format=csv | tee "$OUT/machine.txt"
+: > "$OUT/out_of_core.txt"
 fail=0
 row() {
     local name=$1
@@ -37,6 +38,8 @@ row forward-16384-1g --mode forward --rows 16384 --device-budget 1GiB
 row forward-2048-2g --mode forward --rows 2048 --device-budget 2GiB
 row forward-2048-1g-nohints --mode forward --rows 2048 --device-budget 1GiB --hints off
 row train-4096-1g --mode train --optimizer device-sgd --rows 4096 --device-budget 1GiB
+row train-4096-1g-keep0 --mode train --optimizer device-sgd --rows 4096 --device-budget 1GiB \
+    --keep 0
 row train-4096-1g-nohints --mode train --optimizer device-sgd --rows 4096 --device-budget 1GiB \
     --hints off
 echo "== peers" | tee "$OUT/peers.txt"

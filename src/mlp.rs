@@ -192,15 +192,16 @@ impl MlpConfig {
     /// The layers pinned on the device for the whole run: `keep` of them (by default half of
     /// what the budget holds, in training with hints), just before the last layers the rest of
     /// the budget holds, so that at the turn from forward to backward the whole budget holds the
-    /// layers used next. At least two of the budget's layers stay free for the stream; none are
-    /// pinned when the model fits.
+    /// layers used next. At least `ahead + 1` of the budget's layers stay free for the stream;
+    /// none are pinned when the model fits.
     pub fn kept(&self) -> std::ops::Range<usize> {
         let fits = (self.device_budget / self.layer_bytes().max(1)) as usize;
         let default = match (self.mode, self.hints) {
             (Mode::Train, true) => fits / 2,
             _ => 0,
         };
-        let k = self.keep.unwrap_or(default).min(fits.saturating_sub(2));
+        // The layer in use and those prefetched ahead need room beside the pinned ones.
+        let k = self.keep.unwrap_or(default).min(fits.saturating_sub(self.ahead.max(1) + 1));
         if fits >= self.layers || k == 0 {
             return 0..0;
         }
@@ -282,6 +283,10 @@ pub struct MlpReport {
     pub step_seconds: f64,
     /// `step_seconds / max(compute, pcie)`.
     pub ratio: Option<f64>,
+    /// Bytes the run moved per step, each direction (medians of the steps after the first):
+    /// what the step time is bounded by in fact, where the run moved fewer bytes than
+    /// `min_bytes` assumes must cross.
+    pub moved_bytes: (u64, u64),
     /// Whether the final weights (train) or outputs (forward) equal the all-resident run's,
     /// bit for bit; `None` when the resident run did not run.
     pub matches_resident: Option<bool>,
@@ -634,6 +639,10 @@ pub fn run(cfg: &MlpConfig, mut progress: impl FnMut(&str)) -> Result<MlpReport>
     };
     let pcie_seconds = h2d_bandwidth.map(|bw| min_bytes.0.max(min_bytes.1) as f64 / bw);
     let step_seconds = median_after_first(&steps.iter().map(|s| s.seconds).collect::<Vec<_>>());
+    let moved = |f: fn(&StepReport) -> u64| {
+        median_after_first(&steps.iter().map(|s| f(s) as f64).collect::<Vec<_>>()) as u64
+    };
+    let moved_bytes = (moved(|s| s.h2d_bytes), moved(|s| s.d2h_bytes));
     let floor = match (compute, pcie_seconds) {
         (Some(c), Some(p)) => Some(c.max(p)),
         (Some(c), None) => Some(c),
@@ -649,6 +658,7 @@ pub fn run(cfg: &MlpConfig, mut progress: impl FnMut(&str)) -> Result<MlpReport>
         pcie_seconds,
         step_seconds,
         ratio: floor.map(|f| step_seconds / f),
+        moved_bytes,
         matches_resident,
         max_abs_diff,
         simulated: sim.is_some(),
@@ -671,6 +681,21 @@ impl std::fmt::Display for MlpReport {
                 if self.simulated { "simulated H2D" } else { "raw pinned H2D" },
                 p * 1e3
             )?;
+        }
+        if let Some(bw) = self.h2d_bandwidth {
+            let (i, o) = self.moved_bytes;
+            let t = i.max(o) as f64 / bw;
+            if t > 0.0 {
+                writeln!(
+                    f,
+                    "bytes it moved: {} in, {} out per step (median) = {:.2} ms at that \
+                     bandwidth; step time {:.3}x that",
+                    format_size(i),
+                    format_size(o),
+                    t * 1e3,
+                    self.step_seconds / t
+                )?;
+            }
         }
         match self.matches_resident {
             Some(true) => writeln!(f, "results equal the all-resident run bit for bit")?,

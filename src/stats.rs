@@ -60,7 +60,8 @@ pub struct Stats {
     /// Seconds copies took, summed over the recorded copies (the most recent 100,000).
     pub copy_seconds: f64,
     /// Bytes whose copies prefetches started and that are not yet used or released (a prefetch
-    /// hint of a tensor already on the device protects it without counting here).
+    /// hint of a tensor already on the device protects it without counting here, and a pin's
+    /// copy never counts).
     pub prefetch_in_flight: u64,
     /// `groups[group][tier]`: bytes of the tensors of each [`Group`] with a copy in each tier
     /// (a tensor cached in two tiers counts in both; file-backed tensors count in Disk).

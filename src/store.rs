@@ -393,6 +393,9 @@ pub(crate) enum Level {
     Guess,
     /// A hint or an explicit operation: may evict what only the policy prefetched.
     Demand,
+    /// A view that cannot wait: when nothing else makes room, it may also evict what a hint
+    /// prefetched and no one has used yet (wasting that copy rather than failing).
+    Urgent,
 }
 
 pub(crate) struct Entry {
@@ -411,6 +414,9 @@ pub(crate) struct Entry {
     pub(crate) host_lent: bool,
     /// `Store::discard`ed and not written since: evicting it need not write it back.
     pub(crate) discarded: bool,
+    /// Its prefetch protection came from a `pin` (not a `prefetch` or scope hint): the last
+    /// `unpin` ends it.
+    pub(crate) pin_prefetch: bool,
     /// `pin` hints not yet undone by `unpin`.
     pub(crate) pins: u32,
     /// Live layer scopes that use the tensor.
@@ -448,6 +454,7 @@ impl Entry {
             scopes: 0,
             prefetched: None,
             prefetch_charged: false,
+            pin_prefetch: false,
             released: false,
             device_loads: 0,
             group: Group::Other,
@@ -1068,9 +1075,13 @@ impl Store {
             st.counters.prefetch_hits += 1;
         } else {
             st.counters.prefetch_misses += 1;
-            let ext = st
-                .alloc_evicting(be, Tier::Device, bytes, id, Level::Demand)?
-                .ok_or(Error::OutOfMemory { tier: Tier::Device, bytes })?;
+            // Unused hinted prefetches go only if nothing else makes room (more prefetched
+            // ahead than the device holds beside the view's tensor, pins and other views).
+            let ext = match st.alloc_evicting(be, Tier::Device, bytes, id, Level::Demand)? {
+                Some(ext) => Some(ext),
+                None => st.alloc_evicting(be, Tier::Device, bytes, id, Level::Urgent)?,
+            }
+            .ok_or(Error::OutOfMemory { tier: Tier::Device, bytes })?;
             if overwrite {
                 // No copy in; the view's work must still wait for work touching the memory's
                 // previous owner, which the host-to-device stream is ordered after.
@@ -1426,8 +1437,8 @@ impl State {
             && e.filling().is_none()
             && e.replicas[t.index()].is_some()
             && match (t, e.prefetched) {
-                (Tier::Device, Some(Source::Hint)) => false,
-                (Tier::Device, Some(Source::Policy)) => level == Level::Demand,
+                (Tier::Device, Some(Source::Hint)) => level == Level::Urgent,
+                (Tier::Device, Some(Source::Policy)) => level != Level::Guess,
                 _ => true,
             }
     }
@@ -1435,6 +1446,7 @@ impl State {
     /// The tensor was used by a view (or left the device): it no longer counts as prefetched.
     fn consume_prefetch(&mut self, id: TensorId) {
         if let Some(e) = self.entries.get_mut(&id) {
+            e.pin_prefetch = false;
             if e.prefetched.take().is_some() && std::mem::take(&mut e.prefetch_charged) {
                 self.inflight = self.inflight.saturating_sub(e.bytes);
             }

@@ -680,14 +680,20 @@ fn trace_is_chrome_json_of_the_copies() {
 
 /// Room for four 16 KiB tensors on the device, and prefetched copies of one in flight at a time.
 fn one_copy_store(backend: Backend) -> Store {
+    prefetching_store(backend, 16 * KIB)
+}
+
+/// Room for four 16 KiB tensors on the device, 256 KiB of Pinned, and `prefetch` bytes of
+/// prefetched copies in flight.
+fn prefetching_store(backend: Backend, prefetch: u64) -> Store {
     backend
         .builder()
         .capacity(Tier::Device, 64 * KIB)
-        .capacity(Tier::Pinned, 128 * KIB)
+        .capacity(Tier::Pinned, 256 * KIB)
         .capacity(Tier::Mapped, 0)
         .capacity(Tier::Disk, 0)
         .staging(2, 16 * KIB as usize)
-        .prefetch_budget(16 * KIB)
+        .prefetch_budget(prefetch)
         .build()
         .unwrap()
 }
@@ -758,6 +764,49 @@ fn pins_hold_memory_without_holding_back_prefetches() {
         drop(views);
         assert_eq!(store.read(a).unwrap(), da);
         assert_eq!(store.stats().prefetch_in_flight, 0);
+        store.check_err().unwrap();
+    });
+}
+
+#[test]
+fn unpin_keeps_a_prefetch_hint_and_a_view_beats_unused_prefetches() {
+    common::each_backend("unpin_keeps_a_prefetch_hint", |backend| {
+        let store = prefetching_store(backend, 64 * KIB);
+        let l16 = 16 * KIB as usize;
+        let t: Vec<(TensorId, Vec<u8>)> =
+            (0..6).map(|k| put(&store, &format!("t{k}"), l16, 70 + k)).collect();
+        for (id, _) in &t {
+            store.move_to(*id, Tier::Pinned).unwrap();
+        }
+        let (x, y) = (t[0].0, t[1].0);
+        let s = store.stream().unwrap();
+
+        // `x` was asked for by a prefetch hint before the pin: unpinning leaves that hint's
+        // protection, so a view that needs room takes `y` (resident, unprotected, and hotter
+        // than `x` for the frequency policy) rather than `x`.
+        store.prefetch(&[x]).unwrap();
+        store.pin(&[x]).unwrap();
+        store.unpin(&[x]).unwrap();
+        store.move_to(y, Tier::Device).unwrap();
+        for _ in 0..10 {
+            store.read(y).unwrap();
+        }
+        let held: Vec<_> = [2, 3].map(|k| store.device_view(t[k].0, &s).unwrap()).into();
+        let v = store.device_view(t[4].0, &s).unwrap();
+        assert_eq!(store.tier_of(x).unwrap(), Tier::Device, "x's prefetch hint was kept");
+        assert_eq!(store.tier_of(y).unwrap(), Tier::Pinned, "y made the room");
+        drop((v, held));
+        assert_eq!(view_read(&store.device_view(x, &s).unwrap()), t[0].1);
+        store.prefetch(&[y, t[2].0, t[3].0, t[4].0]).unwrap();
+
+        // Four unused hinted prefetches fill the device. A view of a fifth tensor evicts one of
+        // them rather than failing with OutOfMemory.
+        let v = store.device_view(t[5].0, &s).unwrap();
+        assert_eq!(view_read(&v), t[5].1);
+        drop(v);
+        for (id, data) in &t {
+            assert_eq!(store.read(*id).unwrap(), *data);
+        }
         store.check_err().unwrap();
     });
 }

@@ -70,15 +70,19 @@ impl Store {
         let mut st = self.shared.state.lock();
         st.check_ids(ids)?;
         for (k, &id) in ids.iter().enumerate() {
+            let unprotected = st.entries[&id].prefetched.is_none();
             if let Err(e) = st.prefetch_one(be, engine, id, Source::Hint, true) {
                 // All or nothing: undo the pins this call made.
                 for &done in &ids[..k] {
-                    st.entries.get_mut(&done).expect("checked").pins -= 1;
+                    st.unpin_one(done);
                 }
                 return Err(e);
             }
             let e = st.entries.get_mut(&id).expect("checked");
             e.pins += 1;
+            if unprotected && e.prefetched.is_some() {
+                e.pin_prefetch = true;
+            }
             if std::mem::take(&mut e.prefetch_charged) {
                 let bytes = e.bytes;
                 st.inflight = st.inflight.saturating_sub(bytes);
@@ -102,13 +106,7 @@ impl Store {
             }
         }
         for &id in ids {
-            let e = st.entries.get_mut(&id).expect("checked");
-            e.pins -= 1;
-            if e.pins == 0 {
-                // No longer protected as a prefetch waiting for its use (a tensor pinned and
-                // unpinned unused kept that protection for good).
-                st.consume_prefetch(id);
-            }
+            st.unpin_one(id);
         }
         st.pump_waiting(&self.shared.backend, self.shared.engine.get());
         Ok(())
@@ -220,8 +218,19 @@ impl State {
         }
     }
 
+    /// Undoes one pin of `id`. The last one also ends the prefetch protection the pin gave
+    /// (one a `prefetch` or scope hint gave stays until the tensor is used or released).
+    fn unpin_one(&mut self, id: TensorId) {
+        let Some(e) = self.entries.get_mut(&id) else { return };
+        e.pins = e.pins.saturating_sub(1);
+        if e.pins == 0 && e.pin_prefetch {
+            self.consume_prefetch(id);
+        }
+    }
+
     /// Starts bringing `id` to the device. `force` ignores the prefetch budget (the tensor is
-    /// needed now: a pin or a scope's own tensors).
+    /// needed now: a pin or a scope's own tensors). A hint makes the tensor's protection its
+    /// own: a later `unpin` no longer ends it.
     pub(crate) fn prefetch_one(
         &mut self,
         be: &Backend,
@@ -232,6 +241,11 @@ impl State {
     ) -> Result<Outcome> {
         if !self.enabled(Tier::Device) {
             return Ok(Outcome::Skipped);
+        }
+        if source == Source::Hint {
+            if let Some(e) = self.entries.get_mut(&id) {
+                e.pin_prefetch = false;
+            }
         }
         let e = self.entry(id)?;
         let bytes = e.bytes;
