@@ -42,6 +42,7 @@ pub mod bench;
 mod disk;
 mod engine;
 mod error;
+mod flags;
 pub use backend::sim::{LinkSharing, Simulation};
 pub use backend::{kernels, linalg, optim, probe};
 pub mod mlp;

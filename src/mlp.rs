@@ -18,11 +18,11 @@ use std::time::Instant;
 
 use half::bf16;
 
+use crate::flags::Flags;
 use crate::linalg::{Linalg, Matrix};
 use crate::probe::{median, median_after_first, raw_pinned_copy, Direction};
 use crate::{
-    format_size, parse_size, DType, Error, LinkSharing, PolicyKind, Result, Simulation, Store,
-    TensorId, Tier,
+    format_size, DType, Error, LinkSharing, PolicyKind, Result, Simulation, Store, TensorId, Tier,
 };
 
 /// Inference or training.
@@ -123,55 +123,41 @@ impl MlpConfig {
         S: AsRef<str>,
     {
         let mut c = MlpConfig::default();
-        let mut it = args.into_iter().map(|s| s.as_ref().to_string());
-        let bad = |flag: &str, v: &str| Error::InvalidArgument(format!("{flag} {v:?} ({USAGE})"));
-        while let Some(flag) = it.next() {
-            if flag == "--host" {
-                c.host = true;
-                continue;
-            }
-            let v = it.next().ok_or_else(|| bad(&flag, "<missing>"))?;
-            let num = |v: &str| v.parse::<usize>().map_err(|_| bad(&flag, v));
-            let on = |v: &str| match v {
-                "on" | "true" | "1" => Ok(true),
-                "off" | "false" | "0" => Ok(false),
-                _ => Err(bad(&flag, v)),
-            };
-            match flag.as_str() {
-                "--layers" => c.layers = num(&v)?,
-                "--hidden" => c.hidden = num(&v)?,
-                "--rows" => c.rows = num(&v)?,
-                "--device-budget" => c.device_budget = parse_size(&v)?,
+        let args = args.into_iter().map(|s| s.as_ref().to_string());
+        let mut flags = Flags::new(args, USAGE, &["--host"]);
+        let on_off = [("on", true), ("true", true), ("1", true)]
+            .into_iter()
+            .chain([("off", false), ("false", false), ("0", false)])
+            .collect::<Vec<_>>();
+        let mut half = Simulation::h100();
+        half.sharing = LinkSharing::Half;
+        while let Some(f) = flags.next_flag() {
+            let f = f?;
+            match f.name.as_str() {
+                "--host" => c.host = true,
+                "--layers" => c.layers = f.num()?,
+                "--hidden" => c.hidden = f.num()?,
+                "--rows" => c.rows = f.num()?,
+                "--device-budget" => c.device_budget = f.size()?,
                 "--mode" => {
-                    c.mode = match v.as_str() {
-                        "forward" => Mode::Forward,
-                        "train" => Mode::Train,
-                        _ => return Err(bad(&flag, &v)),
-                    }
+                    c.mode = f.choice(&[("forward", Mode::Forward), ("train", Mode::Train)])?
                 }
-                "--hints" => c.hints = on(&v)?,
-                "--ahead" => c.ahead = num(&v)?,
-                "--prefetch-budget" => c.prefetch_budget = Some(parse_size(&v)?),
-                "--policy" => c.policy = v.parse()?,
-                "--steps" => c.steps = num(&v)?,
-                "--lr" => c.lr = v.parse().map_err(|_| bad(&flag, &v))?,
-                "--seed" => c.seed = v.parse().map_err(|_| bad(&flag, &v))?,
-                "--weights-in" => c.weights_in = v.parse()?,
-                "--compare" => c.compare = on(&v)?,
-                "--keep" => c.keep = Some(num(&v)?),
-                "--trace" => c.trace = Some(v.into()),
+                "--hints" => c.hints = f.choice(&on_off)?,
+                "--ahead" => c.ahead = f.num()?,
+                "--prefetch-budget" => c.prefetch_budget = Some(f.size()?),
+                "--policy" => c.policy = f.value.parse()?,
+                "--steps" => c.steps = f.num()?,
+                "--lr" => c.lr = f.parsed()?,
+                "--seed" => c.seed = f.parsed()?,
+                "--weights-in" => c.weights_in = f.value.parse()?,
+                "--compare" => c.compare = f.choice(&on_off)?,
+                "--keep" => c.keep = Some(f.num()?),
+                "--trace" => c.trace = Some(f.value.into()),
                 "--simulate" => {
-                    c.simulate = match v.as_str() {
-                        "h100" => Some(Simulation::h100()),
-                        "h100-half" => {
-                            let mut s = Simulation::h100();
-                            s.sharing = LinkSharing::Half;
-                            Some(s)
-                        }
-                        _ => return Err(bad(&flag, &v)),
-                    }
+                    c.simulate =
+                        Some(f.choice(&[("h100", Simulation::h100()), ("h100-half", half)])?)
                 }
-                _ => return Err(Error::InvalidArgument(format!("unknown flag {flag} ({USAGE})"))),
+                _ => return Err(f.unknown()),
             }
         }
         if c.layers == 0 || c.hidden == 0 || c.rows == 0 || c.steps == 0 {

@@ -29,13 +29,12 @@ use std::time::Instant;
 
 use half::bf16;
 
+use crate::flags::Flags;
 use crate::linalg::{loss_value, Element, Linalg, Matrix, LOSS_PARTIALS};
 use crate::optim::{AdamW, Algorithm, Engine, Optimizer, OptimizerConfig, Sgd, StepTraffic};
 use crate::plan::{self, PlanConfig, TensorEntry};
 use crate::probe::median_after_first;
-use crate::{
-    format_size, parse_size, DType, Error, Group, PolicyKind, Result, Store, TensorId, Tier,
-};
+use crate::{format_size, DType, Error, Group, PolicyKind, Result, Store, TensorId, Tier};
 
 /// What happens to the activations the backward pass needs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -184,64 +183,47 @@ impl TrainConfig {
         S: AsRef<str>,
     {
         let mut c = TrainConfig::default();
-        let mut it = args.into_iter().map(|s| s.as_ref().to_string());
-        let bad = |flag: &str, v: &str| Error::InvalidArgument(format!("{flag} {v:?} ({USAGE})"));
-        while let Some(flag) = it.next() {
-            if flag == "--host" {
-                c.host = true;
-                continue;
-            }
-            let v = it.next().ok_or_else(|| bad(&flag, "<missing>"))?;
-            let num = |v: &str| v.parse::<usize>().map_err(|_| bad(&flag, v));
-            let float = |v: &str| v.parse::<f64>().map_err(|_| bad(&flag, v));
-            match flag.as_str() {
+        let args = args.into_iter().map(|s| s.as_ref().to_string());
+        let mut flags = Flags::new(args, USAGE, &["--host"]);
+        while let Some(f) = flags.next_flag() {
+            let f = f?;
+            let v = f.value.as_str();
+            match f.name.as_str() {
+                "--host" => c.host = true,
                 "--mode" if v == "train" => {}
-                "--layers" => c.layers = num(&v)?,
-                "--hidden" => c.hidden = num(&v)?,
-                "--rows" => c.rows = num(&v)?,
-                "--steps" => c.steps = num(&v)?,
-                "--lr" => c.lr = float(&v)?,
+                "--layers" => c.layers = f.num()?,
+                "--hidden" => c.hidden = f.num()?,
+                "--rows" => c.rows = f.num()?,
+                "--steps" => c.steps = f.num()?,
+                "--lr" => c.lr = f.parsed()?,
                 "--optimizer" => {
-                    c.optimizer = match v.as_str() {
-                        "sgd" => OptimizerKind::Sgd,
-                        "adamw" => OptimizerKind::AdamW,
-                        _ => return Err(bad(&flag, &v)),
-                    }
+                    c.optimizer =
+                        f.choice(&[("sgd", OptimizerKind::Sgd), ("adamw", OptimizerKind::AdamW)])?
                 }
-                "--beta1" => c.betas.0 = float(&v)?,
-                "--beta2" => c.betas.1 = float(&v)?,
-                "--eps" => c.eps = float(&v)?,
-                "--weight-decay" => c.weight_decay = float(&v)?,
+                "--beta1" => c.betas.0 = f.parsed()?,
+                "--beta2" => c.betas.1 = f.parsed()?,
+                "--eps" => c.eps = f.parsed()?,
+                "--weight-decay" => c.weight_decay = f.parsed()?,
                 "--engine" if v == "all" => c.all_engines = true,
                 "--engine" => c.engine = v.parse()?,
-                "--threads" => c.threads = num(&v)?,
-                "--accumulate" => c.accumulate = num(&v)?,
+                "--threads" => c.threads = f.num()?,
+                "--accumulate" => c.accumulate = f.num()?,
                 "--dtype" => {
-                    c.dtype = Some(match v.as_str() {
-                        "f32" => DType::F32,
-                        "bf16" => DType::BF16,
-                        _ => return Err(bad(&flag, &v)),
-                    })
+                    c.dtype = Some(f.choice(&[("f32", DType::F32), ("bf16", DType::BF16)])?)
                 }
                 "--activations" => c.activations = v.parse()?,
-                "--checkpoint-every" => c.checkpoint_every = num(&v)?,
+                "--checkpoint-every" => c.checkpoint_every = f.num()?,
                 "--init" => c.init = Some(v.into()),
                 "--data" => c.data = Some(v.into()),
                 "--save" => c.save = Some(v.into()),
-                "--device-budget" => c.device_budget = parse_size(&v)?,
-                "--pinned-budget" => c.pinned_budget = Some(parse_size(&v)?),
-                "--mapped-budget" => c.mapped_budget = Some(parse_size(&v)?),
-                "--ahead" => c.ahead = num(&v)?,
+                "--device-budget" => c.device_budget = f.size()?,
+                "--pinned-budget" => c.pinned_budget = Some(f.size()?),
+                "--mapped-budget" => c.mapped_budget = Some(f.size()?),
+                "--ahead" => c.ahead = f.num()?,
                 "--policy" => c.policy = v.parse()?,
-                "--seed" => c.seed = v.parse().map_err(|_| bad(&flag, &v))?,
-                "--compare" => {
-                    c.compare = match v.as_str() {
-                        "on" => true,
-                        "off" => false,
-                        _ => return Err(bad(&flag, &v)),
-                    }
-                }
-                _ => return Err(Error::InvalidArgument(format!("unknown flag {flag} ({USAGE})"))),
+                "--seed" => c.seed = f.parsed()?,
+                "--compare" => c.compare = f.choice(&[("on", true), ("off", false)])?,
+                _ => return Err(f.unknown()),
             }
         }
         if c.layers == 0 || c.hidden == 0 || c.rows == 0 || c.steps == 0 {
