@@ -530,7 +530,8 @@ pub(crate) struct State {
     /// Stream waits whose length is known once both events complete: (mark on the consumer's
     /// stream, the copy's event).
     pub(crate) probes: Vec<(RawEvent, RawEvent)>,
-    /// Set by a device copy after its stream's waits: where its trace span starts.
+    /// Set by `copy_into` for a copy on a copy stream, after the stream's waits: where its span
+    /// starts.
     copy_start: Option<RawEvent>,
 }
 
@@ -1924,15 +1925,17 @@ impl State {
         to: Tier,
         mut dst: Ext,
     ) -> Result<()> {
-        // Time the copy on the stream that carries it (or on the host clock).
-        let (track, start) = match (from, to) {
-            (_, Tier::Device) => (Track::H2d, TimePoint::Ev(be.h2d().record()?)),
-            (Tier::Device, _) => (Track::D2h, TimePoint::Ev(be.d2h().record()?)),
-            _ => (Track::Host, TimePoint::Host(Instant::now())),
+        // Time the copy on the stream that carries it (`copy_into` records where it starts,
+        // after the stream's waits), or on the host clock.
+        let track = match (from, to) {
+            (_, Tier::Device) => Track::H2d,
+            (Tier::Device, _) => Track::D2h,
+            _ => Track::Host,
         };
+        let host_start = Instant::now();
         self.copy_start = None;
         let res = self.copy_into(be, id, from, to, &mut dst);
-        let start = self.copy_start.take().map_or(start, TimePoint::Ev);
+        let start = self.copy_start.take().map_or(TimePoint::Host(host_start), TimePoint::Ev);
         match res {
             Ok(ready) => {
                 let (bytes, name) = (self.entries[&id].bytes, self.entries[&id].name.clone());
@@ -2024,6 +2027,7 @@ impl State {
                     d2h.wait(ev)?;
                 }
                 let mut crc = crc32fast::Hasher::new();
+                *copy_start = Some(d2h.record()?);
                 staging.download(d2h, sa, s, |off, piece| {
                     crc.update(piece);
                     disk.write_range(d, off as u64, piece)
@@ -2044,6 +2048,7 @@ impl State {
                 // checksum is verified over the whole tensor before the replica is kept.
                 let staging = staging.as_mut().ok_or(Error::TierDisabled { tier: to })?;
                 let mut crc = crc32fast::Hasher::new();
+                *copy_start = Some(be.h2d().record()?);
                 let last = staging.upload(be.h2d(), da, d, |off, buf| {
                     disk.read_range(s, off as u64, buf)?;
                     crc.update(buf);
@@ -2067,6 +2072,7 @@ impl State {
                 }
                 let staging = staging.as_mut().ok_or(Error::TierDisabled { tier: to })?;
                 debug_assert_eq!(len, e.bytes);
+                *copy_start = Some(be.h2d().record()?);
                 staging.upload(be.h2d(), da, d, |off, buf| file.read_at(offset + off as u64, buf))
             }
             (Ext::File { file, offset, len }, Ext::Disk(d)) => {
