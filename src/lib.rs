@@ -21,46 +21,52 @@
 //! ```
 //!
 //! ## Map of the crate
-//! | layer | file |
-//! |---|---|
-//! | public API: [`Store`], [`StoreBuilder`], [`Stats`] | `store.rs`, `stats.rs` |
-//! | device and mapped views, streams | `view.rs` |
-//! | residency: where each tensor's copies are | `store.rs` (`Entry`) |
-//! | policy: victims and promotions | `policy/` (a file per policy) |
-//! | tier arenas and the extent allocator | `arena.rs`, `alloc.rs`, `disk.rs` |
-//! | backend: host emulation (optionally in simulated time) or CUDA | `backend/` |
+//! The store is layered; each layer is a folder (`docs/architecture.md` has the whole picture):
 //!
-//! See `docs/architecture.md` for the whole picture.
+//! | layer | what | where |
+//! |---|---|---|
+//! | public API | [`Store`], [`StoreBuilder`], views, [`Stream`], hints, files, [`Stats`] | `api/` |
+//! | residency | tensors (a slab by [`TensorId`]), replicas, holds, flights, per-stream uses; the lock | `residency/` |
+//! | placement | victim ranks and order, policies, admission, the prefetch budget | `placement/` |
+//! | migration | plan, execute (without the lock), commit; the engine's workers; prefetching | `migrate/` |
+//! | tiers | arenas and their leases, the extent allocator, staging, the disk slab, user files | `tiers/` |
+//! | backend | host emulation (optionally in simulated time) or CUDA; events, streams | `backend/` |
+//!
+//! Built on the store: [`optim`] (SGD and AdamW over store tensors), [`linalg`] and [`kernels`]
+//! (the GEMMs and kernels the examples use), [`plan`], [`mlp`] and [`train`] (the out-of-core
+//! examples), [`bench`] (`strata bench`).
 
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]
 
-mod alloc;
-mod arena;
+mod api;
 mod backend;
 pub mod bench;
-mod disk;
-mod engine;
-mod error;
+pub mod failpoint;
 mod flags;
+mod migrate;
+mod placement;
+mod residency;
+#[cfg(test)]
+mod testutil;
+mod tiers;
+mod trace;
+mod types;
 pub use backend::sim::{LinkSharing, Simulation};
 pub use backend::{kernels, linalg, optim, probe};
 pub mod mlp;
 pub mod plan;
-pub mod policy;
-mod stats;
-mod store;
-mod trace;
+pub use placement::policy;
+mod error;
 pub mod train;
-mod types;
-mod view;
 
+pub use api::{
+    DeviceView, HostView, LayerScope, LoadOptions, MappedView, Stats, Store, StoreBuilder, Stream,
+    TensorInfo, TierStats,
+};
 pub use error::{Error, Result};
-pub use policy::{FrequencyPolicy, LruPolicy, Policy, PolicyKind, SchedulePolicy};
-pub use stats::{Stats, TierStats};
-pub use store::{LayerScope, LoadOptions, Store, StoreBuilder, TensorInfo};
+pub use policy::{FrequencyPolicy, LruPolicy, Policy, PolicyKind, SchedulePolicy, VictimKey};
 pub use types::{format_size, parse_size, BackendKind, DType, Group, TensorId, Tier};
-pub use view::{DeviceView, HostView, MappedView, Stream};
 
 /// Number of CUDA devices the driver reports, or why there is no usable GPU (no driver library,
 /// `cuInit` failed, no device). Never panics, also on machines without CUDA.

@@ -136,7 +136,7 @@ impl Clock {
     /// Takes the base: on CUDA, an event on the host-to-device stream, waited for.
     pub(crate) fn start(backend: &Backend) -> Result<Clock> {
         if let Backend::Cuda(_) = backend {
-            let ev = backend.h2d().record()?;
+            let ev = backend.h2d().record_timed()?;
             ev.synchronize()?;
             return Ok(Clock { base: Instant::now(), base_ev: Some(ev) });
         }
@@ -163,6 +163,35 @@ impl Clock {
     pub(crate) fn span(&self, s: &Span) -> Option<(f64, f64)> {
         let (a, b) = (self.seconds(&s.start)?, self.seconds(&s.end)?);
         Some((a, b.max(a)))
+    }
+}
+
+impl crate::residency::State {
+    /// Adds the stream waits whose events have both completed to the stall time and the
+    /// timeline.
+    pub(crate) fn resolve_probes(&mut self) {
+        let mut i = 0;
+        while i < self.probes.len() {
+            let (mark, ready) = &self.probes[i];
+            if !(mark.is_complete() && ready.is_complete()) {
+                i += 1;
+                continue;
+            }
+            let (mark, ready) = self.probes.swap_remove(i);
+            if let Some(wait) = ready.seconds_since(&mark).filter(|w| *w > 0.0) {
+                self.counters.stall_s += wait;
+                if let Some(tl) = self.timeline.as_mut() {
+                    tl.push(Span {
+                        track: Track::Stall,
+                        what: "wait",
+                        tensor: String::new(),
+                        bytes: 0,
+                        start: TimePoint::Ev(mark),
+                        end: TimePoint::Ev(ready),
+                    });
+                }
+            }
+        }
     }
 }
 

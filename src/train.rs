@@ -278,8 +278,8 @@ fn bad_file(path: &Path, tensor: Option<&str>, why: impl Into<String>) -> Error 
 
 /// The file mapped read-only (the disk tier's `ExternalFile`, which owns the mapping's safety
 /// argument).
-fn map_file(path: &Path) -> Result<crate::disk::ExternalFile> {
-    crate::disk::ExternalFile::open(path)
+fn map_file(path: &Path) -> Result<crate::tiers::file::ExternalFile> {
+    crate::tiers::file::ExternalFile::open(path)
 }
 
 /// A tensor's values as f32 (f32 or, where `allow_bf16`, bf16 in the file).

@@ -134,15 +134,57 @@ impl fmt::Display for DType {
     }
 }
 
-/// Handle of a tensor in a [`Store`](crate::Store). Ids are never reused within a store, so an id
-/// of a removed tensor stays invalid.
-#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug, PartialOrd, Ord)]
-pub struct TensorId(pub(crate) u64);
+/// Handle of a tensor in a [`Store`](crate::Store).
+///
+/// An id names one tensor of one store: it never names another tensor later (a removed tensor's
+/// id stays invalid), and an id of another store is [`Error::UnknownId`](crate::Error::UnknownId)
+/// there. Ids compare in the order their tensors were created. Printed as `#n`, `n` counting
+/// the store's tensors from 0.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct TensorId {
+    store: u32,
+    seq: u64,
+    slot: u32,
+}
 
 impl TensorId {
-    /// The raw number (unique within its store).
+    pub(crate) const fn new(store: u32, seq: u64, slot: u32) -> TensorId {
+        TensorId { store, seq, slot }
+    }
+
+    pub(crate) const fn store(self) -> u32 {
+        self.store
+    }
+
+    pub(crate) const fn seq(self) -> u64 {
+        self.seq
+    }
+
+    pub(crate) const fn slot(self) -> u32 {
+        self.slot
+    }
+
+    /// The tensor's number in its store: unique, never reused, in creation order.
     pub const fn as_u64(self) -> u64 {
-        self.0
+        self.seq
+    }
+
+    /// An id for unit tests of policies: tensor `n` of store 0.
+    #[cfg(test)]
+    pub(crate) const fn test(n: u32) -> TensorId {
+        TensorId::new(0, n as u64, n)
+    }
+}
+
+impl fmt::Display for TensorId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "#{}", self.seq)
+    }
+}
+
+impl fmt::Debug for TensorId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "TensorId({})", self.seq)
     }
 }
 

@@ -616,6 +616,7 @@ fn trace_is_chrome_json_of_the_copies() {
             .capacity(Tier::Disk, 4 << 20)
             .staging(2, 16 * KIB as usize)
             .prefetch_budget(256 * KIB)
+            .timeline(true)
             .build()
             .unwrap();
         let mut ids = Vec::new();

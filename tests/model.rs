@@ -113,6 +113,8 @@ struct Tally {
     put_space_errors: usize,
     moves: usize,
     move_space_errors: usize,
+    writes: usize,
+    write_space_errors: usize,
     unknown_id_errors: usize,
 }
 
@@ -189,13 +191,28 @@ fn step(store: &Store, sh: &mut Shadow, rng: &mut Rng, tally: &mut Tally, ctx: &
             }
             let data = rng.bytes(len);
             let before = store.tier_of(id).unwrap();
-            store.write(id, &data).unwrap_or_else(|e| panic!("{ctx}: write({id:?}): {e}"));
-            assert_eq!(
-                store.info(id).unwrap().tiers,
-                vec![before],
-                "{ctx}: write keeps one replica"
-            );
-            sh.data.insert(id, data);
+            let tiers_before = store.info(id).unwrap().tiers;
+            match store.write(id, &data) {
+                Ok(()) => {
+                    assert_eq!(
+                        store.info(id).unwrap().tiers,
+                        vec![before],
+                        "{ctx}: write keeps one replica, in the tier of the fastest"
+                    );
+                    sh.data.insert(id, data);
+                    tally.writes += 1;
+                }
+                // A write needs room for its new bytes beside the old ones until it is done
+                // (a failed write must leave the old bytes intact): a full store refuses it,
+                // and the tensor is as it was.
+                Err(e @ (Error::OutOfMemory { .. } | Error::TooLarge { .. })) => {
+                    assert_eq!(store.info(id).unwrap().tiers, tiers_before, "{ctx}: {e}");
+                    let got = store.read(id).unwrap();
+                    assert!(&got == sh.data.get(&id).unwrap(), "{ctx}: {e} changed the bytes");
+                    tally.write_space_errors += 1;
+                }
+                Err(e) => panic!("{ctx}: write({id:?}): {e}"),
+            }
         }
         // remove
         65..=72 => {
@@ -310,5 +327,6 @@ fn random_operations_match_a_hashmap_shadow() {
         );
         assert!(tally.put_space_errors + tally.move_space_errors > 0, "the store was never full");
         assert!(tally.unknown_id_errors > 0 && tally.moves > 0 && tally.puts > 0, "{tally:?}");
+        assert!(tally.writes > tally.write_space_errors, "{tally:?}");
     });
 }

@@ -97,6 +97,7 @@ fn a_copy_takes_its_simulated_time_and_overlaps_the_host() {
         .simulate(sim)
         .capacity(Tier::Device, 1 << 20)
         .capacity(Tier::Pinned, 1 << 20)
+        .timeline(true)
         .build()
         .unwrap();
     assert_eq!(store.simulation(), Some(sim));

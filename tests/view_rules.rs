@@ -61,7 +61,6 @@ fn a_failed_scope_or_pin_holds_nothing() {
     let src = store();
     let w = src.put("w", DType::U8, &[64 << 10], &vec![3; 64 << 10]).unwrap();
     src.save_safetensors(&path, &[w]).unwrap();
-    // No disk tier: the copy to the device runs in the caller, so its error reaches it.
     let store = Store::builder()
         .host_backend()
         .capacity(Tier::Device, 1 << 20)
@@ -73,9 +72,21 @@ fn a_failed_scope_or_pin_holds_nothing() {
     let (_, id) = store.load_safetensors(&path, LoadOptions::default()).unwrap().remove(0);
     let f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
     f.set_len(100).unwrap();
-    assert!(store.layer(&[id], &[]).is_err(), "promotion from a shrunk file fails");
-    assert!(store.pin(&[id]).is_err());
-    // Nothing is left held: the tensor can be removed.
+    // A copy from a file is read by a migration worker: the hint returns at once, and the
+    // failure reaches the view that needs the bytes (and `check_err`).
+    let s = store.stream().unwrap();
+    if let Ok(scope) = store.layer(&[id], &[]) {
+        assert!(store.device_view(id, &s).is_err(), "a view of a tensor whose fill failed");
+        assert!(store.check_err().is_err(), "the failed fill is reported");
+        drop(scope);
+    }
+    if store.pin(&[id]).is_ok() {
+        assert!(store.device_view(id, &s).is_err());
+        store.unpin(&[id]).unwrap();
+    }
+    let _ = store.check_err();
+    // Nothing is left held or half-filled: the tensor is where it was, and can be removed.
+    assert_eq!(store.info(id).unwrap().tiers, vec![Tier::Disk]);
     store.remove(id).unwrap();
 }
 

@@ -179,12 +179,145 @@ pub(crate) unsafe fn copy_async(
     r.0.result().map_err(cu(r.1))
 }
 
-/// Records an event after the work issued so far on `s`. Timing is enabled (it costs little next
-/// to the copies these events mark) so that stalls, copy durations and traces can be measured.
-pub(crate) fn record(s: &Arc<CudaStream>) -> Result<Arc<CudaEvent>> {
+/// A CUDA event: a timed one made by cudarc (for the timeline), or one of a context's pool of
+/// `DISABLE_TIMING` events (every other use: stream ordering, completion checks).
+#[derive(Clone)]
+pub(crate) enum CudaEv {
+    Timed(Arc<CudaEvent>),
+    Pooled(Arc<PooledEvent>),
+}
+
+impl CudaEv {
+    fn raw(&self) -> sys::CUevent {
+        match self {
+            CudaEv::Timed(e) => e.cu_event(),
+            CudaEv::Pooled(e) => e.ev.0,
+        }
+    }
+
+    fn ctx(&self) -> &Arc<CudaContext> {
+        match self {
+            CudaEv::Timed(e) => e.context(),
+            CudaEv::Pooled(e) => &e.ctx,
+        }
+    }
+
+    /// Whether the work recorded has completed. An error other than "not ready" counts as
+    /// complete (it is kept for `check_err`), so nothing waits forever on a broken event.
+    pub(crate) fn is_complete(&self) -> bool {
+        // SAFETY: the event is live (owned by this value's Arc) and was created in its context.
+        match unsafe { result::event::query(self.raw()) } {
+            Ok(()) => true,
+            Err(e) if e.0 == sys::cudaError_enum::CUDA_ERROR_NOT_READY => false,
+            Err(e) => {
+                self.ctx().record_err(Err::<(), _>(e));
+                true
+            }
+        }
+    }
+
+    /// Blocks until the work recorded has completed.
+    pub(crate) fn synchronize(&self) -> Result<()> {
+        self.ctx().bind_to_thread().map_err(cu("cuCtxSetCurrent"))?;
+        // SAFETY: as in `is_complete`.
+        unsafe { result::event::synchronize(self.raw()) }.map_err(cu("cuEventSynchronize"))
+    }
+}
+
+/// A pooled event's handle; `Send` because CUDA events may be used from any thread.
+struct RawCuEvent(sys::CUevent);
+// SAFETY: a CUevent is an opaque driver handle that the driver lets any thread use.
+unsafe impl Send for RawCuEvent {}
+// SAFETY: as above; the driver synchronizes its own use of the handle.
+unsafe impl Sync for RawCuEvent {}
+
+/// An event of a context's pool: returned to the pool when the last handle drops (re-recording
+/// it later does not affect waits already issued on it: CUDA captures the event's state when
+/// `cuStreamWaitEvent` is called).
+pub(crate) struct PooledEvent {
+    ev: RawCuEvent,
+    ctx: Arc<CudaContext>,
+}
+
+impl Drop for PooledEvent {
+    fn drop(&mut self) {
+        let mut pools = POOLS.lock();
+        match pools.iter_mut().find(|(c, _)| std::ptr::eq(c.as_ptr(), Arc::as_ptr(&self.ctx))) {
+            Some((_, free)) => free.push(RawCuEvent(self.ev.0)),
+            None => destroy(&self.ctx, self.ev.0),
+        }
+    }
+}
+
+fn destroy(ctx: &Arc<CudaContext>, ev: sys::CUevent) {
+    ctx.record_err(ctx.bind_to_thread());
+    // SAFETY: the event was created in `ctx` and is destroyed once (it left the pool or was never
+    // in one); destroying an incomplete event is allowed (its resources go at completion).
+    ctx.record_err(unsafe { result::event::destroy(ev) });
+}
+
+/// Free pooled events per context. A context that went away leaves a dead `Weak`: its events
+/// went with it, and its slot is dropped at the next lookup.
+type Pools = Vec<(std::sync::Weak<CudaContext>, Vec<RawCuEvent>)>;
+static POOLS: parking_lot::Mutex<Pools> = parking_lot::Mutex::new(Vec::new());
+
+/// Records an event from the pool of `s`'s context after the work issued so far on `s`.
+pub(crate) fn record_pooled(s: &Arc<CudaStream>) -> Result<CudaEv> {
+    let ctx = s.context().clone();
+    let reused = {
+        let mut pools = POOLS.lock();
+        pools.retain(|(c, _)| c.strong_count() > 0);
+        match pools.iter_mut().find(|(c, _)| std::ptr::eq(c.as_ptr(), Arc::as_ptr(&ctx))) {
+            Some((_, free)) => free.pop(),
+            None => {
+                pools.push((Arc::downgrade(&ctx), Vec::new()));
+                None
+            }
+        }
+    };
+    ctx.bind_to_thread().map_err(cu("cuCtxSetCurrent"))?;
+    let ev = match reused {
+        Some(e) => e,
+        None => RawCuEvent(
+            result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+                .map_err(cu("cuEventCreate"))?,
+        ),
+    };
+    let pooled = PooledEvent { ev, ctx };
+    // SAFETY: the event and the stream belong to the same context, which is current.
+    unsafe { result::event::record(pooled.ev.0, s.cu_stream()) }.map_err(cu("cuEventRecord"))?;
+    Ok(CudaEv::Pooled(Arc::new(pooled)))
+}
+
+/// Records a timing-enabled event after the work issued so far on `s` (a new one each time).
+pub(crate) fn record_timed(s: &Arc<CudaStream>) -> Result<CudaEv> {
     s.record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
-        .map(Arc::new)
+        .map(|e| CudaEv::Timed(Arc::new(e)))
         .map_err(cu("cuEventRecord"))
+}
+
+/// Makes later work on `s` wait for `ev`.
+pub(crate) fn wait(s: &Arc<CudaStream>, ev: &CudaEv) -> Result<()> {
+    s.context().bind_to_thread().map_err(cu("cuCtxSetCurrent"))?;
+    // SAFETY: the stream is live (borrowed), the event too (borrowed through its Arc).
+    unsafe {
+        result::stream::wait_event(
+            s.cu_stream(),
+            ev.raw(),
+            sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+        )
+    }
+    .map_err(cu("cuStreamWaitEvent"))
+}
+
+/// Seconds from `earlier` to `later`, both complete and timed; `None` otherwise.
+pub(crate) fn seconds_between(earlier: &CudaEv, later: &CudaEv) -> Option<f64> {
+    match (earlier, later) {
+        (CudaEv::Timed(a), CudaEv::Timed(b)) if a.is_complete() && b.is_complete() => {
+            a.elapsed_ms(b).ok().map(|ms| ms as f64 / 1e3)
+        }
+        _ => None,
+    }
 }
 
 /// Store memory lent to cudarc as a `CudaSlice<u8>` that cudarc never frees: dropping it leaks the

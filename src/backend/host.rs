@@ -83,7 +83,7 @@ impl HostBackend {
     }
 }
 
-fn kind_tier(kind: MemKind) -> crate::Tier {
+pub(crate) fn kind_tier(kind: MemKind) -> crate::Tier {
     match kind {
         MemKind::Device => crate::Tier::Device,
         MemKind::Pinned => crate::Tier::Pinned,

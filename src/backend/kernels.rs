@@ -21,9 +21,9 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaFunction, CudaModule, LaunchConfig, PushKernelArg};
 
+use crate::api::Store;
+use crate::api::{DeviceView, Stream};
 use crate::error::{Error, Result};
-use crate::store::Store;
-use crate::view::{DeviceView, Stream};
 
 const SOURCE: &str = include_str!("../../cuda/verify.cu");
 

@@ -48,10 +48,10 @@ use cudarc::driver::{
 use half::bf16;
 
 use super::sim::SimClock;
+use crate::api::Store;
+use crate::api::{DeviceView, Stream};
 use crate::error::{Error, Result};
-use crate::store::Store;
 use crate::types::DType;
-use crate::view::{DeviceView, Stream};
 
 const SOURCE: &str = include_str!("../../cuda/mlp.cu");
 /// The bf16 helpers the source uses, prepended before compiling.

@@ -43,6 +43,16 @@ pub(crate) enum Addr {
     Dev(u64),
 }
 
+impl Addr {
+    /// The address `bytes` further on.
+    pub(crate) fn offset(self, bytes: u64) -> Addr {
+        match self {
+            Addr::Host(p) => Addr::Host(p.wrapping_add(bytes as usize)),
+            Addr::Dev(d) => Addr::Dev(d + bytes),
+        }
+    }
+}
+
 /// A block of backend memory, freed on drop.
 ///
 /// `host` is the CPU address of the block (null for CUDA device memory), `dev` its device address
@@ -111,7 +121,66 @@ pub(crate) enum RawStream {
 #[derive(Clone)]
 pub(crate) enum RawEvent {
     Host(Arc<host::HostEvent>),
-    Cuda(Arc<cudarc::driver::CudaEvent>),
+    Cuda(cuda::CudaEv),
+}
+
+/// A one-shot completion flag set by a host thread (the end of work a thread does without the
+/// store's lock), waited for by others.
+#[derive(Default)]
+pub(crate) struct Signal {
+    done: parking_lot::Mutex<bool>,
+    cv: parking_lot::Condvar,
+}
+
+impl Signal {
+    /// Sets the flag and wakes the waiters.
+    pub(crate) fn set(&self) {
+        *self.done.lock() = true;
+        self.cv.notify_all();
+    }
+
+    /// Whether the flag is set.
+    pub(crate) fn is_set(&self) -> bool {
+        *self.done.lock()
+    }
+
+    /// Blocks until the flag is set. The caller holds no store lock.
+    pub(crate) fn wait(&self) {
+        crate::residency::assert_unlocked("waiting for a thread's work");
+        let mut d = self.done.lock();
+        while !*d {
+            self.cv.wait(&mut d);
+        }
+    }
+}
+
+/// Something that memory waits for before it is freed or reused: device work (an event) or a
+/// host thread's work (a signal).
+#[derive(Clone)]
+pub(crate) enum Pending {
+    Ev(RawEvent),
+    Done(Arc<Signal>),
+}
+
+impl Pending {
+    /// Whether it has completed, without blocking.
+    pub(crate) fn is_complete(&self) -> bool {
+        match self {
+            Pending::Ev(e) => e.is_complete(),
+            Pending::Done(s) => s.is_set(),
+        }
+    }
+
+    /// Blocks until it has completed. The caller holds no store lock.
+    pub(crate) fn wait(&self) -> Result<()> {
+        match self {
+            Pending::Ev(e) => e.synchronize(),
+            Pending::Done(s) => {
+                s.wait();
+                Ok(())
+            }
+        }
+    }
 }
 
 impl RawStream {
@@ -126,6 +195,7 @@ impl RawStream {
     /// 3. Host-to-host copies are not issued to a stream (`Addr::Host` to `Addr::Host`); the store
     ///    copies those on the CPU.
     pub(crate) unsafe fn copy(&self, dst: Addr, src: Addr, len: usize) -> Result<()> {
+        crate::failpoint::check(crate::failpoint::Site::Copy, std::path::Path::new("<copy>"))?;
         match self {
             // SAFETY: forwarded from this function's contract.
             RawStream::Host(s) => unsafe { s.copy(dst, src, len) },
@@ -134,32 +204,57 @@ impl RawStream {
         }
     }
 
-    /// Records an event after everything issued so far.
+    /// Records an event after everything issued so far: without timing (on CUDA, from the
+    /// context's pool of `DISABLE_TIMING` events).
     pub(crate) fn record(&self) -> Result<RawEvent> {
+        crate::failpoint::check(
+            crate::failpoint::Site::EventRecord,
+            std::path::Path::new("<event>"),
+        )?;
         match self {
             RawStream::Host(s) => Ok(RawEvent::Host(s.record())),
-            RawStream::Cuda(s) => cuda::record(s).map(RawEvent::Cuda),
+            RawStream::Cuda(s) => cuda::record_pooled(s).map(RawEvent::Cuda),
+        }
+    }
+
+    /// Records an event that can be timed against another ([`RawEvent::seconds_since`]): for
+    /// the timeline of copies and waits, when a store keeps one.
+    pub(crate) fn record_timed(&self) -> Result<RawEvent> {
+        match self {
+            RawStream::Host(s) => Ok(RawEvent::Host(s.record())),
+            RawStream::Cuda(s) => cuda::record_timed(s).map(RawEvent::Cuda),
+        }
+    }
+
+    /// A number naming the stream (the same for every handle of one stream).
+    pub(crate) fn key(&self) -> u64 {
+        match self {
+            RawStream::Host(s) => Arc::as_ptr(s) as usize as u64,
+            RawStream::Cuda(s) => s.cu_stream() as usize as u64,
         }
     }
 
     /// Makes later work on this stream wait for `ev`, without blocking the calling thread.
     pub(crate) fn wait(&self, ev: &RawEvent) -> Result<()> {
+        crate::failpoint::check(
+            crate::failpoint::Site::StreamWait,
+            std::path::Path::new("<stream>"),
+        )?;
         match (self, ev) {
             (RawStream::Host(s), RawEvent::Host(e)) => {
                 s.wait(e.clone());
                 Ok(())
             }
-            (RawStream::Cuda(s), RawEvent::Cuda(e)) => {
-                s.wait(e).map_err(|e| crate::Error::cuda("cuStreamWaitEvent", e))
-            }
+            (RawStream::Cuda(s), RawEvent::Cuda(e)) => cuda::wait(s, e),
             _ => Err(crate::Error::BackendMismatch(
                 "an event of one backend waited on by a stream of the other".into(),
             )),
         }
     }
 
-    /// Blocks until everything issued to this stream has run.
+    /// Blocks until everything issued to this stream has run. The caller holds no store lock.
     pub(crate) fn synchronize(&self) -> Result<()> {
+        crate::residency::assert_unlocked("synchronizing a stream");
         match self {
             RawStream::Host(s) => {
                 s.record().synchronize();
@@ -168,6 +263,17 @@ impl RawStream {
             RawStream::Cuda(s) => {
                 s.synchronize().map_err(|e| crate::Error::cuda("cuStreamSynchronize", e))
             }
+        }
+    }
+
+    /// Waits until the CPU may touch what the work issued so far wrote: synchronizes the
+    /// stream, except in simulated time, where that work has run already (and waiting would
+    /// advance the simulated clock as a host stall).
+    pub(crate) fn settle_for_cpu(&self) -> Result<()> {
+        if self.is_simulated() {
+            Ok(())
+        } else {
+            self.synchronize()
         }
     }
 
@@ -202,16 +308,19 @@ impl RawStream {
 }
 
 impl RawEvent {
-    /// Blocks the calling thread until the event is complete.
+    /// Blocks the calling thread until the event is complete. The caller holds no store lock.
     pub(crate) fn synchronize(&self) -> Result<()> {
+        crate::residency::assert_unlocked("waiting for an event");
+        crate::failpoint::check(
+            crate::failpoint::Site::Synchronize,
+            std::path::Path::new("<event>"),
+        )?;
         match self {
             RawEvent::Host(e) => {
                 e.synchronize();
                 Ok(())
             }
-            RawEvent::Cuda(e) => {
-                e.synchronize().map_err(|e| crate::Error::cuda("cuEventSynchronize", e))
-            }
+            RawEvent::Cuda(e) => e.synchronize(),
         }
     }
 
@@ -231,12 +340,7 @@ impl RawEvent {
                 let (a, b) = (a.completed_at()?, b.completed_at()?);
                 Some(if a >= b { (a - b).as_secs_f64() } else { -(b - a).as_secs_f64() })
             }
-            (RawEvent::Cuda(a), RawEvent::Cuda(b)) => {
-                if !a.is_complete() || !b.is_complete() {
-                    return None;
-                }
-                b.elapsed_ms(a).ok().map(|ms| ms as f64 / 1e3)
-            }
+            (RawEvent::Cuda(a), RawEvent::Cuda(b)) => cuda::seconds_between(b, a),
             _ => None,
         }
     }
@@ -268,6 +372,16 @@ impl Backend {
     /// Allocates a block of `len` bytes of `kind`. Called when an arena reserves a chunk or a
     /// staging pool is made, never per tensor.
     pub(crate) fn alloc(&self, kind: MemKind, len: usize) -> Result<Block> {
+        if let Err(e) =
+            crate::failpoint::check(crate::failpoint::Site::Alloc, std::path::Path::new("<alloc>"))
+        {
+            return Err(match e {
+                crate::Error::OutOfMemory { .. } => {
+                    crate::Error::OutOfMemory { tier: host::kind_tier(kind), bytes: len as u64 }
+                }
+                e => e,
+            });
+        }
         match self {
             Backend::Host(b) => b.alloc(kind, len),
             Backend::Cuda(b) => b.alloc(kind, len),
@@ -296,6 +410,12 @@ impl Backend {
             Backend::Host(b) => Ok(RawStream::Host(b.new_stream()?)),
             Backend::Cuda(b) => b.new_stream(),
         }
+    }
+
+    /// Whether the backend may run work on threads of its own (migration workers). A simulated
+    /// backend runs everything on the threads that issue it, on one host clock.
+    pub(crate) fn runs_threads(&self) -> bool {
+        self.sim().is_none()
     }
 
     /// The simulated clock, when the host backend simulates a GPU machine.

@@ -70,12 +70,12 @@ use crossbeam::channel::{unbounded, Receiver, Sender};
 use cudarc::driver::{CudaFunction, CudaModule, LaunchConfig, PushKernelArg};
 use half::bf16;
 
+use crate::api::Store;
+use crate::api::{DeviceView, HostView, Stream};
 use crate::backend::linalg::Element;
 use crate::error::{Error, Result};
 use crate::probe::{median, raw_pinned_copy, Direction};
-use crate::store::Store;
 use crate::types::{format_size, DType, Group, TensorId, Tier};
-use crate::view::{DeviceView, HostView, Stream};
 
 const SOURCE: &str = include_str!("../../cuda/optim.cu");
 /// The bf16 helpers the source uses, prepended before compiling.

@@ -54,11 +54,16 @@ pub struct Stats {
     pub prefetch_misses: u64,
     /// Prefetch copies started, by hints, layer scopes and the policy's lookahead.
     pub prefetches: u64,
-    /// Seconds consumers waited for copies: device streams waiting on a copy's event (measured
-    /// with events once both complete) plus host threads waiting for disk jobs.
+    /// Seconds consumers waited for copies: host threads waiting for moves in flight, plus,
+    /// with a timeline, device streams waiting on a copy's event (measured with events once both
+    /// complete).
     pub stall_seconds: f64,
-    /// Seconds copies took, summed over the recorded copies (the most recent 100,000).
+    /// Seconds copies took, summed over the recorded copies (the most recent 100,000). Measured
+    /// only by a store that keeps a timeline ([`StoreBuilder::timeline`](crate::StoreBuilder::timeline)); 0 otherwise.
     pub copy_seconds: f64,
+    /// Whether the store keeps a timeline of copies and waits (so `copy_seconds`, the device
+    /// part of `stall_seconds` and the overlap ratio are measured).
+    pub timeline: bool,
     /// Bytes whose copies prefetches started and that are not yet used or released (a prefetch
     /// hint of a tensor already on the device protects it without counting here, and a pin's
     /// copy never counts).
@@ -202,14 +207,20 @@ impl fmt::Display for Stats {
         if self.prefetch_hits + self.prefetch_misses + self.prefetches > 0 {
             write!(
                 f,
-                "\nviews: prefetch hits {}  misses {}  prefetches {}  stall {:.3} ms  copies {:.3} ms  overlap {:.1}%",
+                "\nviews: prefetch hits {}  misses {}  prefetches {}  stall {:.3} ms",
                 self.prefetch_hits,
                 self.prefetch_misses,
                 self.prefetches,
                 self.stall_seconds * 1e3,
-                self.copy_seconds * 1e3,
-                100.0 * self.overlap_ratio()
             )?;
+            if self.timeline {
+                write!(
+                    f,
+                    "  copies {:.3} ms  overlap {:.1}%",
+                    self.copy_seconds * 1e3,
+                    100.0 * self.overlap_ratio()
+                )?;
+            }
         }
         Ok(())
     }

@@ -2,7 +2,7 @@
 
 use lru::LruCache;
 
-use super::Policy;
+use super::{Policy, VictimKey};
 use crate::types::{TensorId, Tier};
 
 /// Half-life of an access count when none is given, in accesses (to any tensor).
@@ -100,19 +100,17 @@ impl Policy for FrequencyPolicy {
         self.entries.pop(&id);
     }
 
-    fn order_victims(&mut self, _tier: Tier, candidates: &mut Vec<TensorId>) {
-        // Sorting by the stored tick gives the LRU list's order for just these candidates,
-        // without walking the whole list.
-        let mut keyed: Vec<(f64, u64, TensorId)> = candidates
-            .iter()
-            .map(|&id| {
-                let (s, t) = self.score(id);
-                (s, t, id)
-            })
-            .collect();
-        keyed.sort_unstable_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)));
-        candidates.clear();
-        candidates.extend(keyed.into_iter().map(|k| k.2));
+    fn victim_key(&self, _tier: Tier, id: TensorId) -> VictimKey {
+        // The decayed count at any tick `now` is count * 2^((last_tick - now) / half_life): in
+        // log2, log2(count) + last_tick / half_life, less a term common to every tensor. So this
+        // key orders tensors as their decayed counts do at every tick, and changes only when the
+        // tensor is accessed. Ties go to the least recent.
+        match self.entries.peek(&id) {
+            Some(f) => {
+                VictimKey::new(1, f.count.log2() + f.last_tick as f64 / self.half_life, f.last_tick)
+            }
+            None => VictimKey::COLDEST,
+        }
     }
 
     fn admit(&mut self, _tier: Tier, candidate: TensorId, victims: &[TensorId]) -> bool {
@@ -128,8 +126,10 @@ impl Policy for FrequencyPolicy {
 mod tests {
     use super::*;
 
-    fn id(n: u64) -> TensorId {
-        TensorId(n)
+    use crate::placement::policy::tests::ordered;
+
+    fn id(n: u32) -> TensorId {
+        TensorId::test(n)
     }
 
     #[test]
@@ -161,17 +161,17 @@ mod tests {
         // Fresh, `new` is still far colder than `old`.
         assert!(!p.admit(Tier::Device, new, &[old]));
         let mut c = vec![old, new];
-        p.order_victims(Tier::Device, &mut c);
+        ordered(&p, Tier::Device, &mut c);
         assert_eq!(c, vec![new, old]);
         // Other traffic ages `old` while `new` keeps being used now and then.
-        for i in 0..2000u64 {
+        for i in 0..2000u32 {
             p.on_insert(id(100 + i), 0);
             if i % 8 == 0 {
                 p.on_access(new);
             }
         }
         assert!(p.admit(Tier::Device, new, &[old]));
-        p.order_victims(Tier::Device, &mut c);
+        ordered(&p, Tier::Device, &mut c);
         assert_eq!(c, vec![old, new]);
     }
 
@@ -182,7 +182,7 @@ mod tests {
             p.on_insert(id(n), 0);
         }
         let mut c = vec![id(9), id(3), id(5), id(7)];
-        p.order_victims(Tier::Disk, &mut c);
+        ordered(&p, Tier::Disk, &mut c);
         // 7 is unknown (score 0); the rest tie at one access each.
         assert_eq!(c, vec![id(7), id(5), id(3), id(9)]);
     }

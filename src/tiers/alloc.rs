@@ -162,6 +162,7 @@ impl ExtentAllocator {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testutil::Rng;
 
     #[test]
     fn alloc_free_coalesce() {
@@ -284,20 +285,6 @@ mod tests {
         assert!(!a.is_live(!255, 256), "overflow");
     }
 
-    /// xorshift64*: enough randomness for a shuffle of operations, and no dependency.
-    struct Rng(u64);
-    impl Rng {
-        fn next(&mut self) -> u64 {
-            self.0 ^= self.0 >> 12;
-            self.0 ^= self.0 << 25;
-            self.0 ^= self.0 >> 27;
-            self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-        }
-        fn below(&mut self, n: u64) -> u64 {
-            self.next() % n
-        }
-    }
-
     /// Checks every invariant of `a` against `live` (offset -> requested size of live extents).
     fn check(a: &ExtentAllocator, live: &BTreeMap<u64, u64>) {
         let ranges = a.ranges();
@@ -331,7 +318,7 @@ mod tests {
         for (seed, align, len) in
             [(1u64, 256u64, 1 << 20), (7, 4096, (1 << 22) + 123), (42, 256, 300_000)]
         {
-            let mut rng = Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
+            let mut rng = Rng::new(seed);
             let mut a = ExtentAllocator::new(len, align);
             let mut live: BTreeMap<u64, u64> = BTreeMap::new();
             let mut fails = 0;

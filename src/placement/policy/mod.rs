@@ -1,12 +1,19 @@
 //! Eviction and promotion policies.
 //!
-//! The store asks a [`Policy`] two questions: which tensors to demote when a tier is full
-//! ([`Policy::order_victims`]) and whether a tensor from a slower tier is worth promoting at the
+//! The store asks a [`Policy`] two questions: in what order to demote tensors when a tier is full
+//! ([`Policy::victim_key`]) and whether a tensor from a slower tier is worth promoting at the
 //! cost of those victims ([`Policy::admit`]). A policy may also look ahead: the store asks
 //! [`Policy::lookahead`] after each access which tensors to prefetch. Three are built in, a file
 //! each: [`FrequencyPolicy`] (the default), [`LruPolicy`], and [`SchedulePolicy`], which learns
 //! the repeating access order of a training step.
+//!
+//! The eviction order is kept by the store, not recomputed per eviction: each tensor that could
+//! be evicted sits in an ordered index under the key the policy gave it, and the store asks for a
+//! tensor's key again only when the policy may have changed it (after `on_insert` and
+//! `on_access` of that tensor, or for every tensor when [`Policy::epoch`] changes). An eviction
+//! therefore costs the same with a thousand tensors as with a hundred thousand.
 
+use std::cmp::Ordering;
 use std::fmt;
 use std::str::FromStr;
 
@@ -20,14 +27,55 @@ pub use frequency::FrequencyPolicy;
 pub use lru::LruPolicy;
 pub use schedule::SchedulePolicy;
 
-/// Decides which tensors to demote from a full tier and whether a tensor deserves promotion.
+/// A tensor's place in a policy's eviction order: the lowest key is demoted first. Compared by
+/// `class`, then `score` (total order: NaN above everything), then `tick`.
+#[derive(Clone, Copy, Debug)]
+pub struct VictimKey {
+    /// Coarse order: every tensor of a lower class goes before any of a higher one.
+    pub class: u32,
+    /// Order within a class.
+    pub score: f64,
+    /// Tie-break (a recency tick, for example).
+    pub tick: u64,
+}
+
+impl VictimKey {
+    /// A key from its parts.
+    pub const fn new(class: u32, score: f64, tick: u64) -> VictimKey {
+        VictimKey { class, score, tick }
+    }
+
+    /// The key of a tensor a policy knows nothing of: before every other.
+    pub const COLDEST: VictimKey = VictimKey { class: 0, score: f64::NEG_INFINITY, tick: 0 };
+}
+
+impl PartialEq for VictimKey {
+    fn eq(&self, o: &VictimKey) -> bool {
+        self.cmp(o) == Ordering::Equal
+    }
+}
+impl Eq for VictimKey {}
+impl PartialOrd for VictimKey {
+    fn partial_cmp(&self, o: &VictimKey) -> Option<Ordering> {
+        Some(self.cmp(o))
+    }
+}
+impl Ord for VictimKey {
+    fn cmp(&self, o: &VictimKey) -> Ordering {
+        self.class.cmp(&o.class).then(self.score.total_cmp(&o.score)).then(self.tick.cmp(&o.tick))
+    }
+}
+
+/// Decides in what order tensors are demoted from a full tier and whether a tensor deserves
+/// promotion.
 ///
-/// The store calls these under its own lock, so implementations need no locking. `on_access` is
-/// on every read/move/view: keep it O(1).
+/// The store calls these under its own lock, so implementations need no locking. `on_access`
+/// is on every read, move and view, and `victim_key` after it: keep both O(1) or O(log n).
 ///
-/// Ids that were never inserted (or were removed) may reach [`Policy::order_victims`] and
-/// [`Policy::admit`]; implementations must not panic on them, and should treat them as the
-/// coldest tensors there are.
+/// The store trusts nothing a policy says beyond its type: ids it never inserted (or removed)
+/// may reach [`Policy::victim_key`] and [`Policy::admit`], and must not make it panic (treat
+/// them as the coldest tensors there are); ids a policy returns from [`Policy::lookahead`] that
+/// are unknown are skipped.
 pub trait Policy: Send + 'static {
     /// Short name, as shown in stats and accepted by [`PolicyKind`]'s `FromStr` for built-ins.
     fn name(&self) -> &'static str;
@@ -37,26 +85,32 @@ pub trait Policy: Send + 'static {
     fn on_access(&mut self, id: TensorId);
     /// A tensor was removed; forget it.
     fn on_remove(&mut self, id: TensorId);
-    /// Sorts `candidates` (tensors of one tier that may be demoted) so the best victim comes
-    /// first. `tier` is the tier being made room in.
-    fn order_victims(&mut self, tier: Tier, candidates: &mut Vec<TensorId>);
+    /// Where `id` stands in the order of victims of `tier`: the lowest key goes first. A key
+    /// may change only with an `on_insert` or `on_access` of `id`, or when [`Policy::epoch`]
+    /// changes (the store keeps the keys it was given in an index until then).
+    fn victim_key(&self, tier: Tier, id: TensorId) -> VictimKey;
+    /// Changes whenever keys may have changed for many tensors at once (a schedule learned or
+    /// given up): the store then asks for every key again. Default: never.
+    fn epoch(&self) -> u64 {
+        0
+    }
     /// Whether `candidate` (in a slower tier) should be promoted into `tier` at the cost of
-    /// demoting `victims` (already chosen by order_victims, possibly empty when there is free
-    /// room).
+    /// demoting `victims` (the first in the victim order, possibly none when there is room).
     fn admit(&mut self, tier: Tier, candidate: TensorId, victims: &[TensorId]) -> bool;
     /// A training step begins ([`Store::step`](crate::Store::step)). Default: nothing.
     fn on_step(&mut self) {}
     /// Tensors the policy expects to be used soon, soonest first, to be prefetched to the
-    /// device. `cost(id)` is the number of bytes prefetching `id` would move (0 when it is
-    /// already resident or in flight; `None` for an unknown id); stop once the costs reach
-    /// `max_bytes`. Called after every access, so keep it cheap. Default: nothing.
+    /// device: pushed onto `out` (empty on entry). `cost(id)` is the number of bytes
+    /// prefetching `id` would move (0 when it is already resident or in flight; `None` for an
+    /// unknown id); stop once the costs reach `max_bytes`. Called after every access, so keep it
+    /// cheap. Default: nothing.
     fn lookahead(
         &mut self,
         max_bytes: u64,
         cost: &mut dyn FnMut(TensorId) -> Option<u64>,
-    ) -> Vec<TensorId> {
-        let _ = (max_bytes, cost);
-        Vec::new()
+        out: &mut Vec<TensorId>,
+    ) {
+        let _ = (max_bytes, cost, out);
     }
 }
 
@@ -119,8 +173,13 @@ impl FromStr for PolicyKind {
 mod tests {
     use super::*;
 
-    fn id(n: u64) -> TensorId {
-        TensorId(n)
+    fn id(n: u32) -> TensorId {
+        TensorId::test(n)
+    }
+
+    /// `candidates` in the policy's victim order.
+    pub(crate) fn ordered(p: &dyn Policy, tier: Tier, candidates: &mut [TensorId]) {
+        candidates.sort_by_key(|&id| (p.victim_key(tier, id), id));
     }
 
     /// Inserts A..E (ids 0..5), reads A ten times, then scans B, C, D, E once each.
@@ -140,7 +199,7 @@ mod tests {
         let mut p = kind.build();
         hot_then_scan(&mut *p);
         let mut c: Vec<TensorId> = (0..5).map(id).collect();
-        p.order_victims(Tier::Device, &mut c);
+        ordered(&*p, Tier::Device, &mut c);
         c
     }
 
@@ -174,7 +233,7 @@ mod tests {
             p.on_insert(id(1), 8);
             p.on_access(id(77)); // never inserted: ignored
             let mut c = vec![id(1), id(42)];
-            p.order_victims(Tier::Pinned, &mut c);
+            ordered(&*p, Tier::Pinned, &mut c);
             assert_eq!(c, vec![id(42), id(1)], "{kind}");
             let _ = p.admit(Tier::Pinned, id(42), &[id(43)]);
             p.on_remove(id(42));
@@ -189,11 +248,11 @@ mod tests {
             p.on_remove(id(0));
             // A is now unknown: coldest and least recent, so first in line again.
             let mut c: Vec<TensorId> = (0..5).map(id).collect();
-            p.order_victims(Tier::Device, &mut c);
+            ordered(&*p, Tier::Device, &mut c);
             assert_eq!(c[0], id(0), "{kind}");
             // An access after removal does not bring it back.
             p.on_access(id(0));
-            p.order_victims(Tier::Device, &mut c);
+            ordered(&*p, Tier::Device, &mut c);
             assert_eq!(c[0], id(0), "{kind}");
         }
     }

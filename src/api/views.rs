@@ -1,14 +1,15 @@
 //! Streams and the guards that lend a tensor's memory to device work.
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use cudarc::driver::{CudaSlice, CudaStream, CudaView, CudaViewMut};
 
-use crate::arena::HostRegion;
 use crate::backend::cuda::BorrowedSlice;
-use crate::backend::RawStream;
+use crate::backend::{RawEvent, RawStream};
 use crate::error::{Error, Result};
-use crate::store::Shared;
+use crate::migrate::ops;
+use crate::residency::{Meta, Shared};
+use crate::tiers::arena::WriteLease;
 use crate::types::{BackendKind, DType, TensorId, Tier};
 
 /// An ordered queue of device work: a cudarc [`CudaStream`] on the CUDA backend, a worker thread
@@ -75,10 +76,23 @@ impl Stream {
 /// A tensor lent to work on a stream, resident in the Device tier (or, for a [`MappedView`], in
 /// the Mapped tier) for as long as the view lives.
 ///
+/// # Ordering
 /// Work issued to the view's stream after the view was made sees the tensor's bytes: the stream
-/// waits for the copy that brought them. Dropping the view records an event on the stream;
-/// moving or reusing the memory later waits for it, so kernels issued before the drop may still
-/// run. After writing through the view call [`DeviceView::mark_dirty`], so that the other copies,
+/// waits for the copy that brought them, and for the last work *every other stream* did on the
+/// tensor (what earlier views on other streams issued before they dropped, and copies still
+/// reading it), so a write on one stream is seen by a reader on another, and an overwrite
+/// waits for the readers before it. Dropping the view records an event on its stream: moving,
+/// reusing or overwriting the memory later waits for it, so kernels issued before the drop may
+/// still run.
+///
+/// Work the caller issues on *another* stream with the view's memory is the caller's to order:
+/// make that stream wait for the view's stream first (an event recorded on it), and tell the
+/// store about it with [`DeviceView::record_use`] before the view drops, so the memory is not
+/// reused or overwritten before that work is done. With cudarc's event tracking on (its
+/// default), work launched through [`DeviceView::cuda_slice`] on other streams is covered
+/// without it; a trainer that turned tracking off must call `record_use`.
+///
+/// After writing through the view call [`DeviceView::mark_dirty`], so that the other copies,
 /// now stale, are dropped and the tensor is written back when evicted.
 #[must_use = "the tensor is held in place only while the view lives"]
 pub struct DeviceView {
@@ -87,11 +101,15 @@ pub struct DeviceView {
     tier: Tier,
     stream: RawStream,
     ptr: u64,
-    bytes: u64,
-    dtype: DType,
-    shape: Vec<usize>,
+    meta: Arc<Meta>,
     dirty: bool,
-    cuda: Option<BorrowedSlice>,
+    /// The cudarc slice over the memory, made on first use (it costs two CUDA events when
+    /// cudarc tracks events).
+    cuda: OnceLock<BorrowedSlice>,
+    /// The bytes for the CPU where it can reach them (host backend, mapped memory).
+    host: Option<WriteLease>,
+    /// Other streams' uses of the memory ([`DeviceView::record_use`]).
+    others: Vec<(u64, RawEvent)>,
 }
 
 impl std::fmt::Debug for DeviceView {
@@ -100,9 +118,9 @@ impl std::fmt::Debug for DeviceView {
             .field("id", &self.id)
             .field("tier", &self.tier)
             .field("device_ptr", &format_args!("{:#x}", self.ptr))
-            .field("bytes", &self.bytes)
-            .field("dtype", &self.dtype)
-            .field("shape", &self.shape)
+            .field("bytes", &self.meta.bytes)
+            .field("dtype", &self.meta.dtype)
+            .field("shape", &self.meta.shape)
             .field("dirty", &self.dirty)
             .finish()
     }
@@ -115,22 +133,25 @@ impl std::fmt::Debug for MappedView {
 }
 
 impl DeviceView {
-    #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
         shared: Arc<Shared>,
         id: TensorId,
         tier: Tier,
         stream: RawStream,
-        ptr: u64,
-        bytes: u64,
-        dtype: DType,
-        shape: Vec<usize>,
+        parts: ops::ViewParts,
     ) -> DeviceView {
-        let cuda = match &stream {
-            RawStream::Cuda(s) => Some(BorrowedSlice::new(s, ptr, bytes as usize)),
-            RawStream::Host(_) => None,
-        };
-        DeviceView { shared, id, tier, stream, ptr, bytes, dtype, shape, dirty: false, cuda }
+        DeviceView {
+            shared,
+            id,
+            tier,
+            stream,
+            ptr: parts.ptr,
+            meta: parts.meta,
+            dirty: false,
+            cuda: OnceLock::new(),
+            host: parts.host,
+            others: Vec::new(),
+        }
     }
 
     /// The tensor viewed.
@@ -150,17 +171,17 @@ impl DeviceView {
 
     /// Size in bytes.
     pub fn len_bytes(&self) -> usize {
-        self.bytes as usize
+        self.meta.bytes as usize
     }
 
     /// Element type.
     pub fn dtype(&self) -> DType {
-        self.dtype
+        self.meta.dtype
     }
 
     /// Shape.
     pub fn shape(&self) -> &[usize] {
-        &self.shape
+        &self.meta.shape
     }
 
     /// The stream the view was made for.
@@ -174,48 +195,77 @@ impl DeviceView {
         self.dirty = true;
     }
 
+    /// Says work issued on `stream` (another stream than the view's) uses the view's memory:
+    /// an event is recorded on `stream` now, and the memory is neither reused nor overwritten,
+    /// nor read by a later view on another stream, before that event completes. Call it after
+    /// issuing that work and before the view drops (see the type's docs on ordering).
+    pub fn record_use(&mut self, stream: &Stream) -> Result<()> {
+        if stream.raw.kind() != self.stream.kind() {
+            return Err(Error::BackendMismatch(
+                "record_use with a stream of another backend".into(),
+            ));
+        }
+        let ev = stream.raw.record()?;
+        let key = stream.raw.key();
+        match self.others.iter_mut().find(|(k, _)| *k == key) {
+            Some(slot) => slot.1 = ev,
+            None => self.others.push((key, ev)),
+        }
+        Ok(())
+    }
+
+    fn borrowed(&self) -> Option<&BorrowedSlice> {
+        let RawStream::Cuda(s) = &self.stream else { return None };
+        Some(self.cuda.get_or_init(|| BorrowedSlice::new(s, self.ptr, self.meta.bytes as usize)))
+    }
+
     /// The memory as a cudarc slice of bytes (CUDA backend), for kernel launches and cuBLAS.
     /// Use it on the view's stream, which waited for the copy that brought the bytes; work on
     /// another stream must first wait for the view's stream (an event recorded on it). For
     /// writing, take [`DeviceView::cuda_view_mut`] (a `&mut CudaSlice` could be swapped out
     /// of the view and freed by cudarc).
     pub fn cuda_slice(&self) -> Option<&CudaSlice<u8>> {
-        self.cuda.as_ref().map(BorrowedSlice::get)
+        self.borrowed().map(BorrowedSlice::get)
     }
 
     /// The memory as a typed cudarc view of `T` (for example `half::bf16` or `f32`) for kernels
     /// and cuBLAS, on the CUDA backend; `None` on the host backend or when the tensor's length
     /// is not a whole number of `T`s.
     pub fn cuda_view<T: cudarc::driver::DeviceRepr>(&self) -> Option<CudaView<'_, T>> {
-        self.cuda.as_ref().and_then(BorrowedSlice::typed)
+        self.borrowed().and_then(BorrowedSlice::typed)
     }
 
     /// A typed mutable cudarc view (see [`DeviceView::cuda_view`]); marks the view dirty.
     pub fn cuda_view_mut<T: cudarc::driver::DeviceRepr>(&mut self) -> Option<CudaViewMut<'_, T>> {
         self.dirty = true;
-        self.cuda.as_mut().and_then(BorrowedSlice::typed_mut)
+        self.borrowed()?;
+        self.cuda.get_mut().and_then(BorrowedSlice::typed_mut)
     }
 
     /// The bytes on the CPU, after the view's stream has run what was issued to it: on the host
-    /// backend for every tier, on the CUDA backend for mapped views. `f` runs under the store's
-    /// lock: it must not call the store. On a [simulated](crate::StoreBuilder::simulate) store
-    /// the work issued has run already, and `f` stands for a kernel issued on the stream: it
-    /// does not wait for the stream in simulated time.
+    /// backend for every tier, on the CUDA backend for mapped views. `f` runs without the
+    /// store's lock (it may use the store, but not this tensor). On a
+    /// [simulated](crate::StoreBuilder::simulate) store the work issued has run already, and
+    /// `f` stands for a kernel issued on the stream: it does not wait for the stream in
+    /// simulated time.
     pub fn with_host_bytes<R>(&self, f: impl FnOnce(&[u8]) -> R) -> Result<R> {
-        if !self.stream.is_simulated() {
-            self.stream.synchronize()?;
-        }
-        self.shared.with_view_bytes(self.id, self.tier, |b| f(b))
+        self.stream.settle_for_cpu()?;
+        let lease = self.host.as_ref().ok_or_else(not_host)?;
+        // The slice is made inside the flight: no other CPU access of the tensor overlaps it.
+        ops::with_flight(&self.shared, self.id, || lease.bytes().map(f))?.ok_or_else(not_host)
     }
 
     /// Like [`DeviceView::with_host_bytes`], for writing; marks the view dirty.
     pub fn with_host_bytes_mut<R>(&mut self, f: impl FnOnce(&mut [u8]) -> R) -> Result<R> {
-        if !self.stream.is_simulated() {
-            self.stream.synchronize()?;
-        }
+        self.stream.settle_for_cpu()?;
         self.dirty = true;
-        self.shared.with_view_bytes(self.id, self.tier, f)
+        let lease = self.host.as_mut().ok_or_else(not_host)?;
+        ops::with_flight(&self.shared, self.id, || lease.bytes_mut().map(f))?.ok_or_else(not_host)
     }
+}
+
+fn not_host() -> Error {
+    Error::BackendMismatch("the view's memory is not host memory here".into())
 }
 
 impl Drop for DeviceView {
@@ -223,7 +273,8 @@ impl Drop for DeviceView {
         // Leaking the borrowed cudarc slice makes our stream wait for work other streams did on
         // it (cudarc's events), so the event recorded below covers that work too.
         self.cuda.take();
-        self.shared.release_view(self.id, self.tier, &self.stream, self.dirty);
+        let others = std::mem::take(&mut self.others);
+        ops::release_view(&self.shared, self.id, self.tier, Some(&self.stream), self.dirty, others);
     }
 }
 
@@ -268,7 +319,7 @@ pub struct HostView {
     shared: Arc<Shared>,
     id: TensorId,
     tier: Tier,
-    region: HostRegion,
+    lease: WriteLease,
     dtype: DType,
     dirty: bool,
 }
@@ -278,7 +329,7 @@ impl std::fmt::Debug for HostView {
         f.debug_struct("HostView")
             .field("id", &self.id)
             .field("tier", &self.tier)
-            .field("bytes", &self.region.bytes().len())
+            .field("bytes", &self.lease.len())
             .field("dirty", &self.dirty)
             .finish()
     }
@@ -289,10 +340,10 @@ impl HostView {
         shared: Arc<Shared>,
         id: TensorId,
         tier: Tier,
-        region: HostRegion,
+        lease: WriteLease,
         dtype: DType,
     ) -> HostView {
-        HostView { shared, id, tier, region, dtype, dirty: false }
+        HostView { shared, id, tier, lease, dtype, dirty: false }
     }
 
     /// The tensor viewed.
@@ -307,13 +358,13 @@ impl HostView {
 
     /// The bytes.
     pub fn bytes(&self) -> &[u8] {
-        self.region.bytes()
+        self.lease.bytes().unwrap_or_default()
     }
 
     /// The bytes, for writing; marks the view dirty.
     pub fn bytes_mut(&mut self) -> &mut [u8] {
         self.dirty = true;
-        self.region.bytes_mut()
+        self.lease.bytes_mut().unwrap_or_default()
     }
 
     /// The values of an f32 tensor; `None` for other dtypes.
@@ -321,7 +372,7 @@ impl HostView {
         if self.dtype != DType::F32 {
             return None;
         }
-        self.region.f32s()
+        self.lease.f32s()
     }
 
     /// The values of an f32 tensor, for writing (marks the view dirty); `None` for other dtypes.
@@ -330,17 +381,15 @@ impl HostView {
             return None;
         }
         self.dirty = true;
-        self.region.f32s_mut()
+        self.lease.f32s_mut()
     }
-}
 
-impl HostView {
     /// The values of a bf16 tensor; `None` for other dtypes.
     pub fn bf16s(&self) -> Option<&[half::bf16]> {
         if self.dtype != DType::BF16 {
             return None;
         }
-        self.region.bf16s()
+        self.lease.bf16s()
     }
 
     /// The values of a bf16 tensor, for writing (marks the view dirty); `None` for other
@@ -350,12 +399,12 @@ impl HostView {
             return None;
         }
         self.dirty = true;
-        self.region.bf16s_mut()
+        self.lease.bf16s_mut()
     }
 }
 
 impl Drop for HostView {
     fn drop(&mut self) {
-        self.shared.release_host_view(self.id, self.tier, self.dirty);
+        ops::release_view(&self.shared, self.id, self.tier, None, self.dirty, Vec::new());
     }
 }

@@ -2,7 +2,7 @@
 
 use lru::LruCache;
 
-use super::Policy;
+use super::{Policy, VictimKey};
 use crate::types::{TensorId, Tier};
 
 /// Evicts the least recently used tensor first and always admits a promotion.
@@ -54,9 +54,10 @@ impl Policy for LruPolicy {
         self.entries.pop(&id);
     }
 
-    fn order_victims(&mut self, _tier: Tier, candidates: &mut Vec<TensorId>) {
+    fn victim_key(&self, _tier: Tier, id: TensorId) -> VictimKey {
         // Unknown ids get tick 0: least recent of all.
-        candidates.sort_by_cached_key(|id| (self.entries.peek(id).copied().unwrap_or(0), *id));
+        let tick = self.entries.peek(&id).copied().unwrap_or(0);
+        VictimKey::new(0, 0.0, tick)
     }
 
     fn admit(&mut self, _tier: Tier, _candidate: TensorId, _victims: &[TensorId]) -> bool {
@@ -68,8 +69,10 @@ impl Policy for LruPolicy {
 mod tests {
     use super::*;
 
-    fn id(n: u64) -> TensorId {
-        TensorId(n)
+    use crate::placement::policy::tests::ordered;
+
+    fn id(n: u32) -> TensorId {
+        TensorId::test(n)
     }
 
     #[test]
@@ -81,7 +84,7 @@ mod tests {
         p.on_access(id(0));
         p.on_access(id(2));
         let mut c = vec![id(0), id(1), id(2), id(3)];
-        p.order_victims(Tier::Device, &mut c);
+        ordered(&p, Tier::Device, &mut c);
         assert_eq!(c, vec![id(1), id(3), id(0), id(2)]);
         assert_eq!(p.entries.peek_lru().map(|(k, _)| *k), Some(id(1)));
         assert!(p.admit(Tier::Device, id(1), &[id(2)]));

@@ -13,7 +13,7 @@
 
 use std::collections::HashMap;
 
-use super::{FrequencyPolicy, Policy};
+use super::{FrequencyPolicy, Policy, VictimKey};
 use crate::types::{TensorId, Tier};
 
 /// Longest access sequence recorded while looking for a schedule.
@@ -38,6 +38,16 @@ pub struct SchedulePolicy {
     learned: u64,
     /// Accesses that did not match the schedule.
     divergences: u64,
+    /// Accesses so far: the clock next uses are measured on, so a tensor's victim key (its next
+    /// use, absolute) stays the same while replaying until the tensor itself is used.
+    clock: u64,
+    /// Bumped whenever the victim keys may change for many tensors (a schedule adopted, replay
+    /// given up), so the store asks for them again.
+    epoch: u64,
+    /// Generation stamps of the lookahead walk, per schedule position: a tensor already taken in
+    /// this walk is skipped without searching the output (see `lookahead`).
+    walk_gen: u64,
+    walk_seen: HashMap<TensorId, u64>,
 }
 
 impl Default for SchedulePolicy {
@@ -58,6 +68,10 @@ impl SchedulePolicy {
             pos: None,
             learned: 0,
             divergences: 0,
+            clock: 0,
+            epoch: 0,
+            walk_gen: 0,
+            walk_seen: HashMap::new(),
         }
     }
 
@@ -86,6 +100,16 @@ impl SchedulePolicy {
         self.rec.clear();
         self.candidates.clear();
         self.learned += 1;
+        self.epoch += 1;
+    }
+
+    /// Stops replaying (the keys fall back to the frequency policy's).
+    fn give_up(&mut self) {
+        self.divergences += 1;
+        self.pos = None;
+        self.rec.clear();
+        self.candidates.clear();
+        self.epoch += 1;
     }
 
     fn record(&mut self, id: TensorId) {
@@ -143,6 +167,7 @@ impl Policy for SchedulePolicy {
 
     fn on_access(&mut self, id: TensorId) {
         self.fallback.on_access(id);
+        self.clock += 1;
         match self.pos {
             Some(p) if self.schedule.get(p) == Some(&id) => {
                 self.pos = Some((p + 1) % self.schedule.len());
@@ -150,10 +175,7 @@ impl Policy for SchedulePolicy {
             Some(_) => {
                 // Diverged: keep the old schedule for eviction order until a new one is known,
                 // but stop trusting the position for lookahead.
-                self.divergences += 1;
-                self.pos = None;
-                self.rec.clear();
-                self.candidates.clear();
+                self.give_up();
                 self.record(id);
             }
             None => self.record(id),
@@ -168,12 +190,7 @@ impl Policy for SchedulePolicy {
         match self.pos {
             // A step boundary while replaying: the step must have ended where it began.
             Some(0) => {}
-            Some(_) => {
-                self.divergences += 1;
-                self.pos = None;
-                self.rec.clear();
-                self.candidates.clear();
-            }
+            Some(_) => self.give_up(),
             // While recording, the accesses since the last boundary are one step.
             None if !self.rec.is_empty() => {
                 let step = std::mem::take(&mut self.rec);
@@ -183,17 +200,20 @@ impl Policy for SchedulePolicy {
         }
     }
 
-    fn order_victims(&mut self, tier: Tier, candidates: &mut Vec<TensorId>) {
-        if self.pos.is_none() {
-            self.fallback.order_victims(tier, candidates);
-            return;
+    fn victim_key(&self, tier: Tier, id: TensorId) -> VictimKey {
+        let fallback = self.fallback.victim_key(tier, id);
+        match self.next_use(id) {
+            // Belady: the furthest next use first. Measured from the start of the clock, the
+            // next use of a tensor stays put while the replay advances, until the tensor is used.
+            Some(d) => VictimKey::new(2, -((self.clock + d as u64) as f64), 0),
+            // Tensors the schedule never uses go before all of them, in the fallback's order
+            // (and every tensor does while nothing is replayed).
+            None => fallback,
         }
-        // Furthest next use first; tensors the schedule never uses before all of them, in the
-        // fallback's order.
-        self.fallback.order_victims(tier, candidates);
-        let key: HashMap<TensorId, usize> =
-            candidates.iter().map(|&id| (id, self.next_use(id).unwrap_or(usize::MAX))).collect();
-        candidates.sort_by_key(|id| std::cmp::Reverse(key[id]));
+    }
+
+    fn epoch(&self) -> u64 {
+        self.epoch
     }
 
     fn admit(&mut self, tier: Tier, candidate: TensorId, victims: &[TensorId]) -> bool {
@@ -208,24 +228,31 @@ impl Policy for SchedulePolicy {
         &mut self,
         max_bytes: u64,
         cost: &mut dyn FnMut(TensorId) -> Option<u64>,
-    ) -> Vec<TensorId> {
-        let Some(pos) = self.pos else { return Vec::new() };
+        out: &mut Vec<TensorId>,
+    ) {
+        let Some(pos) = self.pos else { return };
         let len = self.schedule.len();
-        let mut out = Vec::new();
+        // A tensor can appear several times in the walk: a generation stamp per tensor says
+        // whether this walk took it already, without searching `out` (which made the walk
+        // quadratic in its length).
+        self.walk_gen += 1;
+        if self.walk_seen.len() > 4 * MAX_WALK {
+            self.walk_seen.clear();
+        }
         let mut bytes = 0u64;
         for k in 0..len.min(MAX_WALK) {
             let id = self.schedule[(pos + k) % len];
             let Some(c) = cost(id) else { continue };
-            if c == 0 || out.contains(&id) {
+            if c == 0 || self.walk_seen.get(&id) == Some(&self.walk_gen) {
                 continue;
             }
             if bytes + c > max_bytes {
                 break;
             }
             bytes += c;
+            self.walk_seen.insert(id, self.walk_gen);
             out.push(id);
         }
-        out
     }
 }
 
@@ -233,12 +260,24 @@ impl Policy for SchedulePolicy {
 mod tests {
     use super::*;
 
-    fn id(n: u64) -> TensorId {
-        TensorId(n)
+    use crate::placement::policy::tests::ordered;
+
+    fn id(n: u32) -> TensorId {
+        TensorId::test(n)
+    }
+
+    fn ahead(
+        p: &mut SchedulePolicy,
+        max: u64,
+        cost: &mut dyn FnMut(TensorId) -> Option<u64>,
+    ) -> Vec<TensorId> {
+        let mut out = Vec::new();
+        p.lookahead(max, cost, &mut out);
+        out
     }
 
     /// Forward 0..l then backward l..0, as a layered training step accesses weights.
-    fn step(l: u64) -> Vec<TensorId> {
+    fn step(l: u32) -> Vec<TensorId> {
         (0..l).chain((0..l).rev()).map(id).collect()
     }
 
@@ -256,8 +295,8 @@ mod tests {
         assert!(p.replaying(), "schedule learned after two steps");
         assert_eq!(p.schedule(), &step(6)[..]);
         // Next expected access is layer 0 of the next forward pass: lookahead says 0, 1, ...
-        let ahead = p.lookahead(3, &mut |_| Some(1));
-        assert_eq!(ahead, vec![id(0), id(1), id(2)]);
+        let got = ahead(&mut p, 3, &mut |_| Some(1));
+        assert_eq!(got, vec![id(0), id(1), id(2)]);
     }
 
     #[test]
@@ -272,8 +311,14 @@ mod tests {
         assert_eq!(p.schedule(), &[id(3), id(1), id(2)]);
         // Belady: right at the start of a step, 2 is used last, so it goes first.
         let mut c = vec![id(3), id(1), id(2)];
-        p.order_victims(Tier::Device, &mut c);
+        ordered(&p, Tier::Device, &mut c);
         assert_eq!(c, vec![id(2), id(1), id(3)]);
+        // Keys stay put while the replay advances: after using 3, it is the furthest.
+        let e = p.epoch();
+        p.on_access(id(3));
+        assert_eq!(p.epoch(), e, "a matching access changes no other key");
+        ordered(&p, Tier::Device, &mut c);
+        assert_eq!(c, vec![id(3), id(2), id(1)]);
     }
 
     #[test]
@@ -306,8 +351,16 @@ mod tests {
             p.on_access(a);
         }
         p.on_step();
-        let ahead = p.lookahead(25, &mut |t| Some(if t == id(1) { 0 } else { 10 }));
-        assert_eq!(ahead, vec![id(0), id(2)], "1 is resident, 3 would pass 25 bytes");
-        assert!(SchedulePolicy::new().lookahead(100, &mut |_| Some(1)).is_empty());
+        let got = ahead(&mut p, 25, &mut |t| Some(if t == id(1) { 0 } else { 10 }));
+        assert_eq!(got, vec![id(0), id(2)], "1 is resident, 3 would pass 25 bytes");
+        assert!(ahead(&mut SchedulePolicy::new(), 100, &mut |_| Some(1)).is_empty());
+        // A tensor used twice in the step is taken once.
+        let mut p = SchedulePolicy::new();
+        p.on_step();
+        for a in [0, 1, 1, 0, 2].map(id) {
+            p.on_access(a);
+        }
+        p.on_step();
+        assert_eq!(ahead(&mut p, 100, &mut |_| Some(1)), vec![id(0), id(1), id(2)]);
     }
 }

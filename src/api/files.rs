@@ -8,9 +8,15 @@ use std::sync::Arc;
 
 use safetensors::tensor::{Dtype as StDtype, SafeTensors, View};
 
-use super::{Entry, Ext, Level, Replica, Store};
-use crate::disk::ExternalFile;
+use super::Store;
 use crate::error::{Error, Result};
+use crate::migrate::ops;
+use crate::migrate::room::Got;
+use crate::migrate::{plan_copy, run_copy};
+use crate::placement::victims::Level;
+use crate::residency::{Meta, Replica};
+use crate::tiers::file::ExternalFile;
+use crate::tiers::Ext;
 use crate::types::{DType, Group, TensorId, Tier};
 
 /// How [`Store::load_safetensors`] loads a file.
@@ -247,76 +253,94 @@ impl Store {
         let path = path.as_ref();
         let file = Arc::new(ExternalFile::open(path)?);
         let found = parse(&file, &opts.name_prefix)?;
-        let be = &self.shared.backend;
-        let mut st = self.shared.state.lock();
+        let sh = &*self.shared;
+        let mut st = sh.lock();
         // All or nothing: check every name first.
         let mut seen = std::collections::HashSet::new();
         for f in &found {
-            if st.names.contains_key(&f.name) || !seen.insert(&f.name) {
+            if st.res.names.contains_key(f.name.as_str()) || !seen.insert(&f.name) {
                 return Err(Error::DuplicateName(f.name.clone()));
             }
         }
         if let Some(t) = opts.copy_to {
-            if !st.enabled(t) {
+            if !st.books.enabled(t) {
                 return Err(Error::TierDisabled { tier: t });
             }
         }
         let mut out = Vec::with_capacity(found.len());
         for f in &found {
-            let id = TensorId(st.next_id);
-            st.next_id += 1;
-            st.policy.on_insert(id, f.len);
-            let mut e = Entry::new(&f.name, f.dtype, &f.shape, f.len);
-            e.group = opts.group;
-            e.replicas[Tier::Disk.index()] = Some(Replica::new(
-                Ext::File { file: file.clone(), offset: f.offset, len: f.len },
-                None,
-            ));
-            st.entries.insert(id, e);
-            st.names.insert(f.name.clone(), id);
+            let meta = Meta {
+                name: f.name.as_str().into(),
+                dtype: f.dtype,
+                shape: f.shape.clone().into(),
+                bytes: f.len,
+            };
+            let id = st.res.insert(meta, opts.group)?;
+            st.place.policy.on_insert(id, f.len);
+            st.res.put_replica(
+                id,
+                Tier::Disk,
+                Replica::new(Ext::File { file: file.clone(), offset: f.offset }, None),
+            );
+            st.reindex(id);
             out.push((f.name.clone(), id));
         }
         let Some(t) = opts.copy_to else { return Ok(out) };
-        // Copy each tensor into `t` and drop the file's copy; on failure, undo the whole load.
+        // Copy each tensor into `t` and drop the file's copy (straight from the file: pread, or
+        // O_DIRECT where aligned); on failure, undo the whole load.
         let res = (|| -> Result<()> {
             for (i, &(_, id)) in out.iter().enumerate() {
-                let f = &found[i];
-                let mut ext = if t == Tier::Disk {
-                    st.try_alloc(Tier::Disk, f.len)?
-                        .ok_or(Error::OutOfMemory { tier: t, bytes: f.len })?
-                } else {
-                    st.alloc_evicting(be, t, f.len, id, Level::Demand)?
-                        .ok_or(Error::OutOfMemory { tier: t, bytes: f.len })?
-                };
-                // Straight from the file (pread, or O_DIRECT where aligned) into the tier.
-                let ready = match st.copy_into(be, id, Tier::Disk, t, &mut ext) {
-                    Ok(r) => r,
-                    Err(e) => {
-                        st.free_ext(t, ext);
-                        return Err(e);
+                let bytes = found[i].len;
+                let flight = st.start_flight(id, None);
+                let r = (|| -> Result<()> {
+                    let level = if t == Tier::Disk { Level::Guess } else { Level::Demand };
+                    let ext = match ops::alloc_in(sh, &mut st, t, bytes, id, level, true)? {
+                        Got::Ext(x) => x,
+                        _ => return Err(Error::OutOfMemory { tier: t, bytes }),
+                    };
+                    let copy = match plan_copy(sh, &st, id, Tier::Disk, t, &ext) {
+                        Ok(c) => c,
+                        Err(e) => {
+                            st.books.free(t, ext);
+                            return Err(e);
+                        }
+                    };
+                    match run_copy(sh, &mut st, copy) {
+                        Ok(done) => {
+                            if t == Tier::Disk {
+                                // Into the store's own slab: the file's copy goes first.
+                                let file_copy = st.res.take_replica(id, Tier::Disk);
+                                drop(file_copy);
+                            }
+                            // Counted as bytes put into the store, as a put would be.
+                            st.commit_copy(id, None, t, ext, done);
+                            Ok(())
+                        }
+                        Err(e) => {
+                            st.books.free(t, ext);
+                            Err(e)
+                        }
                     }
-                };
-                let old = st.take_replica(id, Tier::Disk);
-                st.free_ext(Tier::Disk, old.ext);
-                st.put_replica(id, t, Replica::new(ext, ready));
-                st.counters.bytes_in += f.len;
+                })();
+                st.end_flight(id, &flight);
+                r?;
+                if t != Tier::Disk {
+                    st.drop_replica(id, Tier::Disk);
+                }
             }
             Ok(())
         })();
         if let Err(e) = res {
-            for (name, id) in &out {
-                // Undo everything, even if waiting for a copy fails: the error returned is the
-                // load's.
-                let _ = st.settle(*id);
-                if let Some(mut entry) = st.entries.remove(id) {
-                    for tier in Tier::ALL {
-                        if let Some(r) = entry.replicas[tier.index()].take() {
-                            st.free_ext(tier, r.ext);
-                        }
+            for (_, id) in &out {
+                // Undo everything; the error returned is the load's.
+                for tier in Tier::ALL {
+                    if st.res.get(*id).is_ok_and(|e| e.has(tier)) {
+                        st.drop_replica(*id, tier);
                     }
                 }
-                st.names.remove(name);
-                st.policy.on_remove(*id);
+                st.unindex(*id);
+                st.res.remove(*id);
+                st.place.policy.on_remove(*id);
             }
             return Err(e);
         }

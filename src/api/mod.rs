@@ -1,0 +1,16 @@
+//! The public API: [`Store`] and its builder, views and streams, hints and layer scopes, tensor
+//! files, and [`Stats`].
+
+mod builder;
+mod files;
+mod hints;
+mod stats;
+mod store;
+mod views;
+
+pub use builder::StoreBuilder;
+pub use files::LoadOptions;
+pub use hints::LayerScope;
+pub use stats::{Stats, TierStats};
+pub use store::{Store, TensorInfo};
+pub use views::{DeviceView, HostView, MappedView, Stream};

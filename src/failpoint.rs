@@ -1,0 +1,202 @@
+//! Fault injection: make the k-th pass through a failure site fail with a chosen error, to test
+//! that every operation fails cleanly and loses nothing.
+//!
+//! Compiled in only with the `failpoints` cargo feature; without it [`check`] is an empty inline
+//! function and costs nothing. With it, a site costs one relaxed atomic load until a fault is
+//! armed.
+//!
+//! ```ignore
+//! use strata::failpoint::{self, Fault, Site};
+//! failpoint::arm(Site::DiskWrite, 3, Fault::NoSpace); // the 3rd disk write from now fails
+//! // ... run operations; the one that hits it returns Error::DiskFull ...
+//! assert!(failpoint::fired());
+//! failpoint::disarm();
+//! ```
+//! Armed faults are global to the process: tests that arm them run one at a time.
+
+use std::path::Path;
+
+use crate::error::Result;
+
+/// A place where the library can fail.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Site {
+    /// A backend memory allocation (tier arenas and staging buffers at build).
+    Alloc,
+    /// A copy issued to a stream (host-to-device, device-to-host or device-to-device).
+    Copy,
+    /// A host copy into or out of a host tier or staging buffer.
+    HostCopy,
+    /// Recording an event on a stream.
+    EventRecord,
+    /// Making a stream wait for an event.
+    StreamWait,
+    /// A host thread waiting for an event (synchronize).
+    Synchronize,
+    /// Opening the disk tier's file.
+    DiskOpen,
+    /// A read from the disk tier's file.
+    DiskRead,
+    /// A write to the disk tier's file.
+    DiskWrite,
+    /// A read of a user's tensor file (safetensors).
+    FileRead,
+    /// Starting the engine's worker threads.
+    WorkerStart,
+    /// Writing a file being saved.
+    SaveWrite,
+    /// Flushing a file being saved to disk.
+    SaveSync,
+    /// Renaming a saved file into place.
+    SaveRename,
+}
+
+impl Site {
+    /// Every site.
+    pub const ALL: [Site; 14] = [
+        Site::Alloc,
+        Site::Copy,
+        Site::HostCopy,
+        Site::EventRecord,
+        Site::StreamWait,
+        Site::Synchronize,
+        Site::DiskOpen,
+        Site::DiskRead,
+        Site::DiskWrite,
+        Site::FileRead,
+        Site::WorkerStart,
+        Site::SaveWrite,
+        Site::SaveSync,
+        Site::SaveRename,
+    ];
+}
+
+/// The error an armed site fails with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Fault {
+    /// An I/O error (`EIO`).
+    Io,
+    /// The file system is full (`ENOSPC`).
+    NoSpace,
+    /// A write that stops short (reported as `EIO` after part of the bytes).
+    ShortWrite,
+    /// A backend error (a failed CUDA call, or its host-backend stand-in).
+    Backend,
+    /// Out of memory.
+    OutOfMemory,
+}
+
+#[cfg(feature = "failpoints")]
+mod imp {
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    use parking_lot::Mutex;
+
+    use super::{Fault, Site};
+
+    pub(super) static ARMED: AtomicBool = AtomicBool::new(false);
+    /// (site, passes left before the fault, fault), hit counts per site, whether it fired.
+    pub(super) static STATE: Mutex<State> =
+        Mutex::new(State { armed: None, fired: false, hits: Vec::new() });
+
+    pub(super) struct State {
+        pub(super) armed: Option<(Site, u64, Fault)>,
+        pub(super) fired: bool,
+        pub(super) hits: Vec<(Site, u64)>,
+    }
+
+    pub(super) fn pass(site: Site) -> Option<Fault> {
+        if !ARMED.load(Ordering::Relaxed) {
+            return None;
+        }
+        let mut s = STATE.lock();
+        match s.hits.iter_mut().find(|(x, _)| *x == site) {
+            Some((_, n)) => *n += 1,
+            None => s.hits.push((site, 1)),
+        }
+        match &mut s.armed {
+            Some((x, left, fault)) if *x == site => {
+                *left -= 1;
+                if *left == 0 {
+                    let f = *fault;
+                    s.armed = None;
+                    s.fired = true;
+                    return Some(f);
+                }
+                None
+            }
+            _ => None,
+        }
+    }
+}
+
+/// Arms `site` to fail with `fault` on its `nth` pass from now (1 = the next one). Replaces any
+/// fault armed before and resets the pass counts. With the `failpoints` feature only.
+#[cfg(feature = "failpoints")]
+pub fn arm(site: Site, nth: u64, fault: Fault) {
+    let mut s = imp::STATE.lock();
+    s.armed = Some((site, nth.max(1), fault));
+    s.fired = false;
+    s.hits.clear();
+    imp::ARMED.store(true, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Counts passes through every site without failing any (to learn how often a workload reaches
+/// each). With the `failpoints` feature only.
+#[cfg(feature = "failpoints")]
+pub fn count() {
+    let mut s = imp::STATE.lock();
+    s.armed = None;
+    s.fired = false;
+    s.hits.clear();
+    imp::ARMED.store(true, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Passes through `site` since the last [`arm`] or [`count`].
+#[cfg(feature = "failpoints")]
+pub fn hits(site: Site) -> u64 {
+    imp::STATE.lock().hits.iter().find(|(x, _)| *x == site).map_or(0, |(_, n)| *n)
+}
+
+/// Whether the armed fault has fired.
+#[cfg(feature = "failpoints")]
+pub fn fired() -> bool {
+    imp::STATE.lock().fired
+}
+
+/// Disarms every site and stops counting.
+#[cfg(feature = "failpoints")]
+pub fn disarm() {
+    imp::ARMED.store(false, std::sync::atomic::Ordering::Relaxed);
+    let mut s = imp::STATE.lock();
+    s.armed = None;
+}
+
+/// Fails if a fault is armed at `site` and this is its pass. `what` names the file or object the
+/// error is about.
+#[inline(always)]
+pub(crate) fn check(site: Site, what: &Path) -> Result<()> {
+    #[cfg(feature = "failpoints")]
+    if let Some(f) = imp::pass(site) {
+        return Err(fault_error(site, f, what));
+    }
+    let _ = (site, what);
+    Ok(())
+}
+
+#[cfg(feature = "failpoints")]
+fn fault_error(site: Site, f: Fault, what: &Path) -> crate::Error {
+    use crate::Error;
+    let io = |code: i32| Error::io(what, std::io::Error::from_raw_os_error(code));
+    match f {
+        Fault::Io | Fault::ShortWrite => io(libc::EIO),
+        Fault::NoSpace => io(libc::ENOSPC),
+        Fault::Backend => Error::Cuda {
+            call: "failpoint",
+            message: format!("injected backend failure at {site:?}"),
+        },
+        Fault::OutOfMemory => Error::OutOfMemory { tier: crate::Tier::Device, bytes: 0 },
+    }
+}

@@ -1,0 +1,291 @@
+//! Migration: carrying out what placement decided, in three steps.
+//!
+//! 1. **Plan**, under the store's lock: pick the replica to copy from, allocate the destination
+//!    (making room, see [`room`]), and mark the tensors involved in flight.
+//! 2. **Execute**, without the lock: disk reads and writes, host copies, staging through pinned
+//!    buffers, and every host wait ([`copy::Copy::run`]). DMA between host memory and the device
+//!    is only issued, asynchronously, so it needs no execute step: it is planned and issued in
+//!    one go, and whoever uses the bytes waits for its event (a stream by stream wait).
+//! 3. **Commit**, under the lock again: the new replica is recorded (or, on failure, the
+//!    destination freed, leaving the tensor as it was), the flight ends, waiters wake.
+//!
+//! Other tensors' operations proceed during step 2; an operation on a tensor in flight waits
+//! for that flight, without the lock.
+
+pub(crate) mod copy;
+pub(crate) mod engine;
+#[cfg(test)]
+mod invariants;
+pub(crate) mod ops;
+pub(crate) mod prefetch;
+pub(crate) mod room;
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use smallvec::SmallVec;
+
+use crate::backend::RawEvent;
+use crate::error::{Error, Result};
+use crate::residency::{Flight, Locked, Replica, Shared, State};
+use crate::tiers::Ext;
+use crate::types::{TensorId, Tier};
+use copy::{Copy, Done, Dst, Src};
+
+impl Shared {
+    /// Waits, without the lock, for a flight to end; a queued engine job is moved to the front
+    /// (or, on an inline engine, run here). Returns the seconds waited.
+    pub(crate) fn wait_flight(&self, f: &Arc<Flight>) -> f64 {
+        let t = Instant::now();
+        if let (Some(job), Some(engine)) = (f.job, self.engine.get()) {
+            engine.expedite(job, self);
+        }
+        f.done.wait();
+        t.elapsed().as_secs_f64()
+    }
+
+    /// Takes the lock once `id` has no exclusive flight (and, when `exclusive`, no readers
+    /// either), waiting for those flights without the lock. Errors for an unknown id. The second
+    /// value is the seconds spent waiting.
+    pub(crate) fn lock_when_free(
+        &self,
+        id: TensorId,
+        exclusive: bool,
+    ) -> Result<(Locked<'_>, f64)> {
+        let mut waited = 0.0;
+        loop {
+            let st = self.lock();
+            let e = st.res.get(id)?;
+            let f = if exclusive { e.any_flight() } else { e.flight.clone() };
+            let Some(f) = f else { return Ok((st, waited)) };
+            drop(st);
+            waited += self.wait_flight(&f);
+        }
+    }
+}
+
+impl Shared {
+    /// Takes the lock once `id` is past its put: a tensor whose first copy is still being
+    /// written has a name and an id but no bytes yet.
+    pub(crate) fn lock_when_put(&self, id: TensorId) -> Result<Locked<'_>> {
+        loop {
+            let st = self.lock();
+            let e = st.res.get(id)?;
+            let f = match &e.flight {
+                Some(f) if e.count() == 0 => f.clone(),
+                _ => return Ok(st),
+            };
+            drop(st);
+            self.wait_flight(&f);
+        }
+    }
+}
+
+impl Locked<'_> {
+    /// Releases the lock while `f` runs (the work of a flight), then takes it again.
+    pub(crate) fn unlocked<R>(&mut self, f: impl FnOnce() -> R) -> R {
+        self.release();
+        let r = f();
+        self.retake();
+        r
+    }
+}
+
+/// Plans a copy of `id`'s replica in `from` into `dst` (an extent of `to`), under the lock.
+pub(crate) fn plan_copy(
+    sh: &Shared,
+    st: &State,
+    id: TensorId,
+    from: Tier,
+    to: Tier,
+    dst: &Ext,
+) -> Result<Copy<'static>> {
+    plan_copy_into(sh, st, id, from, dst_of(sh, to, dst)?)
+}
+
+/// The destination of a copy into `ext`, an extent of `to`.
+pub(crate) fn dst_of(sh: &Shared, to: Tier, ext: &Ext) -> Result<Dst> {
+    Ok(match ext {
+        Ext::Mem(x) => {
+            Dst::Mem(to, sh.mem.arena(to).ok_or(Error::TierDisabled { tier: to })?.write_lease(x))
+        }
+        Ext::Disk { .. } => Dst::Disk(ext.disk_range().expect("a disk extent")),
+        Ext::File { file, .. } => {
+            return Err(Error::InvalidArgument(format!(
+                "{} is read-only to the store",
+                file.path().display()
+            )))
+        }
+    })
+}
+
+/// Plans a copy of `id`'s replica in `from` into `dst`, under the lock.
+pub(crate) fn plan_copy_into(
+    sh: &Shared,
+    st: &State,
+    id: TensorId,
+    from: Tier,
+    dst: Dst,
+) -> Result<Copy<'static>> {
+    let e = st.res.get(id)?;
+    let r = e.replicas[from.index()].as_ref().ok_or(Error::NotInTier { id, tier: from })?;
+    let src = match &r.ext {
+        Ext::Mem(x) => Src::Mem(
+            from,
+            sh.mem.arena(from).ok_or(Error::TierDisabled { tier: from })?.read_lease(x),
+        ),
+        Ext::Disk { crc, .. } => Src::Disk(r.ext.disk_range().expect("a disk extent"), *crc),
+        Ext::File { file, offset, .. } => Src::File(file.clone(), *offset),
+    };
+    // The source's bytes are valid after `ready`, and device work through views (and copies
+    // reading it) may still touch it.
+    let mut waits: SmallVec<[RawEvent; 2]> = r.ready.iter().cloned().collect();
+    waits.extend(e.uses.pending().cloned());
+    Ok(Copy { id, name: e.meta.name.clone(), src, dst, waits, lane: 0 })
+}
+
+/// Plans a copy of the caller's bytes into `dst` (an extent of `to`).
+pub(crate) fn plan_fill<'a>(
+    sh: &Shared,
+    st: &State,
+    id: TensorId,
+    to: Tier,
+    dst: &Ext,
+    data: &'a [u8],
+) -> Result<Copy<'a>> {
+    let name = st.res.get(id)?.meta.name.clone();
+    let dst = dst_of(sh, to, dst)?;
+    Ok(Copy { id, name, src: Src::User(data), dst, waits: SmallVec::new(), lane: 0 })
+}
+
+impl State {
+    /// Records a finished or issued copy of `id` from `from` (`None`: the caller's bytes) into
+    /// `ext` in `to`: the new replica, the counters, the copy's spans and its use of the source.
+    pub(crate) fn commit_copy(
+        &mut self,
+        id: TensorId,
+        from: Option<Tier>,
+        to: Tier,
+        mut ext: Ext,
+        done: Done,
+    ) {
+        if let (Ext::Disk { crc, .. }, Some(c)) = (&mut ext, done.crc) {
+            *crc = c;
+        }
+        if !self.res.get(id).is_ok_and(|e| !e.has(to)) {
+            // Removed meanwhile, or already there (neither can happen to a tensor in flight):
+            // give the memory back rather than lose it.
+            self.books.free(to, ext);
+            return;
+        }
+        let ready = self.note_copy(id, from, to, done);
+        self.res.put_replica(id, to, Replica::new(ext, ready));
+        self.reindex(id);
+    }
+
+    /// Records a fill of `id`'s replica in `to` made in place (the replica was put, marked
+    /// filling, before the copy ran).
+    pub(crate) fn commit_fill(&mut self, id: TensorId, from: Tier, to: Tier, done: Done) {
+        let ready = self.note_copy(id, Some(from), to, done);
+        if let Some(r) = self.res.get_mut(id).ok().and_then(|e| e.replicas[to.index()].as_mut()) {
+            r.ready = ready;
+            r.filling = false;
+        }
+        self.reindex(id);
+    }
+
+    /// The counters, spans and uses of a copy; returns its `ready` event.
+    fn note_copy(
+        &mut self,
+        id: TensorId,
+        from: Option<Tier>,
+        to: Tier,
+        done: Done,
+    ) -> Option<RawEvent> {
+        let Done { ready, spans, use_by, .. } = done;
+        if let Ok(e) = self.res.get_mut(id) {
+            let bytes = e.bytes();
+            if let Some((key, ev)) = use_by {
+                e.uses.record(key, ev);
+            }
+            if to == Tier::Device && from.is_some() {
+                e.device_loads += 1;
+            }
+            match from {
+                Some(f) => self.counters.moved[f.index()][to.index()] += bytes,
+                None => self.counters.bytes_in += bytes,
+            }
+        }
+        if let Some(tl) = self.timeline.as_mut() {
+            for s in spans {
+                tl.push(s);
+            }
+        }
+        ready
+    }
+}
+
+/// Copies `id`'s replica in `from` into `ext`, a new extent of `to`, and records the new replica
+/// (the copy counted as moved from `from`). On failure `ext` is freed and the tensor is as it
+/// was. Returns the new replica's `ready` event. `id` must be in flight if the copy needs the
+/// host.
+pub(crate) fn copy_replica(
+    sh: &Shared,
+    st: &mut Locked<'_>,
+    id: TensorId,
+    from: Tier,
+    to: Tier,
+    ext: Ext,
+) -> Result<Option<RawEvent>> {
+    let planned = plan_copy(sh, st, id, from, to, &ext);
+    finish_copy(sh, st, id, Some(from), to, ext, planned)
+}
+
+/// Writes the caller's bytes into `ext`, a new extent of `to`, and records the new replica
+/// (counted as moved from `counted_from`, or as bytes put into the store). On failure `ext` is
+/// freed and the tensor is as it was. `id` must be in flight.
+pub(crate) fn fill_replica(
+    sh: &Shared,
+    st: &mut Locked<'_>,
+    id: TensorId,
+    to: Tier,
+    ext: Ext,
+    data: &[u8],
+    counted_from: Option<Tier>,
+) -> Result<Option<RawEvent>> {
+    let planned = plan_fill(sh, st, id, to, &ext, data);
+    finish_copy(sh, st, id, counted_from, to, ext, planned)
+}
+
+fn finish_copy(
+    sh: &Shared,
+    st: &mut Locked<'_>,
+    id: TensorId,
+    from: Option<Tier>,
+    to: Tier,
+    ext: Ext,
+    planned: Result<Copy<'_>>,
+) -> Result<Option<RawEvent>> {
+    let done = planned.and_then(|copy| run_copy(sh, st, copy));
+    match done {
+        Ok(done) => {
+            let ready = done.ready.clone();
+            st.commit_copy(id, from, to, ext, done);
+            Ok(ready)
+        }
+        Err(e) => {
+            st.books.free(to, ext);
+            Err(e)
+        }
+    }
+}
+
+/// Runs a planned copy: issued at once when it is a DMA (under the lock), else carried out
+/// without the lock. `id` must be in flight when the copy needs the host.
+pub(crate) fn run_copy(sh: &Shared, st: &mut Locked<'_>, copy: Copy<'_>) -> Result<Done> {
+    if copy.is_dma(sh) {
+        copy.issue(sh)
+    } else {
+        st.unlocked(|| copy.run(sh, None))
+    }
+}

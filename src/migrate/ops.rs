@@ -1,0 +1,680 @@
+//! The store's operations, each planned, executed and committed as the module docs of
+//! [`migrate`](super) describe: puts, writes, reads (and the promotions they lead to), moves,
+//! removals, making a tensor resident for a view, and the settling of a host view.
+
+use std::sync::Arc;
+
+use super::copy::{self, Src};
+use super::room::{self, Got};
+use super::{copy_replica, fill_replica, plan_fill, run_copy};
+use crate::backend::{RawEvent, RawStream};
+use crate::error::{Error, Result};
+use crate::placement::victims::Level;
+use crate::residency::{Locked, Meta, Shared, State};
+use crate::tiers::arena::WriteLease;
+use crate::tiers::Ext;
+use crate::types::{format_size, DType, Group, TensorId, Tier};
+
+/// Bytes of a tensor of `dtype` and `shape`, or `BadShape` when the count overflows.
+pub(crate) fn tensor_bytes(dtype: DType, shape: &[usize]) -> Result<u64> {
+    shape.iter().try_fold(dtype.size_of() as u64, |acc, &d| acc.checked_mul(d as u64)).ok_or_else(
+        || Error::BadShape { shape: shape.to_vec(), why: "element count overflows".into() },
+    )
+}
+
+/// The tiers a new tensor of `bytes` could ever go to (`only` restricts to one), fastest first;
+/// `TooLarge` / `TierDisabled` when none.
+fn candidate_tiers(st: &State, bytes: u64, only: Option<Tier>) -> Result<Vec<Tier>> {
+    if let Some(t) = only {
+        if !st.books.enabled(t) {
+            return Err(Error::TierDisabled { tier: t });
+        }
+    }
+    let fits: Vec<Tier> = Tier::ALL
+        .into_iter()
+        .filter(|&t| only.is_none_or(|o| o == t))
+        .filter(|&t| st.books.can_ever_fit(t, bytes))
+        .collect();
+    if fits.is_empty() {
+        let caps = Tier::ALL
+            .into_iter()
+            .filter(|&t| only.is_none_or(|o| o == t) && st.books.enabled(t))
+            .map(|t| format!("{t} {}", format_size(st.books.capacity(t))))
+            .collect::<Vec<_>>()
+            .join(", ");
+        let what = match only {
+            Some(_) => format!("tier {caps}"),
+            None => format!("every enabled tier ({caps})"),
+        };
+        return Err(Error::TooLarge { bytes, what });
+    }
+    Ok(fits)
+}
+
+/// Finds a home for `id` (new bytes of `bytes`): the fastest tier with free room; else the
+/// fastest the policy admits it to, making room there. `id` is in flight.
+pub(crate) fn place_new(
+    sh: &Shared,
+    st: &mut Locked<'_>,
+    id: TensorId,
+    bytes: u64,
+    only: Option<Tier>,
+) -> Result<(Tier, Ext)> {
+    let fits = candidate_tiers(st, bytes, only)?;
+    for &t in &fits {
+        if let Some(ext) = st.books.try_alloc(t, bytes) {
+            ready_for_writes(sh, st, t)?;
+            return Ok((t, ext));
+        }
+    }
+    for &t in &fits {
+        if !st.admits(t, id, bytes) {
+            continue;
+        }
+        if let Got::Ext(ext) = room::alloc(sh, st, t, bytes, id, Level::Demand, true)? {
+            ready_for_writes(sh, st, t)?;
+            return Ok((t, ext));
+        }
+    }
+    Err(Error::OutOfMemory { tier: *fits.last().expect("not empty"), bytes })
+}
+
+/// After allocating in `t`: a new Device extent is written only after the work still touching
+/// the memory's previous owner (the host-to-device stream waits for it).
+fn ready_for_writes(sh: &Shared, st: &mut State, t: Tier) -> Result<()> {
+    if t == Tier::Device {
+        st.books.h2d_ready(&sh.backend)?;
+    }
+    Ok(())
+}
+
+/// Allocates in `t` like [`room::alloc`], readying a Device extent for writes.
+pub(crate) fn alloc_in(
+    sh: &Shared,
+    st: &mut Locked<'_>,
+    t: Tier,
+    bytes: u64,
+    who: TensorId,
+    level: Level,
+    slow: bool,
+) -> Result<Got> {
+    let got = room::alloc(sh, st, t, bytes, who, level, slow)?;
+    if matches!(got, Got::Ext(_)) {
+        ready_for_writes(sh, st, t)?;
+    }
+    Ok(got)
+}
+
+/// `Store::put` and `put_in`.
+pub(crate) fn put(
+    sh: &Shared,
+    only: Option<Tier>,
+    name: &str,
+    group: Group,
+    dtype: DType,
+    shape: &[usize],
+    data: &[u8],
+) -> Result<TensorId> {
+    if name.is_empty() {
+        return Err(Error::InvalidArgument("tensor name is empty".into()));
+    }
+    let bytes = tensor_bytes(dtype, shape)?;
+    if bytes != data.len() as u64 {
+        return Err(Error::LengthMismatch {
+            expected: bytes,
+            got: data.len() as u64,
+            what: format!("{dtype} tensor of shape {shape:?}"),
+        });
+    }
+    let mut st = sh.lock();
+    let meta = Meta { name: Arc::from(name), dtype, shape: shape.into(), bytes };
+    let id = st.res.insert(meta, group)?;
+    st.place.policy.on_insert(id, bytes);
+    let flight = st.start_flight(id, None);
+    let res = place_new(sh, &mut st, id, bytes, only)
+        .and_then(|(tier, ext)| fill_replica(sh, &mut st, id, tier, ext, data, None));
+    st.end_flight(id, &flight);
+    if let Err(e) = res {
+        forget(&mut st, id);
+        return Err(e);
+    }
+    Ok(id)
+}
+
+/// Removes a tensor whose replicas are gone (or drops them first) from every book.
+fn forget(st: &mut State, id: TensorId) {
+    for t in Tier::ALL {
+        if st.res.get(id).is_ok_and(|e| e.has(t)) {
+            st.drop_replica(id, t);
+        }
+    }
+    st.unindex(id);
+    st.res.remove(id);
+    st.place.policy.on_remove(id);
+}
+
+/// `Store::write`: the new bytes go to a new extent, and the old replicas are dropped only once
+/// they are in place, so a failed write leaves the tensor as it was.
+pub(crate) fn write(sh: &Shared, id: TensorId, data: &[u8]) -> Result<()> {
+    let (mut st, _) = sh.lock_when_free(id, true)?;
+    let e = st.res.get(id)?;
+    let bytes = e.bytes();
+    if bytes != data.len() as u64 {
+        return Err(Error::LengthMismatch {
+            expected: bytes,
+            got: data.len() as u64,
+            what: format!("write to {:?}", e.meta.name),
+        });
+    }
+    if e.held() > 0 || e.host_lent {
+        return Err(Error::Busy { id, holders: e.held() });
+    }
+    let fastest = e.fastest().ok_or(Error::UnknownId(id))?;
+    let in_user_file =
+        matches!(e.replicas[fastest.index()].as_ref().map(|r| &r.ext), Some(Ext::File { .. }));
+    let copies = e.count();
+    let flight = st.start_flight(id, None);
+    let res = (|| -> Result<(Tier, Option<Ext>, copy::Done)> {
+        // A new copy in the tier of the fastest (making room there). Without room for a
+        // second copy there: the fastest copy is overwritten in place when another copy keeps
+        // the old bytes should the write fail halfway; else the new bytes go where a put would
+        // put them. A user's file is never written: its tensors' new bytes get a home like a
+        // put's.
+        let mut dst = None;
+        if !in_user_file {
+            if let Got::Ext(x) = alloc_in(sh, &mut st, fastest, bytes, id, Level::Demand, true)? {
+                dst = Some((fastest, x));
+            }
+        }
+        let dst = match dst {
+            Some(d) => Some(d),
+            None if copies > 1 && !in_user_file => None,
+            None => Some(place_new(sh, &mut st, id, bytes, None)?),
+        };
+        match dst {
+            Some((t, ext)) => {
+                let copy = plan_fill(sh, &st, id, t, &ext, data)?;
+                match run_copy(sh, &mut st, copy) {
+                    Ok(done) => Ok((t, Some(ext), done)),
+                    Err(e) => {
+                        st.books.free(t, ext);
+                        Err(e)
+                    }
+                }
+            }
+            None => {
+                // In place: first wait (without the lock) for the work still touching it.
+                let pending = st.res.get(id)?.pending();
+                let e = st.res.get(id)?;
+                let r = e.replicas[fastest.index()].as_ref().expect("fastest");
+                let copy = plan_fill(sh, &st, id, fastest, &r.ext, data)?;
+                let own = flight.done.clone();
+                st.unlocked(|| {
+                    for p in pending.iter().filter(
+                        |p| !matches!(p, crate::backend::Pending::Done(s) if Arc::ptr_eq(s, &own)),
+                    ) {
+                        p.wait()?;
+                    }
+                    Ok::<(), Error>(())
+                })?;
+                match run_copy(sh, &mut st, copy) {
+                    Ok(done) => Ok((fastest, None, done)),
+                    Err(e) => {
+                        // Half the new bytes: drop this copy; the others keep the old bytes.
+                        st.end_flight(id, &flight);
+                        st.drop_replica(id, fastest);
+                        Err(e)
+                    }
+                }
+            }
+        }
+    })();
+    st.end_flight(id, &flight);
+    let (t, ext, done) = res?;
+    match ext {
+        Some(ext) => {
+            for old in Tier::ALL {
+                if st.res.get(id).is_ok_and(|e| e.has(old)) {
+                    st.drop_replica(id, old);
+                }
+            }
+            st.commit_copy(id, None, t, ext, done);
+        }
+        None => {
+            if let Ok(e) = st.res.get_mut(id) {
+                if let Some(r) = e.replicas[t.index()].as_mut() {
+                    r.ready = done.ready;
+                }
+            }
+            st.counters.bytes_in += bytes;
+            st.drop_other_replicas(id, t);
+        }
+    }
+    st.res.get_mut(id)?.discarded = false;
+    st.touch(id);
+    if t != fastest && !in_user_file {
+        // The tier could not hold two copies: the new bytes went elsewhere first. Now that the
+        // old copy is gone, they go back where the tensor was (if that fails, they stay where
+        // they are, intact).
+        drop(st);
+        match move_to(sh, id, fastest) {
+            Ok(()) => {
+                // Only the copy the tensor was written to stays, as for any write.
+                let (mut st, _) = sh.lock_when_free(id, true)?;
+                st.drop_other_replicas(id, fastest);
+            }
+            Err(e) => {
+                tracing::debug!(tensor = %id, error = %e, "a written tensor stays out of its tier")
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The source of a read of `id`'s replica in `tier`, and what it must wait for.
+fn read_source(
+    sh: &Shared,
+    st: &State,
+    id: TensorId,
+    tier: Tier,
+) -> Result<(Src<'static>, Vec<RawEvent>)> {
+    let e = st.res.get(id)?;
+    let r = e.replicas[tier.index()].as_ref().ok_or(Error::NotInTier { id, tier })?;
+    let src = match &r.ext {
+        Ext::Mem(x) => {
+            Src::Mem(tier, sh.mem.arena(tier).ok_or(Error::TierDisabled { tier })?.read_lease(x))
+        }
+        Ext::Disk { .. } => {
+            let Ext::Disk { crc, .. } = &r.ext else { unreachable!() };
+            Src::Disk(r.ext.disk_range().expect("disk"), *crc)
+        }
+        Ext::File { file, offset, .. } => Src::File(file.clone(), *offset),
+    };
+    let mut waits: Vec<RawEvent> = r.ready.iter().cloned().collect();
+    waits.extend(e.uses.pending().cloned());
+    Ok((src, waits))
+}
+
+/// `Store::read` (`promote`: a miss may promote the tensor, if the store allows).
+pub(crate) fn read(sh: &Shared, id: TensorId, promote: bool) -> Result<Vec<u8>> {
+    let (mut st, _) = sh.lock_when_free(id, false)?;
+    let e = st.res.get(id)?;
+    if e.host_lent {
+        return Err(Error::Busy { id, holders: e.held() });
+    }
+    let tier = e.fastest_readable().ok_or(Error::UnknownId(id))?;
+    let hit = Some(e.fastest().unwrap_or(tier)) == st.fastest_enabled();
+    let (bytes, name) = (e.bytes(), e.meta.name.clone());
+    let (src, waits) = read_source(sh, &st, id, tier)?;
+    st.start_read(id);
+    let res = st.unlocked(|| {
+        let mut out = vec![0u8; bytes as usize];
+        copy::read_into(sh, id, &name, src, &waits, &mut out).map(|()| out)
+    });
+    st.end_read(id);
+    let out = res?;
+    st.touch(id);
+    if hit {
+        st.counters.hits += 1;
+    } else {
+        st.counters.misses += 1;
+    }
+    st.counters.bytes_out += bytes;
+    if !hit && promote && st.place.promote_on_read {
+        // Optional: a promotion that fails leaves the read as it was (and the tensor intact).
+        if let Err(e) = promote_after_read(sh, &mut st, id, tier, &out) {
+            tracing::debug!(tensor = %id, error = %e, "promotion after a read failed");
+        }
+    }
+    super::prefetch::lookahead(sh, &mut st);
+    Ok(out)
+}
+
+/// After a read missed the fastest tier: copies the bytes read there if the policy admits it.
+fn promote_after_read(
+    sh: &Shared,
+    st: &mut Locked<'_>,
+    id: TensorId,
+    from: Tier,
+    data: &[u8],
+) -> Result<()> {
+    let Some(top) = st.fastest_enabled() else { return Ok(()) };
+    let e = st.res.get(id)?;
+    let bytes = e.bytes();
+    if e.has(top) || e.in_flight() || e.host_lent || !st.books.can_ever_fit(top, bytes) {
+        return Ok(());
+    }
+    if st.books.free_bytes(top) < st.books.reserved_size(top, bytes) && !st.admits(top, id, bytes) {
+        return Ok(());
+    }
+    let flight = st.start_flight(id, None);
+    let res = (|| -> Result<()> {
+        let Got::Ext(ext) = alloc_in(sh, st, top, bytes, id, Level::Demand, true)? else {
+            return Ok(());
+        };
+        fill_replica(sh, st, id, top, ext, data, Some(from))?;
+        st.counters.promotions += 1;
+        Ok(())
+    })();
+    st.end_flight(id, &flight);
+    res
+}
+
+/// `Store::move_to`.
+pub(crate) fn move_to(sh: &Shared, id: TensorId, tier: Tier) -> Result<()> {
+    let (mut st, _) = sh.lock_when_free(id, true)?;
+    let e = st.res.get(id)?;
+    let (bytes, holders, fastest) = (e.bytes(), e.held(), e.fastest());
+    if !st.books.enabled(tier) {
+        return Err(Error::TierDisabled { tier });
+    }
+    if (holders > 0 || e.host_lent) && fastest != Some(tier) {
+        return Err(Error::Busy { id, holders });
+    }
+    if !st.books.can_ever_fit(tier, bytes) {
+        return Err(Error::TooLarge {
+            bytes,
+            what: format!("tier {tier} ({})", format_size(st.books.capacity(tier))),
+        });
+    }
+    st.touch(id);
+    let flight = st.start_flight(id, None);
+    let res = (|| -> Result<()> {
+        let e = st.res.get(id)?;
+        if let Some(r) = e.replicas[tier.index()].as_ref() {
+            // There already: wait for its copy, so that "returns when done" holds.
+            let ready = r.ready.clone();
+            if let Some(ev) = ready {
+                st.unlocked(|| ev.synchronize())?;
+            }
+            return Ok(());
+        }
+        let ext = match alloc_in(sh, &mut st, tier, bytes, id, Level::Demand, true)? {
+            Got::Ext(x) => x,
+            _ => return Err(Error::OutOfMemory { tier, bytes }),
+        };
+        let src = match st.res.get(id)?.fastest_readable() {
+            Some(s) => s,
+            None => {
+                st.books.free(tier, ext);
+                return Err(Error::UnknownId(id));
+            }
+        };
+        // Wait for the copy, so that "returns when done" holds and the faster replicas dropped
+        // below are no longer read.
+        if let Some(ev) = copy_replica(sh, &mut st, id, src, tier, ext)? {
+            st.unlocked(|| ev.synchronize())?;
+        }
+        Ok(())
+    })();
+    st.end_flight(id, &flight);
+    res?;
+    for t in Tier::ALL.into_iter().filter(|&t| t < tier) {
+        if st.res.get(id).is_ok_and(|e| e.has(t)) {
+            st.drop_replica(id, t);
+        }
+    }
+    Ok(())
+}
+
+/// `Store::remove`: nothing waits; memory still touched by work is freed once it is done.
+pub(crate) fn remove(sh: &Shared, id: TensorId) -> Result<()> {
+    let (mut st, _) = sh.lock_when_free(id, true)?;
+    let e = st.res.get(id)?;
+    if e.held() > 0 || e.host_lent {
+        return Err(Error::Busy { id, holders: e.held() });
+    }
+    forget(&mut st, id);
+    Ok(())
+}
+
+/// What a device or mapped view is made of.
+pub(crate) struct ViewParts {
+    pub(crate) meta: Arc<crate::residency::Meta>,
+    pub(crate) ptr: u64,
+    /// The bytes for the CPU, where it can reach them (host backend, mapped memory).
+    pub(crate) host: Option<WriteLease>,
+}
+
+/// `Store::device_view` and `device_view_for_overwrite`: makes the tensor resident on the
+/// device, makes `stream` wait for its copy and for other streams' last uses, and holds it.
+pub(crate) fn device_view(
+    sh: &Shared,
+    id: TensorId,
+    stream: &RawStream,
+    overwrite: bool,
+) -> Result<ViewParts> {
+    let (mut st, waited) = sh.lock_when_free(id, false)?;
+    st.counters.stall_s += waited;
+    let e = st.res.get(id)?;
+    let bytes = e.bytes();
+    if e.host_lent || (e.views > 0 && e.view_tier != Some(Tier::Device)) {
+        return Err(Error::Busy { id, holders: e.held() });
+    }
+    if !st.books.enabled(Tier::Device) {
+        return Err(Error::TierDisabled { tier: Tier::Device });
+    }
+    if !st.books.can_ever_fit(Tier::Device, bytes) {
+        return Err(Error::TooLarge {
+            bytes,
+            what: format!("the Device tier ({})", format_size(st.books.capacity(Tier::Device))),
+        });
+    }
+    let hit = e.has(Tier::Device);
+    if hit {
+        st.counters.prefetch_hits += 1;
+    } else {
+        st.counters.prefetch_misses += 1;
+        let flight = st.start_flight(id, None);
+        let res = bring_for_view(sh, &mut st, id, bytes, overwrite, stream);
+        st.end_flight(id, &flight);
+        res?;
+    }
+    if hit {
+        st.counters.hits += 1;
+    } else {
+        st.counters.misses += 1;
+    }
+    st.consume_prefetch(id);
+    let e = st.res.get(id)?;
+    let r = e.replicas[Tier::Device.index()].as_ref().expect("made resident above");
+    let Ext::Mem(ext) = &r.ext else { unreachable!("device replicas are memory extents") };
+    let arena = sh.mem.arena(Tier::Device).expect("enabled");
+    let (ptr, host) = (arena.dev_ptr(ext), arena.view_lease(ext));
+    let ready = r.ready.clone();
+    // With a timeline, how long the stream waits for the copy is known once both events
+    // complete: mark where the stream is before it waits.
+    let mark = match &ready {
+        Some(ev) if st.timeline.is_some() && !ev.is_complete() => Some(stream.record_timed()?),
+        _ => None,
+    };
+    // The view's work starts after the copy that brought the bytes, and after every other
+    // stream's last use (writer → reader, reader → overwriter).
+    if let Some(ev) = &ready {
+        stream.wait(ev)?;
+    }
+    e.uses.wait_others(stream)?;
+    let meta = e.meta.clone();
+    if let (Some(mark), Some(ev)) = (mark, ready) {
+        st.probes.push((mark, ev));
+        if st.probes.len() > 4096 {
+            st.resolve_probes();
+        }
+    }
+    let e = st.res.get_mut(id)?;
+    e.views += 1;
+    e.view_tier = Some(Tier::Device);
+    e.released = false;
+    st.touch(id);
+    super::prefetch::pump_waiting(sh, &mut st);
+    super::prefetch::lookahead(sh, &mut st);
+    Ok(ViewParts { meta, ptr, host })
+}
+
+/// A device view's miss: room on the device (unused hinted prefetches go only if nothing else
+/// makes room), then the copy in (none for an overwrite). `id` is in flight.
+fn bring_for_view(
+    sh: &Shared,
+    st: &mut Locked<'_>,
+    id: TensorId,
+    bytes: u64,
+    overwrite: bool,
+    stream: &RawStream,
+) -> Result<()> {
+    let ext = match alloc_in(sh, st, Tier::Device, bytes, id, Level::Demand, true)? {
+        Got::Ext(x) => x,
+        _ => match alloc_in(sh, st, Tier::Device, bytes, id, Level::Urgent, true)? {
+            Got::Ext(x) => x,
+            _ => return Err(Error::OutOfMemory { tier: Tier::Device, bytes }),
+        },
+    };
+    if overwrite {
+        // No copy in; the view's work must still wait for work touching the memory's previous
+        // owner, which the host-to-device stream is ordered after.
+        match sh.backend.h2d().record() {
+            Ok(ev) => {
+                stream.wait(&ev)?;
+                st.res.put_replica(id, Tier::Device, crate::residency::Replica::new(ext, None));
+                st.reindex(id);
+                return Ok(());
+            }
+            Err(e) => {
+                st.books.free(Tier::Device, ext);
+                return Err(e);
+            }
+        }
+    }
+    let src = match st.res.get(id)?.fastest_readable() {
+        Some(s) => s,
+        None => {
+            st.books.free(Tier::Device, ext);
+            return Err(Error::UnknownId(id));
+        }
+    };
+    copy_replica(sh, st, id, src, Tier::Device, ext).map(drop)
+}
+
+/// `Store::mapped_view`.
+pub(crate) fn mapped_view(sh: &Shared, id: TensorId, stream: &RawStream) -> Result<ViewParts> {
+    let (mut st, _) = sh.lock_when_free(id, false)?;
+    let e = st.res.get(id)?;
+    if e.host_lent || (e.views > 0 && e.view_tier != Some(Tier::Mapped)) {
+        return Err(Error::Busy { id, holders: e.held() });
+    }
+    let Some(r) = e.replicas[Tier::Mapped.index()].as_ref() else {
+        return Err(Error::NotInTier { id, tier: Tier::Mapped });
+    };
+    let Ext::Mem(ext) = &r.ext else { unreachable!("mapped replicas are memory extents") };
+    let arena = sh.mem.arena(Tier::Mapped).ok_or(Error::TierDisabled { tier: Tier::Mapped })?;
+    let (ptr, host) = (arena.dev_ptr(ext), arena.view_lease(ext));
+    if let Some(ev) = &r.ready {
+        stream.wait(ev)?;
+    }
+    e.uses.wait_others(stream)?;
+    let meta = e.meta.clone();
+    let e = st.res.get_mut(id)?;
+    e.views += 1;
+    e.view_tier = Some(Tier::Mapped);
+    st.touch(id);
+    Ok(ViewParts { meta, ptr, host })
+}
+
+/// `Store::host_view`: lends the tensor's host replica to the CPU once the work touching the
+/// tensor is done (waited for without the lock). Returns the tier and the lease.
+pub(crate) fn host_view(
+    sh: &Shared,
+    id: TensorId,
+    host_backend: bool,
+) -> Result<(Tier, WriteLease, DType)> {
+    let (mut st, _) = sh.lock_when_free(id, true)?;
+    let e = st.res.get(id)?;
+    if e.held() > 0 || e.host_lent {
+        return Err(Error::Busy { id, holders: e.held() });
+    }
+    let candidates: &[Tier] = if host_backend {
+        &[Tier::Pinned, Tier::Mapped, Tier::Device]
+    } else {
+        &[Tier::Pinned, Tier::Mapped]
+    };
+    let tier = candidates
+        .iter()
+        .copied()
+        .find(|t| matches!(e.replicas[t.index()].as_ref().map(|r| &r.ext), Some(Ext::Mem(_))))
+        .ok_or(Error::NotInTier { id, tier: Tier::Pinned })?;
+    let r = e.replicas[tier.index()].as_ref().expect("found above");
+    let Ext::Mem(ext) = &r.ext else { unreachable!("checked above") };
+    let lease = sh.mem.arena(tier).and_then(|a| a.view_lease(ext)).ok_or_else(|| {
+        Error::BackendMismatch(format!("the {tier} tier is not host memory here"))
+    })?;
+    let (dtype, pending) = (e.meta.dtype, e.pending());
+    let e = st.res.get_mut(id)?;
+    e.views += 1;
+    e.view_tier = Some(tier);
+    e.host_lent = true;
+    st.touch(id);
+    drop(st);
+    // Copies into or out of the tensor's replicas and device work through earlier views finish
+    // before the CPU touches the bytes; meanwhile the tensor is lent, so nothing new starts.
+    for p in &pending {
+        if let Err(err) = p.wait() {
+            release_view(sh, id, tier, None, false, Vec::new());
+            return Err(err);
+        }
+    }
+    Ok((tier, lease, dtype))
+}
+
+/// A view's drop: records where its stream is (and any other streams that used it), releases
+/// the hold, and if the view wrote, keeps only the replica it wrote. Never waits: a view may be
+/// dropped inside work queued on a stream.
+pub(crate) fn release_view(
+    sh: &Shared,
+    id: TensorId,
+    tier: Tier,
+    stream: Option<&RawStream>,
+    dirty: bool,
+    others: Vec<(u64, RawEvent)>,
+) {
+    let ev = stream.map(|s| s.record().map(|ev| (s.key(), ev)));
+    let mut st = sh.lock();
+    let res = (|| -> Result<()> {
+        let e = st.res.get_mut(id)?;
+        if stream.is_none() {
+            e.host_lent = false;
+        }
+        e.views = e.views.saturating_sub(1);
+        if e.views == 0 {
+            e.view_tier = None;
+        }
+        for (k, ev) in others {
+            e.uses.record(k, ev);
+        }
+        if let Some(ev) = ev {
+            let (k, ev) = ev?;
+            e.uses.record(k, ev);
+        }
+        if dirty {
+            e.discarded = false;
+            st.drop_other_replicas(id, tier);
+        }
+        st.reindex(id);
+        // Waiting prefetches start at the next hint or view, not here: a drop that could evict
+        // is a drop that could block, and a view may drop inside a stream's queued work.
+        Ok(())
+    })();
+    drop(st);
+    if let Err(e) = res {
+        sh.defer_err(e);
+    }
+}
+
+/// Runs `f` (a view's CPU access to its bytes: host backend, or mapped memory) with the tensor
+/// in an exclusive flight, so that no read or other CPU access of it runs meanwhile (the view's
+/// hold keeps the memory allocated; the flight makes the access its own).
+pub(crate) fn with_flight<R>(sh: &Shared, id: TensorId, f: impl FnOnce() -> R) -> Result<R> {
+    let (mut st, _) = sh.lock_when_free(id, true)?;
+    let flight = st.start_flight(id, None);
+    let r = st.unlocked(f);
+    st.end_flight(id, &flight);
+    Ok(r)
+}

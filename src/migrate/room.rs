@@ -1,0 +1,285 @@
+//! Making room in a tier: victims in placement's order are dropped (when a slower tier has a
+//! copy), demoted by an issued DMA (device to host memory), or spilled by host work (host memory
+//! to the disk, device through staging to the disk) without the lock.
+//!
+//! Dropping a replica never blocks: its memory is freed once the work still touching it is done
+//! (device memory is reused in stream order). Memory whose work is still running is waited for,
+//! without the lock. Tensors in another thread's flight are not victims, and their flights are
+//! not waited for: the caller holds a flight of its own, and two threads each waiting for the
+//! other's flight would wait forever. Memory they hold counts as taken.
+
+use std::collections::HashSet;
+
+use super::copy::Copy;
+use super::{plan_copy, run_copy};
+use crate::error::Result;
+use crate::placement::victims::Level;
+use crate::residency::{Flight, Locked, Replica, Shared};
+use crate::tiers::Ext;
+use crate::types::{TensorId, Tier};
+use std::sync::Arc;
+
+/// What an allocation got.
+pub(crate) enum Got {
+    /// The extent.
+    Ext(Ext),
+    /// No room, even after evicting everything `level` allows.
+    NoRoom,
+    /// Room needs host work (a spill, or waiting for memory to come free), which the caller
+    /// did not allow.
+    Slow,
+}
+
+/// A victim being spilled by host work: planned under the lock, run without it, committed.
+struct Spill {
+    id: TensorId,
+    from: Tier,
+    to: Tier,
+    dst: Ext,
+    copy: Copy<'static>,
+    flight: Arc<Flight>,
+}
+
+/// How a victim was dealt with.
+enum Demoted {
+    /// Its replica is gone from the tier (dropped, or demoted by an issued DMA).
+    Now,
+    /// A spill was planned; the memory comes free once it has run.
+    Planned,
+    /// Room below needs spills that were planned first: try it again after they have run.
+    Later,
+    /// A spill would take it, but the caller does not allow host work.
+    NeedsHost,
+    /// Nowhere to put it.
+    Cannot,
+}
+
+/// What a pass over the victims did.
+#[derive(Default)]
+struct Freed {
+    /// Memory was freed now.
+    now: bool,
+    /// More could be freed by host work the caller does not allow.
+    needs_host: bool,
+}
+
+/// Rounds of making room before giving up (other threads may take the room as it is made).
+const MAX_ROUNDS: usize = 64;
+/// Victims looked at per batch.
+const BATCH: usize = 64;
+
+/// Allocates `bytes` in `t` for `who`, demoting victims `level` allows (never `who`). With
+/// `slow`, host work runs without the lock (the lock is released and taken again, so the caller
+/// must have `who` in a flight if anything about it must stay as it was); without, such room
+/// is [`Got::Slow`].
+pub(crate) fn alloc(
+    sh: &Shared,
+    st: &mut Locked<'_>,
+    t: Tier,
+    bytes: u64,
+    who: TensorId,
+    level: Level,
+    slow: bool,
+) -> Result<Got> {
+    if !st.books.can_ever_fit(t, bytes) {
+        return Ok(Got::NoRoom);
+    }
+    let need = st.books.reserved_size(t, bytes);
+    for _ in 0..MAX_ROUNDS {
+        if let Some(ext) = st.books.try_alloc(t, bytes) {
+            return Ok(Got::Ext(ext));
+        }
+        st.refresh_epoch();
+        let coming = st.books.free_bytes(t)
+            + st.place.victims.evictable_bytes(t, level)
+            + st.books.deferred_bytes(t);
+        if coming < need {
+            return Ok(Got::NoRoom);
+        }
+        let mut spills = Vec::new();
+        let freed = free_up(sh, st, t, need, who, level, slow, &mut spills)?;
+        if !spills.is_empty() {
+            run_spills(sh, st, spills)?;
+            continue;
+        }
+        if freed.now {
+            continue;
+        }
+        if freed.needs_host {
+            return Ok(Got::Slow);
+        }
+        // Nothing left to evict now: wait for memory whose work is still running.
+        let waits = st.books.deferred_waits(t);
+        if waits.is_empty() {
+            return Ok(Got::NoRoom);
+        }
+        if !slow {
+            return Ok(Got::Slow);
+        }
+        st.unlocked(|| {
+            for w in &waits {
+                let _ = w.wait();
+            }
+        });
+        st.books.reap();
+    }
+    Ok(Got::NoRoom)
+}
+
+/// Frees room in `t` toward `need` bytes: drops and issued demotions now, spills planned into
+/// `spills` (when `slow`).
+#[allow(clippy::too_many_arguments)]
+fn free_up(
+    sh: &Shared,
+    st: &mut Locked<'_>,
+    t: Tier,
+    need: u64,
+    who: TensorId,
+    level: Level,
+    slow: bool,
+    spills: &mut Vec<Spill>,
+) -> Result<Freed> {
+    let mut planned = 0u64;
+    let mut freed = Freed::default();
+    let mut passed: HashSet<TensorId> = HashSet::new();
+    while planned < need {
+        let batch: Vec<TensorId> = st
+            .place
+            .victims
+            .iter(t, level, who)
+            .filter(|v| !passed.contains(v))
+            .take(BATCH)
+            .collect();
+        if batch.is_empty() {
+            break;
+        }
+        for v in batch {
+            if planned >= need {
+                break;
+            }
+            passed.insert(v);
+            let Ok(e) = st.res.get(v) else { continue };
+            let reserved = st.books.reserved_size(t, e.bytes());
+            match demote(sh, st, v, t, slow, spills)? {
+                Demoted::Now => {
+                    st.counters.evictions += 1;
+                    planned += reserved;
+                    freed.now = true;
+                }
+                Demoted::Planned => planned += reserved,
+                Demoted::Later => return Ok(freed),
+                Demoted::NeedsHost => freed.needs_host = true,
+                Demoted::Cannot => {}
+            }
+        }
+    }
+    Ok(freed)
+}
+
+/// Takes `v`'s replica out of `from`: dropped when a slower tier has a copy, else demoted to the
+/// first slower tier with room.
+fn demote(
+    sh: &Shared,
+    st: &mut Locked<'_>,
+    v: TensorId,
+    from: Tier,
+    slow: bool,
+    spills: &mut Vec<Spill>,
+) -> Result<Demoted> {
+    let e = st.res.get(v)?;
+    let bytes = e.bytes();
+    let discarded = e.discarded;
+    let has_slower =
+        Tier::ALL.into_iter().any(|t| t > from && e.replicas[t.index()].as_ref().is_some());
+    if has_slower {
+        st.drop_replica(v, from);
+        return Ok(Demoted::Now);
+    }
+    let mut next = from.slower();
+    while let Some(to) = next {
+        next = to.slower();
+        if !st.books.can_ever_fit(to, bytes) {
+            continue;
+        }
+        let dst = match st.books.try_alloc(to, bytes) {
+            Some(d) => d,
+            None if !slow => {
+                // Room below could be made by dropping or spilling there: host work.
+                if st.place.victims.evictable_bytes(to, Level::Demand) > 0 {
+                    return Ok(Demoted::NeedsHost);
+                }
+                continue;
+            }
+            None => {
+                // Make room below first: drops and DMA there now, spills planned.
+                let before = spills.len();
+                let need = st.books.reserved_size(to, bytes);
+                free_up(sh, st, to, need, v, Level::Demand, slow, spills)?;
+                match st.books.try_alloc(to, bytes) {
+                    Some(d) => d,
+                    None if spills.len() > before => return Ok(Demoted::Later),
+                    None => continue,
+                }
+            }
+        };
+        if discarded && to != Tier::Disk {
+            // Contents declared dead (`Store::discard`): a home without the write-back. (Disk
+            // extents carry a checksum of their bytes, so those are still written.)
+            st.res.put_replica(v, to, Replica::new(dst, None));
+            st.drop_replica(v, from);
+            return Ok(Demoted::Now);
+        }
+        let copy = plan_copy(sh, st, v, from, to, &dst)?;
+        if copy.is_dma(sh) {
+            // Device to host memory: issued now, no host wait; the device memory is reused once
+            // the copy has read it (stream order).
+            let done = match run_copy(sh, st, copy) {
+                Ok(d) => d,
+                Err(e) => {
+                    st.books.free(to, dst);
+                    return Err(e);
+                }
+            };
+            st.commit_copy(v, Some(from), to, dst, done);
+            st.drop_replica(v, from);
+            return Ok(Demoted::Now);
+        }
+        if !slow {
+            st.books.free(to, dst);
+            return Ok(Demoted::NeedsHost);
+        }
+        let flight = st.start_flight(v, None);
+        spills.push(Spill { id: v, from, to, dst, copy, flight });
+        return Ok(Demoted::Planned);
+    }
+    Ok(Demoted::Cannot)
+}
+
+/// Runs planned spills without the lock and commits them; the first error is returned after
+/// every spill has been committed or undone (a failed spill leaves its tensor where it was).
+fn run_spills(sh: &Shared, st: &mut Locked<'_>, spills: Vec<Spill>) -> Result<()> {
+    let (plans, copies): (Vec<_>, Vec<_>) =
+        spills.into_iter().map(|s| ((s.id, s.from, s.to, s.dst, s.flight), s.copy)).unzip();
+    let results: Vec<Result<super::copy::Done>> =
+        st.unlocked(|| copies.into_iter().map(|c| c.run(sh, None)).collect());
+    let mut first_err = None;
+    for ((id, from, to, dst, flight), res) in plans.into_iter().zip(results) {
+        match res {
+            Ok(done) => {
+                st.commit_copy(id, Some(from), to, dst, done);
+                st.counters.evictions += 1;
+                st.end_flight(id, &flight);
+                st.drop_replica(id, from);
+            }
+            Err(e) => {
+                st.books.free(to, dst);
+                st.end_flight(id, &flight);
+                first_err.get_or_insert(e);
+            }
+        }
+    }
+    match first_err {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
+}

@@ -1,0 +1,152 @@
+//! Placement: where a tensor goes, which tensors make room for it, and what is worth
+//! prefetching.
+//!
+//! Decisions only: the victims of each tier are kept ranked and ordered
+//! ([`victims::VictimIndex`], updated as tensors change), policies order them and judge
+//! promotions ([`policy`]), and the prefetch budget says how many bytes prefetches may bring
+//! ahead of use. Carrying a decision out (copies, spills, fills) is the migration layer's.
+
+pub mod policy;
+pub(crate) mod victims;
+
+use std::collections::VecDeque;
+
+use crate::residency::{Source, State};
+use crate::types::{TensorId, Tier};
+use policy::Policy;
+use victims::{Level, VictimIndex};
+
+/// The placement state, under the store's lock.
+pub(crate) struct Placement {
+    pub(crate) policy: Box<dyn Policy>,
+    pub(crate) victims: VictimIndex,
+    /// Bytes whose copies prefetches started and that are not yet used or released.
+    pub(crate) inflight: u64,
+    pub(crate) prefetch_budget: u64,
+    /// Hinted prefetches waiting for room in the prefetch budget, in order (entries whose
+    /// `queued` flag was cleared are skipped).
+    pub(crate) waiting: VecDeque<TensorId>,
+    /// Whether a read that misses the fastest tier may promote the tensor.
+    pub(crate) promote_on_read: bool,
+    /// Reused by the policy's lookahead, so an access allocates nothing.
+    pub(crate) lookahead_buf: Vec<TensorId>,
+}
+
+impl Placement {
+    pub(crate) fn new(policy: Box<dyn Policy>, prefetch_budget: u64, promote: bool) -> Placement {
+        let epoch = policy.epoch();
+        Placement {
+            policy,
+            victims: VictimIndex::new(epoch),
+            inflight: 0,
+            prefetch_budget,
+            waiting: VecDeque::new(),
+            promote_on_read: promote,
+            lookahead_buf: Vec::new(),
+        }
+    }
+}
+
+impl State {
+    /// Puts `id` where it now belongs in the victim index (after any change to its replicas,
+    /// holds, flights, flags or policy key). Unknown ids are ignored.
+    pub(crate) fn reindex(&mut self, id: TensorId) {
+        let State { res, place, .. } = self;
+        let Some(e) = res.slab.get_mut(id) else { return };
+        let mut slots = std::mem::take(&mut e.victim_slots);
+        place.victims.place(&*place.policy, id, e, &mut slots);
+        e.victim_slots = slots;
+    }
+
+    /// Takes `id` out of the victim index before it is removed.
+    pub(crate) fn unindex(&mut self, id: TensorId) {
+        let State { res, place, .. } = self;
+        let Some(e) = res.slab.get_mut(id) else { return };
+        let bytes = e.bytes();
+        place.victims.forget(id, bytes, &mut e.victim_slots);
+    }
+
+    /// Rebuilds the victim index when the policy's keys changed wholesale (its epoch moved).
+    pub(crate) fn refresh_epoch(&mut self) {
+        let epoch = self.place.policy.epoch();
+        if epoch == self.place.victims.epoch {
+            return;
+        }
+        self.place.victims.clear(epoch);
+        let State { res, place, .. } = self;
+        let ids: Vec<TensorId> = res.slab.iter().map(|(id, _)| id).collect();
+        for id in ids {
+            let e = res.slab.get_mut(id).expect("listed above");
+            let mut slots = [None; 4];
+            place.victims.place(&*place.policy, id, e, &mut slots);
+            e.victim_slots = slots;
+        }
+    }
+
+    /// An access of `id`: the policy hears of it and its victim key is refreshed.
+    pub(crate) fn touch(&mut self, id: TensorId) {
+        self.place.policy.on_access(id);
+        self.reindex(id);
+    }
+
+    /// The first victims of `t` (for `level`, never `exclude`) that together free at least
+    /// `bytes`, in order (all of them if they cannot).
+    pub(crate) fn victims_covering(
+        &mut self,
+        t: Tier,
+        level: Level,
+        bytes: u64,
+        exclude: TensorId,
+    ) -> Vec<TensorId> {
+        self.refresh_epoch();
+        let mut freed = 0;
+        let mut out = Vec::new();
+        for v in self.place.victims.iter(t, level, exclude) {
+            if freed >= bytes {
+                break;
+            }
+            freed += self.res.get(v).map_or(0, |e| e.bytes());
+            out.push(v);
+        }
+        out
+    }
+
+    /// Whether the policy admits `id` into `t` at the cost of the victims that would make room
+    /// for `bytes` there (none needed when there is free room).
+    pub(crate) fn admits(&mut self, t: Tier, id: TensorId, bytes: u64) -> bool {
+        let need = self.books.reserved_size(t, bytes).saturating_sub(self.books.free_bytes(t));
+        let victims =
+            if need == 0 { Vec::new() } else { self.victims_covering(t, Level::Demand, need, id) };
+        self.place.policy.admit(t, id, &victims)
+    }
+
+    /// The tensor was used by a view (or left the device): it no longer counts as prefetched.
+    pub(crate) fn consume_prefetch(&mut self, id: TensorId) {
+        let Ok(e) = self.res.get_mut(id) else { return };
+        e.pin_prefetch = false;
+        if e.prefetched.take().is_some() && std::mem::take(&mut e.prefetch_charged) {
+            let bytes = e.bytes();
+            self.place.inflight = self.place.inflight.saturating_sub(bytes);
+        }
+        self.reindex(id);
+    }
+
+    /// Marks `id` prefetched by `source` (protected from eviction until used), charging the
+    /// prefetch budget when the prefetch started a copy.
+    pub(crate) fn mark_prefetched(&mut self, id: TensorId, source: Source, charged: bool) {
+        let Ok(e) = self.res.get_mut(id) else { return };
+        e.prefetched = Some(source);
+        e.released = false;
+        if charged && !e.prefetch_charged {
+            e.prefetch_charged = true;
+            let bytes = e.bytes();
+            self.place.inflight += bytes;
+        }
+        self.reindex(id);
+    }
+
+    /// The fastest enabled tier.
+    pub(crate) fn fastest_enabled(&self) -> Option<Tier> {
+        Tier::ALL.into_iter().find(|&t| self.books.enabled(t))
+    }
+}

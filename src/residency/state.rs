@@ -1,0 +1,223 @@
+//! The store's shared parts and the one lock over its metadata.
+
+use std::sync::{Arc, OnceLock};
+
+use parking_lot::{Mutex, MutexGuard};
+
+use super::{Flight, Residency};
+use crate::backend::{Backend, Pending, RawEvent};
+use crate::error::Error;
+use crate::migrate::engine::Engine;
+use crate::placement::Placement;
+use crate::tiers::arena::StagingBuf;
+use crate::tiers::{TierBooks, TierMem};
+use crate::trace::Timeline;
+use crate::types::{TensorId, Tier};
+
+/// Counters of what happened, for [`Stats`](crate::Stats).
+#[derive(Default)]
+pub(crate) struct Counters {
+    pub(crate) moved: [[u64; 4]; 4],
+    pub(crate) bytes_in: u64,
+    pub(crate) bytes_out: u64,
+    pub(crate) hits: u64,
+    pub(crate) misses: u64,
+    pub(crate) evictions: u64,
+    pub(crate) promotions: u64,
+    /// Device views that found the tensor resident or on its way.
+    pub(crate) prefetch_hits: u64,
+    /// Device views that had to start the copy.
+    pub(crate) prefetch_misses: u64,
+    /// Prefetch copies started (hints and policy).
+    pub(crate) prefetches: u64,
+    /// Seconds consumers waited for copies (resolved stalls).
+    pub(crate) stall_s: f64,
+}
+
+/// Everything behind the store's lock. A call holds it only to decide and record: which
+/// replica, which victims, which memory; the tensors involved are marked in flight and the lock
+/// is released for the work itself.
+pub(crate) struct State {
+    pub(crate) res: Residency,
+    pub(crate) place: Placement,
+    pub(crate) books: TierBooks,
+    pub(crate) counters: Counters,
+    /// Copies and waits, for stats and traces (when the store keeps a timeline).
+    pub(crate) timeline: Option<Timeline>,
+    /// Stream waits whose length is known once both events complete: (mark on the consumer's
+    /// stream, the copy's event). Only with a timeline.
+    pub(crate) probes: Vec<(RawEvent, RawEvent)>,
+}
+
+impl State {
+    /// Starts an exclusive flight on `id` (it has none).
+    pub(crate) fn start_flight(&mut self, id: TensorId, job: Option<u64>) -> Arc<Flight> {
+        let f = Flight::new(job);
+        if let Ok(e) = self.res.get_mut(id) {
+            debug_assert!(e.flight.is_none(), "two exclusive flights on {id}");
+            e.flight = Some(f.clone());
+        }
+        self.reindex(id);
+        f
+    }
+
+    /// Ends `id`'s exclusive flight and wakes whoever waits for it.
+    pub(crate) fn end_flight(&mut self, id: TensorId, f: &Arc<Flight>) {
+        if let Ok(e) = self.res.get_mut(id) {
+            if e.flight.as_ref().is_some_and(|x| Arc::ptr_eq(x, f)) {
+                e.flight = None;
+            }
+        }
+        f.finish();
+        self.reindex(id);
+    }
+
+    /// Joins (or starts) the shared read flight of `id`.
+    pub(crate) fn start_read(&mut self, id: TensorId) {
+        if let Ok(e) = self.res.get_mut(id) {
+            e.readers += 1;
+            if e.read_flight.is_none() {
+                e.read_flight = Some(Flight::new(None));
+            }
+        }
+        self.reindex(id);
+    }
+
+    /// Leaves `id`'s read flight; the last reader ends it.
+    pub(crate) fn end_read(&mut self, id: TensorId) {
+        if let Ok(e) = self.res.get_mut(id) {
+            e.readers = e.readers.saturating_sub(1);
+            if e.readers == 0 {
+                if let Some(f) = e.read_flight.take() {
+                    f.finish();
+                }
+            }
+        }
+        self.reindex(id);
+    }
+
+    /// Drops `id`'s replica in `t` without blocking the host: the memory is freed once the work
+    /// still touching the tensor is done (device memory by stream order).
+    pub(crate) fn drop_replica(&mut self, id: TensorId, t: Tier) {
+        let Ok(e) = self.res.get(id) else { return };
+        let pending = e.pending();
+        if t == Tier::Device {
+            // Off the device: no longer prefetched nor a release candidate.
+            self.consume_prefetch(id);
+            if let Ok(e) = self.res.get_mut(id) {
+                e.released = false;
+            }
+        }
+        let Some(r) = self.res.take_replica(id, t) else { return };
+        if t == Tier::Device {
+            self.books.retire_device(r.ext, pending);
+        } else {
+            self.books.free_after(t, r.ext, pending);
+        }
+        self.reindex(id);
+    }
+
+    /// Drops every replica of `id` but `keep`'s.
+    pub(crate) fn drop_other_replicas(&mut self, id: TensorId, keep: Tier) {
+        for t in Tier::ALL.into_iter().filter(|&t| t != keep) {
+            if self.res.get(id).is_ok_and(|e| e.has(t)) {
+                self.drop_replica(id, t);
+            }
+        }
+    }
+
+    /// Everything pending on every tensor and waiting extent (for the store's drop).
+    pub(crate) fn all_pending(&self) -> Vec<Pending> {
+        let mut out = self.books.all_deferred_waits();
+        for (_, e) in self.res.slab.iter() {
+            out.extend(e.pending());
+        }
+        out
+    }
+}
+
+/// The store's shared parts: what never changes after the build, and the lock.
+pub(crate) struct Shared {
+    pub(crate) backend: Backend,
+    /// The tiers' memory: reached without the lock.
+    pub(crate) mem: TierMem,
+    pub(crate) state: Mutex<State>,
+    /// Errors from `Drop` impls (views) and failed prefetches, returned by the next `check_err`.
+    pub(crate) deferred: Mutex<Vec<Error>>,
+    /// Why the host backend runs where a GPU was not found.
+    pub(crate) note: Option<String>,
+    /// The migration engine's workers.
+    pub(crate) engine: OnceLock<Engine>,
+    /// Each worker's own staging buffers.
+    pub(crate) worker_staging: Vec<Mutex<Vec<StagingBuf>>>,
+    /// Whether copies and waits are timed (the store keeps a timeline).
+    pub(crate) timing: bool,
+}
+
+impl Shared {
+    /// Takes the lock. Work queued for the calling thread (a store without worker threads runs
+    /// its jobs inline) runs when the guard drops, after the lock is released.
+    pub(crate) fn lock(&self) -> Locked<'_> {
+        let g = self.state.lock();
+        super::note_locked();
+        Locked { guard: Some(g), shared: self }
+    }
+
+    /// Defers an error to the next `check_err`.
+    pub(crate) fn defer_err(&self, e: Error) {
+        self.deferred.lock().push(e);
+    }
+}
+
+/// The store's lock, held. Dropping it releases the lock and then runs the jobs an inline
+/// engine queued meanwhile.
+pub(crate) struct Locked<'a> {
+    guard: Option<MutexGuard<'a, State>>,
+    shared: &'a Shared,
+}
+
+impl std::ops::Deref for Locked<'_> {
+    type Target = State;
+    fn deref(&self) -> &State {
+        self.guard.as_ref().expect("held until drop")
+    }
+}
+
+impl std::ops::DerefMut for Locked<'_> {
+    fn deref_mut(&mut self) -> &mut State {
+        self.guard.as_mut().expect("held until drop")
+    }
+}
+
+impl Locked<'_> {
+    /// Releases the lock (and runs the jobs an inline engine queued meanwhile).
+    pub(crate) fn release(&mut self) {
+        if let Some(g) = self.guard.take() {
+            drop(g);
+            super::note_unlocked();
+        }
+        if let Some(e) = self.shared.engine.get() {
+            e.run_inline(self.shared);
+        }
+    }
+
+    /// Takes the lock again after [`Locked::release`].
+    pub(crate) fn retake(&mut self) {
+        if self.guard.is_none() {
+            self.guard = Some(self.shared.state.lock());
+            super::note_locked();
+        }
+    }
+}
+
+impl Drop for Locked<'_> {
+    fn drop(&mut self) {
+        if let Some(g) = self.guard.take() {
+            drop(g);
+            super::note_unlocked();
+        }
+        if let Some(e) = self.shared.engine.get() {
+            e.run_inline(self.shared);
+        }
+    }
+}

@@ -1,0 +1,88 @@
+//! A user's tensor file (safetensors) that the Disk tier refers to in place.
+
+use std::fs::{File, OpenOptions};
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+
+use memmap2::Mmap;
+
+use crate::error::{Error, Result};
+use crate::tiers::disk::ALIGN;
+
+/// A user's file of tensors (safetensors), mapped read-only so that tensors can live in it in
+/// place: the Disk tier refers to the bytes without copying them, and nothing ever writes the
+/// file.
+///
+/// ## Safety
+/// Mapping a file the store did not create is sound only while nobody truncates or rewrites it:
+/// reading a mapping past the end of a shrunk file raises `SIGBUS`, and Rust assumes the bytes
+/// behind the `&[u8]` this type hands out do not change. The store cannot enforce that for a
+/// user's file; [`Store::load_safetensors`](crate::Store::load_safetensors) documents it as the
+/// caller's side of the contract (the same one every mmap-based loader, such as `safetensors`'
+/// own examples, asks for).
+pub(crate) struct ExternalFile {
+    path: PathBuf,
+    /// The whole file, for parsing the header.
+    map: Mmap,
+    /// Reads of tensor bytes go through `pread`, not the mapping, so that copying a large
+    /// file does not leave its pages mapped into the process (and counted in its RSS).
+    file: File,
+    /// The same file opened with `O_DIRECT` where the file system allows it.
+    direct: Option<File>,
+}
+
+impl std::fmt::Debug for ExternalFile {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ExternalFile")
+            .field("path", &self.path)
+            .field("len", &self.map.len())
+            .finish()
+    }
+}
+
+impl ExternalFile {
+    /// Opens and maps `path` read-only.
+    pub(crate) fn open(path: &Path) -> Result<ExternalFile> {
+        let file = File::open(path).map_err(|e| Error::io(path, e))?;
+        // SAFETY: a read-only private mapping of the user's file; see the type's Safety section
+        // for the caller's side (the file is not truncated or rewritten while loaded).
+        let map = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
+        let direct = OpenOptions::new().read(true).custom_flags(libc::O_DIRECT).open(path).ok();
+        Ok(ExternalFile { path: path.to_path_buf(), map, file, direct })
+    }
+
+    /// The whole file.
+    pub(crate) fn bytes(&self) -> &[u8] {
+        &self.map
+    }
+
+    /// The file's path.
+    pub(crate) fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Copies `buf.len()` bytes from `offset`: with `O_DIRECT` when the offset, the buffer's
+    /// address and its length are 4096-aligned (a staging buffer reading a tensor that starts on
+    /// a page), else with a buffered `pread`.
+    pub(crate) fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
+        let end = offset.checked_add(buf.len() as u64).filter(|&e| e <= self.map.len() as u64);
+        let Some(end) = end else {
+            return Err(Error::InvalidArgument(format!(
+                "read of {} bytes at {offset} past the end of {}",
+                buf.len(),
+                self.path.display()
+            )));
+        };
+        crate::failpoint::check(crate::failpoint::Site::FileRead, &self.path)?;
+        let aligned = offset % ALIGN as u64 == 0
+            && buf.as_ptr() as usize % ALIGN == 0
+            && buf.len() % ALIGN == 0;
+        if let (Some(d), true) = (&self.direct, aligned) {
+            if d.read_exact_at(buf, offset).is_ok() {
+                return Ok(());
+            }
+        }
+        debug_assert!(end <= self.map.len() as u64);
+        self.file.read_exact_at(buf, offset).map_err(|e| Error::io(&self.path, e))
+    }
+}
