@@ -1,5 +1,5 @@
-//! The flag scanner behind [`MlpConfig::parse`](crate::mlp::MlpConfig::parse) and
-//! [`TrainConfig::parse`](crate::train::TrainConfig::parse): `--flag value` pairs and value-less
+//! The flag scanner behind [`MlpConfig::parse`](crate::apps::mlp::MlpConfig::parse) and
+//! [`TrainConfig::parse`](crate::apps::train::TrainConfig::parse): `--flag value` pairs and value-less
 //! switches, with errors that name the flag and end with the usage line.
 
 use std::str::FromStr;

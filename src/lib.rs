@@ -29,29 +29,35 @@
 //! | policy: victims and promotions | `policy/` (a file per policy) |
 //! | tier arenas and the extent allocator | `arena.rs`, `alloc.rs`, `disk.rs` |
 //! | backend: host emulation (optionally in simulated time) or CUDA | `backend/` |
+//! | the optimizer, GEMMs and kernels over store tensors: [`optim`], [`linalg`], [`kernels`] | `backend/{optim,linalg,kernels}.rs` |
+//! | raw transfer measurements: [`probe`] | `backend/probe.rs` |
+//! | memory plans of a tensor file: [`plan`] | `plan.rs` |
+//! | *feature `cli`*: what the `strata` binary runs, built on the store: the bench, the MLP and trainer demos | `apps/` |
 //!
-//! See `docs/architecture.md` for the whole picture.
+//! Everything above the last row builds with `default-features = false`; the `cli` feature (on
+//! by default) adds `strata::apps` and the binary, with their dependencies (clap, indicatif,
+//! plotters, csv; `docs/dependencies.md`). See `docs/architecture.md` for the whole picture.
 
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]
 
 mod alloc;
+#[cfg(feature = "cli")]
+pub mod apps;
 mod arena;
 mod backend;
-pub mod bench;
 mod disk;
 mod engine;
 mod error;
+#[cfg(feature = "cli")]
 mod flags;
 pub use backend::sim::{LinkSharing, Simulation};
 pub use backend::{kernels, linalg, optim, probe};
-pub mod mlp;
 pub mod plan;
 pub mod policy;
 mod stats;
 mod store;
 mod trace;
-pub mod train;
 mod types;
 mod view;
 

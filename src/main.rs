@@ -154,7 +154,7 @@ struct DemoArgs {
 #[derive(clap::Args)]
 struct BenchArgs {
     /// Sizes to sweep, comma-separated, with units.
-    #[arg(long, default_value = strata::bench::DEFAULT_SIZES)]
+    #[arg(long, default_value = strata::apps::bench::DEFAULT_SIZES)]
     sizes: String,
     /// Timed runs per path and size [default: 20 up to 16 MiB, 5 above].
     #[arg(long)]
@@ -181,15 +181,15 @@ struct BenchArgs {
 }
 
 fn bench(a: BenchArgs) -> Result<(), Box<dyn std::error::Error>> {
-    let options = strata::bench::Options {
-        sizes: strata::bench::parse_sizes(&a.sizes)?,
+    let options = strata::apps::bench::Options {
+        sizes: strata::apps::bench::parse_sizes(&a.sizes)?,
         reps: a.reps,
         host_only: a.host,
         disk_dir: a.disk_dir,
-        paths: a.paths.as_deref().map(strata::bench::parse_paths).transpose()?,
+        paths: a.paths.as_deref().map(strata::apps::bench::parse_paths).transpose()?,
         progress: true,
     };
-    let cmd = strata::bench::Command { options, csv: a.csv, json: a.json, plot: a.plot };
+    let cmd = strata::apps::bench::Command { options, csv: a.csv, json: a.json, plot: a.plot };
     cmd.run()?;
     Ok(())
 }
@@ -306,9 +306,9 @@ fn demo(a: DemoArgs) -> Result<(), Box<dyn std::error::Error>> {
 
 fn train_demo(args: &[String]) -> Result<(), Box<dyn std::error::Error>> {
     println!("strata train-demo");
-    let outcome = strata::train::dispatch(args, |line| println!("{line}"))?;
+    let outcome = strata::apps::train::dispatch(args, |line| println!("{line}"))?;
     println!("{outcome}");
-    if let strata::train::Outcome::Mlp(r) = &outcome {
+    if let strata::apps::train::Outcome::Mlp(r) = &outcome {
         if r.matches_resident == Some(false) {
             return Err("the out-of-core run differs from the all-resident run".into());
         }

@@ -5,7 +5,7 @@
 //! (what waits for what, how many bytes cross), under the model `strata::Simulation` documents;
 //! the figures on a real GPU come from `examples/out_of_core.rs` on one (docs/benchmarks.md).
 
-use strata::mlp::{run, MlpConfig, MlpReport};
+use strata::apps::mlp::{run, MlpConfig, MlpReport};
 use strata::{DType, Error, Simulation, Store, Tier};
 
 fn simulate(flags: &[&str]) -> MlpReport {

@@ -1,4 +1,4 @@
-//! strata::train on the host backend: the loop against a plain reference written here, gradient
+//! strata::apps::train on the host backend: the loop against a plain reference written here, gradient
 //! accumulation, the three activation modes, the three optimizer engines, and bad input files.
 
 mod common;
@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 
 use safetensors::tensor::TensorView;
 use safetensors::Dtype;
-use strata::train::{load_init, run, Outcome, TrainConfig};
+use strata::apps::train::{load_init, run, Outcome, TrainConfig};
 use strata::Error;
 
 fn write_file(path: &Path, tensors: &[(&str, Dtype, Vec<usize>, Vec<u8>)]) {
@@ -362,13 +362,13 @@ fn keep_that_cannot_fit_says_so() {
 #[test]
 fn the_example_entry_point_dispatches_by_mode() {
     let args = |s: &str| s.split_whitespace().map(str::to_string).collect::<Vec<_>>();
-    let t = strata::train::dispatch(
+    let t = strata::apps::train::dispatch(
         &args("--mode train --layers 2 --hidden 16 --rows 4 --steps 2 --device-budget 1MiB --host"),
         |_| {},
     )
     .unwrap();
     assert!(matches!(t, Outcome::Train(_)));
-    let m = strata::train::dispatch(
+    let m = strata::apps::train::dispatch(
         &args("--mode train --optimizer device-sgd --layers 2 --hidden 16 --rows 4 --steps 2 --device-budget 24KiB --host"),
         |_| {},
     )

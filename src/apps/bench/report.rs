@@ -748,6 +748,19 @@ mod tests {
     }
 
     #[test]
+    fn json_parses_as_bench_results_for_inspect() {
+        use crate::plan::Bandwidths;
+        let mut r = Report::new(vec![1 << 20, 64 << 20], ["h2d_pinned".to_string()]);
+        for (size, secs) in [(1u64 << 20, 1e-4), (64 << 20, 2e-3)] {
+            let timing = Timing { seconds: vec![secs; 3], bytes: size };
+            r.results.push(Measurement::new("h2d_pinned", size, &timing, Timer::CudaEvents));
+        }
+        let bw = Bandwidths::from_bench_json_str(&r.to_json(), "r.json").unwrap();
+        let want = (64u64 << 20) as f64 / 2e-3 / 1e9;
+        assert!((bw.h2d_gbps.unwrap() - want).abs() < 1e-6 * want, "{bw:?}");
+    }
+
+    #[test]
     fn dates_are_civil_utc() {
         assert_eq!(utc_date(0), "1970-01-01T00:00:00Z");
         assert_eq!(utc_date(951_782_400), "2000-02-29T00:00:00Z");

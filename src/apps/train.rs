@@ -14,7 +14,7 @@
 //! the final weights (f32, the same names). Without them the weights and data are seeded random.
 //!
 //! ```
-//! use strata::train::{run, TrainConfig};
+//! use strata::apps::train::{run, TrainConfig};
 //! let cfg = TrainConfig::parse(["--layers", "3", "--hidden", "16", "--rows", "8", "--steps", "3",
 //!     "--optimizer", "adamw", "--activations", "recompute", "--checkpoint-every", "2", "--host"])?;
 //! let report = run(&cfg, |_| {})?;
@@ -376,7 +376,7 @@ impl Inputs {
                 (
                     cfg.hidden,
                     (0..cfg.layers)
-                        .map(|l| crate::mlp::uniform(cfg.seed, 1 + l as u64, n, a))
+                        .map(|l| crate::apps::mlp::uniform(cfg.seed, 1 + l as u64, n, a))
                         .collect(),
                 )
             }
@@ -387,8 +387,8 @@ impl Inputs {
                 let n = cfg.rows * hidden;
                 (
                     cfg.rows,
-                    crate::mlp::uniform(cfg.seed, 1 << 32, n, 1.0),
-                    crate::mlp::uniform(cfg.seed, 1 << 33, n, 1.0),
+                    crate::apps::mlp::uniform(cfg.seed, 1 << 32, n, 1.0),
+                    crate::apps::mlp::uniform(cfg.seed, 1 << 33, n, 1.0),
                 )
             }
         };
@@ -1226,8 +1226,8 @@ impl std::fmt::Display for TrainReport {
 /// What [`dispatch`] ran.
 #[derive(Clone, Debug)]
 pub enum Outcome {
-    /// `--mode forward`, or `--mode train --optimizer device-sgd`: [`crate::mlp`]'s loop.
-    Mlp(crate::mlp::MlpReport),
+    /// `--mode forward`, or `--mode train --optimizer device-sgd`: [`crate::apps::mlp`]'s loop.
+    Mlp(crate::apps::mlp::MlpReport),
     /// `--mode train`: this module's loop.
     Train(TrainReport),
 }
@@ -1243,9 +1243,9 @@ impl std::fmt::Display for Outcome {
 
 /// The out-of-core example's entry point (`strata train-demo`, `examples/out_of_core.rs`):
 /// `--mode train` runs this module's training loop ([`USAGE`]); `--mode forward` (the default)
-/// and `--mode train --optimizer device-sgd` run [`crate::mlp`]'s benchmark loop (bf16, SGD
+/// and `--mode train --optimizer device-sgd` run [`crate::apps::mlp`]'s benchmark loop (bf16, SGD
 /// applied on the device to the weights themselves, ones as the output gradient;
-/// [`crate::mlp::USAGE`]).
+/// [`crate::apps::mlp::USAGE`]).
 pub fn dispatch(args: &[String], progress: impl FnMut(&str)) -> Result<Outcome> {
     let flag = |name: &str, value: &str| args.windows(2).any(|w| w[0] == name && w[1] == value);
     if flag("--mode", "train") && !flag("--optimizer", "device-sgd") {
@@ -1260,5 +1260,5 @@ pub fn dispatch(args: &[String], progress: impl FnMut(&str)) -> Result<Outcome> 
         }
         rest.push(a.clone());
     }
-    crate::mlp::run(&crate::mlp::MlpConfig::parse(&rest)?, progress).map(Outcome::Mlp)
+    crate::apps::mlp::run(&crate::apps::mlp::MlpConfig::parse(&rest)?, progress).map(Outcome::Mlp)
 }

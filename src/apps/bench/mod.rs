@@ -26,18 +26,17 @@
 //!
 //! ```no_run
 //! # fn main() -> strata::Result<()> {
-//! let opts = strata::bench::Options {
-//!     sizes: strata::bench::parse_sizes("4KiB,1MiB")?,
+//! let opts = strata::apps::bench::Options {
+//!     sizes: strata::apps::bench::parse_sizes("4KiB,1MiB")?,
 //!     host_only: true,
 //!     ..Default::default()
 //! };
-//! let report = strata::bench::Bench::new(opts)?.run()?;
+//! let report = strata::apps::bench::Bench::new(opts)?.run()?;
 //! print!("{}", report.table());
 //! # Ok(()) }
 //! ```
 
 mod disk;
-pub(crate) mod host;
 mod report;
 mod store_paths;
 mod svg;
@@ -105,8 +104,8 @@ impl Default for Options {
 /// [`parse_size`]). Refuses an empty list and a size of 0.
 ///
 /// ```
-/// assert_eq!(strata::bench::parse_sizes("4KiB, 1MiB").unwrap(), vec![4096, 1 << 20]);
-/// assert!(strata::bench::parse_sizes("4KiB,,1MiB").is_err());
+/// assert_eq!(strata::apps::bench::parse_sizes("4KiB, 1MiB").unwrap(), vec![4096, 1 << 20]);
+/// assert!(strata::apps::bench::parse_sizes("4KiB,,1MiB").is_err());
 /// ```
 pub fn parse_sizes(list: &str) -> Result<Vec<u64>> {
     if list.trim().is_empty() {
@@ -130,9 +129,9 @@ pub fn parse_sizes(list: &str) -> Result<Vec<u64>> {
 /// matches at least one path of [`all_paths`].
 ///
 /// ```
-/// let p = strata::bench::parse_paths("h2d_pinned,store_*").unwrap();
+/// let p = strata::apps::bench::parse_paths("h2d_pinned,store_*").unwrap();
 /// assert_eq!(p, vec!["h2d_pinned".to_string(), "store_*".to_string()]);
-/// assert!(strata::bench::parse_paths("h2d_pinnd").is_err());
+/// assert!(strata::apps::bench::parse_paths("h2d_pinnd").is_err());
 /// ```
 pub fn parse_paths(list: &str) -> Result<Vec<String>> {
     let names = all_paths();
@@ -427,7 +426,7 @@ impl SizeSweep<'_> {
                 let probe = self.probe.as_deref_mut().ok_or("needs a GPU")?;
                 probe.measure(path, size, GPU_WARMUP, reps).map_err(err)
             }
-            Kind::HostMemcpy => host::memcpy(size, WALL_WARMUP, reps).map_err(err),
+            Kind::HostMemcpy => crate::probe::host_memcpy(size, WALL_WARMUP, reps).map_err(err),
             Kind::DiskWrite => {
                 // Writing the file is the measurement; a later disk path reuses the file.
                 self.file = None;

@@ -288,7 +288,7 @@ fn x_ticks(x0: f64, x1: f64) -> Vec<u32> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::bench::report::{MachineInfo, Measurement, Timer};
+    use crate::apps::bench::report::{MachineInfo, Measurement, Timer};
     use crate::probe::Timing;
 
     fn report(paths: &[&str], sizes: &[u64]) -> Report {

@@ -6,7 +6,7 @@
 //! bytes that must cross / raw pinned bandwidth).
 //!
 //! ```
-//! use strata::mlp::{run, MlpConfig};
+//! use strata::apps::mlp::{run, MlpConfig};
 //! let cfg = MlpConfig::parse(["--layers", "4", "--hidden", "64", "--rows", "8",
 //!     "--device-budget", "24KiB", "--mode", "train", "--host"])?;
 //! let report = run(&cfg, |_| {})?;
