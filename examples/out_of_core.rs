@@ -14,12 +14,14 @@
 //! cargo run --release --example out_of_core -- --mode train --optimizer device-sgd \
 //!     --layers 4 --hidden 64 --rows 8 --device-budget 24KiB
 //! ```
-//! Flags: `strata::apps::train::USAGE` and `strata::apps::mlp::USAGE`. Each step prints its time, loss,
+//! Flags: `--help` (`strata::apps::args::TrainDemoArgs`). Each step prints its time, loss,
 //! bytes in and out of the device and stall; the end prints memory per group (predicted,
 //! held, peak on the device), the floors measured in the same run and the ratio.
 
+use clap::Parser;
+
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let args: Vec<String> = std::env::args().skip(1).collect();
+    let args = strata::apps::args::TrainDemoCommand::parse().args;
     let outcome = strata::apps::train::dispatch(&args, |line| println!("{line}"))?;
     println!("{outcome}");
     if let strata::apps::train::Outcome::Mlp(r) = &outcome {

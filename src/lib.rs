@@ -49,8 +49,6 @@ mod backend;
 mod disk;
 mod engine;
 mod error;
-#[cfg(feature = "cli")]
-mod flags;
 pub use backend::sim::{LinkSharing, Simulation};
 pub use backend::{kernels, linalg, optim, probe};
 pub mod plan;

@@ -4,9 +4,11 @@
 use std::process::ExitCode;
 use std::time::Instant;
 
+use clap::builder::{PossibleValue, TypedValueParser};
 use clap::{Parser, Subcommand};
+use strata::apps::args::{self, TrainDemoArgs};
 use strata::plan::{Bandwidths, Optimizer, PlanConfig};
-use strata::{format_size, parse_size, DType, LoadOptions, PolicyKind, Store, Tier};
+use strata::{format_size, DType, LoadOptions, PolicyKind, Store, Tier};
 
 #[derive(Parser)]
 #[command(
@@ -31,25 +33,18 @@ enum Cmd {
     /// CSV, JSON and an SVG plot on request. Without a GPU: the host and disk paths only.
     Bench(BenchArgs),
     /// Out-of-core training and inference of an MLP whose state lives in a store with a device
-    /// budget smaller than the model. `--mode train`: relu MLP with a squared-error loss, SGD or
-    /// AdamW with fp32 master weights and moments in the store, on the cpu, gpu-mapped,
-    /// gpu-resident or auto engine (or all), activations kept, offloaded or recomputed, inputs
-    /// from safetensors files: flags --layers L --hidden H --rows R --steps N --lr X
-    /// --optimizer sgd|adamw --engine E|all --accumulate N --dtype f32|bf16
-    /// --activations keep|offload|recompute --checkpoint-every K --init FILE --data FILE
-    /// --save FILE --device-budget SIZE --pinned-budget SIZE --mapped-budget SIZE --host.
-    /// `--mode forward` (default) and `--mode train --optimizer device-sgd`: the bf16 benchmark
-    /// loop (flags --hints on|off --ahead K --prefetch-budget SIZE --weights-in pinned|disk ...).
-    /// Quick checks without a GPU: `strata train-demo --mode train --layers 4 --hidden 64
-    /// --rows 8 --device-budget 64KiB --host`.
-    TrainDemo {
-        /// The flags above.
-        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
-        args: Vec<String>,
-    },
+    /// budget smaller than the model. `--mode train`: the trainer (relu MLP, squared-error loss,
+    /// SGD or AdamW with fp32 master weights and moments in the store, activations kept,
+    /// offloaded or recomputed, inputs from safetensors files). `--mode forward` (default) and
+    /// `--mode train --optimizer device-sgd`: the bf16 benchmark loop against its compute and
+    /// PCIe floors, also in simulated time (`--simulate h100`). Quick check without a GPU:
+    /// `strata train-demo --mode train --layers 4 --hidden 64 --rows 8 --device-budget 64KiB
+    /// --host`.
+    TrainDemo(Box<TrainDemoArgs>),
     /// Lists the tensors of a .safetensors file (name, dtype, shape, bytes) and their totals
     /// without reading the data, then a memory plan: parameters, gradients (--train) and
-    /// optimizer state (--train --optimizer sgd|adam) placed device first under the budgets, and
+    /// optimizer state (--train --optimizer sgd|sgd-momentum|adamw) placed device first under the
+    /// budgets, and
     /// the predicted transfer time per step from `strata bench --json` results (--bench) or a
     /// brief measurement. See docs/inspect.md for the accounting and the formula.
     Inspect(InspectArgs),
@@ -64,16 +59,16 @@ enum Cmd {
 #[derive(clap::Args)]
 struct Budgets {
     /// Device tier budget (units: 4096, 24KiB, 1MiB, 1GiB; 0 disables the tier).
-    #[arg(long, default_value = "1GiB", value_parser = size)]
+    #[arg(long, default_value = "1GiB", value_parser = args::size)]
     device_budget: u64,
     /// Pinned tier budget.
-    #[arg(long, default_value = "1GiB", value_parser = size)]
+    #[arg(long, default_value = "1GiB", value_parser = args::size)]
     pinned_budget: u64,
     /// Mapped tier budget.
-    #[arg(long, default_value = "256MiB", value_parser = size)]
+    #[arg(long, default_value = "256MiB", value_parser = args::size)]
     mapped_budget: u64,
     /// Disk tier budget (the store's own file; tensors loaded in place do not use it).
-    #[arg(long, default_value = "64GiB", value_parser = size)]
+    #[arg(long, default_value = "64GiB", value_parser = args::size)]
     disk_budget: u64,
 }
 
@@ -90,9 +85,10 @@ struct InspectArgs {
     file: std::path::PathBuf,
     #[command(flatten)]
     budgets: Budgets,
-    /// Optimizer whose state is counted with --train: none, sgd (momentum), adam, or sgd-plain
-    /// (no momentum: strata::optim's SGD).
-    #[arg(long, default_value = "none")]
+    /// Optimizer whose state is counted with --train, named as train-demo names them: none, sgd
+    /// (no momentum, as train-demo's and strata::optim's; alias sgd-plain), sgd-momentum (one
+    /// fp32 buffer), adamw (two fp32 moments; alias adam).
+    #[arg(long, default_value = "none", value_parser = optimizer())]
     optimizer: Optimizer,
     /// Plan for training steps (gradients, optimizer state) rather than forward passes.
     #[arg(long)]
@@ -112,8 +108,8 @@ struct LoadArgs {
     file: std::path::PathBuf,
     #[command(flatten)]
     budgets: Budgets,
-    /// Copy every tensor into this tier (device, pinned, mapped or disk) [default: in place].
-    #[arg(long, value_name = "TIER")]
+    /// Copy every tensor into this tier [default: in place].
+    #[arg(long, value_parser = args::tier())]
     copy_to: Option<Tier>,
     /// Use the host backend even when a GPU is present.
     #[arg(long)]
@@ -123,28 +119,28 @@ struct LoadArgs {
 #[derive(clap::Args)]
 struct DemoArgs {
     /// Layers of the synthetic model (each a weight matrix and a bias).
-    #[arg(long, default_value_t = 12)]
+    #[arg(long, default_value = "12", value_parser = args::count, allow_negative_numbers = true)]
     layers: usize,
     /// Size of each layer's weight (units: 4096, 24KiB, 1MiB, 1GiB).
-    #[arg(long, default_value = "2MiB", value_parser = size)]
+    #[arg(long, default_value = "2MiB", value_parser = args::size)]
     layer_size: u64,
     /// Passes over the model (each forward 0..L then backward L..0).
-    #[arg(long, default_value_t = 3)]
+    #[arg(long, default_value = "3", value_parser = args::count, allow_negative_numbers = true)]
     passes: usize,
     /// Device tier budget.
-    #[arg(long, default_value = "6MiB", value_parser = size)]
+    #[arg(long, default_value = "6MiB", value_parser = args::size)]
     device_budget: u64,
     /// Pinned tier budget.
-    #[arg(long, default_value = "6MiB", value_parser = size)]
+    #[arg(long, default_value = "6MiB", value_parser = args::size)]
     pinned_budget: u64,
     /// Mapped tier budget.
-    #[arg(long, default_value = "4MiB", value_parser = size)]
+    #[arg(long, default_value = "4MiB", value_parser = args::size)]
     mapped_budget: u64,
     /// Disk tier budget.
-    #[arg(long, default_value = "1GiB", value_parser = size)]
+    #[arg(long, default_value = "1GiB", value_parser = args::size)]
     disk_budget: u64,
-    /// Eviction policy: frequency or lru.
-    #[arg(long, default_value = "frequency")]
+    /// Eviction policy (schedule: learns the repeating access order and prefetches along it).
+    #[arg(long, default_value = "frequency", value_parser = args::policy())]
     policy: PolicyKind,
     /// Use the host backend even when a GPU is present.
     #[arg(long)]
@@ -157,16 +153,16 @@ struct BenchArgs {
     #[arg(long, default_value = strata::apps::bench::DEFAULT_SIZES)]
     sizes: String,
     /// Timed runs per path and size [default: 20 up to 16 MiB, 5 above].
-    #[arg(long)]
+    #[arg(long, value_parser = args::count, allow_negative_numbers = true)]
     reps: Option<usize>,
     /// Write the results as CSV (path,size_bytes,gbps,median_s,reps).
-    #[arg(long, value_name = "FILE")]
+    #[arg(long, value_name = "FILE", value_parser = args::output)]
     csv: Option<std::path::PathBuf>,
     /// Write the results and a description of the machine as JSON.
-    #[arg(long, value_name = "FILE")]
+    #[arg(long, value_name = "FILE", value_parser = args::output)]
     json: Option<std::path::PathBuf>,
-    /// Write a plot of bandwidth against size as SVG.
-    #[arg(long, value_name = "FILE.svg")]
+    /// Write a plot of bandwidth against size as SVG (the name must end in .svg).
+    #[arg(long, value_name = "FILE.svg", value_parser = args::svg_output)]
     plot: Option<std::path::PathBuf>,
     /// Host and disk paths only (the store on its host backend), even with a GPU present.
     #[arg(long)]
@@ -194,8 +190,15 @@ fn bench(a: BenchArgs) -> Result<(), Box<dyn std::error::Error>> {
     Ok(())
 }
 
-fn size(s: &str) -> Result<u64, String> {
-    parse_size(s).map_err(|e| e.to_string())
+/// A plan's optimizer, by train-demo's names (and the old ones as aliases).
+fn optimizer() -> impl clap::builder::TypedValueParser<Value = Optimizer> {
+    clap::builder::PossibleValuesParser::new([
+        PossibleValue::new("none"),
+        PossibleValue::new("sgd").alias("sgd-plain"),
+        PossibleValue::new("sgd-momentum"),
+        PossibleValue::new("adamw").alias("adam"),
+    ])
+    .try_map(|s| s.parse::<Optimizer>())
 }
 
 fn main() -> ExitCode {
@@ -203,7 +206,7 @@ fn main() -> ExitCode {
     let res = match cli.cmd {
         Cmd::Demo(a) => demo(a),
         Cmd::Bench(a) => bench(a),
-        Cmd::TrainDemo { args } => train_demo(&args),
+        Cmd::TrainDemo(args) => train_demo(&args),
         Cmd::Inspect(a) => inspect(a),
         Cmd::Load(a) => load(a),
     };
@@ -304,7 +307,7 @@ fn demo(a: DemoArgs) -> Result<(), Box<dyn std::error::Error>> {
     Ok(())
 }
 
-fn train_demo(args: &[String]) -> Result<(), Box<dyn std::error::Error>> {
+fn train_demo(args: &TrainDemoArgs) -> Result<(), Box<dyn std::error::Error>> {
     println!("strata train-demo");
     let outcome = strata::apps::train::dispatch(args, |line| println!("{line}"))?;
     println!("{outcome}");

@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 
 use safetensors::tensor::TensorView;
 use safetensors::Dtype;
+use strata::apps::args::TrainDemoArgs;
 use strata::apps::train::{load_init, run, Outcome, TrainConfig};
 use strata::Error;
 
@@ -361,7 +362,7 @@ fn keep_that_cannot_fit_says_so() {
 
 #[test]
 fn the_example_entry_point_dispatches_by_mode() {
-    let args = |s: &str| s.split_whitespace().map(str::to_string).collect::<Vec<_>>();
+    let args = |s: &str| TrainDemoArgs::try_parse(s.split_whitespace()).unwrap();
     let t = strata::apps::train::dispatch(
         &args("--mode train --layers 2 --hidden 16 --rows 4 --steps 2 --device-budget 1MiB --host"),
         |_| {},

@@ -4,6 +4,7 @@
 //! `examples/out_of_core.rs`. A library user who wants the store alone turns the feature off
 //! (`default-features = false`) and compiles none of this, nor its dependencies.
 
+pub mod args;
 pub mod bench;
 pub mod mlp;
 pub mod train;

@@ -29,7 +29,9 @@ use std::time::Instant;
 
 use half::bf16;
 
-use crate::flags::Flags;
+use crate::apps::args::{
+    check_output, ActivationsArg, DTypeArg, EngineArg, ModeArg, OnOff, OptimizerArg, TrainDemoArgs,
+};
 use crate::linalg::{loss_value, Element, Linalg, Matrix, LOSS_PARTIALS};
 use crate::optim::{AdamW, Algorithm, Engine, Optimizer, OptimizerConfig, Sgd, StepTraffic};
 use crate::plan::{self, PlanConfig, TensorEntry};
@@ -47,20 +49,6 @@ pub enum Activations {
     /// Every k-th layer's input is stored (as with `Offload`); the others are recomputed from
     /// it in the backward pass.
     Recompute,
-}
-
-impl std::str::FromStr for Activations {
-    type Err = Error;
-    fn from_str(s: &str) -> Result<Activations> {
-        match s {
-            "keep" => Ok(Activations::Keep),
-            "offload" => Ok(Activations::Offload),
-            "recompute" => Ok(Activations::Recompute),
-            _ => Err(Error::InvalidArgument(format!(
-                "--activations {s:?}: keep, offload or recompute"
-            ))),
-        }
-    }
 }
 
 /// Which optimizer.
@@ -165,78 +153,109 @@ impl Default for TrainConfig {
     }
 }
 
-/// The flags [`TrainConfig::parse`] accepts.
-pub const USAGE: &str = "--mode train --layers L --hidden H --rows R --steps N --lr X \
---optimizer sgd|adamw --beta1 X --beta2 X --eps X --weight-decay X \
---engine cpu|gpu-mapped|gpu-resident|auto|all --threads N --accumulate N --dtype f32|bf16 \
---activations keep|offload|recompute --checkpoint-every K --init FILE --data FILE --save FILE \
---device-budget SIZE --pinned-budget SIZE --mapped-budget SIZE --ahead K \
---policy frequency|lru|schedule --seed S --compare on|off --host";
-
 impl TrainConfig {
-    /// Parses flags (see [`USAGE`]) over the defaults (L=32, H=8192, rows 2048, 5 steps, AdamW
-    /// lr 1e-3, engine auto, activations keep, device budget 8 GiB). `--mode train` is
-    /// accepted and ignored.
+    /// Parses flags ([`TrainDemoArgs`], without a program name) over the defaults (L=32,
+    /// H=8192, rows 2048, 5 steps, AdamW lr 1e-3, engine auto, activations keep, device budget
+    /// 8 GiB). `--mode train` is accepted and implied.
     pub fn parse<I, S>(args: I) -> Result<TrainConfig>
     where
         I: IntoIterator<Item = S>,
         S: AsRef<str>,
     {
-        let mut c = TrainConfig::default();
-        let args = args.into_iter().map(|s| s.as_ref().to_string());
-        let mut flags = Flags::new(args, USAGE, &["--host"]);
-        while let Some(f) = flags.next_flag() {
-            let f = f?;
-            let v = f.value.as_str();
-            match f.name.as_str() {
-                "--host" => c.host = true,
-                "--mode" if v == "train" => {}
-                "--layers" => c.layers = f.num()?,
-                "--hidden" => c.hidden = f.num()?,
-                "--rows" => c.rows = f.num()?,
-                "--steps" => c.steps = f.num()?,
-                "--lr" => c.lr = f.parsed()?,
-                "--optimizer" => {
-                    c.optimizer =
-                        f.choice(&[("sgd", OptimizerKind::Sgd), ("adamw", OptimizerKind::AdamW)])?
-                }
-                "--beta1" => c.betas.0 = f.parsed()?,
-                "--beta2" => c.betas.1 = f.parsed()?,
-                "--eps" => c.eps = f.parsed()?,
-                "--weight-decay" => c.weight_decay = f.parsed()?,
-                "--engine" if v == "all" => c.all_engines = true,
-                "--engine" => c.engine = v.parse()?,
-                "--threads" => c.threads = f.num()?,
-                "--accumulate" => c.accumulate = f.num()?,
-                "--dtype" => {
-                    c.dtype = Some(f.choice(&[("f32", DType::F32), ("bf16", DType::BF16)])?)
-                }
-                "--activations" => c.activations = v.parse()?,
-                "--checkpoint-every" => c.checkpoint_every = f.num()?,
-                "--init" => c.init = Some(v.into()),
-                "--data" => c.data = Some(v.into()),
-                "--save" => c.save = Some(v.into()),
-                "--device-budget" => c.device_budget = f.size()?,
-                "--pinned-budget" => c.pinned_budget = Some(f.size()?),
-                "--mapped-budget" => c.mapped_budget = Some(f.size()?),
-                "--ahead" => c.ahead = f.num()?,
-                "--policy" => c.policy = v.parse()?,
-                "--seed" => c.seed = f.parsed()?,
-                "--compare" => c.compare = f.choice(&[("on", true), ("off", false)])?,
-                _ => return Err(f.unknown()),
+        TrainConfig::from_args(&TrainDemoArgs::try_parse(args)?)
+    }
+
+    /// The configuration parsed flags describe; an error names a flag of the bf16 benchmark
+    /// loop, which the trainer does not take.
+    pub fn from_args(a: &TrainDemoArgs) -> Result<TrainConfig> {
+        a.refuse_bench_flags()?;
+        match (a.mode, a.optimizer) {
+            (Some(ModeArg::Forward), _) => {
+                return Err(Error::InvalidArgument(
+                    "the trainer runs --mode train; --mode forward is the bf16 benchmark loop"
+                        .into(),
+                ))
             }
+            (_, Some(OptimizerArg::DeviceSgd)) => {
+                return Err(Error::InvalidArgument(
+                    "--optimizer device-sgd is the bf16 benchmark loop's; the trainer runs sgd \
+                     or adamw"
+                        .into(),
+                ))
+            }
+            _ => {}
         }
-        if c.layers == 0 || c.hidden == 0 || c.rows == 0 || c.steps == 0 {
-            return Err(Error::InvalidArgument(
-                "layers, hidden, rows and steps must be > 0".into(),
-            ));
-        }
-        if c.accumulate == 0 || c.checkpoint_every == 0 {
-            return Err(Error::InvalidArgument(
-                "--accumulate and --checkpoint-every must be > 0".into(),
-            ));
-        }
+        let d = TrainConfig::default();
+        let c = TrainConfig {
+            layers: a.layers.unwrap_or(d.layers),
+            hidden: a.hidden.unwrap_or(d.hidden),
+            rows: a.rows.unwrap_or(d.rows),
+            steps: a.steps.unwrap_or(d.steps),
+            lr: a.lr.unwrap_or(d.lr),
+            optimizer: match a.optimizer {
+                Some(OptimizerArg::Sgd) => OptimizerKind::Sgd,
+                _ => d.optimizer,
+            },
+            betas: (a.beta1.unwrap_or(d.betas.0), a.beta2.unwrap_or(d.betas.1)),
+            eps: a.eps.unwrap_or(d.eps),
+            weight_decay: a.weight_decay.unwrap_or(d.weight_decay),
+            engine: a.engine.and_then(EngineArg::engine).unwrap_or(d.engine),
+            all_engines: a.engine == Some(EngineArg::All),
+            threads: a.threads.unwrap_or(d.threads),
+            accumulate: a.accumulate.unwrap_or(d.accumulate),
+            dtype: a.dtype.map(DTypeArg::dtype),
+            activations: match a.activations {
+                Some(ActivationsArg::Keep) | None => Activations::Keep,
+                Some(ActivationsArg::Offload) => Activations::Offload,
+                Some(ActivationsArg::Recompute) => Activations::Recompute,
+            },
+            checkpoint_every: a.checkpoint_every.unwrap_or(d.checkpoint_every),
+            init: a.init.clone(),
+            data: a.data.clone(),
+            save: a.save.clone(),
+            device_budget: a.device_budget.unwrap_or(d.device_budget),
+            pinned_budget: a.pinned_budget,
+            mapped_budget: a.mapped_budget,
+            ahead: a.ahead.unwrap_or(d.ahead),
+            policy: a.policy.unwrap_or(d.policy),
+            seed: a.seed.unwrap_or(d.seed),
+            host: a.host,
+            compare: a.compare.is_none_or(OnOff::on),
+        };
+        c.check()?;
         Ok(c)
+    }
+
+    /// Refuses what cannot run: zero sizes, steps or micro-batches, a learning rate, eps or
+    /// betas out of range, an output file with no directory to go in.
+    fn check(&self) -> Result<()> {
+        let bad = |m: String| Err(Error::InvalidArgument(m));
+        if self.layers == 0 || self.hidden == 0 || self.rows == 0 || self.steps == 0 {
+            return bad("layers, hidden, rows and steps must be > 0".into());
+        }
+        if self.accumulate == 0 || self.checkpoint_every == 0 {
+            return bad("--accumulate and --checkpoint-every must be > 0".into());
+        }
+        if !(self.lr.is_finite() && self.lr > 0.0) {
+            return bad(format!("learning rate {} must be a positive finite number", self.lr));
+        }
+        if !(self.eps.is_finite() && self.eps > 0.0) {
+            return bad(format!("eps {} must be a positive finite number", self.eps));
+        }
+        if !(self.weight_decay.is_finite() && self.weight_decay >= 0.0) {
+            return bad(format!(
+                "weight decay {} must be finite and at least 0",
+                self.weight_decay
+            ));
+        }
+        let (b1, b2) = self.betas;
+        if !((0.0..1.0).contains(&b1) && (0.0..1.0).contains(&b2)) {
+            return bad(format!("betas ({b1}, {b2}) must be in [0, 1)"));
+        }
+        if let Some(p) = &self.save {
+            check_output(p)?;
+        }
+        Ok(())
     }
 
     fn algorithm(&self) -> Algorithm {
@@ -523,6 +542,7 @@ struct RunOut {
 /// `compare`), then the run (or one per engine with `--engine all`). `progress` gets a line per
 /// phase and per step.
 pub fn run(cfg: &TrainConfig, mut progress: impl FnMut(&str)) -> Result<TrainReport> {
+    cfg.check()?;
     let t0 = Instant::now();
     let inputs = Inputs::load(cfg)?;
     let cuda = !cfg.host && crate::cuda_device_count().is_ok_and(|n| n > 0);
@@ -1242,23 +1262,14 @@ impl std::fmt::Display for Outcome {
 }
 
 /// The out-of-core example's entry point (`strata train-demo`, `examples/out_of_core.rs`):
-/// `--mode train` runs this module's training loop ([`USAGE`]); `--mode forward` (the default)
-/// and `--mode train --optimizer device-sgd` run [`crate::apps::mlp`]'s benchmark loop (bf16, SGD
-/// applied on the device to the weights themselves, ones as the output gradient;
-/// [`crate::apps::mlp::USAGE`]).
-pub fn dispatch(args: &[String], progress: impl FnMut(&str)) -> Result<Outcome> {
-    let flag = |name: &str, value: &str| args.windows(2).any(|w| w[0] == name && w[1] == value);
-    if flag("--mode", "train") && !flag("--optimizer", "device-sgd") {
-        return run(&TrainConfig::parse(args)?, progress).map(Outcome::Train);
+/// `--mode train` runs this module's training loop; `--mode forward` (the default) and `--mode
+/// train --optimizer device-sgd` run [`crate::apps::mlp`]'s benchmark loop (bf16, SGD applied on
+/// the device to the weights themselves, ones as the output gradient). The flags:
+/// [`TrainDemoArgs`].
+pub fn dispatch(args: &TrainDemoArgs, progress: impl FnMut(&str)) -> Result<Outcome> {
+    if args.runs_trainer() {
+        return run(&TrainConfig::from_args(args)?, progress).map(Outcome::Train);
     }
-    let mut rest = Vec::with_capacity(args.len());
-    let mut it = args.iter();
-    while let Some(a) = it.next() {
-        if a == "--optimizer" {
-            it.next(); // device-sgd: the only optimizer of the mlp loop
-            continue;
-        }
-        rest.push(a.clone());
-    }
-    crate::apps::mlp::run(&crate::apps::mlp::MlpConfig::parse(&rest)?, progress).map(Outcome::Mlp)
+    let cfg = crate::apps::mlp::MlpConfig::from_args(args)?;
+    crate::apps::mlp::run(&cfg, progress).map(Outcome::Mlp)
 }

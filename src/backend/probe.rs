@@ -963,12 +963,7 @@ pub fn host_memcpy(bytes: usize, warmup: usize, reps: usize) -> Result<Timing> {
 
 /// [`host_memcpy`] on exactly `threads` threads (at least one), for bounds that must use the same
 /// threads as the work they bound (the optimizer's CPU step).
-pub fn host_memcpy_on(
-    bytes: usize,
-    threads: usize,
-    warmup: usize,
-    reps: usize,
-) -> Result<Timing> {
+pub fn host_memcpy_on(bytes: usize, threads: usize, warmup: usize, reps: usize) -> Result<Timing> {
     if bytes == 0 || reps == 0 {
         return Err(Error::InvalidArgument("host_memcpy of 0 bytes or 0 runs".into()));
     }
