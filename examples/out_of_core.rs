@@ -21,9 +21,17 @@
 use clap::Parser;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
+    match run() {
+        // stdout's reader went away (`| head`): nothing is wrong.
+        Err(e) if strata::apps::is_broken_pipe(&*e) => Ok(()),
+        r => r,
+    }
+}
+
+fn run() -> Result<(), Box<dyn std::error::Error>> {
     let args = strata::apps::args::TrainDemoCommand::parse().args;
-    let outcome = strata::apps::train::dispatch(&args, |line| println!("{line}"))?;
-    println!("{outcome}");
+    let outcome = strata::apps::train::dispatch(&args, strata::apps::println)?;
+    strata::apps::println(&outcome.to_string())?;
     if let strata::apps::train::Outcome::Mlp(r) = &outcome {
         if r.matches_resident == Some(false) {
             return Err("the out-of-core run differs from the all-resident run".into());

@@ -1,6 +1,7 @@
 //! The `strata` command line: `strata demo`, `bench`, `train-demo`, `inspect` (a tensor file's
 //! tensors and a memory plan) and `load` (a tensor file into a store).
 
+use std::io::Write as _;
 use std::process::ExitCode;
 use std::time::Instant;
 
@@ -17,6 +18,9 @@ use strata::{format_size, DType, LoadOptions, PolicyKind, Store, Tier};
     about = "A tiered tensor store: GPU HBM, pinned, mapped and NVMe tiers"
 )]
 struct Cli {
+    /// Log what strata does on stderr: -v its steps, -vv details (RUST_LOG overrides).
+    #[arg(short, long, action = clap::ArgAction::Count, global = true)]
+    verbose: u8,
     #[command(subcommand)]
     cmd: Cmd,
 }
@@ -176,7 +180,7 @@ struct BenchArgs {
     paths: Option<String>,
 }
 
-fn bench(a: BenchArgs) -> Result<(), Box<dyn std::error::Error>> {
+fn bench(a: BenchArgs) -> anyhow::Result<()> {
     let options = strata::apps::bench::Options {
         sizes: strata::apps::bench::parse_sizes(&a.sizes)?,
         reps: a.reps,
@@ -201,8 +205,39 @@ fn optimizer() -> impl clap::builder::TypedValueParser<Value = Optimizer> {
     .try_map(|s| s.parse::<Optimizer>())
 }
 
+/// `println!` that returns the error of a closed stdout instead of panicking on it.
+macro_rules! out {
+    () => {
+        strata::apps::println("")
+    };
+    ($($t:tt)*) => {
+        strata::apps::println(&format!($($t)*))
+    };
+}
+
+/// `print!` likewise.
+macro_rules! out_raw {
+    ($($t:tt)*) => {
+        strata::apps::print(&format!($($t)*))
+    };
+}
+
+/// Logs to stderr: `RUST_LOG` when set (`RUST_LOG=strata=debug`), else warnings, `-v` strata's
+/// info events, `-vv` its debug events.
+fn init_logging(verbose: u8) {
+    let default = match verbose {
+        0 => "warn",
+        1 => "warn,strata=info",
+        _ => "warn,strata=debug",
+    };
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
+    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    init_logging(cli.verbose);
     let res = match cli.cmd {
         Cmd::Demo(a) => demo(a),
         Cmd::Bench(a) => bench(a),
@@ -212,8 +247,10 @@ fn main() -> ExitCode {
     };
     match res {
         Ok(()) => ExitCode::SUCCESS,
+        // The reader of stdout went away (`strata inspect ... | head`): nothing is wrong.
+        Err(e) if e.chain().any(strata::apps::is_broken_pipe) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e}");
+            let _ = writeln!(std::io::stderr(), "error: {e}");
             ExitCode::FAILURE
         }
     }
@@ -232,7 +269,7 @@ fn contents(layer: usize, part: usize, len: usize) -> Vec<u8> {
         .collect()
 }
 
-fn demo(a: DemoArgs) -> Result<(), Box<dyn std::error::Error>> {
+fn demo(a: DemoArgs) -> anyhow::Result<()> {
     let mut b = Store::builder()
         .capacity(Tier::Device, a.device_budget)
         .capacity(Tier::Pinned, a.pinned_budget)
@@ -243,13 +280,13 @@ fn demo(a: DemoArgs) -> Result<(), Box<dyn std::error::Error>> {
         b = b.host_backend();
     }
     let store = b.build()?;
-    println!("strata demo");
-    println!("backend: {}", store.backend_description());
+    out!("strata demo")?;
+    out!("backend: {}", store.backend_description())?;
     let elems = (a.layer_size / 4).max(1) as usize;
     let hidden = (elems as f64).sqrt().max(1.0) as usize;
     let rows = elems.div_ceil(hidden);
     let model = a.layers as u64 * (rows * hidden * 4 + hidden * 4) as u64;
-    println!(
+    out!(
         "model: {} layers of f32 [{rows}, {hidden}] weights + [{hidden}] bias = {}; budgets: device {}, pinned {}, mapped {}, disk {}",
         a.layers,
         format_size(model),
@@ -257,7 +294,7 @@ fn demo(a: DemoArgs) -> Result<(), Box<dyn std::error::Error>> {
         format_size(a.pinned_budget),
         format_size(a.mapped_budget),
         format_size(a.disk_budget)
-    );
+    )?;
     let mut ids = Vec::new();
     let t0 = Instant::now();
     for l in 0..a.layers {
@@ -275,7 +312,7 @@ fn demo(a: DemoArgs) -> Result<(), Box<dyn std::error::Error>> {
         )?;
         ids.push((w, bias));
     }
-    println!("put {} tensors in {:.1} ms", 2 * a.layers, t0.elapsed().as_secs_f64() * 1e3);
+    out!("put {} tensors in {:.1} ms", 2 * a.layers, t0.elapsed().as_secs_f64() * 1e3)?;
     for pass in 0..a.passes {
         let before = store.stats();
         let t = Instant::now();
@@ -284,14 +321,12 @@ fn demo(a: DemoArgs) -> Result<(), Box<dyn std::error::Error>> {
             for (part, id) in [ids[l].0, ids[l].1].into_iter().enumerate() {
                 let got = store.read(id)?;
                 if got != contents(l, part, got.len()) {
-                    return Err(
-                        format!("layer {l} part {part}: contents differ after migration").into()
-                    );
+                    anyhow::bail!("layer {l} part {part}: contents differ after migration");
                 }
             }
         }
         let after = store.stats();
-        println!(
+        out!(
             "pass {}/{}: {} reads in {:.1} ms, hits {} misses {}, all bytes verified",
             pass + 1,
             a.passes,
@@ -299,34 +334,34 @@ fn demo(a: DemoArgs) -> Result<(), Box<dyn std::error::Error>> {
             t.elapsed().as_secs_f64() * 1e3,
             after.hits - before.hits,
             after.misses - before.misses
-        );
+        )?;
     }
-    println!();
-    println!("{}", store.stats());
+    out!()?;
+    out!("{}", store.stats())?;
     store.check_err()?;
     Ok(())
 }
 
-fn train_demo(args: &TrainDemoArgs) -> Result<(), Box<dyn std::error::Error>> {
-    println!("strata train-demo");
-    let outcome = strata::apps::train::dispatch(args, |line| println!("{line}"))?;
-    println!("{outcome}");
+fn train_demo(args: &TrainDemoArgs) -> anyhow::Result<()> {
+    out!("strata train-demo")?;
+    let outcome = strata::apps::train::dispatch(args, strata::apps::println)?;
+    out!("{outcome}")?;
     if let strata::apps::train::Outcome::Mlp(r) = &outcome {
         if r.matches_resident == Some(false) {
-            return Err("the out-of-core run differs from the all-resident run".into());
+            anyhow::bail!("the out-of-core run differs from the all-resident run");
         }
     }
     Ok(())
 }
 
-fn inspect(a: InspectArgs) -> Result<(), Box<dyn std::error::Error>> {
+fn inspect(a: InspectArgs) -> anyhow::Result<()> {
     let tensors = strata::plan::read_tensors(&a.file)?;
-    println!("strata inspect {}", a.file.display());
-    println!();
-    print!("{}", strata::plan::tensor_table(&tensors));
-    println!();
-    print!("{}", strata::plan::totals(&tensors));
-    println!();
+    out!("strata inspect {}", a.file.display())?;
+    out!()?;
+    out_raw!("{}", strata::plan::tensor_table(&tensors))?;
+    out!()?;
+    out_raw!("{}", strata::plan::totals(&tensors))?;
+    out!()?;
     let cfg = PlanConfig {
         budgets: a.budgets.array(),
         optimizer: a.optimizer,
@@ -334,11 +369,11 @@ fn inspect(a: InspectArgs) -> Result<(), Box<dyn std::error::Error>> {
         fp32_grads: a.fp32_grads,
     };
     let plan = strata::plan::plan(&tensors, &cfg);
-    print!("{plan}");
+    out_raw!("{plan}")?;
     if !a.train && a.optimizer != Optimizer::None {
-        println!("note: --optimizer {} counts only with --train", a.optimizer);
+        out!("note: --optimizer {} counts only with --train", a.optimizer)?;
     }
-    println!();
+    out!()?;
     let traffic = plan.traffic();
     let bw = match &a.bench {
         Some(path) => Bandwidths::from_bench_json(path)?,
@@ -348,14 +383,14 @@ fn inspect(a: InspectArgs) -> Result<(), Box<dyn std::error::Error>> {
             Bandwidths::measure(pcie, disk.then_some(a.file.as_path()))
         }
     };
-    print!("{}", plan.predict(&bw));
+    out_raw!("{}", plan.predict(&bw))?;
     for n in &bw.notes {
-        println!("  {n}");
+        out!("  {n}")?;
     }
     Ok(())
 }
 
-fn load(a: LoadArgs) -> Result<(), Box<dyn std::error::Error>> {
+fn load(a: LoadArgs) -> anyhow::Result<()> {
     let mut b = Store::builder();
     for (t, cap) in Tier::ALL.into_iter().zip(a.budgets.array()) {
         b = b.capacity(t, cap);
@@ -364,8 +399,8 @@ fn load(a: LoadArgs) -> Result<(), Box<dyn std::error::Error>> {
         b = b.host_backend();
     }
     let store = b.build()?;
-    println!("strata load {}", a.file.display());
-    println!("backend: {}", store.backend_description());
+    out!("strata load {}", a.file.display())?;
+    out!("backend: {}", store.backend_description())?;
     let t0 = Instant::now();
     let copy_to_disk = a.copy_to == Some(Tier::Disk);
     let opts = LoadOptions { copy_to: a.copy_to.filter(|_| copy_to_disk), ..Default::default() };
@@ -389,20 +424,20 @@ fn load(a: LoadArgs) -> Result<(), Box<dyn std::error::Error>> {
     let total: u64 = sizes.iter().sum();
     let secs = t0.elapsed().as_secs_f64();
     if copy_to_disk {
-        println!(
+        out!(
             "copied {} tensors ({}) into the disk tier in {:.1} ms ({:.2} GB/s)",
             loaded.len(),
             format_size(total),
             secs * 1e3,
             total as f64 / secs.max(1e-9) / 1e9
-        );
+        )?;
     } else {
-        println!(
+        out!(
             "loaded {} tensors ({}) in place in {:.1} ms: the disk tier refers to the mapped file",
             loaded.len(),
             format_size(total),
             secs * 1e3
-        );
+        )?;
     }
     if let Some(tier) = a.copy_to.filter(|_| !copy_to_disk) {
         // Tensor by tensor, so that the bar moves: each `move_to` copies one tensor from the
@@ -419,22 +454,22 @@ fn load(a: LoadArgs) -> Result<(), Box<dyn std::error::Error>> {
         for ((name, id), bytes) in loaded.iter().zip(&sizes) {
             if let Err(e) = store.move_to(*id, tier) {
                 bar.abandon();
-                return Err(format!("copying {name:?} into {tier}: {e}").into());
+                anyhow::bail!("copying {name:?} into {tier}: {e}");
             }
             bar.inc(*bytes);
         }
         bar.finish_and_clear();
         let secs = t.elapsed().as_secs_f64();
-        println!(
+        out!(
             "copied {} tensors ({}) into {tier} in {:.1} ms ({:.2} GB/s)",
             loaded.len(),
             format_size(total),
             secs * 1e3,
             total as f64 / secs.max(1e-9) / 1e9
-        );
+        )?;
     }
-    println!();
-    println!("{}", store.stats());
+    out!()?;
+    out!("{}", store.stats())?;
     store.check_err()?;
     Ok(())
 }

@@ -26,7 +26,7 @@ fn check(backend: common::Backend, flags: &[&str]) {
     }
     let cfg = MlpConfig::parse(&args).unwrap();
     let report =
-        run(&cfg, |_| {}).unwrap_or_else(|e| panic!("{flags:?} on {}: {e}", backend.name()));
+        run(&cfg, |_| Ok(())).unwrap_or_else(|e| panic!("{flags:?} on {}: {e}", backend.name()));
     assert_eq!(
         report.matches_resident,
         Some(true),

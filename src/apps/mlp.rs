@@ -9,7 +9,7 @@
 //! use strata::apps::mlp::{run, MlpConfig};
 //! let cfg = MlpConfig::parse(["--layers", "4", "--hidden", "64", "--rows", "8",
 //!     "--device-budget", "24KiB", "--mode", "train", "--host"])?;
-//! let report = run(&cfg, |_| {})?;
+//! let report = run(&cfg, |_| Ok(()))?;
 //! assert_eq!(report.matches_resident, Some(true));
 //! # Ok::<(), strata::Error>(())
 //! ```
@@ -490,7 +490,7 @@ fn result(cfg: &MlpConfig, net: &Net) -> Result<Vec<bf16>> {
 
 /// Runs the resident reference (if asked and it fits), then the out-of-core loop. `progress`
 /// gets a line per phase and per step.
-pub fn run(cfg: &MlpConfig, mut progress: impl FnMut(&str)) -> Result<MlpReport> {
+pub fn run(cfg: &MlpConfig, mut progress: impl FnMut(&str) -> Result<()>) -> Result<MlpReport> {
     cfg.check()?;
     let t0 = Instant::now();
     // With --simulate a small model runs, timed (and its bytes counted) as `cfg`'s.
@@ -510,14 +510,14 @@ pub fn run(cfg: &MlpConfig, mut progress: impl FnMut(&str)) -> Result<MlpReport>
         cfg.mode,
         t0.elapsed().as_secs_f64(),
         h = cfg.hidden
-    ));
+    ))?;
     if sim.is_some() {
         progress(&format!(
             "simulated: runs [{h}, {h}] layers with {} rows, timed as the model above on the \
              simulated machine (strata::Simulation)",
             data.rows,
             h = data.hidden
-        ));
+        ))?;
     }
 
     let mut compute = None;
@@ -539,10 +539,10 @@ pub fn run(cfg: &MlpConfig, mut progress: impl FnMut(&str)) -> Result<MlpReport>
                     "all weights resident ({}): {:.2} ms per step (compute floor)",
                     net.store.backend_description(),
                     median(&times) * 1e3
-                ));
+                ))?;
             }
             Err(Error::OutOfMemory { .. }) | Err(Error::Cuda { .. }) => {
-                progress("all weights resident: does not fit the device, no compute floor");
+                progress("all weights resident: does not fit the device, no compute floor")?;
             }
             Err(e) => return Err(e),
         }
@@ -576,7 +576,7 @@ pub fn run(cfg: &MlpConfig, mut progress: impl FnMut(&str)) -> Result<MlpReport>
         } else {
             format!("layers {}..{} pinned", kept.start, kept.end)
         }
-    ));
+    ))?;
     let mut steps = Vec::new();
     for i in 0..cfg.steps {
         let before = net.store.stats();
@@ -603,13 +603,13 @@ pub fn run(cfg: &MlpConfig, mut progress: impl FnMut(&str)) -> Result<MlpReport>
             r.prefetch_hits,
             r.prefetch_misses,
             r.issue_seconds * 1e3
-        ));
+        ))?;
         steps.push(r);
     }
     net.store.check_err()?;
     if let Some(path) = &cfg.trace {
         net.store.trace(path)?;
-        progress(&format!("trace of the copies and waits: {}", path.display()));
+        progress(&format!("trace of the copies and waits: {}", path.display()))?;
     }
 
     let (matches_resident, max_abs_diff) = match &reference {

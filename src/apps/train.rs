@@ -17,7 +17,7 @@
 //! use strata::apps::train::{run, TrainConfig};
 //! let cfg = TrainConfig::parse(["--layers", "3", "--hidden", "16", "--rows", "8", "--steps", "3",
 //!     "--optimizer", "adamw", "--activations", "recompute", "--checkpoint-every", "2", "--host"])?;
-//! let report = run(&cfg, |_| {})?;
+//! let report = run(&cfg, |_| Ok(()))?;
 //! assert_eq!(report.losses.len(), 3);
 //! assert!(report.losses[2] < report.losses[0], "the loss goes down: {:?}", report.losses);
 //! # Ok::<(), strata::Error>(())
@@ -541,7 +541,7 @@ struct RunOut {
 /// Runs the training loop `cfg` describes: the all-resident compute floor first (with
 /// `compare`), then the run (or one per engine with `--engine all`). `progress` gets a line per
 /// phase and per step.
-pub fn run(cfg: &TrainConfig, mut progress: impl FnMut(&str)) -> Result<TrainReport> {
+pub fn run(cfg: &TrainConfig, mut progress: impl FnMut(&str) -> Result<()>) -> Result<TrainReport> {
     cfg.check()?;
     let t0 = Instant::now();
     let inputs = Inputs::load(cfg)?;
@@ -558,7 +558,7 @@ pub fn run(cfg: &TrainConfig, mut progress: impl FnMut(&str)) -> Result<TrainRep
         cfg.lr,
         cfg.activations,
         t0.elapsed().as_secs_f64()
-    ));
+    ))?;
     match dtype {
         DType::BF16 => run_typed::<bf16>(cfg, &inputs, &mut progress),
         _ => run_typed::<f32>(cfg, &inputs, &mut progress),
@@ -568,7 +568,7 @@ pub fn run(cfg: &TrainConfig, mut progress: impl FnMut(&str)) -> Result<TrainRep
 fn run_typed<T: Element>(
     cfg: &TrainConfig,
     inputs: &Inputs,
-    progress: &mut impl FnMut(&str),
+    progress: &mut impl FnMut(&str) -> Result<()>,
 ) -> Result<TrainReport> {
     let mut compute = None;
     if cfg.compare {
@@ -578,11 +578,11 @@ fn run_typed<T: Element>(
                 progress(&format!(
                     "all weights resident, no optimizer: {:.2} ms per step (compute floor)",
                     s * 1e3
-                ));
+                ))?;
                 compute = Some(s);
             }
             Err(Error::OutOfMemory { .. } | Error::TooLarge { .. } | Error::Cuda { .. }) => {
-                progress("all weights resident: does not fit the device, no compute floor");
+                progress("all weights resident: does not fit the device, no compute floor")?;
             }
             Err(e) => return Err(e),
         }
@@ -591,7 +591,7 @@ fn run_typed<T: Element>(
     let out = if cfg.all_engines {
         let mut last = None;
         for asked in [Engine::Cpu, Engine::GpuMapped, Engine::GpuResident, Engine::Auto] {
-            progress(&format!("engine {asked}:"));
+            progress(&format!("engine {asked}:"))?;
             match train_once::<T>(cfg, inputs, asked, Phase::Train, progress) {
                 Ok(out) => {
                     engines.push(EngineRun {
@@ -601,7 +601,8 @@ fn run_typed<T: Element>(
                     });
                     last = Some(out);
                 }
-                Err(e) => progress(&format!("engine {asked}: {e}")),
+                Err(e) if crate::apps::is_broken_pipe(&e) => return Err(e),
+                Err(e) => progress(&format!("engine {asked}: {e}"))?,
             }
         }
         last.ok_or_else(|| Error::InvalidArgument("no engine could run".into()))?
@@ -641,7 +642,7 @@ fn run_typed<T: Element>(
         [compute, pcie.map(|p| p.1), optimizer_floor].into_iter().flatten().reduce(f64::max);
     let predicted = predict(cfg, inputs, T::DTYPE, act_bytes);
     if let Some(path) = &cfg.save {
-        progress(&format!("final weights written to {}", path.display()));
+        progress(&format!("final weights written to {}", path.display()))?;
     }
     Ok(TrainReport {
         backend: out.backend,
@@ -742,7 +743,7 @@ fn train_once<T: Element>(
     inputs: &Inputs,
     engine: Engine,
     phase: Phase,
-    progress: &mut impl FnMut(&str),
+    progress: &mut impl FnMut(&str) -> Result<()>,
 ) -> Result<RunOut> {
     let (layers, h) = (inputs.layers, inputs.hidden);
     let mb_rows = inputs.rows / cfg.accumulate;
@@ -834,7 +835,7 @@ fn train_once<T: Element>(
     let engine_used = opt.as_ref().map_or(engine, Optimizer::engine);
     let choice = opt.as_ref().and_then(|o| o.choice()).map(|c| c.to_string());
     if let Some(c) = &choice {
-        progress(c);
+        progress(c)?;
     }
 
     // Activations in the store.
@@ -969,7 +970,7 @@ fn train_once<T: Element>(
                 format_size(r.h2d_bytes),
                 format_size(r.d2h_bytes),
                 r.stall_seconds * 1e3
-            ));
+            ))?;
         }
         steps.push(r);
     }
@@ -1266,7 +1267,7 @@ impl std::fmt::Display for Outcome {
 /// train --optimizer device-sgd` run [`crate::apps::mlp`]'s benchmark loop (bf16, SGD applied on
 /// the device to the weights themselves, ones as the output gradient). The flags:
 /// [`TrainDemoArgs`].
-pub fn dispatch(args: &TrainDemoArgs, progress: impl FnMut(&str)) -> Result<Outcome> {
+pub fn dispatch(args: &TrainDemoArgs, progress: impl FnMut(&str) -> Result<()>) -> Result<Outcome> {
     if args.runs_trainer() {
         return run(&TrainConfig::from_args(args)?, progress).map(Outcome::Train);
     }

@@ -41,7 +41,6 @@ mod report;
 mod store_paths;
 mod svg;
 
-use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -83,7 +82,7 @@ pub struct Options {
     pub disk_dir: Option<PathBuf>,
     /// Which paths to run: names or prefixes ending in `*` (default: every path).
     pub paths: Option<Vec<String>>,
-    /// Print a progress line on stderr before each measurement.
+    /// Show a progress bar on stderr (where it is a terminal).
     pub progress: bool,
 }
 
@@ -492,34 +491,40 @@ impl SizeSweep<'_> {
     }
 }
 
-/// The progress line on stderr: `[12/80] h2d_pinned 256 MiB`, rewritten in place on a terminal,
-/// a line each otherwise.
+/// The progress bar on stderr (`[12/80] h2d_pinned 256 MiB`), drawn by indicatif where stderr
+/// is a terminal; each step is also a `tracing` event (`strata -v bench` shows them anywhere).
 struct Progress {
-    on: bool,
-    tty: bool,
+    bar: Option<indicatif::ProgressBar>,
     total: usize,
     done: usize,
 }
 
 impl Progress {
     fn new(on: bool, total: usize) -> Progress {
-        Progress { on, tty: std::io::stderr().is_terminal(), total, done: 0 }
+        let bar = on.then(|| {
+            let bar = indicatif::ProgressBar::new(total as u64);
+            if let Ok(style) =
+                indicatif::ProgressStyle::with_template("[{pos}/{len}] {bar:30} {msg} ({elapsed})")
+            {
+                bar.set_style(style.progress_chars("=> "));
+            }
+            bar
+        });
+        Progress { bar, total, done: 0 }
     }
 
     fn step(&mut self, path: &str, size: u64) {
         self.done += 1;
-        if !self.on {
-            return;
+        tracing::info!(step = self.done, of = self.total, path, size, "measuring");
+        if let Some(bar) = &self.bar {
+            bar.set_message(format!("{path} {}", format_size(size)));
+            bar.set_position(self.done as u64);
         }
-        let line = format!("[{}/{}] {path} {}", self.done, self.total, format_size(size));
-        let mut e = std::io::stderr().lock();
-        let _ = if self.tty { write!(e, "\r\x1b[2K{line}") } else { writeln!(e, "{line}") };
-        let _ = e.flush();
     }
 
     fn done(&mut self) {
-        if self.on && self.tty && self.done > 0 {
-            let _ = write!(std::io::stderr(), "\r\x1b[2K");
+        if let Some(bar) = self.bar.take() {
+            bar.finish_and_clear();
         }
     }
 }
@@ -539,16 +544,16 @@ pub struct Command {
 }
 
 impl Command {
-    /// Runs the command, printing to stdout.
+    /// Runs the command, printing to stdout (an error where stdout is closed:
+    /// [`crate::apps::print`]).
     pub fn run(&self) -> Result<Report> {
         let bench = Bench::new(self.options.clone())?;
-        println!("{}", bench.banner());
+        crate::apps::println(&bench.banner())?;
         let report = bench.run()?;
-        print!("{}", report.table());
+        crate::apps::print(&report.table())?;
         let write = |path: &PathBuf, text: String| -> Result<()> {
             std::fs::write(path, text).map_err(|e| Error::io(path, e))?;
-            println!("wrote {}", path.display());
-            Ok(())
+            crate::apps::println(&format!("wrote {}", path.display()))
         };
         if let Some(p) = &self.csv {
             write(p, report.to_csv())?;
