@@ -83,11 +83,13 @@ fn host_bench_writes_table_csv_json_and_plot() {
         assert!(json.contains(key), "{key} in {json}");
     }
     assert!(json.contains("\"gpu\": null"));
+    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    assert_eq!(v["results"].as_array().unwrap().len(), all.len() * 2);
 
     let svg = std::fs::read_to_string(&svg).unwrap();
     assert!(svg.starts_with("<svg"), "{}", &svg[..svg.len().min(200)]);
     for path in &all {
-        assert!(svg.contains(&format!(">{path}</text>")), "legend entry for {path}");
+        assert!(svg.contains(&format!("\n{path}\n</text>")), "legend entry for {path}");
     }
     // Nothing is left behind in the disk directory.
     assert_eq!(std::fs::read_dir(&disk).unwrap().count(), 0);
@@ -100,6 +102,10 @@ fn bad_arguments_fail_with_a_message() {
         &["bench", "--host", "--sizes", "0"],
         &["bench", "--host", "--reps", "0", "--sizes", "4KiB"],
         &["bench", "--host", "--paths", "warp_drive", "--sizes", "4KiB"],
+        // A directory no file can be created in (not even by root).
+        &["bench", "--host", "--sizes", "4KiB", "--reps", "1", "--disk-dir", "/proc"],
+        &["bench", "--host", "--sizes", "4KiB", "--csv", "/nonexistent-dir/b.csv"],
+        &["bench", "--host", "--sizes", "4KiB", "--plot", "b.png"],
     ] {
         let out = Command::new(strata_bin()).args(args).output().unwrap();
         let stderr = String::from_utf8_lossy(&out.stderr);

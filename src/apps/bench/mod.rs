@@ -313,6 +313,9 @@ impl Bench {
                 tmp.path().to_path_buf()
             }
         };
+        // A directory the disk paths cannot write in fails the command now, rather than every
+        // disk and store path being skipped and the sweep ending as if it had succeeded.
+        tempfile::tempfile_in(&dir).map_err(|e| Error::io(&dir, e))?;
         let max = *self.sizes.last().unwrap_or(&1);
         let mut probe = None;
         let mut report = Report::new(self.sizes.clone(), self.paths.iter().map(|p| p.name.clone()));
@@ -562,7 +565,7 @@ impl Command {
             write(p, report.to_json())?;
         }
         if let Some(p) = &self.plot {
-            write(p, svg_plot(&report))?;
+            write(p, svg_plot(&report)?)?;
         }
         Ok(report)
     }

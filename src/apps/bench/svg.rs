@@ -1,39 +1,42 @@
-//! The bandwidth plot as a self-contained SVG: GB/s (log scale) against transfer size (log
-//! scale), one line per path, a legend beside the plot. Written by hand: no plotting dependency.
+//! The bandwidth plot as SVG, drawn with plotters: GB/s (log scale) against transfer size (log
+//! scale, a tick at each size swept), one line per path, a legend beside the plot.
 
-use std::fmt::Write as _;
+use plotters::coord::combinators::IntoLogRange;
+use plotters::coord::Shift;
+use plotters::element::DashedPathElement;
+use plotters::prelude::*;
 
 use super::report::{short_size, Report};
+use crate::error::{Error, Result};
 
 /// Matplotlib's "tab10" palette: distinct on white, and for most colour-blind readers.
-const PALETTE: [&str; 10] = [
-    "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
-    "#bcbd22", "#17becf",
+const PALETTE: [RGBColor; 10] = [
+    RGBColor(0x1f, 0x77, 0xb4),
+    RGBColor(0xff, 0x7f, 0x0e),
+    RGBColor(0x2c, 0xa0, 0x2c),
+    RGBColor(0xd6, 0x27, 0x28),
+    RGBColor(0x94, 0x67, 0xbd),
+    RGBColor(0x8c, 0x56, 0x4b),
+    RGBColor(0xe3, 0x77, 0xc2),
+    RGBColor(0x7f, 0x7f, 0x7f),
+    RGBColor(0xbc, 0xbd, 0x22),
+    RGBColor(0x17, 0xbe, 0xcf),
 ];
 
-const WIDTH: f64 = 1060.0;
-const LEFT: f64 = 80.0;
-const TOP: f64 = 64.0;
-const PLOT_W: f64 = 660.0;
-const PLOT_H: f64 = 460.0;
-const BOTTOM: f64 = 64.0;
-const LEGEND_X: f64 = LEFT + PLOT_W + 28.0;
-const LEGEND_ROW: f64 = 17.0;
+const WIDTH: u32 = 1060;
+const PLOT_WIDTH: u32 = 760;
+const MIN_HEIGHT: u32 = 600;
+const LEGEND_ROW: u32 = 17;
 
-/// `s` escaped for SVG text and attribute values.
-fn esc(s: &str) -> String {
-    s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;").replace('"', "&quot;")
-}
-
-/// How a path's line looks: colour, dash pattern (`None`: solid), square markers or round.
+/// How a path's line looks: colour, dashes (`None`: solid), square markers or round.
 struct Style {
-    color: &'static str,
-    dash: Option<&'static str>,
+    color: RGBColor,
+    dash: Option<(u32, u32)>,
     square: bool,
 }
 
 /// Raw paths get solid lines and round markers, store paths dashed lines and square markers;
-/// the colours cycle within each group, with a dotted line once a group has used them all.
+/// the colours cycle within each group, with shorter dashes once a group has used them all.
 fn styles(paths: &[&str]) -> Vec<Style> {
     let (mut raw, mut store) = (0usize, 0usize);
     paths
@@ -45,315 +48,203 @@ fn styles(paths: &[&str]) -> Vec<Style> {
             *i += 1;
             let dash = match (is_store, k / PALETTE.len()) {
                 (false, 0) => None,
-                (true, 0) => Some("7 4"),
-                (false, _) => Some("2 3"),
-                (true, _) => Some("7 3 2 3"),
+                (true, 0) => Some((7, 4)),
+                (false, _) => Some((2, 3)),
+                (true, _) => Some((4, 2)),
             };
             Style { color: PALETTE[k % PALETTE.len()], dash, square: is_store }
         })
         .collect()
 }
 
+fn plot_error(e: impl std::fmt::Display) -> Error {
+    Error::InvalidArgument(format!("drawing the plot: {e}"))
+}
+
 /// The SVG plot of a report: bandwidth against size, one line per measured path.
-pub fn svg_plot(report: &Report) -> String {
+pub fn svg_plot(report: &Report) -> Result<String> {
     let paths = report.measured_paths();
     let styles = styles(&paths);
-    let legend_h = paths.len() as f64 * LEGEND_ROW + 30.0;
-    let height = (TOP + PLOT_H + BOTTOM).max(TOP + legend_h + 20.0);
+    let height = MIN_HEIGHT.max(100 + paths.len() as u32 * LEGEND_ROW);
+    let mut svg = String::new();
+    {
+        let root = SVGBackend::with_string(&mut svg, (WIDTH, height)).into_drawing_area();
+        root.fill(&WHITE).map_err(plot_error)?;
+        let (plot, legend) = root.split_horizontally(PLOT_WIDTH);
+        draw_chart(&plot, report, &paths, &styles).map_err(plot_error)?;
+        draw_legend(&legend, &paths, &styles).map_err(plot_error)?;
+        root.present().map_err(plot_error)?;
+    }
+    Ok(svg)
+}
 
-    // Axis ranges (log2 of bytes, log10 of GB/s), padded so that no marker sits on an axis.
-    let sizes: Vec<f64> = report.sizes.iter().map(|&b| (b.max(1) as f64).log2()).collect();
+/// The tick label of `x = log2(bytes)`: the size at whole powers of two, nothing between.
+fn size_label(x: &f64) -> String {
+    if (x - x.round()).abs() < 1e-6 && (0.0..63.0).contains(x) {
+        short_size(1u64 << x.round() as u32)
+    } else {
+        String::new()
+    }
+}
+
+/// The tick label of a bandwidth: `0.1`, `1`, `10`, `2.5`.
+fn gbps_label(y: &f64) -> String {
+    let s = format!("{y:.3}");
+    s.trim_end_matches('0').trim_end_matches('.').to_string()
+}
+
+type DrawResult = std::result::Result<(), DrawingAreaErrorKind<std::io::Error>>;
+
+fn draw_chart(
+    area: &DrawingArea<SVGBackend<'_>, Shift>,
+    report: &Report,
+    paths: &[&str],
+    styles: &[Style],
+) -> DrawResult {
+    // x: log2 of the size (ticks at whole powers of two); y: GB/s on a log scale. Both padded
+    // so that no marker sits on an axis.
+    let xs: Vec<f64> = report.sizes.iter().map(|&b| (b.max(1) as f64).log2()).collect();
     let (mut x0, mut x1) =
-        sizes.iter().fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), &x| (a.min(x), b.max(x)));
+        xs.iter().fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), &x| (a.min(x), b.max(x)));
     if !x0.is_finite() {
         (x0, x1) = (12.0, 30.0);
     }
     if x1 - x0 < 1.0 {
-        x0 -= 1.0;
-        x1 += 1.0;
+        (x0, x1) = (x0 - 1.0, x1 + 1.0);
     }
     let pad = (x1 - x0) * 0.04;
-    let (x0p, x1p) = (x0 - pad, x1 + pad);
     let gbps: Vec<f64> =
         report.results.iter().map(|m| m.gbps).filter(|g| g.is_finite() && *g > 0.0).collect();
     let lo = gbps.iter().copied().fold(f64::INFINITY, f64::min);
     let hi = gbps.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-    let (mut y0, mut y1) =
-        if lo.is_finite() { (lo.log10().floor(), hi.log10().ceil()) } else { (-1.0, 3.0) };
-    if y1 <= y0 {
-        y1 = y0 + 1.0;
-    }
-    if y1 - y0 > 12.0 {
-        y0 = y1 - 12.0;
-    }
-    let px = |lx: f64| LEFT + (lx - x0p) / (x1p - x0p) * PLOT_W;
-    let py = |ly: f64| TOP + PLOT_H - (ly - y0) / (y1 - y0) * PLOT_H;
+    let (lo, hi) = if lo.is_finite() { (lo / 1.6, hi * 1.6) } else { (0.01, 100.0) };
 
-    let mut s = String::new();
-    let _ = writeln!(
-        s,
-        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{WIDTH}\" height=\"{height}\" \
-         viewBox=\"0 0 {WIDTH} {height}\" font-family=\"Helvetica, Arial, sans-serif\" \
-         font-size=\"12\">"
-    );
     let m = &report.machine;
-    let date = m.date.get(..10).unwrap_or(&m.date);
-    let _ = writeln!(
-        s,
-        "<title>strata bench: {} on {}, {date}</title>",
-        esc(&m.device_name()),
-        esc(&m.hostname)
-    );
-    let _ = writeln!(s, "<rect width=\"100%\" height=\"100%\" fill=\"white\"/>");
-    let _ = writeln!(
-        s,
-        "<text x=\"{}\" y=\"26\" text-anchor=\"middle\" font-size=\"16\" font-weight=\"bold\">\
-         strata bench: {}, {date}</text>",
-        LEFT + PLOT_W / 2.0,
-        esc(&m.device_name())
-    );
-    let _ = writeln!(
-        s,
-        "<text x=\"{}\" y=\"45\" text-anchor=\"middle\" fill=\"#555\">host {}; median of the \
-         timed runs; raw paths solid, the store's paths dashed</text>",
-        LEFT + PLOT_W / 2.0,
-        esc(&m.hostname)
-    );
+    let mut chart = ChartBuilder::on(area)
+        .caption(
+            format!("strata bench: {} ({}), {}", m.hostname, m.device_name(), m.date),
+            ("sans-serif", 16),
+        )
+        .margin(16)
+        .x_label_area_size(48)
+        .y_label_area_size(64)
+        .build_cartesian_2d((x0 - pad)..(x1 + pad), (lo..hi).log_scale())?;
+    chart
+        .configure_mesh()
+        .x_desc("transfer size (log scale)")
+        .y_desc("GB/s (10^9 bytes/s, log scale)")
+        .x_labels(((x1 - x0).ceil() as usize + 1).min(24))
+        .x_label_formatter(&size_label)
+        .y_label_formatter(&gbps_label)
+        .light_line_style(WHITE.mix(0.0))
+        .bold_line_style(BLACK.mix(0.1))
+        .draw()?;
 
-    // Grid and ticks: decades of GB/s (with 2 and 5 between, unlabelled), powers of two of size.
-    let _ = writeln!(s, "<g stroke=\"#ddd\" stroke-width=\"1\">");
-    let mut ys = String::new();
-    let mut d = y0 as i32;
-    while d as f64 <= y1 {
-        let y = py(d as f64);
-        let _ = writeln!(
-            s,
-            "<line x1=\"{LEFT}\" y1=\"{y:.1}\" x2=\"{}\" y2=\"{y:.1}\"/>",
-            LEFT + PLOT_W
-        );
-        let label = fmt_decade(d);
-        let _ = writeln!(
-            ys,
-            "<text x=\"{}\" y=\"{:.1}\" text-anchor=\"end\">{label}</text>",
-            LEFT - 8.0,
-            y + 4.0
-        );
-        for minor in [2.0f64, 5.0] {
-            let ly = d as f64 + minor.log10();
-            if ly < y1 {
-                let y = py(ly);
-                let _ = writeln!(
-                    s,
-                    "<line x1=\"{LEFT}\" y1=\"{y:.1}\" x2=\"{}\" y2=\"{y:.1}\" stroke=\"#f0f0f0\"/>",
-                    LEFT + PLOT_W
-                );
-            }
-        }
-        d += 1;
-    }
-    let mut xs = String::new();
-    for e in x_ticks(x0, x1) {
-        let x = px(e as f64);
-        let _ =
-            writeln!(s, "<line x1=\"{x:.1}\" y1=\"{TOP}\" x2=\"{x:.1}\" y2=\"{}\"/>", TOP + PLOT_H);
-        let _ = writeln!(
-            xs,
-            "<text x=\"{x:.1}\" y=\"{}\" text-anchor=\"middle\">{}</text>",
-            TOP + PLOT_H + 18.0,
-            short_size(1u64 << e)
-        );
-    }
-    let _ = writeln!(s, "</g>");
-    s.push_str(&ys);
-    s.push_str(&xs);
-    let _ = writeln!(
-        s,
-        "<rect x=\"{LEFT}\" y=\"{TOP}\" width=\"{PLOT_W}\" height=\"{PLOT_H}\" fill=\"none\" \
-         stroke=\"#333\"/>"
-    );
-    let _ = writeln!(
-        s,
-        "<text x=\"{}\" y=\"{}\" text-anchor=\"middle\" font-size=\"13\">transfer size \
-         (log scale)</text>",
-        LEFT + PLOT_W / 2.0,
-        TOP + PLOT_H + 42.0
-    );
-    let _ = writeln!(
-        s,
-        "<text x=\"22\" y=\"{0}\" text-anchor=\"middle\" font-size=\"13\" \
-         transform=\"rotate(-90 22 {0})\">bandwidth, GB/s (log scale)</text>",
-        TOP + PLOT_H / 2.0
-    );
-
-    // One line per path, clipped to the plot area.
-    let _ = writeln!(
-        s,
-        "<clipPath id=\"plot\"><rect x=\"{LEFT}\" y=\"{TOP}\" width=\"{PLOT_W}\" \
-         height=\"{PLOT_H}\"/></clipPath>"
-    );
-    let _ = writeln!(s, "<g clip-path=\"url(#plot)\" fill=\"none\" stroke-width=\"1.8\">");
-    for (p, st) in paths.iter().zip(&styles) {
-        let mut pts: Vec<(f64, f64)> = report
+    for (path, style) in paths.iter().zip(styles) {
+        let points: Vec<(f64, f64)> = report
             .results
             .iter()
-            .filter(|m| m.path == *p && m.gbps.is_finite() && m.gbps > 0.0)
-            .map(|m| (px((m.size.max(1) as f64).log2()), py(m.gbps.log10())))
+            .filter(|r| r.path == *path && r.gbps.is_finite() && r.gbps > 0.0)
+            .map(|r| ((r.size.max(1) as f64).log2(), r.gbps))
             .collect();
-        pts.sort_by(|a, b| a.0.total_cmp(&b.0));
-        let dash = st.dash.map_or(String::new(), |d| format!(" stroke-dasharray=\"{d}\""));
-        let _ = writeln!(s, "<g stroke=\"{}\"{dash}><title>{}</title>", st.color, esc(p));
-        if pts.len() > 1 {
-            let coords: Vec<String> = pts.iter().map(|(x, y)| format!("{x:.1},{y:.1}")).collect();
-            let _ = writeln!(s, "<polyline points=\"{}\"/>", coords.join(" "));
+        let line = style.color.stroke_width(2);
+        match style.dash {
+            None => chart.draw_series(LineSeries::new(points.iter().copied(), line))?,
+            Some((dash, gap)) => {
+                chart.draw_series(DashedLineSeries::new(points.iter().copied(), dash, gap, line))?
+            }
+        };
+        let fill = style.color.filled();
+        if style.square {
+            chart.draw_series(
+                points
+                    .iter()
+                    .map(|&p| EmptyElement::at(p) + Rectangle::new([(-3, -3), (3, 3)], fill)),
+            )?;
+        } else {
+            chart.draw_series(points.iter().map(|&p| Circle::new(p, 3, fill)))?;
         }
-        for &(x, y) in &pts {
-            s.push_str(&marker(x, y, st));
+    }
+    Ok(())
+}
+
+fn draw_legend(
+    area: &DrawingArea<SVGBackend<'_>, Shift>,
+    paths: &[&str],
+    styles: &[Style],
+) -> DrawResult {
+    let text = ("sans-serif", 12).into_font().color(&BLACK);
+    area.draw(&Text::new("path", (10, 52), ("sans-serif", 13).into_font().style(FontStyle::Bold)))?;
+    for (i, (path, style)) in paths.iter().zip(styles).enumerate() {
+        let y = 76 + i as i32 * LEGEND_ROW as i32;
+        let line = style.color.stroke_width(2);
+        let seg = [(10, y), (40, y)];
+        match style.dash {
+            None => area.draw(&PathElement::new(seg, line))?,
+            Some((dash, gap)) => area.draw(&DashedPathElement::new(seg, dash, gap, line))?,
         }
-        let _ = writeln!(s, "</g>");
+        let fill = style.color.filled();
+        if style.square {
+            area.draw(&Rectangle::new([(22, y - 3), (28, y + 3)], fill))?;
+        } else {
+            area.draw(&Circle::new((25, y), 3, fill))?;
+        }
+        area.draw(&Text::new(path.to_string(), (48, y - 6), text.clone()))?;
     }
-    let _ = writeln!(s, "</g>");
-
-    // The legend: a sample of each line and the path's name.
-    let _ = writeln!(s, "<g class=\"legend\">");
-    let _ =
-        writeln!(s, "<text x=\"{LEGEND_X}\" y=\"{}\" font-weight=\"bold\">path</text>", TOP + 4.0);
-    for (i, (p, st)) in paths.iter().zip(&styles).enumerate() {
-        let y = TOP + 22.0 + i as f64 * LEGEND_ROW;
-        let dash = st.dash.map_or(String::new(), |d| format!(" stroke-dasharray=\"{d}\""));
-        let _ = writeln!(
-            s,
-            "<g stroke=\"{0}\" fill=\"none\" stroke-width=\"1.8\"{dash}><line x1=\"{LEGEND_X}\" \
-             y1=\"{y:.1}\" x2=\"{1}\" y2=\"{y:.1}\"/>{2}</g>",
-            st.color,
-            LEGEND_X + 30.0,
-            marker(LEGEND_X + 15.0, y, st).trim_end()
-        );
-        let _ =
-            writeln!(s, "<text x=\"{}\" y=\"{:.1}\">{}</text>", LEGEND_X + 38.0, y + 4.0, esc(p));
-    }
-    let _ = writeln!(s, "</g>");
-    if paths.is_empty() {
-        let _ = writeln!(
-            s,
-            "<text x=\"{}\" y=\"{}\" text-anchor=\"middle\" fill=\"#a00\">nothing was \
-             measured</text>",
-            LEFT + PLOT_W / 2.0,
-            TOP + PLOT_H / 2.0
-        );
-    }
-    s.push_str("</svg>\n");
-    s
-}
-
-/// A marker at (x, y): a filled circle, or a filled square for store paths.
-fn marker(x: f64, y: f64, st: &Style) -> String {
-    if st.square {
-        format!(
-            "<rect x=\"{:.1}\" y=\"{:.1}\" width=\"6\" height=\"6\" fill=\"{}\" \
-             stroke-dasharray=\"none\"/>\n",
-            x - 3.0,
-            y - 3.0,
-            st.color
-        )
-    } else {
-        format!(
-            "<circle cx=\"{x:.1}\" cy=\"{y:.1}\" r=\"3\" fill=\"{}\" stroke-dasharray=\"none\"/>\n",
-            st.color
-        )
-    }
-}
-
-/// `10^d` written plainly: `0.01`, `1`, `1000`.
-fn fmt_decade(d: i32) -> String {
-    if d >= 0 {
-        format!("{}", 10f64.powi(d))
-    } else {
-        format!("{:.*}", (-d) as usize, 10f64.powi(d))
-    }
-}
-
-/// Exponents of two to put ticks at between 2^x0 and 2^x1: every `step`-th power, `step` the
-/// smallest that gives at most 11 ticks, aligned on the smallest size.
-fn x_ticks(x0: f64, x1: f64) -> Vec<u32> {
-    let first = x0.ceil().max(0.0) as u32;
-    let last = x1.floor().clamp(0.0, 63.0) as u32;
-    if last < first {
-        return Vec::new();
-    }
-    let span = last - first;
-    let step = (span / 10 + 1).max(1);
-    (first..=last).step_by(step as usize).collect()
+    Ok(())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::apps::bench::report::{MachineInfo, Measurement, Timer};
+    use crate::apps::bench::{Measurement, Timer};
     use crate::probe::Timing;
 
-    fn report(paths: &[&str], sizes: &[u64]) -> Report {
-        let mut r = Report::new(sizes.to_vec(), paths.iter().map(|p| p.to_string()));
-        r.machine = MachineInfo {
-            hostname: "h<1>".into(),
-            date: "2026-11-23T10:00:00Z".into(),
-            cpu: "cpu".into(),
-            ..Default::default()
-        };
-        for (i, p) in paths.iter().enumerate() {
-            for &b in sizes {
-                let t = Timing { seconds: vec![b as f64 / 1e9 / (i + 1) as f64], bytes: b };
-                r.results.push(Measurement::new(p, b, &t, Timer::WallClock));
+    #[test]
+    fn plot_has_a_line_and_a_legend_entry_per_path() {
+        let mut r = Report::new(
+            vec![4096, 1 << 20, 1 << 30],
+            ["h2d_pinned", "store_pinned_to_device"].map(String::from),
+        );
+        for (path, gbps) in
+            [("h2d_pinned", [1.0, 20.0, 55.0]), ("store_pinned_to_device", [0.5, 18.0, 53.0])]
+        {
+            for (&size, g) in r.sizes.clone().iter().zip(gbps) {
+                let t = Timing { seconds: vec![size as f64 / (g * 1e9)], bytes: size };
+                r.results.push(Measurement::new(path, size, &t, Timer::CudaEvents));
             }
         }
-        r
-    }
-
-    #[test]
-    fn plot_has_axes_a_line_and_a_legend_entry_per_path() {
-        let paths = ["h2d_pinned", "disk_read", "store_pinned_to_device"];
-        let sizes = [4096, 1 << 20, 1 << 30];
-        let svg = svg_plot(&report(&paths, &sizes));
-        assert!(svg.starts_with("<svg xmlns=\"http://www.w3.org/2000/svg\""));
+        let svg = svg_plot(&r).unwrap();
+        assert!(svg.starts_with("<svg"), "{}", &svg[..200]);
         assert!(svg.trim_end().ends_with("</svg>"));
-        assert!(svg.contains("transfer size (log scale)"));
-        assert!(svg.contains("bandwidth, GB/s (log scale)"));
-        assert!(svg.contains("2026-11-23"));
-        assert!(svg.contains("h&lt;1&gt;"), "the host name is escaped");
-        for p in paths {
-            assert!(svg.contains(&format!(">{p}</text>")), "legend entry for {p}");
+        // plotters writes each text on a line of its own.
+        for label in ["h2d_pinned", "store_pinned_to_device", "4 KiB", "1 MiB", "1 GiB", "10"] {
+            assert!(svg.contains(&format!("\n{label}\n</text>")), "{label} in the plot");
         }
-        assert_eq!(svg.matches("<polyline").count(), 3);
-        for tick in ["4 KiB", "1 MiB", "1 GiB"] {
-            assert!(svg.contains(&format!(">{tick}</text>")), "tick {tick}");
-        }
-        assert!(svg.contains("stroke-dasharray=\"7 4\""), "store paths are dashed");
-        // Every tag opened is closed (a cheap well-formedness check).
-        assert_eq!(svg.matches("<g").count(), svg.matches("</g>").count());
+        assert!(svg.contains("GB/s (10^9 bytes/s, log scale)"));
+        // Solid polyline for the raw path, dashes for the store path; markers at each point.
+        assert!(svg.matches("<polyline").count() >= 2, "lines drawn");
+        assert!(svg.matches("<circle").count() >= 3 && svg.contains("<rect"), "markers drawn");
+        // An empty report still gives a plot (axes, no lines).
+        assert!(svg_plot(&Report::default()).unwrap().contains("</svg>"));
     }
 
     #[test]
-    fn degenerate_reports_still_plot() {
-        let one = svg_plot(&report(&["host_memcpy"], &[4096]));
-        assert!(one.contains("<circle") && !one.contains("<polyline"));
-        let none = svg_plot(&report(&[], &[]));
-        assert!(none.contains("nothing was measured"));
-        let mut zero = report(&["x"], &[4096]);
-        zero.results[0].gbps = 0.0;
-        assert!(!svg_plot(&zero).contains("NaN"));
+    fn tick_labels_are_round() {
+        assert_eq!(size_label(&12.0), "4 KiB");
+        assert_eq!(size_label(&12.5), "");
+        assert_eq!(gbps_label(&0.1), "0.1");
+        assert_eq!(gbps_label(&10.0), "10");
+        assert_eq!(gbps_label(&2.5), "2.5");
     }
 
     #[test]
-    fn ticks_and_styles() {
-        // 4 KiB .. 1 GiB: every other power of two, 10 ticks.
-        assert_eq!(x_ticks(12.0, 30.0), vec![12, 14, 16, 18, 20, 22, 24, 26, 28, 30]);
-        assert_eq!(x_ticks(12.0, 20.0), (12..=20).collect::<Vec<_>>());
-        assert!(x_ticks(12.2, 12.8).is_empty());
-        assert_eq!(fmt_decade(-2), "0.01");
-        assert_eq!(fmt_decade(3), "1000");
-        let names: Vec<String> = (0..12).map(|i| format!("p{i}")).collect();
-        let refs: Vec<&str> = names.iter().map(String::as_str).collect();
-        let st = styles(&refs);
-        assert!(st[0].dash.is_none() && st[10].dash.is_some());
-        assert_eq!(st[0].color, st[10].color);
+    fn styles_tell_raw_from_store_paths() {
+        let s = styles(&["h2d_pinned", "store_disk_to_device", "d2h_pinned"]);
+        assert!(s[0].dash.is_none() && !s[0].square);
+        assert!(s[1].dash.is_some() && s[1].square);
+        assert_eq!(s[0].color, PALETTE[0]);
+        assert_eq!(s[2].color, PALETTE[1]);
+        assert_eq!(s[1].color, PALETTE[0]);
     }
 }
