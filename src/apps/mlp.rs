@@ -493,8 +493,13 @@ fn result(cfg: &MlpConfig, net: &Net) -> Result<Vec<bf16>> {
 pub fn run(cfg: &MlpConfig, mut progress: impl FnMut(&str) -> Result<()>) -> Result<MlpReport> {
     cfg.check()?;
     let t0 = Instant::now();
-    // With --simulate a small model runs, timed (and its bytes counted) as `cfg`'s.
+    // With --simulate a small model runs, timed (and its bytes counted) as `cfg`'s; every line
+    // says so.
     let (data, sim) = cfg.data_model();
+    let mut progress = |line: &str| match sim {
+        Some(_) => progress(&simulated(line)),
+        None => progress(line),
+    };
     let scale = sim.map_or(1.0, |s| s.bytes_scale);
     let big = |b: u64| (b as f64 * scale).round() as u64;
     let w = weights(&data);
@@ -513,8 +518,8 @@ pub fn run(cfg: &MlpConfig, mut progress: impl FnMut(&str) -> Result<()>) -> Res
     ))?;
     if sim.is_some() {
         progress(&format!(
-            "simulated: runs [{h}, {h}] layers with {} rows, timed as the model above on the \
-             simulated machine (strata::Simulation)",
+            "runs [{h}, {h}] layers with {} rows, timed as the model above on the simulated \
+             machine (strata::Simulation): times are not measurements",
             data.rows,
             h = data.hidden
         ))?;
@@ -663,9 +668,26 @@ pub fn run(cfg: &MlpConfig, mut progress: impl FnMut(&str) -> Result<()>) -> Res
     })
 }
 
+/// `line` marked as simulated: `simulated: ` before each of its lines.
+fn simulated(line: &str) -> String {
+    line.lines().map(|l| format!("simulated: {l}")).collect::<Vec<_>>().join("\n")
+}
+
 impl std::fmt::Display for MlpReport {
-    /// The closing lines: floors, the ratio, and the check against the resident run.
+    /// The closing lines: floors, the ratio, and the check against the resident run (each
+    /// marked `simulated: ` when the times are).
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut text = String::new();
+        self.write_lines(&mut text)?;
+        if self.simulated {
+            text = simulated(&text);
+        }
+        f.write_str(&text)
+    }
+}
+
+impl MlpReport {
+    fn write_lines(&self, f: &mut impl std::fmt::Write) -> std::fmt::Result {
         if let Some(c) = self.compute_seconds {
             writeln!(f, "compute floor (all resident): {:.2} ms", c * 1e3)?;
         }

@@ -570,6 +570,17 @@ fn run_typed<T: Element>(
     inputs: &Inputs,
     progress: &mut impl FnMut(&str) -> Result<()>,
 ) -> Result<TrainReport> {
+    // The plan, before anything is allocated: where the accounting puts each group under this
+    // run's budgets (device first; the store then streams what does not stay).
+    let engine = if cfg.all_engines { Engine::Auto } else { cfg.engine };
+    let planned = memory_plan(cfg, inputs, T::DTYPE, budgets(cfg, inputs, T::DTYPE, engine));
+    progress(planned.to_string().trim_end())?;
+    let acts = activation_bytes(cfg, inputs, T::DTYPE);
+    progress(&format!(
+        "activations: {} stored ({:?}), beside the plan",
+        format_size(acts),
+        cfg.activations
+    ))?;
     let mut compute = None;
     if cfg.compare {
         match train_once::<T>(cfg, inputs, Engine::Cpu, Phase::Floor, progress) {
@@ -674,9 +685,36 @@ fn activation_bytes(cfg: &TrainConfig, inputs: &Inputs, dtype: DType) -> u64 {
     (1..inputs.layers).filter(|&i| stored(cfg.activations, k, i)).count() as u64 * per
 }
 
-/// Bytes per group `strata inspect`'s accounting predicts for this model (parameters,
-/// gradients, optimizer state); activations by this module's count.
-fn predict(cfg: &TrainConfig, inputs: &Inputs, dtype: DType, acts: u64) -> [u64; 5] {
+/// The run's tier budgets `[device, pinned, mapped, disk]` for `engine`: the ones given, or room
+/// for everything host-side (GpuMapped keeps the optimizer state in Mapped only; every other
+/// engine may put it in Pinned).
+fn budgets(cfg: &TrainConfig, inputs: &Inputs, dtype: DType, engine: Engine) -> [u64; 4] {
+    let elems = (inputs.layers * inputs.hidden * inputs.hidden) as u64;
+    let model = inputs.layers as u64 * inputs.layer_bytes(dtype);
+    let grad_dtype = if cfg.accumulate > 1 { DType::F32 } else { dtype };
+    let grads = elems * grad_dtype.size_of() as u64;
+    let master = if dtype == DType::F32 { 0 } else { 4 * elems };
+    let state = master + 4 * cfg.algorithm().moments() as u64 * elems;
+    let acts = activation_bytes(cfg, inputs, dtype);
+    let slack = 1 << 20;
+    let host_state = if engine == Engine::GpuMapped { 0 } else { state };
+    let pinned = cfg.pinned_budget.unwrap_or(model + grads + acts + host_state + slack);
+    let mapped = match (engine, cfg.mapped_budget) {
+        (_, Some(m)) => m,
+        (Engine::GpuMapped | Engine::Auto, None) => state + slack,
+        _ => 0,
+    };
+    [cfg.device_budget, pinned, mapped, model + grads + acts + state + slack]
+}
+
+/// `strata::plan`'s plan of this model's parameters, gradients and optimizer state under
+/// `budgets` (the same accounting `strata inspect --train` prints).
+fn memory_plan(
+    cfg: &TrainConfig,
+    inputs: &Inputs,
+    dtype: DType,
+    budgets: [u64; 4],
+) -> plan::MemoryPlan {
     let tensors: Vec<TensorEntry> = (0..inputs.layers)
         .map(|i| {
             TensorEntry::new(
@@ -686,10 +724,10 @@ fn predict(cfg: &TrainConfig, inputs: &Inputs, dtype: DType, acts: u64) -> [u64;
             )
         })
         .collect();
-    let p = plan::plan(
+    plan::plan(
         &tensors,
         &PlanConfig {
-            budgets: [u64::MAX / 8; 4],
+            budgets,
             optimizer: match cfg.optimizer {
                 OptimizerKind::Sgd => plan::Optimizer::PlainSgd,
                 OptimizerKind::AdamW => plan::Optimizer::Adam,
@@ -697,7 +735,13 @@ fn predict(cfg: &TrainConfig, inputs: &Inputs, dtype: DType, acts: u64) -> [u64;
             train: true,
             fp32_grads: cfg.accumulate > 1,
         },
-    );
+    )
+}
+
+/// Bytes per group `strata inspect`'s accounting predicts for this model (parameters,
+/// gradients, optimizer state); activations by this module's count.
+fn predict(cfg: &TrainConfig, inputs: &Inputs, dtype: DType, acts: u64) -> [u64; 5] {
+    let p = memory_plan(cfg, inputs, dtype, [u64::MAX / 8; 4]);
     let mut out = [0u64; 5];
     out[Group::Param.index()] = p.parameters().bytes;
     out[Group::Grad.index()] = p.gradients().bytes;
@@ -738,6 +782,19 @@ fn t_bytes<T: Element>(v: &[T]) -> Vec<u8> {
     b
 }
 
+/// The progress bar of putting `n` layers into the store (hidden where stderr is not a
+/// terminal).
+fn putting_bar(n: usize, floor: bool) -> indicatif::ProgressBar {
+    let bar = indicatif::ProgressBar::new(n as u64);
+    if let Ok(style) = indicatif::ProgressStyle::with_template(
+        "{msg} [{bar:30}] {pos}/{len} layers ({elapsed}, eta {eta})",
+    ) {
+        bar.set_style(style.progress_chars("=> "));
+    }
+    bar.set_message(if floor { "all-resident copy" } else { "putting the model" });
+    bar
+}
+
 fn train_once<T: Element>(
     cfg: &TrainConfig,
     inputs: &Inputs,
@@ -750,12 +807,8 @@ fn train_once<T: Element>(
     let lb = inputs.layer_bytes(T::DTYPE);
     let model = layers as u64 * lb;
     let alg = cfg.algorithm();
-    let elems = (layers * h * h) as u64;
     let acts = activation_bytes(cfg, inputs, T::DTYPE);
     let grad_dtype = if cfg.accumulate > 1 { DType::F32 } else { T::DTYPE };
-    let grads = elems * grad_dtype.size_of() as u64;
-    let master = if T::DTYPE == DType::F32 { 0 } else { 4 * elems };
-    let state = master + 4 * alg.moments() as u64 * elems;
     let slack = 1 << 20;
     let floor = phase == Phase::Floor;
     // Prefetches ahead of the scopes, but never so many that the layer in use, its gradient and
@@ -769,16 +822,9 @@ fn train_once<T: Element>(
     if cfg.host {
         b = b.host_backend();
     }
-    let device = if floor { model + acts + 2 * lb + slack } else { cfg.device_budget };
-    // GpuMapped keeps the state in Mapped only; every other engine may put it in Pinned.
-    let host_state = if engine == Engine::GpuMapped { 0 } else { state };
-    let pinned = cfg.pinned_budget.unwrap_or(model + grads + acts + host_state + slack);
-    let mapped = match (engine, cfg.mapped_budget) {
-        (_, Some(m)) => m,
-        (Engine::GpuMapped | Engine::Auto, None) if !floor => state + slack,
-        _ => 0,
-    };
-    let disk = model + grads + acts + state + slack;
+    let [budget, pinned, mapped, disk] = budgets(cfg, inputs, T::DTYPE, engine);
+    let device = if floor { model + acts + 2 * lb + slack } else { budget };
+    let mapped = if floor && cfg.mapped_budget.is_none() { 0 } else { mapped };
     b = b
         .capacity(Tier::Device, device)
         .capacity(Tier::Pinned, if floor { 0 } else { pinned })
@@ -791,9 +837,13 @@ fn train_once<T: Element>(
     let la = Linalg::new(&store, &s)?;
     let backend = store.backend_description();
 
-    // Weights: the compute copy in the store, f32 masters set from the exact inputs.
+    // Weights: the compute copy in the store, f32 masters set from the exact inputs. Putting a
+    // large model takes a while: a bar on stderr (where it is a terminal) counts the layers.
+    let masters = !floor && T::DTYPE != DType::F32;
+    let bar = putting_bar(layers * if masters { 2 } else { 1 }, floor);
     let mut ids = Vec::with_capacity(layers);
     for (i, w) in inputs.weights.iter().enumerate() {
+        bar.inc(1);
         let bytes = t_bytes(&to_t::<T>(w));
         let name = format!("layers.{i}.weight");
         let id = if floor {
@@ -825,13 +875,17 @@ fn train_once<T: Element>(
             device_bytes: resident + if cfg.activations == Activations::Keep { acts } else { 0 },
         };
         let mut o = Optimizer::new(store.clone(), &s, &ids, oc)?;
-        if T::DTYPE != DType::F32 {
+        if masters {
+            bar.set_message("fp32 master weights");
             for (i, w) in inputs.weights.iter().enumerate() {
+                bar.inc(1);
                 o.load_master(i, w)?;
             }
         }
         Some(o)
     };
+    bar.finish_and_clear();
+    tracing::info!(layers, floor, seconds = bar.elapsed().as_secs_f64(), "model in the store");
     let engine_used = opt.as_ref().map_or(engine, Optimizer::engine);
     let choice = opt.as_ref().and_then(|o| o.choice()).map(|c| c.to_string());
     if let Some(c) = &choice {
@@ -962,14 +1016,23 @@ fn train_once<T: Element>(
             stall_seconds: after.stall_seconds - before.stall_seconds,
         };
         if !floor {
+            // What each group holds on the device now, beside the plan printed at the start.
+            let dev = store.bytes_by_group(Tier::Device);
+            let on_device: Vec<String> =
+                [Group::Param, Group::Grad, Group::OptimizerState, Group::Activation]
+                    .into_iter()
+                    .map(|g| format!("{} {}", g.name(), format_size(dev[g.index()])))
+                    .collect();
             progress(&format!(
-                "step {:>3}: {:>9.2} ms  loss {:<12.6e} h2d {:>10}  d2h {:>10}  stall {:>8.2} ms",
+                "step {:>3}: {:>9.2} ms  loss {:<12.6e} h2d {:>10}  d2h {:>10}  stall {:>8.2} ms  \
+                 on device: {}",
                 step + 1,
                 seconds * 1e3,
                 loss,
                 format_size(r.h2d_bytes),
                 format_size(r.d2h_bytes),
-                r.stall_seconds * 1e3
+                r.stall_seconds * 1e3,
+                on_device.join(", ")
             ))?;
         }
         steps.push(r);
