@@ -13,6 +13,7 @@
 use std::time::Instant;
 
 use half::bf16;
+use strata::apps::args::{self, DTypeArg};
 use strata::optim::{
     cpu_update, host_copy_bandwidth, host_update_bandwidth, update_bytes, AdamW, Algorithm,
     GradSlice,
@@ -20,37 +21,27 @@ use strata::optim::{
 use strata::probe::median;
 use strata::DType;
 
+/// The Cpu engine's AdamW step against the host memory-bandwidth bound.
+#[derive(clap::Parser)]
+struct Args {
+    /// Parameters updated per step.
+    #[arg(long, default_value = "100000000", value_parser = args::count, allow_negative_numbers = true)]
+    params: usize,
+    /// Threads of the step; 0: every core.
+    #[arg(long, default_value = "0", value_parser = args::count0, allow_negative_numbers = true)]
+    threads: usize,
+    /// Steps; the first is a warm-up (at least 2).
+    #[arg(long, default_value = "10", value_parser = clap::value_parser!(u64).range(2..), allow_negative_numbers = true)]
+    steps: u64,
+    /// f32: fp32 parameters and gradients; bf16: bf16 gradients in, fp32 master weights and
+    /// moments, a bf16 compute copy out.
+    #[arg(long, value_enum, default_value = "f32")]
+    dtype: DTypeArg,
+}
+
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let mut params = 100_000_000usize;
-    let mut threads = 0usize;
-    let mut steps = 10usize;
-    let mut dtype = DType::F32;
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let mut it = args.iter();
-    while let Some(flag) = it.next() {
-        let v = it.next().ok_or(format!("{flag} needs a value"))?;
-        match flag.as_str() {
-            "--params" => params = v.parse()?,
-            "--threads" => threads = v.parse()?,
-            "--steps" => steps = v.parse()?,
-            "--dtype" => {
-                dtype = match v.as_str() {
-                    "f32" => DType::F32,
-                    "bf16" => DType::BF16,
-                    _ => return Err(format!("--dtype {v}: f32 or bf16").into()),
-                }
-            }
-            _ => {
-                return Err(format!(
-                    "unknown flag {flag} (--params N --threads T --steps S --dtype f32|bf16)"
-                )
-                .into())
-            }
-        }
-    }
-    if steps < 2 || params == 0 {
-        return Err("--steps must be at least 2 (the first is a warm-up), --params > 0".into());
-    }
+    let a = <Args as clap::Parser>::parse();
+    let (params, threads, steps, dtype) = (a.params, a.threads, a.steps as usize, a.dtype.dtype());
     let threads = if threads == 0 {
         std::thread::available_parallelism().map_or(1, |n| n.get())
     } else {

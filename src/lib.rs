@@ -32,18 +32,22 @@
 //! | tiers | arenas and their leases, the extent allocator, staging, the disk slab, user files | `tiers/` |
 //! | backend | host emulation (optionally in simulated time) or CUDA; events, streams | `backend/` |
 //!
-//! Built on the store: [`optim`] (SGD and AdamW over store tensors), [`linalg`] and [`kernels`]
-//! (the GEMMs and kernels the examples use), [`plan`], [`mlp`] and [`train`] (the out-of-core
-//! examples), [`bench`] (`strata bench`).
+//! Built on the store, in the library: [`optim`] (SGD and AdamW over store tensors), [`linalg`]
+//! and [`kernels`] (GEMMs and kernels over views), [`probe`] (raw transfer measurements),
+//! [`plan`] (memory plans of a tensor file). Behind the `cli` feature (on by default):
+//! `strata::apps`, what the `strata` binary runs (the bench, the MLP and trainer demos), with
+//! their dependencies (clap, indicatif, plotters, csv; `docs/dependencies.md`). Everything else
+//! builds with `default-features = false`.
 
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]
 
 mod api;
+#[cfg(feature = "cli")]
+pub mod apps;
 mod backend;
-pub mod bench;
+mod error;
 pub mod failpoint;
-mod flags;
 mod migrate;
 mod placement;
 mod residency;
@@ -54,11 +58,8 @@ mod trace;
 mod types;
 pub use backend::sim::{LinkSharing, Simulation};
 pub use backend::{kernels, linalg, optim, probe};
-pub mod mlp;
 pub mod plan;
 pub use placement::policy;
-mod error;
-pub mod train;
 
 pub use api::{
     DeviceView, HostView, LayerScope, LoadOptions, MappedView, Stats, Store, StoreBuilder, Stream,

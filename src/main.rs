@@ -1,12 +1,15 @@
 //! The `strata` command line: `strata demo`, `bench`, `train-demo`, `inspect` (a tensor file's
 //! tensors and a memory plan) and `load` (a tensor file into a store).
 
+use std::io::Write as _;
 use std::process::ExitCode;
 use std::time::Instant;
 
+use clap::builder::{PossibleValue, TypedValueParser};
 use clap::{Parser, Subcommand};
+use strata::apps::args::{self, TrainDemoArgs};
 use strata::plan::{Bandwidths, Optimizer, PlanConfig};
-use strata::{format_size, parse_size, DType, LoadOptions, PolicyKind, Store, Tier};
+use strata::{format_size, DType, LoadOptions, PolicyKind, Store, Tier};
 
 #[derive(Parser)]
 #[command(
@@ -15,6 +18,9 @@ use strata::{format_size, parse_size, DType, LoadOptions, PolicyKind, Store, Tie
     about = "A tiered tensor store: GPU HBM, pinned, mapped and NVMe tiers"
 )]
 struct Cli {
+    /// Log what strata does on stderr: -v its steps, -vv details (RUST_LOG overrides).
+    #[arg(short, long, action = clap::ArgAction::Count, global = true)]
+    verbose: u8,
     #[command(subcommand)]
     cmd: Cmd,
 }
@@ -31,25 +37,18 @@ enum Cmd {
     /// CSV, JSON and an SVG plot on request. Without a GPU: the host and disk paths only.
     Bench(BenchArgs),
     /// Out-of-core training and inference of an MLP whose state lives in a store with a device
-    /// budget smaller than the model. `--mode train`: relu MLP with a squared-error loss, SGD or
-    /// AdamW with fp32 master weights and moments in the store, on the cpu, gpu-mapped,
-    /// gpu-resident or auto engine (or all), activations kept, offloaded or recomputed, inputs
-    /// from safetensors files: flags --layers L --hidden H --rows R --steps N --lr X
-    /// --optimizer sgd|adamw --engine E|all --accumulate N --dtype f32|bf16
-    /// --activations keep|offload|recompute --checkpoint-every K --init FILE --data FILE
-    /// --save FILE --device-budget SIZE --pinned-budget SIZE --mapped-budget SIZE --host.
-    /// `--mode forward` (default) and `--mode train --optimizer device-sgd`: the bf16 benchmark
-    /// loop (flags --hints on|off --ahead K --prefetch-budget SIZE --weights-in pinned|disk ...).
-    /// Quick checks without a GPU: `strata train-demo --mode train --layers 4 --hidden 64
-    /// --rows 8 --device-budget 64KiB --host`.
-    TrainDemo {
-        /// The flags above.
-        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
-        args: Vec<String>,
-    },
+    /// budget smaller than the model. `--mode train`: the trainer (relu MLP, squared-error loss,
+    /// SGD or AdamW with fp32 master weights and moments in the store, activations kept,
+    /// offloaded or recomputed, inputs from safetensors files). `--mode forward` (default) and
+    /// `--mode train --optimizer device-sgd`: the bf16 benchmark loop against its compute and
+    /// PCIe floors, also in simulated time (`--simulate h100`). Quick check without a GPU:
+    /// `strata train-demo --mode train --layers 4 --hidden 64 --rows 8 --device-budget 64KiB
+    /// --host`.
+    TrainDemo(Box<TrainDemoArgs>),
     /// Lists the tensors of a .safetensors file (name, dtype, shape, bytes) and their totals
     /// without reading the data, then a memory plan: parameters, gradients (--train) and
-    /// optimizer state (--train --optimizer sgd|adam) placed device first under the budgets, and
+    /// optimizer state (--train --optimizer sgd|sgd-momentum|adamw) placed device first under the
+    /// budgets, and
     /// the predicted transfer time per step from `strata bench --json` results (--bench) or a
     /// brief measurement. See docs/inspect.md for the accounting and the formula.
     Inspect(InspectArgs),
@@ -64,16 +63,16 @@ enum Cmd {
 #[derive(clap::Args)]
 struct Budgets {
     /// Device tier budget (units: 4096, 24KiB, 1MiB, 1GiB; 0 disables the tier).
-    #[arg(long, default_value = "1GiB", value_parser = size)]
+    #[arg(long, default_value = "1GiB", value_parser = args::size)]
     device_budget: u64,
     /// Pinned tier budget.
-    #[arg(long, default_value = "1GiB", value_parser = size)]
+    #[arg(long, default_value = "1GiB", value_parser = args::size)]
     pinned_budget: u64,
     /// Mapped tier budget.
-    #[arg(long, default_value = "256MiB", value_parser = size)]
+    #[arg(long, default_value = "256MiB", value_parser = args::size)]
     mapped_budget: u64,
     /// Disk tier budget (the store's own file; tensors loaded in place do not use it).
-    #[arg(long, default_value = "64GiB", value_parser = size)]
+    #[arg(long, default_value = "64GiB", value_parser = args::size)]
     disk_budget: u64,
 }
 
@@ -90,9 +89,10 @@ struct InspectArgs {
     file: std::path::PathBuf,
     #[command(flatten)]
     budgets: Budgets,
-    /// Optimizer whose state is counted with --train: none, sgd (momentum), adam, or sgd-plain
-    /// (no momentum: strata::optim's SGD).
-    #[arg(long, default_value = "none")]
+    /// Optimizer whose state is counted with --train, named as train-demo names them: none, sgd
+    /// (no momentum, as train-demo's and strata::optim's; alias sgd-plain), sgd-momentum (one
+    /// fp32 buffer), adamw (two fp32 moments; alias adam).
+    #[arg(long, default_value = "none", value_parser = optimizer())]
     optimizer: Optimizer,
     /// Plan for training steps (gradients, optimizer state) rather than forward passes.
     #[arg(long)]
@@ -112,8 +112,8 @@ struct LoadArgs {
     file: std::path::PathBuf,
     #[command(flatten)]
     budgets: Budgets,
-    /// Copy every tensor into this tier (device, pinned, mapped or disk) [default: in place].
-    #[arg(long, value_name = "TIER")]
+    /// Copy every tensor into this tier [default: in place].
+    #[arg(long, value_parser = args::tier())]
     copy_to: Option<Tier>,
     /// Use the host backend even when a GPU is present.
     #[arg(long)]
@@ -123,28 +123,28 @@ struct LoadArgs {
 #[derive(clap::Args)]
 struct DemoArgs {
     /// Layers of the synthetic model (each a weight matrix and a bias).
-    #[arg(long, default_value_t = 12)]
+    #[arg(long, default_value = "12", value_parser = args::count, allow_negative_numbers = true)]
     layers: usize,
     /// Size of each layer's weight (units: 4096, 24KiB, 1MiB, 1GiB).
-    #[arg(long, default_value = "2MiB", value_parser = size)]
+    #[arg(long, default_value = "2MiB", value_parser = args::size)]
     layer_size: u64,
     /// Passes over the model (each forward 0..L then backward L..0).
-    #[arg(long, default_value_t = 3)]
+    #[arg(long, default_value = "3", value_parser = args::count, allow_negative_numbers = true)]
     passes: usize,
     /// Device tier budget.
-    #[arg(long, default_value = "6MiB", value_parser = size)]
+    #[arg(long, default_value = "6MiB", value_parser = args::size)]
     device_budget: u64,
     /// Pinned tier budget.
-    #[arg(long, default_value = "6MiB", value_parser = size)]
+    #[arg(long, default_value = "6MiB", value_parser = args::size)]
     pinned_budget: u64,
     /// Mapped tier budget.
-    #[arg(long, default_value = "4MiB", value_parser = size)]
+    #[arg(long, default_value = "4MiB", value_parser = args::size)]
     mapped_budget: u64,
     /// Disk tier budget.
-    #[arg(long, default_value = "1GiB", value_parser = size)]
+    #[arg(long, default_value = "1GiB", value_parser = args::size)]
     disk_budget: u64,
-    /// Eviction policy: frequency or lru.
-    #[arg(long, default_value = "frequency")]
+    /// Eviction policy (schedule: learns the repeating access order and prefetches along it).
+    #[arg(long, default_value = "frequency", value_parser = args::policy())]
     policy: PolicyKind,
     /// Use the host backend even when a GPU is present.
     #[arg(long)]
@@ -154,19 +154,19 @@ struct DemoArgs {
 #[derive(clap::Args)]
 struct BenchArgs {
     /// Sizes to sweep, comma-separated, with units.
-    #[arg(long, default_value = strata::bench::DEFAULT_SIZES)]
+    #[arg(long, default_value = strata::apps::bench::DEFAULT_SIZES)]
     sizes: String,
     /// Timed runs per path and size [default: 20 up to 16 MiB, 5 above].
-    #[arg(long)]
+    #[arg(long, value_parser = args::count, allow_negative_numbers = true)]
     reps: Option<usize>,
     /// Write the results as CSV (path,size_bytes,gbps,median_s,reps).
-    #[arg(long, value_name = "FILE")]
+    #[arg(long, value_name = "FILE", value_parser = args::output)]
     csv: Option<std::path::PathBuf>,
     /// Write the results and a description of the machine as JSON.
-    #[arg(long, value_name = "FILE")]
+    #[arg(long, value_name = "FILE", value_parser = args::output)]
     json: Option<std::path::PathBuf>,
-    /// Write a plot of bandwidth against size as SVG.
-    #[arg(long, value_name = "FILE.svg")]
+    /// Write a plot of bandwidth against size as SVG (the name must end in .svg).
+    #[arg(long, value_name = "FILE.svg", value_parser = args::svg_output)]
     plot: Option<std::path::PathBuf>,
     /// Host and disk paths only (the store on its host backend), even with a GPU present.
     #[arg(long)]
@@ -180,37 +180,77 @@ struct BenchArgs {
     paths: Option<String>,
 }
 
-fn bench(a: BenchArgs) -> Result<(), Box<dyn std::error::Error>> {
-    let options = strata::bench::Options {
-        sizes: strata::bench::parse_sizes(&a.sizes)?,
+fn bench(a: BenchArgs) -> anyhow::Result<()> {
+    let options = strata::apps::bench::Options {
+        sizes: strata::apps::bench::parse_sizes(&a.sizes)?,
         reps: a.reps,
         host_only: a.host,
         disk_dir: a.disk_dir,
-        paths: a.paths.as_deref().map(strata::bench::parse_paths).transpose()?,
+        paths: a.paths.as_deref().map(strata::apps::bench::parse_paths).transpose()?,
         progress: true,
     };
-    let cmd = strata::bench::Command { options, csv: a.csv, json: a.json, plot: a.plot };
+    let cmd = strata::apps::bench::Command { options, csv: a.csv, json: a.json, plot: a.plot };
     cmd.run()?;
     Ok(())
 }
 
-fn size(s: &str) -> Result<u64, String> {
-    parse_size(s).map_err(|e| e.to_string())
+/// A plan's optimizer, by train-demo's names (and the old ones as aliases).
+fn optimizer() -> impl clap::builder::TypedValueParser<Value = Optimizer> {
+    clap::builder::PossibleValuesParser::new([
+        PossibleValue::new("none"),
+        PossibleValue::new("sgd").alias("sgd-plain"),
+        PossibleValue::new("sgd-momentum"),
+        PossibleValue::new("adamw").alias("adam"),
+    ])
+    .try_map(|s| s.parse::<Optimizer>())
+}
+
+/// `println!` that returns the error of a closed stdout instead of panicking on it.
+macro_rules! out {
+    () => {
+        strata::apps::println("")
+    };
+    ($($t:tt)*) => {
+        strata::apps::println(&format!($($t)*))
+    };
+}
+
+/// `print!` likewise.
+macro_rules! out_raw {
+    ($($t:tt)*) => {
+        strata::apps::print(&format!($($t)*))
+    };
+}
+
+/// Logs to stderr: `RUST_LOG` when set (`RUST_LOG=strata=debug`), else warnings, `-v` strata's
+/// info events, `-vv` its debug events.
+fn init_logging(verbose: u8) {
+    let default = match verbose {
+        0 => "warn",
+        1 => "warn,strata=info",
+        _ => "warn,strata=debug",
+    };
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
+    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    init_logging(cli.verbose);
     let res = match cli.cmd {
         Cmd::Demo(a) => demo(a),
         Cmd::Bench(a) => bench(a),
-        Cmd::TrainDemo { args } => train_demo(&args),
+        Cmd::TrainDemo(args) => train_demo(&args),
         Cmd::Inspect(a) => inspect(a),
         Cmd::Load(a) => load(a),
     };
     match res {
         Ok(()) => ExitCode::SUCCESS,
+        // The reader of stdout went away (`strata inspect ... | head`): nothing is wrong.
+        Err(e) if e.chain().any(strata::apps::is_broken_pipe) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e}");
+            let _ = writeln!(std::io::stderr(), "error: {e}");
             ExitCode::FAILURE
         }
     }
@@ -229,7 +269,7 @@ fn contents(layer: usize, part: usize, len: usize) -> Vec<u8> {
         .collect()
 }
 
-fn demo(a: DemoArgs) -> Result<(), Box<dyn std::error::Error>> {
+fn demo(a: DemoArgs) -> anyhow::Result<()> {
     let mut b = Store::builder()
         .capacity(Tier::Device, a.device_budget)
         .capacity(Tier::Pinned, a.pinned_budget)
@@ -240,13 +280,13 @@ fn demo(a: DemoArgs) -> Result<(), Box<dyn std::error::Error>> {
         b = b.host_backend();
     }
     let store = b.build()?;
-    println!("strata demo");
-    println!("backend: {}", store.backend_description());
+    out!("strata demo")?;
+    out!("backend: {}", store.backend_description())?;
     let elems = (a.layer_size / 4).max(1) as usize;
     let hidden = (elems as f64).sqrt().max(1.0) as usize;
     let rows = elems.div_ceil(hidden);
     let model = a.layers as u64 * (rows * hidden * 4 + hidden * 4) as u64;
-    println!(
+    out!(
         "model: {} layers of f32 [{rows}, {hidden}] weights + [{hidden}] bias = {}; budgets: device {}, pinned {}, mapped {}, disk {}",
         a.layers,
         format_size(model),
@@ -254,7 +294,7 @@ fn demo(a: DemoArgs) -> Result<(), Box<dyn std::error::Error>> {
         format_size(a.pinned_budget),
         format_size(a.mapped_budget),
         format_size(a.disk_budget)
-    );
+    )?;
     let mut ids = Vec::new();
     let t0 = Instant::now();
     for l in 0..a.layers {
@@ -272,7 +312,7 @@ fn demo(a: DemoArgs) -> Result<(), Box<dyn std::error::Error>> {
         )?;
         ids.push((w, bias));
     }
-    println!("put {} tensors in {:.1} ms", 2 * a.layers, t0.elapsed().as_secs_f64() * 1e3);
+    out!("put {} tensors in {:.1} ms", 2 * a.layers, t0.elapsed().as_secs_f64() * 1e3)?;
     for pass in 0..a.passes {
         let before = store.stats();
         let t = Instant::now();
@@ -281,14 +321,12 @@ fn demo(a: DemoArgs) -> Result<(), Box<dyn std::error::Error>> {
             for (part, id) in [ids[l].0, ids[l].1].into_iter().enumerate() {
                 let got = store.read(id)?;
                 if got != contents(l, part, got.len()) {
-                    return Err(
-                        format!("layer {l} part {part}: contents differ after migration").into()
-                    );
+                    anyhow::bail!("layer {l} part {part}: contents differ after migration");
                 }
             }
         }
         let after = store.stats();
-        println!(
+        out!(
             "pass {}/{}: {} reads in {:.1} ms, hits {} misses {}, all bytes verified",
             pass + 1,
             a.passes,
@@ -296,34 +334,34 @@ fn demo(a: DemoArgs) -> Result<(), Box<dyn std::error::Error>> {
             t.elapsed().as_secs_f64() * 1e3,
             after.hits - before.hits,
             after.misses - before.misses
-        );
+        )?;
     }
-    println!();
-    println!("{}", store.stats());
+    out!()?;
+    out!("{}", store.stats())?;
     store.check_err()?;
     Ok(())
 }
 
-fn train_demo(args: &[String]) -> Result<(), Box<dyn std::error::Error>> {
-    println!("strata train-demo");
-    let outcome = strata::train::dispatch(args, |line| println!("{line}"))?;
-    println!("{outcome}");
-    if let strata::train::Outcome::Mlp(r) = &outcome {
+fn train_demo(args: &TrainDemoArgs) -> anyhow::Result<()> {
+    out!("strata train-demo")?;
+    let outcome = strata::apps::train::dispatch(args, strata::apps::println)?;
+    out!("{outcome}")?;
+    if let strata::apps::train::Outcome::Mlp(r) = &outcome {
         if r.matches_resident == Some(false) {
-            return Err("the out-of-core run differs from the all-resident run".into());
+            anyhow::bail!("the out-of-core run differs from the all-resident run");
         }
     }
     Ok(())
 }
 
-fn inspect(a: InspectArgs) -> Result<(), Box<dyn std::error::Error>> {
+fn inspect(a: InspectArgs) -> anyhow::Result<()> {
     let tensors = strata::plan::read_tensors(&a.file)?;
-    println!("strata inspect {}", a.file.display());
-    println!();
-    print!("{}", strata::plan::tensor_table(&tensors));
-    println!();
-    print!("{}", strata::plan::totals(&tensors));
-    println!();
+    out!("strata inspect {}", a.file.display())?;
+    out!()?;
+    out_raw!("{}", strata::plan::tensor_table(&tensors))?;
+    out!()?;
+    out_raw!("{}", strata::plan::totals(&tensors))?;
+    out!()?;
     let cfg = PlanConfig {
         budgets: a.budgets.array(),
         optimizer: a.optimizer,
@@ -331,11 +369,11 @@ fn inspect(a: InspectArgs) -> Result<(), Box<dyn std::error::Error>> {
         fp32_grads: a.fp32_grads,
     };
     let plan = strata::plan::plan(&tensors, &cfg);
-    print!("{plan}");
+    out_raw!("{plan}")?;
     if !a.train && a.optimizer != Optimizer::None {
-        println!("note: --optimizer {} counts only with --train", a.optimizer);
+        out!("note: --optimizer {} counts only with --train", a.optimizer)?;
     }
-    println!();
+    out!()?;
     let traffic = plan.traffic();
     let bw = match &a.bench {
         Some(path) => Bandwidths::from_bench_json(path)?,
@@ -345,14 +383,14 @@ fn inspect(a: InspectArgs) -> Result<(), Box<dyn std::error::Error>> {
             Bandwidths::measure(pcie, disk.then_some(a.file.as_path()))
         }
     };
-    print!("{}", plan.predict(&bw));
+    out_raw!("{}", plan.predict(&bw))?;
     for n in &bw.notes {
-        println!("  {n}");
+        out!("  {n}")?;
     }
     Ok(())
 }
 
-fn load(a: LoadArgs) -> Result<(), Box<dyn std::error::Error>> {
+fn load(a: LoadArgs) -> anyhow::Result<()> {
     let mut b = Store::builder();
     for (t, cap) in Tier::ALL.into_iter().zip(a.budgets.array()) {
         b = b.capacity(t, cap);
@@ -361,8 +399,8 @@ fn load(a: LoadArgs) -> Result<(), Box<dyn std::error::Error>> {
         b = b.host_backend();
     }
     let store = b.build()?;
-    println!("strata load {}", a.file.display());
-    println!("backend: {}", store.backend_description());
+    out!("strata load {}", a.file.display())?;
+    out!("backend: {}", store.backend_description())?;
     let t0 = Instant::now();
     let copy_to_disk = a.copy_to == Some(Tier::Disk);
     let opts = LoadOptions { copy_to: a.copy_to.filter(|_| copy_to_disk), ..Default::default() };
@@ -386,20 +424,20 @@ fn load(a: LoadArgs) -> Result<(), Box<dyn std::error::Error>> {
     let total: u64 = sizes.iter().sum();
     let secs = t0.elapsed().as_secs_f64();
     if copy_to_disk {
-        println!(
+        out!(
             "copied {} tensors ({}) into the disk tier in {:.1} ms ({:.2} GB/s)",
             loaded.len(),
             format_size(total),
             secs * 1e3,
             total as f64 / secs.max(1e-9) / 1e9
-        );
+        )?;
     } else {
-        println!(
+        out!(
             "loaded {} tensors ({}) in place in {:.1} ms: the disk tier refers to the mapped file",
             loaded.len(),
             format_size(total),
             secs * 1e3
-        );
+        )?;
     }
     if let Some(tier) = a.copy_to.filter(|_| !copy_to_disk) {
         // Tensor by tensor, so that the bar moves: each `move_to` copies one tensor from the
@@ -416,22 +454,22 @@ fn load(a: LoadArgs) -> Result<(), Box<dyn std::error::Error>> {
         for ((name, id), bytes) in loaded.iter().zip(&sizes) {
             if let Err(e) = store.move_to(*id, tier) {
                 bar.abandon();
-                return Err(format!("copying {name:?} into {tier}: {e}").into());
+                anyhow::bail!("copying {name:?} into {tier}: {e}");
             }
             bar.inc(*bytes);
         }
         bar.finish_and_clear();
         let secs = t.elapsed().as_secs_f64();
-        println!(
+        out!(
             "copied {} tensors ({}) into {tier} in {:.1} ms ({:.2} GB/s)",
             loaded.len(),
             format_size(total),
             secs * 1e3,
             total as f64 / secs.max(1e-9) / 1e9
-        );
+        )?;
     }
-    println!();
-    println!("{}", store.stats());
+    out!()?;
+    out!("{}", store.stats())?;
     store.check_err()?;
     Ok(())
 }

@@ -36,7 +36,7 @@
 //!   bf16), or 4 bytes per element with `fp32_grads` (accumulation over micro-batches);
 //!   integer and bool tensors (indices, masks, counters) are not trained.
 //! - **optimizer state** (with `train`), per element of the floating-point parameters: SGD with
-//!   momentum keeps one fp32 buffer (4 bytes), Adam two fp32 moments (8 bytes), `sgd-plain`
+//!   momentum keeps one fp32 buffer (4 bytes), Adam two fp32 moments (8 bytes), `sgd`
 //!   (no momentum, as `strata::optim`'s SGD) none; with 16-bit parameters (f16, bf16) each of
 //!   them also keeps fp32 master weights (4 bytes: mixed precision). `none` keeps nothing
 //!   (gradients only: no optimizer step).
@@ -54,7 +54,7 @@
 //! device (anything not placed counts as not on the device), and `P_d`, `G_d`, `S_d` the bytes
 //! of each on disk (the disk tier, and for `P` the file). The update runs on the GPU. Per step:
 //!
-//! | | forward only | training, `none` | training, `sgd`/`adam` |
+//! | | forward only | training, `none` | training, `sgd`/`sgd-momentum`/`adamw` |
 //! |---|---|---|---|
 //! | host → device | `P` | `2P` | `2P + G + S` |
 //! | device → host | 0 | `G` | `P + G + S` |
@@ -151,23 +151,25 @@ pub enum Optimizer {
     /// No optimizer state (gradients only).
     #[default]
     None,
-    /// SGD with momentum: one fp32 buffer per element.
+    /// SGD with momentum (`sgd-momentum`): one fp32 buffer per element.
     Sgd,
-    /// Adam: two fp32 moments per element.
+    /// Adam or AdamW (`adamw`, also read as `adam`): two fp32 moments per element.
     Adam,
-    /// SGD without momentum (`strata::optim`'s SGD): no moments, but fp32 master weights for
-    /// 16-bit parameters.
+    /// SGD without momentum (`sgd`, also read as `sgd-plain`: `strata::optim`'s SGD and
+    /// `strata train-demo --optimizer sgd`): no moments, but fp32 master weights for 16-bit
+    /// parameters.
     PlainSgd,
 }
 
 impl Optimizer {
-    /// Lower-case name, as printed and parsed.
+    /// Lower-case name, as printed and parsed: the names `strata train-demo --optimizer`
+    /// uses (`sgd` is SGD without momentum there and here).
     pub fn name(self) -> &'static str {
         match self {
             Optimizer::None => "none",
-            Optimizer::Sgd => "sgd",
-            Optimizer::Adam => "adam",
-            Optimizer::PlainSgd => "sgd-plain",
+            Optimizer::Sgd => "sgd-momentum",
+            Optimizer::Adam => "adamw",
+            Optimizer::PlainSgd => "sgd",
         }
     }
 
@@ -190,12 +192,20 @@ impl fmt::Display for Optimizer {
 impl std::str::FromStr for Optimizer {
     type Err = Error;
     fn from_str(s: &str) -> Result<Optimizer> {
+        let s = s.trim();
+        let alias = |a: &str| s.eq_ignore_ascii_case(a);
+        if alias("adam") {
+            return Ok(Optimizer::Adam);
+        }
+        if alias("sgd-plain") {
+            return Ok(Optimizer::PlainSgd);
+        }
         [Optimizer::None, Optimizer::Sgd, Optimizer::Adam, Optimizer::PlainSgd]
             .into_iter()
-            .find(|o| o.name().eq_ignore_ascii_case(s.trim()))
+            .find(|o| o.name().eq_ignore_ascii_case(s))
             .ok_or_else(|| {
                 Error::InvalidArgument(format!(
-                    "unknown optimizer {s:?} (none, sgd, adam or sgd-plain)"
+                    "unknown optimizer {s:?} (none, sgd, sgd-momentum or adamw)"
                 ))
             })
     }
@@ -856,11 +866,16 @@ mod tests {
 
     #[test]
     fn optimizer_parses_and_prints() {
+        // train-demo's names, and the old ones as aliases.
+        assert_eq!("adamw".parse::<Optimizer>().unwrap(), Optimizer::Adam);
         assert_eq!("ADAM".parse::<Optimizer>().unwrap(), Optimizer::Adam);
-        assert_eq!("sgd".parse::<Optimizer>().unwrap(), Optimizer::Sgd);
+        assert_eq!("sgd".parse::<Optimizer>().unwrap(), Optimizer::PlainSgd);
+        assert_eq!("sgd-plain".parse::<Optimizer>().unwrap(), Optimizer::PlainSgd);
+        assert_eq!("sgd-momentum".parse::<Optimizer>().unwrap(), Optimizer::Sgd);
         assert_eq!("none".parse::<Optimizer>().unwrap(), Optimizer::None);
         assert!("lion".parse::<Optimizer>().is_err());
-        assert_eq!(Optimizer::Adam.to_string(), "adam");
+        assert_eq!(Optimizer::Adam.to_string(), "adamw");
+        assert_eq!(Optimizer::PlainSgd.to_string(), "sgd");
     }
 
     #[test]
@@ -1001,20 +1016,6 @@ mod tests {
         assert!(Bandwidths::from_bench_json_str("not json", "x.json").is_err());
         let missing = Bandwidths::from_bench_json("/nonexistent/strata-bench.json");
         assert!(matches!(missing, Err(Error::Io { .. })));
-    }
-
-    #[test]
-    fn bench_json_written_by_the_bench_parses() {
-        use crate::bench::{Measurement, Report, Timer};
-        use crate::probe::Timing;
-        let mut r = Report::new(vec![1 << 20, 64 << 20], ["h2d_pinned".to_string()]);
-        for (size, secs) in [(1u64 << 20, 1e-4), (64 << 20, 2e-3)] {
-            let timing = Timing { seconds: vec![secs; 3], bytes: size };
-            r.results.push(Measurement::new("h2d_pinned", size, &timing, Timer::CudaEvents));
-        }
-        let bw = Bandwidths::from_bench_json_str(&r.to_json(), "r.json").unwrap();
-        let want = (64u64 << 20) as f64 / 2e-3 / 1e9;
-        assert!((bw.h2d_gbps.unwrap() - want).abs() < 1e-6 * want, "{bw:?}");
     }
 
     #[test]

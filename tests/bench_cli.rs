@@ -34,7 +34,7 @@ fn host_bench_writes_table_csv_json_and_plot() {
     let (csv, json, svg) =
         (dir.path().join("b.csv"), dir.path().join("b.json"), dir.path().join("b.svg"));
     let out = Command::new(strata_bin())
-        .args(["bench", "--host", "--sizes", "4KiB,1MiB", "--reps", "2"])
+        .args(["-v", "bench", "--host", "--sizes", "4KiB,1MiB", "--reps", "2"])
         .arg("--csv")
         .arg(&csv)
         .arg("--json")
@@ -55,7 +55,8 @@ fn host_bench_writes_table_csv_json_and_plot() {
         .starts_with("--host: measuring host and disk paths only"));
     assert!(stdout.contains("4 KiB") && stdout.contains("1 MiB"), "{stdout}");
     assert!(stdout.contains("store / raw"), "{stdout}");
-    assert!(stderr.contains("[1/"), "a progress line: {stderr}");
+    // Not a terminal: no progress bar, but with -v a log event per measurement.
+    assert!(stderr.contains("measuring") && stderr.contains("host_memcpy"), "{stderr}");
 
     let csv = std::fs::read_to_string(&csv).unwrap();
     let mut lines = csv.lines();
@@ -82,11 +83,13 @@ fn host_bench_writes_table_csv_json_and_plot() {
         assert!(json.contains(key), "{key} in {json}");
     }
     assert!(json.contains("\"gpu\": null"));
+    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    assert_eq!(v["results"].as_array().unwrap().len(), all.len() * 2);
 
     let svg = std::fs::read_to_string(&svg).unwrap();
     assert!(svg.starts_with("<svg"), "{}", &svg[..svg.len().min(200)]);
     for path in &all {
-        assert!(svg.contains(&format!(">{path}</text>")), "legend entry for {path}");
+        assert!(svg.contains(&format!("\n{path}\n</text>")), "legend entry for {path}");
     }
     // Nothing is left behind in the disk directory.
     assert_eq!(std::fs::read_dir(&disk).unwrap().count(), 0);
@@ -99,6 +102,10 @@ fn bad_arguments_fail_with_a_message() {
         &["bench", "--host", "--sizes", "0"],
         &["bench", "--host", "--reps", "0", "--sizes", "4KiB"],
         &["bench", "--host", "--paths", "warp_drive", "--sizes", "4KiB"],
+        // A directory no file can be created in (not even by root).
+        &["bench", "--host", "--sizes", "4KiB", "--reps", "1", "--disk-dir", "/proc"],
+        &["bench", "--host", "--sizes", "4KiB", "--csv", "/nonexistent-dir/b.csv"],
+        &["bench", "--host", "--sizes", "4KiB", "--plot", "b.png"],
     ] {
         let out = Command::new(strata_bin()).args(args).output().unwrap();
         let stderr = String::from_utf8_lossy(&out.stderr);

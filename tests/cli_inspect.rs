@@ -107,7 +107,7 @@ fn inspect_training_plan_counts_optimizer_state_and_uses_bench_results() {
         &file,
     );
     assert!(out.status.success(), "stdout:\n{stdout}\nstderr:\n{stderr}");
-    assert!(stdout.contains("memory plan: training, optimizer adam"), "{stdout}");
+    assert!(stdout.contains("memory plan: training, optimizer adamw"), "{stdout}");
     // bf16 [64, 32]: 2048 elements x (8 moments + 4 master) = 24 KiB; f32 [32]: 32 x 8 = 256 B.
     let state = stdout.lines().find(|l| l.starts_with("optimizer state")).unwrap();
     assert!(state.contains("24.25 KiB"), "{state}");

@@ -5,14 +5,14 @@
 //! (what waits for what, how many bytes cross), under the model `strata::Simulation` documents;
 //! the figures on a real GPU come from `examples/out_of_core.rs` on one (docs/benchmarks.md).
 
-use strata::mlp::{run, MlpConfig, MlpReport};
+use strata::apps::mlp::{run, MlpConfig, MlpReport};
 use strata::{DType, Error, Simulation, Store, Tier};
 
 fn simulate(flags: &[&str]) -> MlpReport {
     let mut args = vec!["--layers", "32", "--hidden", "8192", "--simulate", "h100", "--steps", "6"];
     args.extend_from_slice(flags);
     let cfg = MlpConfig::parse(&args).unwrap();
-    let report = run(&cfg, |_| {}).unwrap_or_else(|e| panic!("{flags:?}: {e}"));
+    let report = run(&cfg, |_| Ok(())).unwrap_or_else(|e| panic!("{flags:?}: {e}"));
     assert!(report.simulated);
     assert_eq!(report.matches_resident, Some(true), "{flags:?}: differs from the resident run");
     report

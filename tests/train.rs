@@ -1,4 +1,4 @@
-//! strata::train on the host backend: the loop against a plain reference written here, gradient
+//! strata::apps::train on the host backend: the loop against a plain reference written here, gradient
 //! accumulation, the three activation modes, the three optimizer engines, and bad input files.
 
 mod common;
@@ -7,7 +7,8 @@ use std::path::{Path, PathBuf};
 
 use safetensors::tensor::TensorView;
 use safetensors::Dtype;
-use strata::train::{load_init, run, Outcome, TrainConfig};
+use strata::apps::args::TrainDemoArgs;
+use strata::apps::train::{load_init, run, Outcome, TrainConfig};
 use strata::Error;
 
 fn write_file(path: &Path, tensors: &[(&str, Dtype, Vec<usize>, Vec<u8>)]) {
@@ -94,7 +95,7 @@ fn train_on(backend: common::Backend, f: &Files, extra: &[&str], out: &str) -> V
         args.push("--host".into());
     }
     let cfg = TrainConfig::parse(&args).unwrap();
-    let report = run(&cfg, |_| {}).unwrap();
+    let report = run(&cfg, |_| Ok(())).unwrap();
     assert_eq!(report.losses.len(), 4);
     load_init(&save).unwrap().1
 }
@@ -259,7 +260,7 @@ fn bf16_compute_trains_and_saves_f32_masters() {
 
 fn expect_bad(args: &[&str], tensor: Option<&str>) {
     let cfg = TrainConfig::parse(args).unwrap();
-    match run(&cfg, |_| {}) {
+    match run(&cfg, |_| Ok(())) {
         Err(Error::BadFile { tensor: t, .. }) => assert_eq!(t.as_deref(), tensor, "{args:?}"),
         other => panic!("{args:?}: want BadFile naming {tensor:?}, got {other:?}"),
     }
@@ -312,7 +313,7 @@ fn bad_inputs_are_typed_errors_naming_the_tensor() {
     expect_bad(&["--init", &s("junk.safetensors"), "--host"], None);
     // A missing file is an I/O error naming the path.
     let cfg = TrainConfig::parse(["--init", "/nonexistent/w.safetensors", "--host"]).unwrap();
-    assert!(matches!(run(&cfg, |_| {}), Err(Error::Io { .. })));
+    assert!(matches!(run(&cfg, |_| Ok(())), Err(Error::Io { .. })));
 }
 
 #[test]
@@ -333,7 +334,7 @@ fn keep_that_cannot_fit_says_so() {
         "off",
     ])
     .unwrap();
-    match run(&cfg, |_| {}) {
+    match run(&cfg, |_| Ok(())) {
         Err(Error::InvalidArgument(m)) => assert!(m.contains("--activations keep"), "{m}"),
         other => panic!("want a clear error, got {other:?}"),
     }
@@ -356,21 +357,21 @@ fn keep_that_cannot_fit_says_so() {
         "2",
     ])
     .unwrap();
-    run(&cfg, |_| {}).unwrap();
+    run(&cfg, |_| Ok(())).unwrap();
 }
 
 #[test]
 fn the_example_entry_point_dispatches_by_mode() {
-    let args = |s: &str| s.split_whitespace().map(str::to_string).collect::<Vec<_>>();
-    let t = strata::train::dispatch(
+    let args = |s: &str| TrainDemoArgs::try_parse(s.split_whitespace()).unwrap();
+    let t = strata::apps::train::dispatch(
         &args("--mode train --layers 2 --hidden 16 --rows 4 --steps 2 --device-budget 1MiB --host"),
-        |_| {},
+        |_| Ok(()),
     )
     .unwrap();
     assert!(matches!(t, Outcome::Train(_)));
-    let m = strata::train::dispatch(
+    let m = strata::apps::train::dispatch(
         &args("--mode train --optimizer device-sgd --layers 2 --hidden 16 --rows 4 --steps 2 --device-budget 24KiB --host"),
-        |_| {},
+        |_| Ok(()),
     )
     .unwrap();
     assert!(matches!(m, Outcome::Mlp(ref r) if r.matches_resident == Some(true)));

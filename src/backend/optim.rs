@@ -256,7 +256,7 @@ impl Bandwidths {
 /// (bytes read + bytes written) / seconds, the median of five after a warm-up (`strata bench`'s
 /// `host_memcpy`, on these threads).
 pub fn host_copy_bandwidth(threads: usize, bytes: usize) -> Result<f64> {
-    let t = crate::bench::host::memcpy_on(bytes.max(1), resolve_threads(threads), 1, 5)?;
+    let t = crate::probe::host_memcpy_on(bytes.max(1), resolve_threads(threads), 1, 5)?;
     Ok(2.0 * t.bytes as f64 / t.median_s())
 }
 

@@ -26,23 +26,21 @@
 //!
 //! ```no_run
 //! # fn main() -> strata::Result<()> {
-//! let opts = strata::bench::Options {
-//!     sizes: strata::bench::parse_sizes("4KiB,1MiB")?,
+//! let opts = strata::apps::bench::Options {
+//!     sizes: strata::apps::bench::parse_sizes("4KiB,1MiB")?,
 //!     host_only: true,
 //!     ..Default::default()
 //! };
-//! let report = strata::bench::Bench::new(opts)?.run()?;
+//! let report = strata::apps::bench::Bench::new(opts)?.run()?;
 //! print!("{}", report.table());
 //! # Ok(()) }
 //! ```
 
 mod disk;
-pub(crate) mod host;
 mod report;
 mod store_paths;
 mod svg;
 
-use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -84,7 +82,7 @@ pub struct Options {
     pub disk_dir: Option<PathBuf>,
     /// Which paths to run: names or prefixes ending in `*` (default: every path).
     pub paths: Option<Vec<String>>,
-    /// Print a progress line on stderr before each measurement.
+    /// Show a progress bar on stderr (where it is a terminal).
     pub progress: bool,
 }
 
@@ -105,8 +103,8 @@ impl Default for Options {
 /// [`parse_size`]). Refuses an empty list and a size of 0.
 ///
 /// ```
-/// assert_eq!(strata::bench::parse_sizes("4KiB, 1MiB").unwrap(), vec![4096, 1 << 20]);
-/// assert!(strata::bench::parse_sizes("4KiB,,1MiB").is_err());
+/// assert_eq!(strata::apps::bench::parse_sizes("4KiB, 1MiB").unwrap(), vec![4096, 1 << 20]);
+/// assert!(strata::apps::bench::parse_sizes("4KiB,,1MiB").is_err());
 /// ```
 pub fn parse_sizes(list: &str) -> Result<Vec<u64>> {
     if list.trim().is_empty() {
@@ -130,9 +128,9 @@ pub fn parse_sizes(list: &str) -> Result<Vec<u64>> {
 /// matches at least one path of [`all_paths`].
 ///
 /// ```
-/// let p = strata::bench::parse_paths("h2d_pinned,store_*").unwrap();
+/// let p = strata::apps::bench::parse_paths("h2d_pinned,store_*").unwrap();
 /// assert_eq!(p, vec!["h2d_pinned".to_string(), "store_*".to_string()]);
-/// assert!(strata::bench::parse_paths("h2d_pinnd").is_err());
+/// assert!(strata::apps::bench::parse_paths("h2d_pinnd").is_err());
 /// ```
 pub fn parse_paths(list: &str) -> Result<Vec<String>> {
     let names = all_paths();
@@ -315,6 +313,9 @@ impl Bench {
                 tmp.path().to_path_buf()
             }
         };
+        // A directory the disk paths cannot write in fails the command now, rather than every
+        // disk and store path being skipped and the sweep ending as if it had succeeded.
+        tempfile::tempfile_in(&dir).map_err(|e| Error::io(&dir, e))?;
         let max = *self.sizes.last().unwrap_or(&1);
         let mut probe = None;
         let mut report = Report::new(self.sizes.clone(), self.paths.iter().map(|p| p.name.clone()));
@@ -427,7 +428,7 @@ impl SizeSweep<'_> {
                 let probe = self.probe.as_deref_mut().ok_or("needs a GPU")?;
                 probe.measure(path, size, GPU_WARMUP, reps).map_err(err)
             }
-            Kind::HostMemcpy => host::memcpy(size, WALL_WARMUP, reps).map_err(err),
+            Kind::HostMemcpy => crate::probe::host_memcpy(size, WALL_WARMUP, reps).map_err(err),
             Kind::DiskWrite => {
                 // Writing the file is the measurement; a later disk path reuses the file.
                 self.file = None;
@@ -493,34 +494,40 @@ impl SizeSweep<'_> {
     }
 }
 
-/// The progress line on stderr: `[12/80] h2d_pinned 256 MiB`, rewritten in place on a terminal,
-/// a line each otherwise.
+/// The progress bar on stderr (`[12/80] h2d_pinned 256 MiB`), drawn by indicatif where stderr
+/// is a terminal; each step is also a `tracing` event (`strata -v bench` shows them anywhere).
 struct Progress {
-    on: bool,
-    tty: bool,
+    bar: Option<indicatif::ProgressBar>,
     total: usize,
     done: usize,
 }
 
 impl Progress {
     fn new(on: bool, total: usize) -> Progress {
-        Progress { on, tty: std::io::stderr().is_terminal(), total, done: 0 }
+        let bar = on.then(|| {
+            let bar = indicatif::ProgressBar::new(total as u64);
+            if let Ok(style) =
+                indicatif::ProgressStyle::with_template("[{pos}/{len}] {bar:30} {msg} ({elapsed})")
+            {
+                bar.set_style(style.progress_chars("=> "));
+            }
+            bar
+        });
+        Progress { bar, total, done: 0 }
     }
 
     fn step(&mut self, path: &str, size: u64) {
         self.done += 1;
-        if !self.on {
-            return;
+        tracing::info!(step = self.done, of = self.total, path, size, "measuring");
+        if let Some(bar) = &self.bar {
+            bar.set_message(format!("{path} {}", format_size(size)));
+            bar.set_position(self.done as u64);
         }
-        let line = format!("[{}/{}] {path} {}", self.done, self.total, format_size(size));
-        let mut e = std::io::stderr().lock();
-        let _ = if self.tty { write!(e, "\r\x1b[2K{line}") } else { writeln!(e, "{line}") };
-        let _ = e.flush();
     }
 
     fn done(&mut self) {
-        if self.on && self.tty && self.done > 0 {
-            let _ = write!(std::io::stderr(), "\r\x1b[2K");
+        if let Some(bar) = self.bar.take() {
+            bar.finish_and_clear();
         }
     }
 }
@@ -540,16 +547,16 @@ pub struct Command {
 }
 
 impl Command {
-    /// Runs the command, printing to stdout.
+    /// Runs the command, printing to stdout (an error where stdout is closed:
+    /// [`crate::apps::print`]).
     pub fn run(&self) -> Result<Report> {
         let bench = Bench::new(self.options.clone())?;
-        println!("{}", bench.banner());
+        crate::apps::println(&bench.banner())?;
         let report = bench.run()?;
-        print!("{}", report.table());
+        crate::apps::print(&report.table())?;
         let write = |path: &PathBuf, text: String| -> Result<()> {
             std::fs::write(path, text).map_err(|e| Error::io(path, e))?;
-            println!("wrote {}", path.display());
-            Ok(())
+            crate::apps::println(&format!("wrote {}", path.display()))
         };
         if let Some(p) = &self.csv {
             write(p, report.to_csv())?;
@@ -558,7 +565,7 @@ impl Command {
             write(p, report.to_json())?;
         }
         if let Some(p) = &self.plot {
-            write(p, svg_plot(&report))?;
+            write(p, svg_plot(&report)?)?;
         }
         Ok(report)
     }

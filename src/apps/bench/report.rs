@@ -147,27 +147,7 @@ impl MachineInfo {
 
 /// `YYYY-MM-DDTHH:MM:SSZ` of now (UTC), from the system clock.
 fn utc_now() -> String {
-    let secs = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs());
-    utc_date(secs)
-}
-
-/// `YYYY-MM-DDTHH:MM:SSZ` of `secs` after the Unix epoch (days to civil date after Howard
-/// Hinnant, "chrono-Compatible Low-Level Date Algorithms").
-fn utc_date(secs: u64) -> String {
-    let days = (secs / 86_400) as i64;
-    let rem = secs % 86_400;
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + i64::from(m <= 2);
-    format!("{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z", rem / 3600, rem % 3600 / 60, rem % 60)
+    humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string()
 }
 
 /// Everything a sweep measured.
@@ -218,43 +198,75 @@ pub(crate) fn short_size(bytes: u64) -> String {
     }
 }
 
-/// `s` as a JSON string literal.
-fn json_str(s: &str) -> String {
-    let mut out = String::with_capacity(s.len() + 2);
-    out.push('"');
-    for c in s.chars() {
-        match c {
-            '"' => out.push_str("\\\""),
-            '\\' => out.push_str("\\\\"),
-            '\n' => out.push_str("\\n"),
-            '\r' => out.push_str("\\r"),
-            '\t' => out.push_str("\\t"),
-            c if (c as u32) < 0x20 => {
-                let _ = write!(out, "\\u{:04x}", c as u32);
-            }
-            c => out.push(c),
-        }
-    }
-    out.push('"');
-    out
+/// One row of the CSV.
+#[derive(serde::Serialize)]
+struct CsvRow<'a> {
+    path: &'a str,
+    size_bytes: u64,
+    gbps: f64,
+    median_s: f64,
+    reps: usize,
 }
 
-/// `x` as a JSON number (`null` when not finite, which JSON cannot express).
-fn json_num(x: f64) -> String {
-    if x.is_finite() {
-        format!("{x}")
-    } else {
-        "null".into()
-    }
+/// The JSON file: its keys and their order are the format `strata inspect --bench` and other
+/// readers rely on.
+#[derive(serde::Serialize)]
+struct JsonReport<'a> {
+    tool: &'static str,
+    strata_version: &'a str,
+    date: &'a str,
+    hostname: &'a str,
+    backend: &'a str,
+    cpu: &'a str,
+    cpu_threads: usize,
+    gpu: Option<JsonGpu<'a>>,
+    no_gpu_reason: Option<&'a str>,
+    disk_dir: &'a str,
+    disk_direct_io: Option<bool>,
+    sizes_bytes: &'a [u64],
+    results: Vec<JsonResult<'a>>,
+    ratios: Vec<JsonRatio<'a>>,
+    skipped: Vec<JsonSkip<'a>>,
+    notes: &'a [String],
 }
 
-/// `s` as a CSV field (quoted when it holds a comma, quote or line break).
-fn csv_field(s: &str) -> String {
-    if s.contains([',', '"', '\n', '\r']) {
-        format!("\"{}\"", s.replace('"', "\"\""))
-    } else {
-        s.to_string()
-    }
+#[derive(serde::Serialize)]
+struct JsonGpu<'a> {
+    ordinal: usize,
+    name: &'a str,
+    /// `"9.0"`.
+    compute_capability: String,
+    sm_count: u32,
+    total_mem_bytes: u64,
+    free_mem_bytes: u64,
+    driver_version: i32,
+}
+
+#[derive(serde::Serialize)]
+struct JsonResult<'a> {
+    path: &'a str,
+    size_bytes: u64,
+    bytes_per_run: u64,
+    /// `null` when not finite (JSON has no NaN).
+    gbps: f64,
+    median_s: f64,
+    reps: usize,
+    timer: &'static str,
+}
+
+#[derive(serde::Serialize)]
+struct JsonRatio<'a> {
+    store_path: &'a str,
+    raw_path: &'a str,
+    size_bytes: u64,
+    ratio: f64,
+}
+
+#[derive(serde::Serialize)]
+struct JsonSkip<'a> {
+    path: &'a str,
+    size_bytes: Option<u64>,
+    reason: &'a str,
 }
 
 impl Report {
@@ -467,116 +479,88 @@ impl Report {
 
     /// The cells as CSV: `path,size_bytes,gbps,median_s,reps`, one row per cell.
     pub fn to_csv(&self) -> String {
-        let mut s = String::from("path,size_bytes,gbps,median_s,reps\n");
+        let mut w = csv::Writer::from_writer(Vec::new());
         for p in self.measured_paths() {
             for m in self.results.iter().filter(|m| m.path == p) {
-                let _ = writeln!(
-                    s,
-                    "{},{},{:.6},{:.9},{}",
-                    csv_field(&m.path),
-                    m.size,
-                    m.gbps,
-                    m.median_s,
-                    m.reps
-                );
+                let row = CsvRow {
+                    path: &m.path,
+                    size_bytes: m.size,
+                    gbps: m.gbps,
+                    median_s: m.median_s,
+                    reps: m.reps,
+                };
+                // Into a Vec, serializing plain fields: cannot fail.
+                let _ = w.serialize(row);
             }
         }
-        s
+        let mut bytes = w.into_inner().unwrap_or_default();
+        if bytes.is_empty() {
+            bytes = b"path,size_bytes,gbps,median_s,reps\n".to_vec();
+        }
+        String::from_utf8_lossy(&bytes).into_owned()
     }
 
     /// The cells, ratios, skips and notes as JSON, with the machine's description.
     pub fn to_json(&self) -> String {
         let m = &self.machine;
-        let mut s = String::from("{\n");
-        let opt_str = |v: &Option<String>| v.as_deref().map_or("null".to_string(), json_str);
-        let _ = writeln!(s, "  \"tool\": \"strata bench\",");
-        let _ = writeln!(s, "  \"strata_version\": {},", json_str(&m.strata_version));
-        let _ = writeln!(s, "  \"date\": {},", json_str(&m.date));
-        let _ = writeln!(s, "  \"hostname\": {},", json_str(&m.hostname));
-        let _ = writeln!(s, "  \"backend\": {},", json_str(&m.backend));
-        let _ = writeln!(s, "  \"cpu\": {},", json_str(&m.cpu));
-        let _ = writeln!(s, "  \"cpu_threads\": {},", m.cpu_threads);
-        match &m.gpu {
-            Some(g) => {
-                let _ = writeln!(
-                    s,
-                    "  \"gpu\": {{\"ordinal\": {}, \"name\": {}, \"compute_capability\": \"{}.{}\", \
-                     \"sm_count\": {}, \"total_mem_bytes\": {}, \"free_mem_bytes\": {}, \
-                     \"driver_version\": {}}},",
-                    g.ordinal,
-                    json_str(&g.name),
-                    g.compute_capability.0,
-                    g.compute_capability.1,
-                    g.sm_count,
-                    g.total_mem,
-                    g.free_mem,
-                    g.driver_version
-                );
-            }
-            None => {
-                let _ = writeln!(s, "  \"gpu\": null,");
-            }
-        }
-        let _ = writeln!(s, "  \"no_gpu_reason\": {},", opt_str(&m.no_gpu_reason));
-        let _ = writeln!(s, "  \"disk_dir\": {},", json_str(&m.disk_dir));
-        let _ = writeln!(
-            s,
-            "  \"disk_direct_io\": {},",
-            m.disk_direct_io.map_or("null".to_string(), |d| d.to_string())
-        );
-        let sizes: Vec<String> = self.sizes.iter().map(|b| b.to_string()).collect();
-        let _ = writeln!(s, "  \"sizes_bytes\": [{}],", sizes.join(", "));
-        let rows: Vec<String> = self
-            .results
-            .iter()
-            .map(|r| {
-                format!(
-                    "    {{\"path\": {}, \"size_bytes\": {}, \"bytes_per_run\": {}, \"gbps\": {}, \
-                     \"median_s\": {}, \"reps\": {}, \"timer\": \"{}\"}}",
-                    json_str(&r.path),
-                    r.size,
-                    r.bytes,
-                    json_num(r.gbps),
-                    json_num(r.median_s),
-                    r.reps,
-                    r.timer.name()
-                )
-            })
-            .collect();
-        let _ = writeln!(s, "  \"results\": [\n{}\n  ],", rows.join(",\n"));
-        let ratios: Vec<String> = self
-            .ratios()
-            .iter()
-            .map(|r| {
-                format!(
-                    "    {{\"store_path\": {}, \"raw_path\": {}, \"size_bytes\": {}, \"ratio\": {}}}",
-                    json_str(&r.store_path),
-                    json_str(&r.raw_path),
-                    r.size,
-                    json_num(r.ratio)
-                )
-            })
-            .collect();
-        let _ = writeln!(s, "  \"ratios\": [\n{}\n  ],", ratios.join(",\n"));
-        let skipped: Vec<String> = self
-            .skipped
-            .iter()
-            .map(|k| {
-                format!(
-                    "    {{\"path\": {}, \"size_bytes\": {}, \"reason\": {}}}",
-                    json_str(&k.path),
-                    k.size.map_or("null".to_string(), |b| b.to_string()),
-                    json_str(&k.reason)
-                )
-            })
-            .collect();
-        let _ = writeln!(s, "  \"skipped\": [\n{}\n  ],", skipped.join(",\n"));
-        let notes: Vec<String> =
-            self.notes.iter().map(|n| format!("    {}", json_str(n))).collect();
-        let _ = writeln!(s, "  \"notes\": [\n{}\n  ]", notes.join(",\n"));
-        s.push_str("}\n");
-        // Empty arrays print as "[\n\n  ]": valid JSON, but tidy them.
-        s.replace("[\n\n  ]", "[]")
+        let ratios = self.ratios();
+        let doc = JsonReport {
+            tool: "strata bench",
+            strata_version: &m.strata_version,
+            date: &m.date,
+            hostname: &m.hostname,
+            backend: &m.backend,
+            cpu: &m.cpu,
+            cpu_threads: m.cpu_threads,
+            gpu: m.gpu.as_ref().map(|g| JsonGpu {
+                ordinal: g.ordinal,
+                name: &g.name,
+                compute_capability: format!(
+                    "{}.{}",
+                    g.compute_capability.0, g.compute_capability.1
+                ),
+                sm_count: g.sm_count,
+                total_mem_bytes: g.total_mem,
+                free_mem_bytes: g.free_mem,
+                driver_version: g.driver_version,
+            }),
+            no_gpu_reason: m.no_gpu_reason.as_deref(),
+            disk_dir: &m.disk_dir,
+            disk_direct_io: m.disk_direct_io,
+            sizes_bytes: &self.sizes,
+            results: self
+                .results
+                .iter()
+                .map(|r| JsonResult {
+                    path: &r.path,
+                    size_bytes: r.size,
+                    bytes_per_run: r.bytes,
+                    gbps: r.gbps,
+                    median_s: r.median_s,
+                    reps: r.reps,
+                    timer: r.timer.name(),
+                })
+                .collect(),
+            ratios: ratios
+                .iter()
+                .map(|r| JsonRatio {
+                    store_path: &r.store_path,
+                    raw_path: &r.raw_path,
+                    size_bytes: r.size,
+                    ratio: r.ratio,
+                })
+                .collect(),
+            skipped: self
+                .skipped
+                .iter()
+                .map(|k| JsonSkip { path: &k.path, size_bytes: k.size, reason: &k.reason })
+                .collect(),
+            notes: &self.notes,
+        };
+        // Strings, numbers and options only: serializing cannot fail.
+        let mut text = serde_json::to_string_pretty(&doc).unwrap_or_default();
+        text.push('\n');
+        text
     }
 }
 
@@ -631,48 +615,46 @@ mod tests {
         let lines: Vec<&str> = csv.lines().collect();
         assert_eq!(lines[0], "path,size_bytes,gbps,median_s,reps");
         assert_eq!(lines.len(), 1 + 6);
-        assert_eq!(lines[1], "host_memcpy,4096,4.096000,0.000001000,3");
+        assert_eq!(lines[1], "host_memcpy,4096,4.096,1e-6,3");
         assert!(lines.iter().any(|l| l.starts_with("store_disk_to_pinned,1048576,0.524288,")));
         for l in &lines[1..] {
             assert_eq!(l.split(',').count(), 5, "{l}");
         }
-        assert_eq!(csv_field("a,b"), "\"a,b\"");
-        assert_eq!(csv_field("say \"hi\""), "\"say \"\"hi\"\"\"");
+        let mut r = sample();
+        r.results[0].path = "a,\"b\"".into();
+        r.paths[0] = r.results[0].path.clone();
+        let quoted = r.to_csv();
+        assert!(quoted.contains("\n\"a,\"\"b\"\"\",4096,"), "{quoted}");
+        assert_eq!(Report::default().to_csv(), "path,size_bytes,gbps,median_s,reps\n");
     }
 
     #[test]
     fn json_is_well_formed_and_complete() {
-        let j = sample().to_json();
-        assert!(j.contains("\"hostname\": \"box \\\"1\\\"\""));
-        assert!(j.contains("\"date\": \"2026-11-23T10:00:00Z\""));
-        assert!(j.contains("\"gpu\": null"));
-        assert!(j.contains("\"path\": \"store_disk_to_pinned\", \"size_bytes\": 1048576"));
-        assert!(j.contains("\"reason\": \"refused, \\\"x\\\"\""));
-        assert!(j.contains("\"notes\": []"));
-        // Brackets and braces balance outside strings, and no trailing commas.
-        let (mut depth, mut in_str, mut esc) = (0i32, false, false);
-        for c in j.chars() {
-            if in_str {
-                match (esc, c) {
-                    (true, _) => esc = false,
-                    (false, '\\') => esc = true,
-                    (false, '"') => in_str = false,
-                    _ => {}
-                }
-                continue;
-            }
-            match c {
-                '"' => in_str = true,
-                '{' | '[' => depth += 1,
-                '}' | ']' => depth -= 1,
-                _ => {}
-            }
-            assert!(depth >= 0);
-        }
-        assert_eq!(depth, 0);
-        assert!(!j.contains(",\n  ]") && !j.contains(",\n}"));
-        assert_eq!(json_str("a\u{1}\n"), "\"a\\u0001\\n\"");
-        assert_eq!(json_num(f64::NAN), "null");
+        let mut r = sample();
+        r.results[0].gbps = f64::NAN;
+        let j = r.to_json();
+        let v: serde_json::Value = serde_json::from_str(&j).unwrap();
+        assert_eq!(v["tool"], "strata bench");
+        assert_eq!(v["hostname"], "box \"1\"");
+        assert_eq!(v["date"], "2026-11-23T10:00:00Z");
+        assert!(v["gpu"].is_null());
+        assert_eq!(v["sizes_bytes"], serde_json::json!([4096, 1048576]));
+        let results = v["results"].as_array().unwrap();
+        assert_eq!(results.len(), 6);
+        assert!(results[0]["gbps"].is_null(), "NaN is written as null");
+        assert_eq!(results[5]["path"], "store_disk_to_pinned");
+        assert_eq!(results[5]["size_bytes"], 1048576);
+        assert_eq!(results[5]["timer"], "wall_clock");
+        assert_eq!(v["skipped"][1]["reason"], "refused, \"x\"");
+        assert!(v["skipped"][0]["size_bytes"].is_null());
+        assert_eq!(v["notes"], serde_json::json!([]));
+        // (host_memcpy at 4 KiB has no bandwidth now: one ratio fewer than the table test's.)
+        assert_eq!(v["ratios"].as_array().unwrap().len(), 2);
+        // The key order of the format.
+        let keys =
+            ["\"tool\"", "\"strata_version\"", "\"date\"", "\"gpu\"", "\"results\"", "\"notes\""];
+        let at: Vec<usize> = keys.iter().map(|k| j.find(k).unwrap()).collect();
+        assert!(at.windows(2).all(|w| w[0] < w[1]), "{j}");
     }
 
     #[test]
@@ -748,10 +730,22 @@ mod tests {
     }
 
     #[test]
-    fn dates_are_civil_utc() {
-        assert_eq!(utc_date(0), "1970-01-01T00:00:00Z");
-        assert_eq!(utc_date(951_782_400), "2000-02-29T00:00:00Z");
-        assert_eq!(utc_date(1_795_435_199), "2026-11-23T11:59:59Z");
-        assert_eq!(utc_now().len(), 20);
+    fn json_parses_as_bench_results_for_inspect() {
+        use crate::plan::Bandwidths;
+        let mut r = Report::new(vec![1 << 20, 64 << 20], ["h2d_pinned".to_string()]);
+        for (size, secs) in [(1u64 << 20, 1e-4), (64 << 20, 2e-3)] {
+            let timing = Timing { seconds: vec![secs; 3], bytes: size };
+            r.results.push(Measurement::new("h2d_pinned", size, &timing, Timer::CudaEvents));
+        }
+        let bw = Bandwidths::from_bench_json_str(&r.to_json(), "r.json").unwrap();
+        let want = (64u64 << 20) as f64 / 2e-3 / 1e9;
+        assert!((bw.h2d_gbps.unwrap() - want).abs() < 1e-6 * want, "{bw:?}");
+    }
+
+    #[test]
+    fn dates_are_utc_to_the_second() {
+        let d = utc_now();
+        assert_eq!(d.len(), 20, "{d}");
+        assert!(d.ends_with('Z') && d.as_bytes()[10] == b'T', "{d}");
     }
 }

@@ -14,10 +14,10 @@
 //! the final weights (f32, the same names). Without them the weights and data are seeded random.
 //!
 //! ```
-//! use strata::train::{run, TrainConfig};
+//! use strata::apps::train::{run, TrainConfig};
 //! let cfg = TrainConfig::parse(["--layers", "3", "--hidden", "16", "--rows", "8", "--steps", "3",
 //!     "--optimizer", "adamw", "--activations", "recompute", "--checkpoint-every", "2", "--host"])?;
-//! let report = run(&cfg, |_| {})?;
+//! let report = run(&cfg, |_| Ok(()))?;
 //! assert_eq!(report.losses.len(), 3);
 //! assert!(report.losses[2] < report.losses[0], "the loss goes down: {:?}", report.losses);
 //! # Ok::<(), strata::Error>(())
@@ -29,7 +29,9 @@ use std::time::Instant;
 
 use half::bf16;
 
-use crate::flags::Flags;
+use crate::apps::args::{
+    check_output, ActivationsArg, DTypeArg, EngineArg, ModeArg, OnOff, OptimizerArg, TrainDemoArgs,
+};
 use crate::linalg::{loss_value, Element, Linalg, Matrix, LOSS_PARTIALS};
 use crate::optim::{AdamW, Algorithm, Engine, Optimizer, OptimizerConfig, Sgd, StepTraffic};
 use crate::plan::{self, PlanConfig, TensorEntry};
@@ -47,20 +49,6 @@ pub enum Activations {
     /// Every k-th layer's input is stored (as with `Offload`); the others are recomputed from
     /// it in the backward pass.
     Recompute,
-}
-
-impl std::str::FromStr for Activations {
-    type Err = Error;
-    fn from_str(s: &str) -> Result<Activations> {
-        match s {
-            "keep" => Ok(Activations::Keep),
-            "offload" => Ok(Activations::Offload),
-            "recompute" => Ok(Activations::Recompute),
-            _ => Err(Error::InvalidArgument(format!(
-                "--activations {s:?}: keep, offload or recompute"
-            ))),
-        }
-    }
 }
 
 /// Which optimizer.
@@ -165,78 +153,109 @@ impl Default for TrainConfig {
     }
 }
 
-/// The flags [`TrainConfig::parse`] accepts.
-pub const USAGE: &str = "--mode train --layers L --hidden H --rows R --steps N --lr X \
---optimizer sgd|adamw --beta1 X --beta2 X --eps X --weight-decay X \
---engine cpu|gpu-mapped|gpu-resident|auto|all --threads N --accumulate N --dtype f32|bf16 \
---activations keep|offload|recompute --checkpoint-every K --init FILE --data FILE --save FILE \
---device-budget SIZE --pinned-budget SIZE --mapped-budget SIZE --ahead K \
---policy frequency|lru|schedule --seed S --compare on|off --host";
-
 impl TrainConfig {
-    /// Parses flags (see [`USAGE`]) over the defaults (L=32, H=8192, rows 2048, 5 steps, AdamW
-    /// lr 1e-3, engine auto, activations keep, device budget 8 GiB). `--mode train` is
-    /// accepted and ignored.
+    /// Parses flags ([`TrainDemoArgs`], without a program name) over the defaults (L=32,
+    /// H=8192, rows 2048, 5 steps, AdamW lr 1e-3, engine auto, activations keep, device budget
+    /// 8 GiB). `--mode train` is accepted and implied.
     pub fn parse<I, S>(args: I) -> Result<TrainConfig>
     where
         I: IntoIterator<Item = S>,
         S: AsRef<str>,
     {
-        let mut c = TrainConfig::default();
-        let args = args.into_iter().map(|s| s.as_ref().to_string());
-        let mut flags = Flags::new(args, USAGE, &["--host"]);
-        while let Some(f) = flags.next_flag() {
-            let f = f?;
-            let v = f.value.as_str();
-            match f.name.as_str() {
-                "--host" => c.host = true,
-                "--mode" if v == "train" => {}
-                "--layers" => c.layers = f.num()?,
-                "--hidden" => c.hidden = f.num()?,
-                "--rows" => c.rows = f.num()?,
-                "--steps" => c.steps = f.num()?,
-                "--lr" => c.lr = f.parsed()?,
-                "--optimizer" => {
-                    c.optimizer =
-                        f.choice(&[("sgd", OptimizerKind::Sgd), ("adamw", OptimizerKind::AdamW)])?
-                }
-                "--beta1" => c.betas.0 = f.parsed()?,
-                "--beta2" => c.betas.1 = f.parsed()?,
-                "--eps" => c.eps = f.parsed()?,
-                "--weight-decay" => c.weight_decay = f.parsed()?,
-                "--engine" if v == "all" => c.all_engines = true,
-                "--engine" => c.engine = v.parse()?,
-                "--threads" => c.threads = f.num()?,
-                "--accumulate" => c.accumulate = f.num()?,
-                "--dtype" => {
-                    c.dtype = Some(f.choice(&[("f32", DType::F32), ("bf16", DType::BF16)])?)
-                }
-                "--activations" => c.activations = v.parse()?,
-                "--checkpoint-every" => c.checkpoint_every = f.num()?,
-                "--init" => c.init = Some(v.into()),
-                "--data" => c.data = Some(v.into()),
-                "--save" => c.save = Some(v.into()),
-                "--device-budget" => c.device_budget = f.size()?,
-                "--pinned-budget" => c.pinned_budget = Some(f.size()?),
-                "--mapped-budget" => c.mapped_budget = Some(f.size()?),
-                "--ahead" => c.ahead = f.num()?,
-                "--policy" => c.policy = v.parse()?,
-                "--seed" => c.seed = f.parsed()?,
-                "--compare" => c.compare = f.choice(&[("on", true), ("off", false)])?,
-                _ => return Err(f.unknown()),
+        TrainConfig::from_args(&TrainDemoArgs::try_parse(args)?)
+    }
+
+    /// The configuration parsed flags describe; an error names a flag of the bf16 benchmark
+    /// loop, which the trainer does not take.
+    pub fn from_args(a: &TrainDemoArgs) -> Result<TrainConfig> {
+        a.refuse_bench_flags()?;
+        match (a.mode, a.optimizer) {
+            (Some(ModeArg::Forward), _) => {
+                return Err(Error::InvalidArgument(
+                    "the trainer runs --mode train; --mode forward is the bf16 benchmark loop"
+                        .into(),
+                ))
             }
+            (_, Some(OptimizerArg::DeviceSgd)) => {
+                return Err(Error::InvalidArgument(
+                    "--optimizer device-sgd is the bf16 benchmark loop's; the trainer runs sgd \
+                     or adamw"
+                        .into(),
+                ))
+            }
+            _ => {}
         }
-        if c.layers == 0 || c.hidden == 0 || c.rows == 0 || c.steps == 0 {
-            return Err(Error::InvalidArgument(
-                "layers, hidden, rows and steps must be > 0".into(),
-            ));
-        }
-        if c.accumulate == 0 || c.checkpoint_every == 0 {
-            return Err(Error::InvalidArgument(
-                "--accumulate and --checkpoint-every must be > 0".into(),
-            ));
-        }
+        let d = TrainConfig::default();
+        let c = TrainConfig {
+            layers: a.layers.unwrap_or(d.layers),
+            hidden: a.hidden.unwrap_or(d.hidden),
+            rows: a.rows.unwrap_or(d.rows),
+            steps: a.steps.unwrap_or(d.steps),
+            lr: a.lr.unwrap_or(d.lr),
+            optimizer: match a.optimizer {
+                Some(OptimizerArg::Sgd) => OptimizerKind::Sgd,
+                _ => d.optimizer,
+            },
+            betas: (a.beta1.unwrap_or(d.betas.0), a.beta2.unwrap_or(d.betas.1)),
+            eps: a.eps.unwrap_or(d.eps),
+            weight_decay: a.weight_decay.unwrap_or(d.weight_decay),
+            engine: a.engine.and_then(EngineArg::engine).unwrap_or(d.engine),
+            all_engines: a.engine == Some(EngineArg::All),
+            threads: a.threads.unwrap_or(d.threads),
+            accumulate: a.accumulate.unwrap_or(d.accumulate),
+            dtype: a.dtype.map(DTypeArg::dtype),
+            activations: match a.activations {
+                Some(ActivationsArg::Keep) | None => Activations::Keep,
+                Some(ActivationsArg::Offload) => Activations::Offload,
+                Some(ActivationsArg::Recompute) => Activations::Recompute,
+            },
+            checkpoint_every: a.checkpoint_every.unwrap_or(d.checkpoint_every),
+            init: a.init.clone(),
+            data: a.data.clone(),
+            save: a.save.clone(),
+            device_budget: a.device_budget.unwrap_or(d.device_budget),
+            pinned_budget: a.pinned_budget,
+            mapped_budget: a.mapped_budget,
+            ahead: a.ahead.unwrap_or(d.ahead),
+            policy: a.policy.unwrap_or(d.policy),
+            seed: a.seed.unwrap_or(d.seed),
+            host: a.host,
+            compare: a.compare.is_none_or(OnOff::on),
+        };
+        c.check()?;
         Ok(c)
+    }
+
+    /// Refuses what cannot run: zero sizes, steps or micro-batches, a learning rate, eps or
+    /// betas out of range, an output file with no directory to go in.
+    fn check(&self) -> Result<()> {
+        let bad = |m: String| Err(Error::InvalidArgument(m));
+        if self.layers == 0 || self.hidden == 0 || self.rows == 0 || self.steps == 0 {
+            return bad("layers, hidden, rows and steps must be > 0".into());
+        }
+        if self.accumulate == 0 || self.checkpoint_every == 0 {
+            return bad("--accumulate and --checkpoint-every must be > 0".into());
+        }
+        if !(self.lr.is_finite() && self.lr > 0.0) {
+            return bad(format!("learning rate {} must be a positive finite number", self.lr));
+        }
+        if !(self.eps.is_finite() && self.eps > 0.0) {
+            return bad(format!("eps {} must be a positive finite number", self.eps));
+        }
+        if !(self.weight_decay.is_finite() && self.weight_decay >= 0.0) {
+            return bad(format!(
+                "weight decay {} must be finite and at least 0",
+                self.weight_decay
+            ));
+        }
+        let (b1, b2) = self.betas;
+        if !((0.0..1.0).contains(&b1) && (0.0..1.0).contains(&b2)) {
+            return bad(format!("betas ({b1}, {b2}) must be in [0, 1)"));
+        }
+        if let Some(p) = &self.save {
+            check_output(p)?;
+        }
+        Ok(())
     }
 
     fn algorithm(&self) -> Algorithm {
@@ -376,7 +395,7 @@ impl Inputs {
                 (
                     cfg.hidden,
                     (0..cfg.layers)
-                        .map(|l| crate::mlp::uniform(cfg.seed, 1 + l as u64, n, a))
+                        .map(|l| crate::apps::mlp::uniform(cfg.seed, 1 + l as u64, n, a))
                         .collect(),
                 )
             }
@@ -387,8 +406,8 @@ impl Inputs {
                 let n = cfg.rows * hidden;
                 (
                     cfg.rows,
-                    crate::mlp::uniform(cfg.seed, 1 << 32, n, 1.0),
-                    crate::mlp::uniform(cfg.seed, 1 << 33, n, 1.0),
+                    crate::apps::mlp::uniform(cfg.seed, 1 << 32, n, 1.0),
+                    crate::apps::mlp::uniform(cfg.seed, 1 << 33, n, 1.0),
                 )
             }
         };
@@ -522,7 +541,8 @@ struct RunOut {
 /// Runs the training loop `cfg` describes: the all-resident compute floor first (with
 /// `compare`), then the run (or one per engine with `--engine all`). `progress` gets a line per
 /// phase and per step.
-pub fn run(cfg: &TrainConfig, mut progress: impl FnMut(&str)) -> Result<TrainReport> {
+pub fn run(cfg: &TrainConfig, mut progress: impl FnMut(&str) -> Result<()>) -> Result<TrainReport> {
+    cfg.check()?;
     let t0 = Instant::now();
     let inputs = Inputs::load(cfg)?;
     let cuda = !cfg.host && crate::cuda_device_count().is_ok_and(|n| n > 0);
@@ -538,7 +558,7 @@ pub fn run(cfg: &TrainConfig, mut progress: impl FnMut(&str)) -> Result<TrainRep
         cfg.lr,
         cfg.activations,
         t0.elapsed().as_secs_f64()
-    ));
+    ))?;
     match dtype {
         DType::BF16 => run_typed::<bf16>(cfg, &inputs, &mut progress),
         _ => run_typed::<f32>(cfg, &inputs, &mut progress),
@@ -548,8 +568,19 @@ pub fn run(cfg: &TrainConfig, mut progress: impl FnMut(&str)) -> Result<TrainRep
 fn run_typed<T: Element>(
     cfg: &TrainConfig,
     inputs: &Inputs,
-    progress: &mut impl FnMut(&str),
+    progress: &mut impl FnMut(&str) -> Result<()>,
 ) -> Result<TrainReport> {
+    // The plan, before anything is allocated: where the accounting puts each group under this
+    // run's budgets (device first; the store then streams what does not stay).
+    let engine = if cfg.all_engines { Engine::Auto } else { cfg.engine };
+    let planned = memory_plan(cfg, inputs, T::DTYPE, budgets(cfg, inputs, T::DTYPE, engine));
+    progress(planned.to_string().trim_end())?;
+    let acts = activation_bytes(cfg, inputs, T::DTYPE);
+    progress(&format!(
+        "activations: {} stored ({:?}), beside the plan",
+        format_size(acts),
+        cfg.activations
+    ))?;
     let mut compute = None;
     if cfg.compare {
         match train_once::<T>(cfg, inputs, Engine::Cpu, Phase::Floor, progress) {
@@ -558,11 +589,11 @@ fn run_typed<T: Element>(
                 progress(&format!(
                     "all weights resident, no optimizer: {:.2} ms per step (compute floor)",
                     s * 1e3
-                ));
+                ))?;
                 compute = Some(s);
             }
             Err(Error::OutOfMemory { .. } | Error::TooLarge { .. } | Error::Cuda { .. }) => {
-                progress("all weights resident: does not fit the device, no compute floor");
+                progress("all weights resident: does not fit the device, no compute floor")?;
             }
             Err(e) => return Err(e),
         }
@@ -571,7 +602,7 @@ fn run_typed<T: Element>(
     let out = if cfg.all_engines {
         let mut last = None;
         for asked in [Engine::Cpu, Engine::GpuMapped, Engine::GpuResident, Engine::Auto] {
-            progress(&format!("engine {asked}:"));
+            progress(&format!("engine {asked}:"))?;
             match train_once::<T>(cfg, inputs, asked, Phase::Train, progress) {
                 Ok(out) => {
                     engines.push(EngineRun {
@@ -581,7 +612,8 @@ fn run_typed<T: Element>(
                     });
                     last = Some(out);
                 }
-                Err(e) => progress(&format!("engine {asked}: {e}")),
+                Err(e) if crate::apps::is_broken_pipe(&e) => return Err(e),
+                Err(e) => progress(&format!("engine {asked}: {e}"))?,
             }
         }
         last.ok_or_else(|| Error::InvalidArgument("no engine could run".into()))?
@@ -621,7 +653,7 @@ fn run_typed<T: Element>(
         [compute, pcie.map(|p| p.1), optimizer_floor].into_iter().flatten().reduce(f64::max);
     let predicted = predict(cfg, inputs, T::DTYPE, act_bytes);
     if let Some(path) = &cfg.save {
-        progress(&format!("final weights written to {}", path.display()));
+        progress(&format!("final weights written to {}", path.display()))?;
     }
     Ok(TrainReport {
         backend: out.backend,
@@ -653,9 +685,36 @@ fn activation_bytes(cfg: &TrainConfig, inputs: &Inputs, dtype: DType) -> u64 {
     (1..inputs.layers).filter(|&i| stored(cfg.activations, k, i)).count() as u64 * per
 }
 
-/// Bytes per group `strata inspect`'s accounting predicts for this model (parameters,
-/// gradients, optimizer state); activations by this module's count.
-fn predict(cfg: &TrainConfig, inputs: &Inputs, dtype: DType, acts: u64) -> [u64; 5] {
+/// The run's tier budgets `[device, pinned, mapped, disk]` for `engine`: the ones given, or room
+/// for everything host-side (GpuMapped keeps the optimizer state in Mapped only; every other
+/// engine may put it in Pinned).
+fn budgets(cfg: &TrainConfig, inputs: &Inputs, dtype: DType, engine: Engine) -> [u64; 4] {
+    let elems = (inputs.layers * inputs.hidden * inputs.hidden) as u64;
+    let model = inputs.layers as u64 * inputs.layer_bytes(dtype);
+    let grad_dtype = if cfg.accumulate > 1 { DType::F32 } else { dtype };
+    let grads = elems * grad_dtype.size_of() as u64;
+    let master = if dtype == DType::F32 { 0 } else { 4 * elems };
+    let state = master + 4 * cfg.algorithm().moments() as u64 * elems;
+    let acts = activation_bytes(cfg, inputs, dtype);
+    let slack = 1 << 20;
+    let host_state = if engine == Engine::GpuMapped { 0 } else { state };
+    let pinned = cfg.pinned_budget.unwrap_or(model + grads + acts + host_state + slack);
+    let mapped = match (engine, cfg.mapped_budget) {
+        (_, Some(m)) => m,
+        (Engine::GpuMapped | Engine::Auto, None) => state + slack,
+        _ => 0,
+    };
+    [cfg.device_budget, pinned, mapped, model + grads + acts + state + slack]
+}
+
+/// `strata::plan`'s plan of this model's parameters, gradients and optimizer state under
+/// `budgets` (the same accounting `strata inspect --train` prints).
+fn memory_plan(
+    cfg: &TrainConfig,
+    inputs: &Inputs,
+    dtype: DType,
+    budgets: [u64; 4],
+) -> plan::MemoryPlan {
     let tensors: Vec<TensorEntry> = (0..inputs.layers)
         .map(|i| {
             TensorEntry::new(
@@ -665,10 +724,10 @@ fn predict(cfg: &TrainConfig, inputs: &Inputs, dtype: DType, acts: u64) -> [u64;
             )
         })
         .collect();
-    let p = plan::plan(
+    plan::plan(
         &tensors,
         &PlanConfig {
-            budgets: [u64::MAX / 8; 4],
+            budgets,
             optimizer: match cfg.optimizer {
                 OptimizerKind::Sgd => plan::Optimizer::PlainSgd,
                 OptimizerKind::AdamW => plan::Optimizer::Adam,
@@ -676,7 +735,13 @@ fn predict(cfg: &TrainConfig, inputs: &Inputs, dtype: DType, acts: u64) -> [u64;
             train: true,
             fp32_grads: cfg.accumulate > 1,
         },
-    );
+    )
+}
+
+/// Bytes per group `strata inspect`'s accounting predicts for this model (parameters,
+/// gradients, optimizer state); activations by this module's count.
+fn predict(cfg: &TrainConfig, inputs: &Inputs, dtype: DType, acts: u64) -> [u64; 5] {
+    let p = memory_plan(cfg, inputs, dtype, [u64::MAX / 8; 4]);
     let mut out = [0u64; 5];
     out[Group::Param.index()] = p.parameters().bytes;
     out[Group::Grad.index()] = p.gradients().bytes;
@@ -717,24 +782,33 @@ fn t_bytes<T: Element>(v: &[T]) -> Vec<u8> {
     b
 }
 
+/// The progress bar of putting `n` layers into the store (hidden where stderr is not a
+/// terminal).
+fn putting_bar(n: usize, floor: bool) -> indicatif::ProgressBar {
+    let bar = indicatif::ProgressBar::new(n as u64);
+    if let Ok(style) = indicatif::ProgressStyle::with_template(
+        "{msg} [{bar:30}] {pos}/{len} layers ({elapsed}, eta {eta})",
+    ) {
+        bar.set_style(style.progress_chars("=> "));
+    }
+    bar.set_message(if floor { "all-resident copy" } else { "putting the model" });
+    bar
+}
+
 fn train_once<T: Element>(
     cfg: &TrainConfig,
     inputs: &Inputs,
     engine: Engine,
     phase: Phase,
-    progress: &mut impl FnMut(&str),
+    progress: &mut impl FnMut(&str) -> Result<()>,
 ) -> Result<RunOut> {
     let (layers, h) = (inputs.layers, inputs.hidden);
     let mb_rows = inputs.rows / cfg.accumulate;
     let lb = inputs.layer_bytes(T::DTYPE);
     let model = layers as u64 * lb;
     let alg = cfg.algorithm();
-    let elems = (layers * h * h) as u64;
     let acts = activation_bytes(cfg, inputs, T::DTYPE);
     let grad_dtype = if cfg.accumulate > 1 { DType::F32 } else { T::DTYPE };
-    let grads = elems * grad_dtype.size_of() as u64;
-    let master = if T::DTYPE == DType::F32 { 0 } else { 4 * elems };
-    let state = master + 4 * alg.moments() as u64 * elems;
     let slack = 1 << 20;
     let floor = phase == Phase::Floor;
     // Prefetches ahead of the scopes, but never so many that the layer in use, its gradient and
@@ -748,16 +822,9 @@ fn train_once<T: Element>(
     if cfg.host {
         b = b.host_backend();
     }
-    let device = if floor { model + acts + 2 * lb + slack } else { cfg.device_budget };
-    // GpuMapped keeps the state in Mapped only; every other engine may put it in Pinned.
-    let host_state = if engine == Engine::GpuMapped { 0 } else { state };
-    let pinned = cfg.pinned_budget.unwrap_or(model + grads + acts + host_state + slack);
-    let mapped = match (engine, cfg.mapped_budget) {
-        (_, Some(m)) => m,
-        (Engine::GpuMapped | Engine::Auto, None) if !floor => state + slack,
-        _ => 0,
-    };
-    let disk = model + grads + acts + state + slack;
+    let [budget, pinned, mapped, disk] = budgets(cfg, inputs, T::DTYPE, engine);
+    let device = if floor { model + acts + 2 * lb + slack } else { budget };
+    let mapped = if floor && cfg.mapped_budget.is_none() { 0 } else { mapped };
     b = b
         .capacity(Tier::Device, device)
         .capacity(Tier::Pinned, if floor { 0 } else { pinned })
@@ -770,9 +837,13 @@ fn train_once<T: Element>(
     let la = Linalg::new(&store, &s)?;
     let backend = store.backend_description();
 
-    // Weights: the compute copy in the store, f32 masters set from the exact inputs.
+    // Weights: the compute copy in the store, f32 masters set from the exact inputs. Putting a
+    // large model takes a while: a bar on stderr (where it is a terminal) counts the layers.
+    let masters = !floor && T::DTYPE != DType::F32;
+    let bar = putting_bar(layers * if masters { 2 } else { 1 }, floor);
     let mut ids = Vec::with_capacity(layers);
     for (i, w) in inputs.weights.iter().enumerate() {
+        bar.inc(1);
         let bytes = t_bytes(&to_t::<T>(w));
         let name = format!("layers.{i}.weight");
         let id = if floor {
@@ -804,17 +875,21 @@ fn train_once<T: Element>(
             device_bytes: resident + if cfg.activations == Activations::Keep { acts } else { 0 },
         };
         let mut o = Optimizer::new(store.clone(), &s, &ids, oc)?;
-        if T::DTYPE != DType::F32 {
+        if masters {
+            bar.set_message("fp32 master weights");
             for (i, w) in inputs.weights.iter().enumerate() {
+                bar.inc(1);
                 o.load_master(i, w)?;
             }
         }
         Some(o)
     };
+    bar.finish_and_clear();
+    tracing::info!(layers, floor, seconds = bar.elapsed().as_secs_f64(), "model in the store");
     let engine_used = opt.as_ref().map_or(engine, Optimizer::engine);
     let choice = opt.as_ref().and_then(|o| o.choice()).map(|c| c.to_string());
     if let Some(c) = &choice {
-        progress(c);
+        progress(c)?;
     }
 
     // Activations in the store.
@@ -941,15 +1016,24 @@ fn train_once<T: Element>(
             stall_seconds: after.stall_seconds - before.stall_seconds,
         };
         if !floor {
+            // What each group holds on the device now, beside the plan printed at the start.
+            let dev = store.bytes_by_group(Tier::Device);
+            let on_device: Vec<String> =
+                [Group::Param, Group::Grad, Group::OptimizerState, Group::Activation]
+                    .into_iter()
+                    .map(|g| format!("{} {}", g.name(), format_size(dev[g.index()])))
+                    .collect();
             progress(&format!(
-                "step {:>3}: {:>9.2} ms  loss {:<12.6e} h2d {:>10}  d2h {:>10}  stall {:>8.2} ms",
+                "step {:>3}: {:>9.2} ms  loss {:<12.6e} h2d {:>10}  d2h {:>10}  stall {:>8.2} ms  \
+                 on device: {}",
                 step + 1,
                 seconds * 1e3,
                 loss,
                 format_size(r.h2d_bytes),
                 format_size(r.d2h_bytes),
-                r.stall_seconds * 1e3
-            ));
+                r.stall_seconds * 1e3,
+                on_device.join(", ")
+            ))?;
         }
         steps.push(r);
     }
@@ -1226,8 +1310,8 @@ impl std::fmt::Display for TrainReport {
 /// What [`dispatch`] ran.
 #[derive(Clone, Debug)]
 pub enum Outcome {
-    /// `--mode forward`, or `--mode train --optimizer device-sgd`: [`crate::mlp`]'s loop.
-    Mlp(crate::mlp::MlpReport),
+    /// `--mode forward`, or `--mode train --optimizer device-sgd`: [`crate::apps::mlp`]'s loop.
+    Mlp(crate::apps::mlp::MlpReport),
     /// `--mode train`: this module's loop.
     Train(TrainReport),
 }
@@ -1242,23 +1326,14 @@ impl std::fmt::Display for Outcome {
 }
 
 /// The out-of-core example's entry point (`strata train-demo`, `examples/out_of_core.rs`):
-/// `--mode train` runs this module's training loop ([`USAGE`]); `--mode forward` (the default)
-/// and `--mode train --optimizer device-sgd` run [`crate::mlp`]'s benchmark loop (bf16, SGD
-/// applied on the device to the weights themselves, ones as the output gradient;
-/// [`crate::mlp::USAGE`]).
-pub fn dispatch(args: &[String], progress: impl FnMut(&str)) -> Result<Outcome> {
-    let flag = |name: &str, value: &str| args.windows(2).any(|w| w[0] == name && w[1] == value);
-    if flag("--mode", "train") && !flag("--optimizer", "device-sgd") {
-        return run(&TrainConfig::parse(args)?, progress).map(Outcome::Train);
+/// `--mode train` runs this module's training loop; `--mode forward` (the default) and `--mode
+/// train --optimizer device-sgd` run [`crate::apps::mlp`]'s benchmark loop (bf16, SGD applied on
+/// the device to the weights themselves, ones as the output gradient). The flags:
+/// [`TrainDemoArgs`].
+pub fn dispatch(args: &TrainDemoArgs, progress: impl FnMut(&str) -> Result<()>) -> Result<Outcome> {
+    if args.runs_trainer() {
+        return run(&TrainConfig::from_args(args)?, progress).map(Outcome::Train);
     }
-    let mut rest = Vec::with_capacity(args.len());
-    let mut it = args.iter();
-    while let Some(a) = it.next() {
-        if a == "--optimizer" {
-            it.next(); // device-sgd: the only optimizer of the mlp loop
-            continue;
-        }
-        rest.push(a.clone());
-    }
-    crate::mlp::run(&crate::mlp::MlpConfig::parse(&rest)?, progress).map(Outcome::Mlp)
+    let cfg = crate::apps::mlp::MlpConfig::from_args(args)?;
+    crate::apps::mlp::run(&cfg, progress).map(Outcome::Mlp)
 }

@@ -6,10 +6,10 @@
 //! bytes that must cross / raw pinned bandwidth).
 //!
 //! ```
-//! use strata::mlp::{run, MlpConfig};
+//! use strata::apps::mlp::{run, MlpConfig};
 //! let cfg = MlpConfig::parse(["--layers", "4", "--hidden", "64", "--rows", "8",
 //!     "--device-budget", "24KiB", "--mode", "train", "--host"])?;
-//! let report = run(&cfg, |_| {})?;
+//! let report = run(&cfg, |_| Ok(()))?;
 //! assert_eq!(report.matches_resident, Some(true));
 //! # Ok::<(), strata::Error>(())
 //! ```
@@ -18,12 +18,10 @@ use std::time::Instant;
 
 use half::bf16;
 
-use crate::flags::Flags;
+use crate::apps::args::{check_output, ModeArg, OnOff, OptimizerArg, SimulateArg, TrainDemoArgs};
 use crate::linalg::{Linalg, Matrix};
 use crate::probe::{median, median_after_first, raw_pinned_copy, Direction};
-use crate::{
-    format_size, DType, Error, LinkSharing, PolicyKind, Result, Simulation, Store, TensorId, Tier,
-};
+use crate::{format_size, DType, Error, PolicyKind, Result, Simulation, Store, TensorId, Tier};
 
 /// Inference or training.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -75,7 +73,7 @@ pub struct MlpConfig {
     /// Also run every weight resident (the compute floor and the correctness reference).
     pub compare: bool,
     /// Simulate this machine on the host backend (`--simulate h100`, or `h100-half` for
-    /// [`LinkSharing::Half`]): the loop runs a model
+    /// [`LinkSharing::Half`](crate::LinkSharing::Half)): the loop runs a model
     /// with the same layer count and budget in layers, shrunk to `hidden ≤ 64` and `rows ≤ 8`,
     /// in [simulated time](crate::StoreBuilder::simulate) scaled so that each layer's copies
     /// and GEMMs take the time they would at the configured size.
@@ -109,66 +107,79 @@ impl Default for MlpConfig {
     }
 }
 
-/// The flags `parse` accepts, for usage messages.
-pub const USAGE: &str = "--layers L --hidden H --rows R --device-budget SIZE --mode forward|train \
---hints on|off --ahead K --prefetch-budget SIZE --keep K --policy frequency|lru|schedule --steps N --lr F --seed S \
---weights-in pinned|disk --compare on|off --host --simulate h100|h100-half --trace FILE";
-
 impl MlpConfig {
-    /// Parses command-line flags (see [`USAGE`]) over the defaults (L=32, H=8192, rows 2048,
-    /// budget 1 GiB, forward, hints on, 1 ahead, schedule policy, 10 steps). Sizes take units.
+    /// Parses command-line flags ([`TrainDemoArgs`], without a program name) over the defaults
+    /// (L=32, H=8192, rows 2048, budget 1 GiB, forward, hints on, 1 ahead, schedule policy, 10
+    /// steps). Sizes take units.
     pub fn parse<I, S>(args: I) -> Result<MlpConfig>
     where
         I: IntoIterator<Item = S>,
         S: AsRef<str>,
     {
-        let mut c = MlpConfig::default();
-        let args = args.into_iter().map(|s| s.as_ref().to_string());
-        let mut flags = Flags::new(args, USAGE, &["--host"]);
-        let on_off = [("on", true), ("true", true), ("1", true)]
-            .into_iter()
-            .chain([("off", false), ("false", false), ("0", false)])
-            .collect::<Vec<_>>();
-        let mut half = Simulation::h100();
-        half.sharing = LinkSharing::Half;
-        while let Some(f) = flags.next_flag() {
-            let f = f?;
-            match f.name.as_str() {
-                "--host" => c.host = true,
-                "--layers" => c.layers = f.num()?,
-                "--hidden" => c.hidden = f.num()?,
-                "--rows" => c.rows = f.num()?,
-                "--device-budget" => c.device_budget = f.size()?,
-                "--mode" => {
-                    c.mode = f.choice(&[("forward", Mode::Forward), ("train", Mode::Train)])?
-                }
-                "--hints" => c.hints = f.choice(&on_off)?,
-                "--ahead" => c.ahead = f.num()?,
-                "--prefetch-budget" => c.prefetch_budget = Some(f.size()?),
-                "--policy" => c.policy = f.value.parse()?,
-                "--steps" => c.steps = f.num()?,
-                "--lr" => c.lr = f.parsed()?,
-                "--seed" => c.seed = f.parsed()?,
-                "--weights-in" => c.weights_in = f.value.parse()?,
-                "--compare" => c.compare = f.choice(&on_off)?,
-                "--keep" => c.keep = Some(f.num()?),
-                "--trace" => c.trace = Some(f.value.into()),
-                "--simulate" => {
-                    c.simulate =
-                        Some(f.choice(&[("h100", Simulation::h100()), ("h100-half", half)])?)
-                }
-                _ => return Err(f.unknown()),
-            }
+        MlpConfig::from_args(&TrainDemoArgs::try_parse(args)?)
+    }
+
+    /// The configuration parsed flags describe; an error names a flag of the trainer, which
+    /// this loop does not take.
+    pub fn from_args(a: &TrainDemoArgs) -> Result<MlpConfig> {
+        a.refuse_trainer_flags()?;
+        if let Some(o @ (OptimizerArg::Sgd | OptimizerArg::Adamw)) = a.optimizer {
+            let name = if o == OptimizerArg::Sgd { "sgd" } else { "adamw" };
+            return Err(Error::InvalidArgument(format!(
+                "--optimizer {name} runs the trainer (--mode train); the bf16 benchmark loop \
+                 applies device-sgd"
+            )));
         }
-        if c.layers == 0 || c.hidden == 0 || c.rows == 0 || c.steps == 0 {
+        let d = MlpConfig::default();
+        let on = |v: Option<OnOff>, default: bool| v.map_or(default, OnOff::on);
+        let c = MlpConfig {
+            layers: a.layers.unwrap_or(d.layers),
+            hidden: a.hidden.unwrap_or(d.hidden),
+            rows: a.rows.unwrap_or(d.rows),
+            device_budget: a.device_budget.unwrap_or(d.device_budget),
+            mode: match a.mode {
+                Some(ModeArg::Train) => Mode::Train,
+                Some(ModeArg::Forward) | None => Mode::Forward,
+            },
+            hints: on(a.hints, d.hints),
+            ahead: a.ahead.unwrap_or(d.ahead),
+            prefetch_budget: a.prefetch_budget,
+            keep: a.keep,
+            policy: a.policy.unwrap_or(d.policy),
+            steps: a.steps.unwrap_or(d.steps),
+            lr: a.lr.map_or(d.lr, |x| x as f32),
+            seed: a.seed.unwrap_or(d.seed),
+            weights_in: a.weights_in.unwrap_or(d.weights_in),
+            host: a.host,
+            compare: on(a.compare, d.compare),
+            simulate: a.simulate.map(SimulateArg::simulation),
+            trace: a.trace.clone(),
+        };
+        c.check()?;
+        Ok(c)
+    }
+
+    /// Refuses what cannot run: zero sizes or steps, weights kept anywhere but Pinned or Disk,
+    /// a non-positive learning rate, a trace file with no directory to go in.
+    fn check(&self) -> Result<()> {
+        if self.layers == 0 || self.hidden == 0 || self.rows == 0 || self.steps == 0 {
             return Err(Error::InvalidArgument(
                 "layers, hidden, rows and steps must be > 0".into(),
             ));
         }
-        if !matches!(c.weights_in, Tier::Pinned | Tier::Disk) {
+        if !matches!(self.weights_in, Tier::Pinned | Tier::Disk) {
             return Err(Error::InvalidArgument("--weights-in is pinned or disk".into()));
         }
-        Ok(c)
+        if !(self.lr.is_finite() && self.lr > 0.0) {
+            return Err(Error::InvalidArgument(format!(
+                "learning rate {} must be a positive finite number",
+                self.lr
+            )));
+        }
+        if let Some(t) = &self.trace {
+            check_output(t)?;
+        }
+        Ok(())
     }
 
     fn layer_bytes(&self) -> u64 {
@@ -479,10 +490,16 @@ fn result(cfg: &MlpConfig, net: &Net) -> Result<Vec<bf16>> {
 
 /// Runs the resident reference (if asked and it fits), then the out-of-core loop. `progress`
 /// gets a line per phase and per step.
-pub fn run(cfg: &MlpConfig, mut progress: impl FnMut(&str)) -> Result<MlpReport> {
+pub fn run(cfg: &MlpConfig, mut progress: impl FnMut(&str) -> Result<()>) -> Result<MlpReport> {
+    cfg.check()?;
     let t0 = Instant::now();
-    // With --simulate a small model runs, timed (and its bytes counted) as `cfg`'s.
+    // With --simulate a small model runs, timed (and its bytes counted) as `cfg`'s; every line
+    // says so.
     let (data, sim) = cfg.data_model();
+    let mut progress = |line: &str| match sim {
+        Some(_) => progress(&simulated(line)),
+        None => progress(line),
+    };
     let scale = sim.map_or(1.0, |s| s.bytes_scale);
     let big = |b: u64| (b as f64 * scale).round() as u64;
     let w = weights(&data);
@@ -498,14 +515,14 @@ pub fn run(cfg: &MlpConfig, mut progress: impl FnMut(&str)) -> Result<MlpReport>
         cfg.mode,
         t0.elapsed().as_secs_f64(),
         h = cfg.hidden
-    ));
+    ))?;
     if sim.is_some() {
         progress(&format!(
-            "simulated: runs [{h}, {h}] layers with {} rows, timed as the model above on the \
-             simulated machine (strata::Simulation)",
+            "runs [{h}, {h}] layers with {} rows, timed as the model above on the simulated \
+             machine (strata::Simulation): times are not measurements",
             data.rows,
             h = data.hidden
-        ));
+        ))?;
     }
 
     let mut compute = None;
@@ -527,10 +544,10 @@ pub fn run(cfg: &MlpConfig, mut progress: impl FnMut(&str)) -> Result<MlpReport>
                     "all weights resident ({}): {:.2} ms per step (compute floor)",
                     net.store.backend_description(),
                     median(&times) * 1e3
-                ));
+                ))?;
             }
             Err(Error::OutOfMemory { .. }) | Err(Error::Cuda { .. }) => {
-                progress("all weights resident: does not fit the device, no compute floor");
+                progress("all weights resident: does not fit the device, no compute floor")?;
             }
             Err(e) => return Err(e),
         }
@@ -564,7 +581,7 @@ pub fn run(cfg: &MlpConfig, mut progress: impl FnMut(&str)) -> Result<MlpReport>
         } else {
             format!("layers {}..{} pinned", kept.start, kept.end)
         }
-    ));
+    ))?;
     let mut steps = Vec::new();
     for i in 0..cfg.steps {
         let before = net.store.stats();
@@ -591,13 +608,13 @@ pub fn run(cfg: &MlpConfig, mut progress: impl FnMut(&str)) -> Result<MlpReport>
             r.prefetch_hits,
             r.prefetch_misses,
             r.issue_seconds * 1e3
-        ));
+        ))?;
         steps.push(r);
     }
     net.store.check_err()?;
     if let Some(path) = &cfg.trace {
         net.store.trace(path)?;
-        progress(&format!("trace of the copies and waits: {}", path.display()));
+        progress(&format!("trace of the copies and waits: {}", path.display()))?;
     }
 
     let (matches_resident, max_abs_diff) = match &reference {
@@ -651,9 +668,26 @@ pub fn run(cfg: &MlpConfig, mut progress: impl FnMut(&str)) -> Result<MlpReport>
     })
 }
 
+/// `line` marked as simulated: `simulated: ` before each of its lines.
+fn simulated(line: &str) -> String {
+    line.lines().map(|l| format!("simulated: {l}")).collect::<Vec<_>>().join("\n")
+}
+
 impl std::fmt::Display for MlpReport {
-    /// The closing lines: floors, the ratio, and the check against the resident run.
+    /// The closing lines: floors, the ratio, and the check against the resident run (each
+    /// marked `simulated: ` when the times are).
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut text = String::new();
+        self.write_lines(&mut text)?;
+        if self.simulated {
+            text = simulated(&text);
+        }
+        f.write_str(&text)
+    }
+}
+
+impl MlpReport {
+    fn write_lines(&self, f: &mut impl std::fmt::Write) -> std::fmt::Result {
         if let Some(c) = self.compute_seconds {
             writeln!(f, "compute floor (all resident): {:.2} ms", c * 1e3)?;
         }
