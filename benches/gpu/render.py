@@ -109,7 +109,7 @@ def ratio_cell(f):
     return "; ".join(parts)
 
 
-VERDICT_TEXT = {"met": "met", "missed": "**missed**", "measured": "measured", "not-run": "not run",
+VERDICT_TEXT = {"met": "met", "missed": "**missed**", "measured": "measured", "not-run": "**not run**",
                 "failed": "**failed**", "timed-out": "**timed out**"}
 
 
@@ -140,8 +140,11 @@ def table(r, figs, sim):
             if sim:
                 name = "simulated: " + name
             tgt = cell(f["target"]["text"]) if f.get("target") else ""
-            verdict = VERDICT_TEXT[f["verdict"]] + (" (simulated)" if sim and f["verdict"] in ("met", "missed")
-                                                    else "")
+            verdict = VERDICT_TEXT[f["verdict"]]
+            if sim and f["verdict"] in ("met", "missed"):
+                verdict += " (simulated)"
+            elif sim and f["verdict"] == "measured":
+                verdict = "simulated"
             src = (f["command"], f.get("log"), f.get("source"))
             cmd = "same" if src == last else command_cell(r, f)
             last = src
@@ -184,11 +187,10 @@ def matrix(r, g, group, sim):
 
 def header(r, sim):
     date = r["date"].replace("T", " ").replace("Z", " UTC")
-    commit = f"commit `{r['commit']}`" + (" with uncommitted changes" if r.get("dirty") else "")
-    kind = "simulated on" if sim else ("host dry run on" if r["host"] else "measured on")
-    lines = [f"#### {r['title']}" + (" (simulated)" if sim else ""), "",
-             f"{kind.capitalize()} {r['machine']['description']}, {date}, {commit}.", ""]
-    return lines
+    commit = f"`{r['commit']}`" + (" with uncommitted changes" if r.get("dirty") else "")
+    kind = "Simulated on" if sim else ("Host dry run on" if r["host"] else "Measured on")
+    return [f"#### {r['title']}" + (" (simulated)" if sim else ""), "",
+            f"{kind}: {r['machine']['description']}. Date: {date}. Commit: {commit}.", ""]
 
 
 def render(reports):
