@@ -3,12 +3,11 @@
 
 Python 3 standard library only (it runs on the GPU machine and in CI). Subcommands:
 
-  record --file STEPS.jsonl --name N --kind K --status S [--rc R] [--seconds X] [--timeout T]
-         [--log L] [--reason TEXT] [--meta KEY=VALUE ...] --command CMD
-      append one step's record (what ran, how it ended, where its log is); run calls it
-  build --stage S --steps STEPS.jsonl --dir OUT --out REPORT.json [--host] [--budget S]
+  build --stage S --steps STEPS.tsv --dir OUT --out REPORT.json [--host] [--budget S]
          [--elapsed S] [--commit-file F] [--title T] [--date D] [--note PARAGRAPH ...]
-      parse every step's log (their paths are relative to OUT) and write the stage's report
+      parse every step's log (their paths are relative to OUT) and write the stage's report; the
+      steps file is run's: a line a step, tab-separated: name, kind, status, exit status, seconds,
+      time limit, log, reason (why it did not run), command, then KEY=VALUE pairs for its parser
   check REPORT.json ...
       validate reports against the format of benches/gpu/README.md; exit 1 if one is not
   summary REPORT.json
@@ -771,11 +770,7 @@ def write_report(report, path):
 
 
 def build(a):
-    steps = []
-    with open(a.steps) as f:
-        for line in f:
-            if line.strip():
-                steps.append(json.loads(line))
+    steps = read_steps(a.steps)
     figs = []
     for s in steps:
         figs.extend(figures_of(s, a.dir))
@@ -847,34 +842,26 @@ def print_summary(r):
             print(f"  {f['verdict']:>9}: {f['name']}{v}{ratio}{t}{note}")
 
 
-def record(a):
-    meta = {}
-    for kv in a.meta or []:
-        k, _, v = kv.partition("=")
-        meta[k] = v
-    rec = {"name": a.name, "kind": a.kind, "command": a.command, "status": a.status, "rc": a.rc,
-           "seconds": a.seconds, "timeout_s": a.timeout, "log": a.log, "reason": a.reason, "meta": meta}
-    if a.kind not in PARSERS:
-        sys.exit(f"report.py record: unknown kind {a.kind!r}")
-    with open(a.file, "a") as f:
-        f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+def read_steps(path):
+    """The steps `run` recorded (see the module's doc for the line format)."""
+    steps = []
+    with open(path) as f:
+        for line in f:
+            if not line.strip():
+                continue
+            name, kind, status, rc, secs, limit, log, reason, command, *meta = line.rstrip("\n").split("\t")
+            if kind not in PARSERS or status not in STATUSES:
+                sys.exit(f"report.py: {path}: step {name}: unknown kind {kind!r} or status {status!r}")
+            steps.append({"name": name, "kind": kind, "status": status, "rc": int(rc) if rc else None,
+                          "seconds": float(secs) if secs else None, "timeout_s": float(limit) if limit else None,
+                          "log": log or None, "reason": reason or None, "command": command,
+                          "meta": dict(kv.partition("=")[::2] for kv in meta)})
+    return steps
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
-    r = sub.add_parser("record")
-    r.add_argument("--file", required=True)
-    r.add_argument("--name", required=True)
-    r.add_argument("--kind", required=True)
-    r.add_argument("--status", required=True, choices=STATUSES)
-    r.add_argument("--rc", type=int)
-    r.add_argument("--seconds", type=float)
-    r.add_argument("--timeout", type=float)
-    r.add_argument("--log")
-    r.add_argument("--reason")
-    r.add_argument("--meta", action="append")
-    r.add_argument("--command", required=True)
     b = sub.add_parser("build")
     b.add_argument("--stage", required=True)
     b.add_argument("--steps", required=True)
@@ -892,9 +879,7 @@ def main():
     s = sub.add_parser("summary")
     s.add_argument("report")
     a = ap.parse_args()
-    if a.cmd == "record":
-        record(a)
-    elif a.cmd == "build":
+    if a.cmd == "build":
         build(a)
     elif a.cmd == "summary":
         with open(a.report) as f:
