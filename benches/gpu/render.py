@@ -200,8 +200,9 @@ def render(reports):
         if sim:
             out.append("Not measurements: the host backend in simulated time (`strata::Simulation`, see "
                        "`docs/architecture.md`), a shrunk model timed as the full one at the rates measured on "
-                       "the reference H100. Deterministic; regenerate with `cargo build --release --examples && "
-                       "bash benches/gpu/run --host --release --no-archive simulate --out docs/bench/<folder>`.\n")
+                       "the reference H100. Deterministic; regenerated with `cargo build --release --examples && "
+                       "bash benches/gpu/run --host --release --no-archive simulate --out /tmp/sim` on a clean "
+                       "tree, then `/tmp/sim` copied to `docs/bench/simulated-<date>/`.\n")
         folders = {}
         for r in reports:
             figs = [f for f in r["figures"] if bool(f.get("simulated")) == sim]
