@@ -221,8 +221,9 @@ def render(reports):
                        f"(`{os.path.relpath(d, ROOT)}/`)\n")
             for r, figs in items:
                 out.extend(header(r, sim))
+                here = link(r["_dir"], ".")  # a note's {here}: the report's folder, from docs/
                 for n in r["notes"]:
-                    out.append(n + "\n")
+                    out.append(n.replace("{here}", here) + "\n")
                 out.extend(table(r, figs, sim))
     with open(NOTES) as f:
         out.append(f.read().rstrip() + "\n")
