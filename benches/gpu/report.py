@@ -347,10 +347,11 @@ def parse_train(text, step):
     flops = meta.get("flops")
     if flops and final:
         flops, ms = float(flops), float(final.group(1))
-        f = fig(f"{label}: achieved TFLOPS", round(flops / ms / 1e9, 1), "TFLOPS", group=group,
+        sig = lambda x: float(f"{x:.4g}")  # noqa: E731 (4 significant digits)
+        f = fig(f"{label}: achieved TFLOPS", sig(flops / ms / 1e9), "TFLOPS", group=group,
                 note=f"{flops:.3g} flops a step (forward and backward GEMMs) over the step time")
         if compute:
-            f.update(peer=round(flops / float(compute.group(1)) / 1e9, 1),
+            f.update(peer=sig(flops / float(compute.group(1)) / 1e9),
                      peer_what="the same layers resident (compute floor, no optimizer)",
                      ratio=round(float(compute.group(1)) / ms, 3))
         figs.append(f)
