@@ -1,12 +1,15 @@
-//! What strata's bookkeeping costs per operation, on the CPU with the host backend (no GPU
-//! needed): a policy update per access, the allocator behind `put` / `remove`, a device view
-//! acquired and dropped, `put` + `read` of a small tensor, and a read that hits.
+//! What strata's bookkeeping costs per operation: a policy update per access, the allocator
+//! behind `put` / `remove`, a device view acquired and dropped, `put` + `read` of a small tensor,
+//! and a read that hits. The store benchmarks run on the host backend (no GPU needed) and again
+//! on CUDA where there is a GPU (their ids then say `CUDA`; without one a line says they were
+//! skipped).
 //!
 //! ```text
 //! cargo bench --bench bookkeeping
 //! ```
 //! Each benchmark's id says what one iteration is. The target (issue 7) is under 1 µs of
-//! bookkeeping per access; `docs/bench.md` records the figures.
+//! bookkeeping per access; `benches/gpu/run tests` measures the CUDA ids on the GPU machine and
+//! `docs/benchmarks.md` records the figures.
 
 use std::time::Duration;
 
@@ -18,16 +21,24 @@ const TENSORS: usize = 10_000;
 /// Bytes of the small tensors.
 const SMALL: usize = 4096;
 
-/// A store on the host backend whose fastest tier is `top` (64 MiB; the tiers above it
-/// disabled), with a 64 MiB disk tier below. With `top` = Device, puts and reads go through the
-/// emulated copy streams (worker threads); with Pinned they are plain memcpys, so what remains is
-/// the bookkeeping.
-fn host_store(top: Tier) -> Store {
-    let mut b = Store::builder().host_backend().capacity(Tier::Disk, 64 << 20);
+/// A store whose fastest tier is `top` (64 MiB; the tiers above it disabled), with a 64 MiB disk
+/// tier below, on the host backend or on CUDA (`None` when there is no GPU). With `top` = Device
+/// on the host backend, puts and reads go through the emulated copy streams (worker threads);
+/// with Pinned they are plain memcpys, so what remains is the bookkeeping.
+fn store_on(cuda: bool, top: Tier) -> Option<Store> {
+    let mut b = Store::builder().capacity(Tier::Disk, 64 << 20);
+    b = if cuda { b.require_gpu() } else { b.host_backend() };
     for t in [Tier::Device, Tier::Pinned, Tier::Mapped] {
         b = b.capacity(t, if t == top { 64 << 20 } else { 0 });
     }
-    b.build().expect("a host store")
+    match b.build() {
+        Ok(store) => Some(store),
+        Err(e) if cuda => {
+            println!("SKIP bookkeeping on CUDA: {e}");
+            None
+        }
+        Err(e) => panic!("a host store: {e}"),
+    }
 }
 
 /// `n` valid tensor ids (the only way to make ids outside the crate is to put tensors).
@@ -77,14 +88,25 @@ fn policies(c: &mut Criterion) {
 }
 
 fn store_ops(c: &mut Criterion) {
+    store_ops_on(c, false);
+    store_ops_on(c, true);
+}
+
+/// The store benchmarks on one backend. The host backend's ids are the ones `docs/bench.md`
+/// has always recorded; on CUDA they end in `CUDA`.
+fn store_ops_on(c: &mut Criterion, cuda: bool) {
     let data = vec![7u8; SMALL];
+    let (pinned, device, backend) = if cuda {
+        ("Pinned tier, CUDA", "Device tier, CUDA", "CUDA")
+    } else {
+        ("Pinned tier, memcpy", "Device tier, host stream", "host backend")
+    };
+    let Some(view_store) = store_on(cuda, Tier::Device) else { return };
     let mut g = quick(c);
     g.throughput(Throughput::Elements(1));
 
-    for (top, what) in
-        [(Tier::Pinned, "Pinned tier, memcpy"), (Tier::Device, "Device tier, host stream")]
-    {
-        let store = host_store(top);
+    for (top, what) in [(Tier::Pinned, pinned), (Tier::Device, device)] {
+        let Some(store) = store_on(cuda, top) else { return };
         g.bench_function(format!("put + remove (one 4 KiB tensor, {what})"), |b| {
             b.iter(|| {
                 let id = store.put("t", DType::U8, &[SMALL], black_box(&data)).expect("put");
@@ -102,12 +124,13 @@ fn store_ops(c: &mut Criterion) {
         g.bench_function(format!("read (one resident 4 KiB tensor, a hit, {what})"), |b| {
             b.iter(|| black_box(store.read(black_box(id)).expect("read")))
         });
+        store.check_err().expect("no deferred errors");
     }
 
-    let store = host_store(Tier::Device);
+    let store = view_store;
     let id = store.put("resident", DType::U8, &[SMALL], &data).expect("put");
     let stream = store.stream().expect("stream");
-    g.bench_function("device_view + drop (one resident 4 KiB tensor, host backend)", |b| {
+    g.bench_function(format!("device_view + drop (one resident 4 KiB tensor, {backend})"), |b| {
         b.iter(|| drop(black_box(store.device_view(id, &stream).expect("view"))))
     });
     stream.synchronize().expect("sync");
@@ -118,7 +141,12 @@ fn store_ops(c: &mut Criterion) {
         .map(|i| store.put(&format!("v{i}"), DType::U8, &[SMALL], &data).expect("put"))
         .collect();
     g.throughput(Throughput::Elements(many.len() as u64));
-    g.bench_function("device_view x64 then drop x64 (resident 4 KiB tensors)", |b| {
+    let batch = if cuda {
+        "device_view x64 then drop x64 (resident 4 KiB tensors, CUDA)"
+    } else {
+        "device_view x64 then drop x64 (resident 4 KiB tensors)"
+    };
+    g.bench_function(batch, |b| {
         b.iter_batched_ref(
             Vec::new,
             |views| {
