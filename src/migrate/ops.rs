@@ -259,9 +259,11 @@ pub(crate) fn write(sh: &Shared, id: TensorId, data: &[u8]) -> Result<()> {
         drop(st);
         match move_to(sh, id, fastest) {
             Ok(()) => {
-                // Only the copy the tensor was written to stays, as for any write.
-                let (mut st, _) = sh.lock_when_free(id, true)?;
-                st.drop_other_replicas(id, fastest);
+                // Only the copy the tensor was written to stays, as for any write (unless
+                // another thread has removed or moved it meanwhile).
+                if let Ok((mut st, _)) = sh.lock_when_free(id, true) {
+                    st.drop_other_replicas(id, fastest);
+                }
             }
             Err(e) => {
                 tracing::debug!(tensor = %id, error = %e, "a written tensor stays out of its tier")

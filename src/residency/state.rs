@@ -117,8 +117,12 @@ impl State {
         self.reindex(id);
     }
 
-    /// Drops every replica of `id` but `keep`'s.
+    /// Drops every replica of `id` but `keep`'s (nothing when there is none in `keep`: a
+    /// tensor never loses its last copy this way).
     pub(crate) fn drop_other_replicas(&mut self, id: TensorId, keep: Tier) {
+        if !self.res.get(id).is_ok_and(|e| e.has(keep)) {
+            return;
+        }
         for t in Tier::ALL.into_iter().filter(|&t| t != keep) {
             if self.res.get(id).is_ok_and(|e| e.has(t)) {
                 self.drop_replica(id, t);
