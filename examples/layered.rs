@@ -132,8 +132,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         None => None,
     };
 
-    let mut b =
-        Store::builder().capacity(Tier::Device, budget).capacity(Tier::Mapped, 0).policy(a.policy);
+    // The pass lines report stall and overlap: the store keeps a timeline.
+    let mut b = Store::builder()
+        .capacity(Tier::Device, budget)
+        .capacity(Tier::Mapped, 0)
+        .policy(a.policy)
+        .timeline(true);
     b = match a.source {
         Tier::Disk => b.capacity(Tier::Pinned, 0).capacity(Tier::Disk, model + slack),
         _ => b.capacity(Tier::Pinned, model + slack).capacity(Tier::Disk, 0),

@@ -354,7 +354,8 @@ fn build(
 ) -> Result<Net> {
     let model = cfg.model_bytes();
     let slack = 1 << 20;
-    let mut b = Store::builder().capacity(Tier::Mapped, 0).policy(cfg.policy);
+    // Its step lines report the stall and --trace writes the timeline: the store keeps one.
+    let mut b = Store::builder().capacity(Tier::Mapped, 0).policy(cfg.policy).timeline(true);
     b = if resident {
         b.capacity(Tier::Device, model + slack).capacity(Tier::Pinned, 0).capacity(Tier::Disk, 0)
     } else {

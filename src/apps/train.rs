@@ -818,7 +818,8 @@ fn train_once<T: Element>(
     let prefetch = ((cfg.ahead as u64 + 1) * lb)
         .min(cfg.device_budget.saturating_sub(lb + grad_layer + act_mb))
         .max(lb);
-    let mut b = Store::builder().policy(cfg.policy);
+    // Its step lines report the stall the device streams saw: the store keeps a timeline.
+    let mut b = Store::builder().policy(cfg.policy).timeline(true);
     if cfg.host {
         b = b.host_backend();
     }
