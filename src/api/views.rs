@@ -50,6 +50,17 @@ impl Stream {
         }
     }
 
+    /// Makes work issued to this stream from now on wait for the work issued to `other` so far
+    /// (an event recorded on `other`), without blocking the calling thread. How work on another
+    /// stream is ordered after a view's stream before it uses the view's memory.
+    pub fn wait_for(&self, other: &Stream) -> Result<()> {
+        if self.raw.kind() != other.raw.kind() {
+            return Err(Error::BackendMismatch("streams of two backends".into()));
+        }
+        let ev = other.raw.record()?;
+        self.raw.wait(&ev)
+    }
+
     /// Blocks until all work issued to the stream has run.
     pub fn synchronize(&self) -> Result<()> {
         self.raw.synchronize()

@@ -114,12 +114,25 @@ impl Kernels {
     /// stream, without waiting: a kernel that reads a layer, for pipelines that keep copies and
     /// compute overlapped. [`Checksum::value`] waits and reads the sum.
     pub fn checksum_into(&self, view: &DeviceView, repeats: u32, acc: &mut Checksum) -> Result<()> {
+        self.checksum_into_on(view, &view.stream(), repeats, acc)
+    }
+
+    /// [`Kernels::checksum_into`] on `stream` rather than the view's: work on another stream
+    /// over the view's memory, which the caller orders after the view's stream (an event) and
+    /// reports with [`DeviceView::record_use`]. `acc` must be an accumulator of `stream`. On the
+    /// host backend it reads the bytes at once, after the view's stream.
+    pub fn checksum_into_on(
+        &self,
+        view: &DeviceView,
+        stream: &Stream,
+        repeats: u32,
+        acc: &mut Checksum,
+    ) -> Result<()> {
         let repeats = repeats.max(1);
         let Some(k) = &self.cuda else {
             acc.host = acc.host.wrapping_add(view.with_host_bytes(|b| checksum_host(b, repeats))?);
             return Ok(());
         };
-        let stream = view.stream();
         let s = stream
             .cuda()
             .ok_or_else(|| Error::BackendMismatch("host stream, CUDA kernels".into()))?;

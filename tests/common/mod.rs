@@ -36,6 +36,7 @@ impl Backend {
 /// prints `SKIP <test> on cuda: no GPU (<reason>)`, or panics when `STRATA_REQUIRE_GPU=1`.
 /// A failing run is reported with the backend it failed on.
 pub fn each_backend(test: &str, mut f: impl FnMut(Backend)) {
+    watch_deadlocks();
     /// Names the test and backend when the run unwinds from a failure.
     struct OnPanic<'a>(&'a str, Backend);
     impl Drop for OnPanic<'_> {
@@ -182,4 +183,31 @@ pub fn view_write(v: &mut DeviceView, data: &[u8]) {
         }
         _ => v.with_host_bytes_mut(|b| b.copy_from_slice(data)).expect("host bytes of a view"),
     }
+}
+
+/// Starts (once per test binary) a thread that looks for deadlocks among parking_lot's locks
+/// and condition variables (the store's lock, flights, host events, staging) every 200 ms and,
+/// on finding one, prints the threads involved and aborts, so a deadlock fails the test at once
+/// instead of hanging it. Tests build parking_lot with `deadlock_detection` (dev-dependency).
+pub fn watch_deadlocks() {
+    static STARTED: std::sync::Once = std::sync::Once::new();
+    STARTED.call_once(|| {
+        std::thread::Builder::new()
+            .name("deadlock-watch".into())
+            .spawn(|| loop {
+                std::thread::sleep(std::time::Duration::from_millis(200));
+                let found = parking_lot::deadlock::check_deadlock();
+                if found.is_empty() {
+                    continue;
+                }
+                eprintln!("{} deadlock(s) among parking_lot locks", found.len());
+                for (i, threads) in found.iter().enumerate() {
+                    for t in threads {
+                        eprintln!("deadlock {i}: thread {:?}\n{:?}", t.thread_id(), t.backtrace());
+                    }
+                }
+                std::process::abort();
+            })
+            .expect("the deadlock watcher starts");
+    });
 }
