@@ -163,5 +163,54 @@ fn store_ops_on(c: &mut Criterion, cuda: bool) {
     g.finish();
 }
 
-criterion_group!(benches, policies, store_ops);
+/// A read that misses and promotes its tensor into a full tier, evicting one victim, with 1k,
+/// 10k and 100k tensors in the store: the victim comes from an index kept as tensors change, so
+/// the cost should not grow with the count (the target: within 2x from 1k to 100k).
+fn evicting_reads(c: &mut Criterion) {
+    let mut g = quick(c);
+    g.throughput(Throughput::Elements(1));
+    for n in [1_000usize, 10_000, 100_000] {
+        // Pinned holds `n` small tensors and `n + 64` are put, each with a copy in Mapped:
+        // reads cycling over all of them in order each miss (the tensor read was evicted a
+        // cycle ago), promote it and evict the least recently used (LRU always admits), which
+        // costs a drop of its Pinned copy. Host memory only, so no I/O hides the bookkeeping.
+        let store = Store::builder()
+            .host_backend()
+            .policy(strata::PolicyKind::Lru)
+            .capacity(Tier::Device, 0)
+            .capacity(Tier::Pinned, (n * SMALL) as u64)
+            .capacity(Tier::Mapped, ((n + 128) * SMALL) as u64)
+            .capacity(Tier::Disk, 0)
+            .build()
+            .expect("a host store");
+        let data = vec![3u8; SMALL];
+        let ids: Vec<TensorId> = (0..n + 64)
+            .map(|i| store.put(&format!("t{i}"), DType::U8, &[SMALL], &data).expect("put"))
+            .collect();
+        // Every tensor gets a Mapped copy, so an eviction drops a copy rather than writing one.
+        for &id in &ids {
+            store.move_to(id, Tier::Mapped).expect("to mapped");
+        }
+        for &id in &ids[..n] {
+            store.read(id).expect("promote");
+        }
+        // Pinned holds ids[..n] now: start at the first one it does not.
+        let mut k = n - 1;
+        let before = store.stats();
+        let mut reads = 0u64;
+        g.bench_function(format!("read that evicts (one 4 KiB tensor, {n} tensors)"), |b| {
+            b.iter(|| {
+                k = (k + 1) % ids.len();
+                reads += 1;
+                black_box(store.read(ids[k]).expect("read"));
+            })
+        });
+        let st = store.stats();
+        let evictions = st.evictions - before.evictions;
+        assert_eq!(evictions, reads, "not every read evicted:\n{st}");
+    }
+    g.finish();
+}
+
+criterion_group!(benches, policies, store_ops, evicting_reads);
 criterion_main!(benches);

@@ -224,7 +224,7 @@ impl Copy<'_> {
             // runs.
             (_, Dst::Mem(Tier::Device, d)) => {
                 let mut taken = None;
-                let bufs = staging_bufs(shared, staging, &mut taken)?;
+                let bufs = staging_bufs(shared, staging, &mut taken, d.len())?;
                 let mut crc = crc32fast::Hasher::new();
                 let last = match &src {
                     Src::User(data) => arena::upload(be.h2d(), d, bufs, |off, b| {
@@ -283,7 +283,7 @@ impl Copy<'_> {
                     d2h.wait(ev)?;
                 }
                 let mut taken = None;
-                let bufs = staging_bufs(shared, staging, &mut taken)?;
+                let bufs = staging_bufs(shared, staging, &mut taken, s.len())?;
                 match &mut dst {
                     Dst::Disk(r) => {
                         let slab = disk()?;
@@ -362,12 +362,13 @@ fn staging_bufs<'s: 'b, 'b>(
     shared: &'s Shared,
     staging: Option<&'b mut [StagingBuf]>,
     taken: &'b mut Option<StagingSet<'s>>,
+    bytes: usize,
 ) -> Result<&'b mut [StagingBuf]> {
     if let Some(b) = staging {
         return Ok(b);
     }
     let pool = shared.mem.staging.as_ref().ok_or(Error::TierDisabled { tier: Tier::Device })?;
-    Ok(&mut taken.insert(pool.take(2)).bufs[..])
+    Ok(&mut taken.insert(pool.take(pool.wanted(bytes))).bufs[..])
 }
 
 /// Reads a replica's bytes into `out` (exactly the tensor's length) without the store's lock:
@@ -399,7 +400,7 @@ pub(crate) fn read_into(
                 d2h.wait(ev)?;
             }
             let mut taken = None;
-            let bufs = staging_bufs(shared, None, &mut taken)?;
+            let bufs = staging_bufs(shared, None, &mut taken, s.len())?;
             arena::download(d2h, &s, bufs, |off, piece| {
                 copier().copy(&mut out[off..off + piece.len()], piece);
                 Ok(())

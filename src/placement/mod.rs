@@ -121,6 +121,7 @@ impl State {
     }
 
     /// The tensor was used by a view (or left the device): it no longer counts as prefetched.
+    /// The caller reindexes the tensor afterwards (every caller changes more about it).
     pub(crate) fn consume_prefetch(&mut self, id: TensorId) {
         let Ok(e) = self.res.get_mut(id) else { return };
         e.pin_prefetch = false;
@@ -128,7 +129,6 @@ impl State {
             let bytes = e.bytes();
             self.place.inflight = self.place.inflight.saturating_sub(bytes);
         }
-        self.reindex(id);
     }
 
     /// Marks `id` prefetched by `source` (protected from eviction until used), charging the

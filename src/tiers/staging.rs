@@ -15,9 +15,12 @@ use crate::error::Result;
 /// store's lock, until enough are free; a set is taken whole, so two operations never each hold
 /// half of what the other needs.
 pub(crate) struct StagingPool {
-    free: Mutex<Vec<StagingBuf>>,
+    /// Free buffers, the longest free first: a buffer is reused as late as possible, so the copy
+    /// that last used it has most likely finished and taking it costs no wait.
+    free: Mutex<std::collections::VecDeque<StagingBuf>>,
     cv: Condvar,
     total: usize,
+    size: usize,
 }
 
 impl StagingPool {
@@ -25,7 +28,17 @@ impl StagingPool {
     pub(crate) fn new(backend: &Backend, count: usize, size: usize) -> Result<StagingPool> {
         let count = count.max(2);
         let bufs = (0..count).map(|_| StagingBuf::new(backend, size)).collect::<Result<_>>()?;
-        Ok(StagingPool { free: Mutex::new(bufs), cv: Condvar::new(), total: count })
+        Ok(StagingPool { free: Mutex::new(bufs), cv: Condvar::new(), total: count, size })
+    }
+
+    /// Buffers a copy of `bytes` goes through: one for a copy that fits one buffer, else two
+    /// (the CPU fills one while the other's DMA runs).
+    pub(crate) fn wanted(&self, bytes: usize) -> usize {
+        if bytes <= self.size {
+            1
+        } else {
+            2
+        }
     }
 
     /// Takes `n` buffers (at most half the pool, at least one), waiting until they are free.
@@ -37,8 +50,7 @@ impl StagingPool {
         while free.len() < n {
             self.cv.wait(&mut free);
         }
-        let at = free.len() - n;
-        let bufs = free.split_off(at);
+        let bufs = free.drain(..n).collect();
         StagingSet { pool: self, bufs }
     }
 }
@@ -52,7 +64,7 @@ pub(crate) struct StagingSet<'a> {
 impl Drop for StagingSet<'_> {
     fn drop(&mut self) {
         let mut free = self.pool.free.lock();
-        free.append(&mut self.bufs);
+        free.extend(self.bufs.drain(..));
         self.pool.cv.notify_all();
     }
 }
@@ -247,5 +259,6 @@ mod tests {
         drop(b);
         assert_eq!(pool.take(2).bufs.len(), 2);
         assert_eq!(pool.free.lock().len(), 4);
+        assert_eq!((pool.wanted(4096), pool.wanted(4097)), (1, 2));
     }
 }
