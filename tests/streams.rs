@@ -338,7 +338,7 @@ fn work(store: &Store, t: u32) -> usize {
     let streams = [store.stream().unwrap(), store.stream().unwrap()];
     let mut owned: Vec<Owned> = Vec::new();
     let mut version = 0u32;
-    let mut next_seed = |version: &mut u32| {
+    let next_seed = |version: &mut u32| {
         *version += 1;
         (t << 20) | *version
     };
