@@ -1,0 +1,72 @@
+//! How long a device view of a resident tensor takes on one thread while another thread's view
+//! misses a large tensor on disk (read from the slab file, copied in through staging): the
+//! store's lock is held only to decide and record, so the hit should not wait for the miss.
+//!
+//! ```text
+//! cargo run --release --example hit_during_miss -- [--mib 256] [--host]
+//! ```
+//! Prints the miss's time and the hits' median, 99th percentile and worst case.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use strata::{DType, Store, Tier};
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let args: Vec<String> = std::env::args().collect();
+    let mib: usize = match args.iter().position(|a| a == "--mib") {
+        Some(i) => args.get(i + 1).and_then(|v| v.parse().ok()).ok_or("--mib needs a number")?,
+        None => 256,
+    };
+    let big_bytes = mib << 20;
+    let mut b = Store::builder()
+        .capacity(Tier::Device, (big_bytes + (16 << 20)) as u64)
+        .capacity(Tier::Pinned, (big_bytes + (16 << 20)) as u64)
+        .capacity(Tier::Mapped, 0)
+        .capacity(Tier::Disk, (big_bytes + (16 << 20)) as u64);
+    if args.iter().any(|a| a == "--host") {
+        b = b.host_backend();
+    }
+    let store = Arc::new(b.build()?);
+    println!("{}", store.backend_description());
+    let big = store.put("big", DType::U8, &[big_bytes], &vec![7u8; big_bytes])?;
+    store.move_to(big, Tier::Disk)?;
+    let small = store.put("small", DType::U8, &[4096], &[1; 4096])?;
+    let s = store.stream()?;
+    // Warm: the small tensor is resident and its view path has run once.
+    for _ in 0..1000 {
+        drop(store.device_view(small, &s)?);
+    }
+    s.synchronize()?;
+    let st = store.clone();
+    let miss = std::thread::spawn(move || -> strata::Result<Duration> {
+        let s = st.stream()?;
+        let t = Instant::now();
+        let v = st.device_view(big, &s)?;
+        let took = t.elapsed();
+        drop(v);
+        s.synchronize()?;
+        Ok(took)
+    });
+    let mut hits = Vec::new();
+    while !miss.is_finished() {
+        let t = Instant::now();
+        drop(store.device_view(small, &s)?);
+        hits.push(t.elapsed());
+    }
+    let miss_took = miss.join().map_err(|_| "the miss panicked")??;
+    s.synchronize()?;
+    store.check_err()?;
+    hits.sort();
+    let q = |p: f64| hits[((hits.len() - 1) as f64 * p) as usize];
+    println!("miss of a {mib} MiB tensor on disk: {:.1} ms", miss_took.as_secs_f64() * 1e3);
+    println!(
+        "{} device_view hits + drops on another thread meanwhile: median {:.2} us, p99 {:.2} us, \
+         worst {:.3} ms",
+        hits.len(),
+        q(0.5).as_secs_f64() * 1e6,
+        q(0.99).as_secs_f64() * 1e6,
+        hits.last().map_or(0.0, |w| w.as_secs_f64() * 1e3)
+    );
+    Ok(())
+}
