@@ -16,11 +16,48 @@ use super::{Addr, Block, BlockOwner, MemKind, RawStream};
 use crate::error::{Error, Result};
 use crate::types::Tier;
 
-/// Whether the CUDA driver library can be loaded on this machine. Checked before any cudarc call,
-/// which would panic without it.
+/// A CUDA library strata calls through cudarc.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Lib {
+    Driver,
+    Nvrtc,
+    Cublas,
+}
+
+/// Whether `lib` can be loaded on this machine: checked before the first cudarc call into it,
+/// which would panic without it (cudarc loads its libraries on first use).
+///
+/// cudarc's own check (`sys::is_culib_present`) exists only when cudarc loads its libraries
+/// dynamically; a crate that links them (candle's CUDA build enables `dynamic-linking`, and cargo
+/// unifies features) would not compile against it. So the check is made here, with `dlopen`,
+/// over file names cudarc's loader also tries (where the libraries are linked, they are loaded
+/// already and found at once).
+pub(crate) fn lib_present(lib: Lib) -> bool {
+    let names: &[&str] = match lib {
+        Lib::Driver => &["libcuda.so", "libcuda.so.1", "libcuda.so.12", "libcuda.so.11"],
+        Lib::Nvrtc => &["libnvrtc.so", "libnvrtc.so.12", "libnvrtc.so.11", "libnvrtc.so.1"],
+        Lib::Cublas => &["libcublas.so", "libcublas.so.12", "libcublas.so.11", "libcublas.so.1"],
+    };
+    names.iter().any(|name| {
+        let Ok(c) = std::ffi::CString::new(*name) else { return false };
+        // SAFETY: `c` is a NUL-terminated file name; dlopen either fails (null, nothing to
+        // release) or returns a handle that is closed right away. Loading a CUDA library runs
+        // no code of ours.
+        unsafe {
+            let h = libc::dlopen(c.as_ptr(), libc::RTLD_LAZY | libc::RTLD_LOCAL);
+            if h.is_null() {
+                false
+            } else {
+                libc::dlclose(h);
+                true
+            }
+        }
+    })
+}
+
+/// Whether the CUDA driver library can be loaded on this machine.
 pub(crate) fn driver_present() -> bool {
-    // SAFETY: is_culib_present only tries to dlopen the driver library and closes it again.
-    unsafe { sys::is_culib_present() }
+    lib_present(Lib::Driver)
 }
 
 /// Number of CUDA devices, or why there are none.
@@ -385,8 +422,7 @@ pub(crate) fn load_kernels<const N: usize>(
     source: &str,
     names: [&str; N],
 ) -> Result<(Arc<cudarc::driver::CudaModule>, [cudarc::driver::CudaFunction; N])> {
-    // SAFETY: only tries to dlopen the NVRTC library and closes it again.
-    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+    if !lib_present(Lib::Nvrtc) {
         return Err(Error::Cuda {
             call: "nvrtc",
             message: "the NVRTC library (libnvrtc.so) was not found: install the CUDA runtime \

@@ -304,8 +304,7 @@ impl Linalg {
             .cuda()
             .ok_or_else(|| Error::BackendMismatch("a host stream with a CUDA store".into()))?
             .clone();
-        // SAFETY: only tries to dlopen the library and closes it again.
-        if !unsafe { cudarc::cublas::sys::is_culib_present() } {
+        if !super::cuda::lib_present(super::cuda::Lib::Cublas) {
             return Err(Error::Cuda {
                 call: "cublas",
                 message: "libcublas.so was not found".into(),
