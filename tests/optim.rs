@@ -100,8 +100,8 @@ fn train(
     for _ in 0..STEPS {
         for i in 0..PARAMS {
             let g: Vec<f32> = (0..N).map(|_| grng.next_f32() - 0.5).collect();
-            store.write(opt.grad(i), &bytes(&g)).unwrap();
-            opt.update(i).unwrap();
+            store.write(opt.grad(ids[i]).unwrap(), &bytes(&g)).unwrap();
+            opt.update(ids[i]).unwrap();
         }
         opt.finish().unwrap();
     }
@@ -233,10 +233,20 @@ fn bad_parameters_are_typed_errors() {
     assert!(matches!(e, strata::Error::InvalidArgument(ref m) if m.contains("idx")), "{e}");
     let w = store.put("w", DType::F32, &[4], &[0u8; 16]).unwrap();
     let empty = store.put("empty", DType::F32, &[0], &[]).unwrap();
+    let twice = Optimizer::new(store.clone(), &s, &[w, w], cfg).unwrap_err();
+    assert!(
+        matches!(twice, strata::Error::InvalidArgument(ref m) if m.contains("twice")),
+        "{twice}"
+    );
     let mut opt = Optimizer::new(store.clone(), &s, &[w, empty], cfg).unwrap();
-    assert!(matches!(opt.update(3), Err(strata::Error::InvalidArgument(_))));
-    opt.update(1).unwrap(); // zero elements: nothing to do, and the worker lives on
-    opt.update(0).unwrap();
+    // A tensor the optimizer does not train is a typed error naming it, not a panic.
+    assert!(
+        matches!(opt.update(i), Err(strata::Error::InvalidArgument(ref m)) if m.contains(&i.to_string()))
+    );
+    assert!(opt.grad(i).is_err() && opt.master(i).is_err());
+    assert_eq!(opt.params().collect::<Vec<_>>(), vec![w, empty]);
+    opt.update(empty).unwrap(); // zero elements: nothing to do, and the worker lives on
+    opt.update(w).unwrap();
     opt.finish().unwrap();
     assert_eq!(opt.steps(), 1);
     assert_eq!("gpu-mapped".parse::<Engine>().unwrap(), Engine::GpuMapped);

@@ -880,7 +880,7 @@ fn train_once<T: Element>(
             bar.set_message("fp32 master weights");
             for (i, w) in inputs.weights.iter().enumerate() {
                 bar.inc(1);
-                o.load_master(i, w)?;
+                o.load_master(ids[i], w)?;
             }
         }
         Some(o)
@@ -1046,8 +1046,8 @@ fn train_once<T: Element>(
     }
     if let (Some(path), Phase::Train, Some(o)) = (&cfg.save, phase, &opt) {
         let named: Vec<(TensorId, String)> = (0..layers)
-            .map(|i| (o.master(i).unwrap_or(ids[i]), format!("layers.{i}.weight")))
-            .collect();
+            .map(|i| Ok((o.master(ids[i])?.unwrap_or(ids[i]), format!("layers.{i}.weight"))))
+            .collect::<Result<_>>()?;
         store.save_safetensors_as(path, &named)?;
     }
     drop(opt);
@@ -1202,7 +1202,7 @@ impl Ctx<'_> {
                         std::mem::swap(&mut sc.g, &mut sc.g2);
                     }
                     if let Some(o) = opt.as_deref_mut() {
-                        let gid = o.grad(i);
+                        let gid = o.grad(w.id())?;
                         let mut gv = if mb == 0 {
                             store.device_view_for_overwrite(gid, s)?
                         } else {
@@ -1212,7 +1212,7 @@ impl Ctx<'_> {
                         drop(gv);
                         if last_mb {
                             // The GPU engines' kernel is issued while the weight's view lives.
-                            o.update(i)?;
+                            o.update(w.id())?;
                         }
                     }
                 }

@@ -114,6 +114,14 @@ pub struct Sgd {
     pub weight_decay: f64,
 }
 
+impl Default for Sgd {
+    /// PyTorch's defaults for `torch.optim.SGD` without momentum, with a learning rate of 0.01
+    /// (torch has none: it must be given).
+    fn default() -> Self {
+        Sgd { lr: 0.01, weight_decay: 0.0 }
+    }
+}
+
 /// The update rule.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Algorithm {
@@ -632,6 +640,8 @@ pub struct Optimizer {
     engine: Engine,
     choice: Option<AutoChoice>,
     params: Vec<ParamState>,
+    /// Each parameter's place in `params`.
+    index: std::collections::HashMap<TensorId, usize>,
     t: u64,
     gpu: Option<GpuKernels>,
     worker: Option<CpuWorker>,
@@ -720,13 +730,22 @@ impl Optimizer {
             engine,
             choice,
             params: Vec::new(),
+            index: std::collections::HashMap::new(),
             t: 0,
             gpu,
             worker: None,
         };
         for info in infos {
+            if opt.index.contains_key(&info.id) {
+                let e = Error::InvalidArgument(format!("{} is given twice", info.name));
+                opt.remove_state();
+                return Err(e);
+            }
             match opt.add(info) {
-                Ok(st) => opt.params.push(st),
+                Ok(st) => {
+                    opt.index.insert(st.param, opt.params.len());
+                    opt.params.push(st);
+                }
                 Err(e) => {
                     opt.remove_state();
                     return Err(e);
@@ -853,33 +872,41 @@ impl Optimizer {
         self.t
     }
 
-    /// The gradient tensor of parameter `i` (in the order given to `new`). [`Optimizer::update`]
-    /// consumes it: its contents are unspecified afterwards until it is written again (the GPU
-    /// engines [`Store::discard`] it, so evicting it costs no write-back). Accumulate into it
-    /// on the optimizer's stream, for example with [`Linalg::accumulate`](crate::linalg::Linalg::accumulate)
-    /// on a [`Store::device_view_for_overwrite`] (first micro-batch) or
-    /// [`Store::device_view`] (later ones) view.
-    ///
-    /// # Panics
-    /// If `i` is out of range.
-    pub fn grad(&self, i: usize) -> TensorId {
-        self.params[i].grad
+    /// The state of parameter `param`, or an error naming it when the optimizer does not train
+    /// it.
+    fn state_of(&self, param: TensorId) -> Result<ParamState> {
+        self.index.get(&param).map(|&i| self.params[i]).ok_or_else(|| {
+            Error::InvalidArgument(format!("{param} is not a parameter of this optimizer"))
+        })
     }
 
-    /// The fp32 master weights of parameter `i`; `None` for an f32 parameter (its own master)
-    /// or an index out of range.
-    pub fn master(&self, i: usize) -> Option<TensorId> {
-        self.params.get(i).and_then(|st| st.master)
+    /// The parameters, in the order given to [`Optimizer::new`].
+    pub fn params(&self) -> impl Iterator<Item = TensorId> + '_ {
+        self.params.iter().map(|st| st.param)
     }
 
-    /// Sets parameter `i`'s fp32 master weights to `values` (for example the f32 values a
+    /// The gradient tensor of parameter `param`. [`Optimizer::update`] consumes it: its contents
+    /// are unspecified afterwards until it is written again (the GPU engines
+    /// [`Store::discard`] it, so evicting it costs no write-back). Accumulate into it on the
+    /// optimizer's stream, for example with
+    /// [`Linalg::accumulate`](crate::linalg::Linalg::accumulate) on a
+    /// [`Store::device_view_for_overwrite`] (first micro-batch) or [`Store::device_view`]
+    /// (later ones) view.
+    pub fn grad(&self, param: TensorId) -> Result<TensorId> {
+        Ok(self.state_of(param)?.grad)
+    }
+
+    /// The fp32 master weights of parameter `param`; `None` for an f32 parameter (its own
+    /// master).
+    pub fn master(&self, param: TensorId) -> Result<Option<TensorId>> {
+        Ok(self.state_of(param)?.master)
+    }
+
+    /// Sets parameter `param`'s fp32 master weights to `values` (for example the f32 values a
     /// bf16 model was initialised from, which its bf16 copy only approximates) and the
     /// parameter to their bf16 rounding. For an f32 parameter, sets the parameter.
-    pub fn load_master(&mut self, i: usize, values: &[f32]) -> Result<()> {
-        let st = *self
-            .params
-            .get(i)
-            .ok_or_else(|| Error::InvalidArgument(format!("no parameter {i} in this optimizer")))?;
+    pub fn load_master(&mut self, param: TensorId, values: &[f32]) -> Result<()> {
+        let st = self.state_of(param)?;
         if values.len() != st.elems {
             return Err(Error::LengthMismatch {
                 expected: st.elems as u64 * 4,
@@ -909,15 +936,13 @@ impl Optimizer {
             .collect()
     }
 
-    /// Updates parameter `i` from its gradient, which must be complete (every view of it
-    /// dropped) and is consumed (see [`Optimizer::grad`]). Cpu: queues the update (it runs once the gradient has reached host memory);
-    /// GPU engines: issues the kernel on the optimizer's stream. The parameter's compute copy
-    /// is refreshed. Call [`Optimizer::finish`] once every parameter of the step was updated.
-    pub fn update(&mut self, i: usize) -> Result<()> {
-        let st = *self
-            .params
-            .get(i)
-            .ok_or_else(|| Error::InvalidArgument(format!("no parameter {i} in this optimizer")))?;
+    /// Updates parameter `param` from its gradient, which must be complete (every view of it
+    /// dropped) and is consumed (see [`Optimizer::grad`]). Cpu: queues the update (it runs once
+    /// the gradient has reached host memory); GPU engines: issues the kernel on the optimizer's
+    /// stream. The parameter's compute copy is refreshed. Call [`Optimizer::finish`] once every
+    /// parameter of the step was updated.
+    pub fn update(&mut self, param: TensorId) -> Result<()> {
+        let st = self.state_of(param)?;
         let t = self.t + 1;
         match self.engine {
             Engine::Cpu => {
