@@ -98,10 +98,10 @@ fn train(
     let mut opt = Optimizer::new(store.clone(), &s, &ids, cfg).unwrap();
     let mut grng = Rng::new(11);
     for _ in 0..STEPS {
-        for i in 0..PARAMS {
+        for &id in &ids[..PARAMS] {
             let g: Vec<f32> = (0..N).map(|_| grng.next_f32() - 0.5).collect();
-            store.write(opt.grad(ids[i]).unwrap(), &bytes(&g)).unwrap();
-            opt.update(ids[i]).unwrap();
+            store.write(opt.grad(id).unwrap(), &bytes(&g)).unwrap();
+            opt.update(id).unwrap();
         }
         opt.finish().unwrap();
     }
