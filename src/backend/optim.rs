@@ -54,8 +54,8 @@
 //! let s = store.stream()?;
 //! let mut opt = Optimizer::new(store.clone(), &s, &[w], cfg)?;
 //! // The gradient: all ones (a real loop accumulates it on the device with strata::linalg).
-//! store.write(opt.grad(0), &[1.0f32; 4].iter().flat_map(|x| x.to_ne_bytes()).collect::<Vec<_>>())?;
-//! opt.update(0)?;
+//! store.write(opt.grad(w)?, &[1.0f32; 4].iter().flat_map(|x| x.to_ne_bytes()).collect::<Vec<_>>())?;
+//! opt.update(w)?;
 //! opt.finish()?;
 //! // AdamW's first step moves every weight by lr against the gradient's sign.
 //! let w1: Vec<f32> = store.read(w)?.chunks(4).map(|c| f32::from_ne_bytes(c.try_into().unwrap())).collect();

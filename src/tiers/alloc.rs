@@ -47,10 +47,14 @@ impl ExtentAllocator {
         a
     }
 
-    /// Reserves round_up(max(size,1), align) bytes; returns the offset (a multiple of align), or
-    /// None when no free range is big enough. Best fit (smallest free range that fits; ties ->
+    /// Reserves round_up(size, align) bytes; returns the offset (a multiple of align), or None
+    /// when no free range is big enough. An empty request takes nothing and always succeeds. Best fit (smallest free range that fits; ties ->
     /// lowest offset).
     pub(crate) fn alloc(&mut self, size: u64) -> Option<u64> {
+        if size == 0 {
+            // An empty tensor takes no room: every empty extent is offset 0, 0 bytes long.
+            return Some(0);
+        }
         let need = self.round(size)?;
         // (len, offset) order: the first entry at or after (need, 0) is the smallest range that
         // fits, and among equal lengths the lowest offset.
@@ -67,6 +71,9 @@ impl ExtentAllocator {
     /// free neighbours. Freeing something not allocated is a bug: it trips a debug assertion, and
     /// in release builds it is ignored so the free lists stay consistent.
     pub(crate) fn free(&mut self, offset: u64, size: u64) {
+        if size == 0 {
+            return;
+        }
         let live = self.is_live(offset, size);
         debug_assert!(
             live,
@@ -91,9 +98,12 @@ impl ExtentAllocator {
         self.insert_free(start, end - start);
     }
 
-    /// Reserved size for a request of `size`: round_up(max(size,1), align). Saturates at
-    /// `u64::MAX` (which no allocator can satisfy) when the rounding overflows.
+    /// Reserved size for a request of `size`: round_up(size, align), 0 for an empty one.
+    /// Saturates at `u64::MAX` (which no allocator can satisfy) when the rounding overflows.
     pub(crate) fn reserved_size(&self, size: u64) -> u64 {
+        if size == 0 {
+            return 0;
+        }
         self.round(size).unwrap_or(u64::MAX)
     }
 
@@ -187,7 +197,7 @@ mod tests {
     #[test]
     fn sizes_round_up_to_alignment() {
         let mut a = ExtentAllocator::new(1 << 20, 4096);
-        assert_eq!(a.reserved_size(0), 4096);
+        assert_eq!(a.reserved_size(0), 0, "an empty tensor takes no room");
         assert_eq!(a.reserved_size(1), 4096);
         assert_eq!(a.reserved_size(4096), 4096);
         assert_eq!(a.reserved_size(4097), 8192);
@@ -195,11 +205,15 @@ mod tests {
         let x = a.alloc(1).unwrap();
         let y = a.alloc(5000).unwrap();
         let z = a.alloc(0).unwrap();
-        assert_eq!((x, y, z), (0, 4096, 3 * 4096));
-        assert!([x, y, z].iter().all(|o| o % 4096 == 0));
-        assert_eq!(a.used(), 4 * 4096);
+        assert_eq!((x, y, z), (0, 4096, 0));
+        assert_eq!(a.used(), 3 * 4096);
+        a.free(z, 0);
         a.free(y, 5000);
-        assert_eq!(a.used(), 2 * 4096);
+        assert_eq!(a.used(), 4096);
+        // Even a full allocator has room for an empty tensor.
+        let mut full = ExtentAllocator::new(4096, 4096);
+        assert_eq!(full.alloc(4096), Some(0));
+        assert_eq!(full.alloc(0), Some(0));
         assert_eq!(a.alloc(u64::MAX), None);
     }
 
@@ -329,7 +343,8 @@ mod tests {
                         0 => rng.below(len / 4),
                         1..=3 => rng.below(8 * align),
                         _ => rng.below(2 * align),
-                    };
+                    }
+                    .max(1);
                     let need = a.reserved_size(size);
                     let before = a.ranges();
                     let expect = before.iter().filter(|r| r.1 >= need).min_by_key(|r| (r.1, r.0));
