@@ -1,0 +1,174 @@
+//! Regression tests for what an adversarial user found: each would have failed before its fix.
+//! (Fault injection at every failure site is `tests/faults.rs`; killed processes are
+//! `tests/crash.rs`.)
+
+mod common;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use common::random_bytes;
+use strata::{DType, Error, Policy, Store, TensorId, Tier, VictimKey};
+
+/// A policy that breaks every promise it can without being unsafe: keys that change at random
+/// between accesses, NaN scores, lookaheads naming removed, held and made-up tensors, and
+/// admission that flips a coin. The store may order evictions badly with it, but must not
+/// panic, evict a held tensor, or lose a byte.
+struct Hostile {
+    tick: AtomicU64,
+    seen: Vec<TensorId>,
+}
+
+impl Policy for Hostile {
+    fn name(&self) -> &'static str {
+        "hostile"
+    }
+    fn on_insert(&mut self, id: TensorId, _bytes: u64) {
+        self.seen.push(id);
+    }
+    fn on_access(&mut self, _id: TensorId) {}
+    fn on_remove(&mut self, _id: TensorId) {}
+    fn victim_key(&self, _tier: Tier, id: TensorId) -> VictimKey {
+        let t = self.tick.fetch_add(1, Ordering::Relaxed);
+        let score = if t % 7 == 0 { f64::NAN } else { (t * 2_654_435_761 % 1000) as f64 };
+        VictimKey::new((t % 3) as u32, score, id.as_u64() ^ t)
+    }
+    fn epoch(&self) -> u64 {
+        self.tick.load(Ordering::Relaxed) / 5
+    }
+    fn admit(&mut self, _tier: Tier, _candidate: TensorId, _victims: &[TensorId]) -> bool {
+        self.tick.fetch_add(1, Ordering::Relaxed) % 2 == 0
+    }
+    fn lookahead(
+        &mut self,
+        _max_bytes: u64,
+        _cost: &mut dyn FnMut(TensorId) -> Option<u64>,
+        out: &mut Vec<TensorId>,
+    ) {
+        // Every tensor ever inserted, removed ones included, over any budget.
+        out.extend(self.seen.iter().rev().take(8).copied());
+    }
+}
+
+#[test]
+fn a_policy_that_breaks_its_contract_cannot_make_the_store_panic_or_lose_a_byte() {
+    common::watch_deadlocks();
+    let store = Store::builder()
+        .host_backend()
+        .custom_policy(Box::new(Hostile { tick: AtomicU64::new(1), seen: Vec::new() }))
+        .capacity(Tier::Device, 96 << 10)
+        .capacity(Tier::Pinned, 64 << 10)
+        .capacity(Tier::Mapped, 0)
+        .capacity(Tier::Disk, 2 << 20)
+        .build()
+        .unwrap();
+    let s = store.stream().unwrap();
+    let mut rng = common::Rng::new(6);
+    let mut shadow: Vec<(TensorId, Vec<u8>)> = Vec::new();
+    for step in 0..600 {
+        match rng.below(6) {
+            0 | 1 => {
+                let data = random_bytes(1 + rng.below(24_000) as usize, step);
+                if let Ok(id) = store.put(&format!("t{step}"), DType::U8, &[data.len()], &data) {
+                    shadow.push((id, data));
+                }
+            }
+            2 if !shadow.is_empty() => {
+                let (id, data) = shadow[rng.below(shadow.len() as u64) as usize].clone();
+                // A held tensor is never evicted, whatever the policy says: view it, then
+                // put pressure on the device while the view lives.
+                if let Ok(v) = store.device_view(id, &s) {
+                    let other = random_bytes(20_000, step + 7);
+                    if let Ok(p) = store.put(&format!("p{step}"), DType::U8, &[20_000], &other) {
+                        shadow.push((p, other));
+                    }
+                    assert_eq!(store.tier_of(id).unwrap(), Tier::Device, "a held tensor left");
+                    assert!(v.with_host_bytes(|b| b == &data[..]).unwrap());
+                }
+            }
+            3 if !shadow.is_empty() => {
+                let (id, _) = shadow[rng.below(shadow.len() as u64) as usize];
+                let _ = store.prefetch(&[id]);
+                let _ = store.move_to(id, Tier::ALL[rng.below(4) as usize]);
+            }
+            4 if !shadow.is_empty() => {
+                let i = rng.below(shadow.len() as u64) as usize;
+                store.remove(shadow[i].0).unwrap();
+                shadow.swap_remove(i);
+            }
+            _ if !shadow.is_empty() => {
+                let (id, data) = &shadow[rng.below(shadow.len() as u64) as usize];
+                assert!(store.read(*id).unwrap() == *data, "step {step}: bytes lost");
+            }
+            _ => {}
+        }
+    }
+    s.synchronize().unwrap();
+    for (id, data) in &shadow {
+        assert!(store.read(*id).unwrap() == *data);
+    }
+    store.check_err().unwrap();
+}
+
+#[test]
+fn an_id_of_another_store_is_unknown() {
+    let a = Store::builder().host_backend().build().unwrap();
+    let b = Store::builder().host_backend().build().unwrap();
+    let x = a.put("x", DType::U8, &[4], &[1, 2, 3, 4]).unwrap();
+    let y = b.put("y", DType::U8, &[4], &[5, 6, 7, 8]).unwrap();
+    // Both are the first tensor of their store.
+    assert_eq!(x.as_u64(), y.as_u64());
+    assert!(matches!(b.read(x), Err(Error::UnknownId(id)) if id == x));
+    assert!(matches!(b.remove(x), Err(Error::UnknownId(_))));
+    assert!(matches!(a.info(y), Err(Error::UnknownId(_))));
+    assert_eq!(b.read(y).unwrap(), [5, 6, 7, 8]);
+}
+
+#[test]
+fn empty_tensors_take_no_room() {
+    let store = Store::builder()
+        .host_backend()
+        .capacity(Tier::Device, 4096)
+        .capacity(Tier::Pinned, 0)
+        .capacity(Tier::Mapped, 0)
+        .capacity(Tier::Disk, 0)
+        .build()
+        .unwrap();
+    let ids: Vec<_> =
+        (0..1000).map(|i| store.put(&format!("e{i}"), DType::F32, &[0], &[]).unwrap()).collect();
+    let full = store.put("full", DType::U8, &[4096], &[9; 4096]).unwrap();
+    assert_eq!(store.stats().used(Tier::Device), 4096);
+    let s = store.stream().unwrap();
+    for &id in &ids {
+        let v = store.device_view(id, &s).unwrap();
+        assert_eq!(v.len_bytes(), 0);
+        assert_eq!(store.read(id).unwrap(), Vec::<u8>::new());
+    }
+    assert_eq!(store.read(full).unwrap(), vec![9; 4096]);
+}
+
+#[test]
+fn a_read_never_fails_because_its_promotion_did() {
+    // The fastest tier holds one tensor that a view pins there: a read of another tensor misses
+    // and its promotion cannot find room; the read still returns the bytes.
+    let store = Arc::new(
+        Store::builder()
+            .host_backend()
+            .policy(strata::PolicyKind::Lru)
+            .capacity(Tier::Device, 8192)
+            .capacity(Tier::Pinned, 0)
+            .capacity(Tier::Mapped, 0)
+            .capacity(Tier::Disk, 1 << 20)
+            .build()
+            .unwrap(),
+    );
+    let a = store.put("a", DType::U8, &[8192], &[1; 8192]).unwrap();
+    let b = store.put("b", DType::U8, &[8192], &[2; 8192]).unwrap();
+    assert_eq!(store.tier_of(b).unwrap(), Tier::Disk);
+    let s = store.stream().unwrap();
+    let v = store.device_view(a, &s).unwrap();
+    assert_eq!(store.read(b).unwrap(), vec![2; 8192]);
+    assert_eq!(store.tier_of(b).unwrap(), Tier::Disk, "no room: not promoted");
+    drop(v);
+    store.check_err().unwrap();
+}
