@@ -136,8 +136,12 @@ impl Store {
             st.reindex(id);
         }
         for &id in next {
-            if prefetch::prefetch_one(sh, &mut st, id, Source::Hint, false)? == Outcome::Wait {
-                prefetch::queue_waiting(&mut st, id);
+            // What comes next is a hint: its copy failing is not this call's error (the scope
+            // is made; the tensor stays where it is, and a view will try, and report, again).
+            match prefetch::prefetch_one(sh, &mut st, id, Source::Hint, false) {
+                Ok(Outcome::Wait) => prefetch::queue_waiting(&mut st, id),
+                Ok(_) => {}
+                Err(e) => sh.defer_err(e),
             }
         }
         Ok(LayerScope { shared: self.shared.clone(), uses: uses.to_vec() })

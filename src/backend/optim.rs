@@ -838,11 +838,16 @@ impl Optimizer {
         Ok(st)
     }
 
+    /// Removes the state tensors made so far; a removal that fails (a view still holds the
+    /// tensor) is reported through the store's `check_err`.
     fn remove_state(&mut self) {
+        self.index.clear();
         for st in self.params.drain(..) {
             let ids = [Some(st.grad), st.master, st.moments.map(|m| m.0), st.moments.map(|m| m.1)];
             for id in ids.into_iter().flatten() {
-                let _ = self.store.remove(id);
+                if let Err(e) = self.store.remove(id) {
+                    self.store.shared.defer_err(e);
+                }
             }
         }
     }
@@ -1109,7 +1114,10 @@ impl Optimizer {
 }
 
 impl Drop for Optimizer {
-    /// Waits for queued updates; their errors go to the store's [`Store::check_err`].
+    /// Waits for queued updates (their errors go to the store's [`Store::check_err`]), then
+    /// removes the optimizer's state from the store: gradients, fp32 master weights, moments.
+    /// Save what is needed first (for example the masters with
+    /// [`Store::save_safetensors_as`]).
     fn drop(&mut self) {
         if let Some(mut w) = self.worker.take() {
             w.tx.take();
@@ -1125,6 +1133,7 @@ impl Drop for Optimizer {
                 let _ = h.join();
             }
         }
+        self.remove_state();
     }
 }
 

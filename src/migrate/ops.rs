@@ -63,8 +63,7 @@ pub(crate) fn place_new(
     let fits = candidate_tiers(st, bytes, only)?;
     for &t in &fits {
         if let Some(ext) = st.books.try_alloc(t, bytes) {
-            ready_for_writes(sh, st, t)?;
-            return Ok((t, ext));
+            return ready_for_writes(sh, st, t, ext).map(|ext| (t, ext));
         }
     }
     for &t in &fits {
@@ -72,20 +71,23 @@ pub(crate) fn place_new(
             continue;
         }
         if let Got::Ext(ext) = room::alloc(sh, st, t, bytes, id, Level::Demand, true)? {
-            ready_for_writes(sh, st, t)?;
-            return Ok((t, ext));
+            return ready_for_writes(sh, st, t, ext).map(|ext| (t, ext));
         }
     }
     Err(Error::OutOfMemory { tier: *fits.last().expect("not empty"), bytes })
 }
 
-/// After allocating in `t`: a new Device extent is written only after the work still touching
-/// the memory's previous owner (the host-to-device stream waits for it).
-fn ready_for_writes(sh: &Shared, st: &mut State, t: Tier) -> Result<()> {
+/// After allocating `ext` in `t`: a new Device extent is written only after the work still
+/// touching the memory's previous owner (the host-to-device stream waits for it). On failure
+/// the extent is given back.
+fn ready_for_writes(sh: &Shared, st: &mut State, t: Tier, ext: Ext) -> Result<Ext> {
     if t == Tier::Device {
-        st.books.h2d_ready(&sh.backend)?;
+        if let Err(e) = st.books.h2d_ready(&sh.backend) {
+            st.books.free(t, ext);
+            return Err(e);
+        }
     }
-    Ok(())
+    Ok(ext)
 }
 
 /// Allocates in `t` like [`room::alloc`], readying a Device extent for writes.
@@ -98,11 +100,10 @@ pub(crate) fn alloc_in(
     level: Level,
     slow: bool,
 ) -> Result<Got> {
-    let got = room::alloc(sh, st, t, bytes, who, level, slow)?;
-    if matches!(got, Got::Ext(_)) {
-        ready_for_writes(sh, st, t)?;
+    match room::alloc(sh, st, t, bytes, who, level, slow)? {
+        Got::Ext(ext) => ready_for_writes(sh, st, t, ext).map(Got::Ext),
+        other => Ok(other),
     }
-    Ok(got)
 }
 
 /// `Store::put` and `put_in`.
@@ -639,33 +640,38 @@ pub(crate) fn release_view(
 ) {
     let ev = stream.map(|s| s.record().map(|ev| (s.key(), ev)));
     let mut st = sh.lock();
-    let res = (|| -> Result<()> {
-        let e = st.res.get_mut(id)?;
-        if stream.is_none() {
-            e.host_lent = false;
+    let mut failed = None;
+    match st.res.get_mut(id) {
+        Ok(e) => {
+            if stream.is_none() {
+                e.host_lent = false;
+            }
+            e.views = e.views.saturating_sub(1);
+            if e.views == 0 {
+                e.view_tier = None;
+            }
+            for (k, ev) in others {
+                e.uses.record(k, ev);
+            }
+            // A use that could not be recorded (the backend failed) is reported; the hold and
+            // the view's writes are settled all the same, so nothing stays held or stale.
+            match ev {
+                Some(Ok((k, ev))) => e.uses.record(k, ev),
+                Some(Err(err)) => failed = Some(err),
+                None => {}
+            }
+            if dirty {
+                e.discarded = false;
+                st.drop_other_replicas(id, tier);
+            }
+            st.reindex(id);
+            // Waiting prefetches start at the next hint or view, not here: a drop that could
+            // evict is a drop that could block, and a view may drop inside queued work.
         }
-        e.views = e.views.saturating_sub(1);
-        if e.views == 0 {
-            e.view_tier = None;
-        }
-        for (k, ev) in others {
-            e.uses.record(k, ev);
-        }
-        if let Some(ev) = ev {
-            let (k, ev) = ev?;
-            e.uses.record(k, ev);
-        }
-        if dirty {
-            e.discarded = false;
-            st.drop_other_replicas(id, tier);
-        }
-        st.reindex(id);
-        // Waiting prefetches start at the next hint or view, not here: a drop that could evict
-        // is a drop that could block, and a view may drop inside a stream's queued work.
-        Ok(())
-    })();
+        Err(err) => failed = Some(err),
+    }
     drop(st);
-    if let Err(e) = res {
+    if let Some(e) = failed {
         sh.defer_err(e);
     }
 }
