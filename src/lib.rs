@@ -62,7 +62,7 @@ pub mod plan;
 pub use placement::policy;
 
 pub use api::{
-    DeviceView, HostView, LayerScope, LoadOptions, MappedView, Stats, Store, StoreBuilder, Stream,
+    host_memory_available, DeviceView, HostView, LayerScope, LoadOptions, MappedView, Stats, Store, StoreBuilder, Stream,
     TensorInfo, TierStats,
 };
 pub use error::{Error, Result};

@@ -361,6 +361,41 @@ fn keep_that_cannot_fit_says_so() {
 }
 
 #[test]
+fn offload_and_recompute_that_cannot_fit_say_so_up_front() {
+    // The step's working set (two layers, a gradient, two activations): 52 KiB here.
+    for (budget, fits) in [("24KiB", false), ("51KiB", false), ("52KiB", true)] {
+        for mode in ["offload", "recompute"] {
+            let args = [
+                "--layers",
+                "4",
+                "--hidden",
+                "64",
+                "--rows",
+                "8",
+                "--device-budget",
+                budget,
+                "--activations",
+                mode,
+                "--host",
+                "--compare",
+                "off",
+                "--steps",
+                "2",
+            ];
+            let cfg = TrainConfig::parse(args).unwrap();
+            match run(&cfg, |_| Ok(())) {
+                Ok(_) => assert!(fits, "{mode} in {budget} ran"),
+                Err(Error::InvalidArgument(m)) if !fits => {
+                    assert!(m.contains(&format!("--activations {mode}")), "{m}");
+                    assert!(m.contains("at least 52.00 KiB"), "{m}");
+                }
+                Err(e) => panic!("{mode} in {budget}: {e}"),
+            }
+        }
+    }
+}
+
+#[test]
 fn the_example_entry_point_dispatches_by_mode() {
     let args = |s: &str| TrainDemoArgs::try_parse(s.split_whitespace()).unwrap();
     let t = strata::apps::train::dispatch(
@@ -403,4 +438,28 @@ fn engines_and_activation_modes_agree_on_each_backend() {
             }
         }
     });
+}
+
+#[test]
+fn a_directory_given_as_a_file_says_so() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().to_str().unwrap();
+    let cfg = TrainConfig::parse(["--init", d, "--host"]).unwrap();
+    match run(&cfg, |_| Ok(())) {
+        Err(Error::Io { path, source }) => {
+            assert_eq!(path, dir.path());
+            assert!(source.to_string().contains("is a directory"), "{source}");
+        }
+        other => panic!("want an I/O error naming the directory, got {:?}", other.map(|_| ())),
+    }
+}
+
+#[test]
+fn a_model_too_large_for_the_host_is_an_error_not_an_abort() {
+    let cfg = TrainConfig::parse(["--layers", "4", "--hidden", "2000000", "--rows", "8", "--host"])
+        .unwrap();
+    match run(&cfg, |_| Ok(())) {
+        Err(Error::InvalidArgument(m)) => assert!(m.contains("of host memory"), "{m}"),
+        other => panic!("want a clear error, got {:?}", other.map(|_| ())),
+    }
 }

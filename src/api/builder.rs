@@ -328,13 +328,7 @@ impl StoreBuilder {
 /// Refuses pinned + mapped budgets the host cannot lock: better an error at build than the OOM
 /// killer later.
 fn check_host_lockable(bytes: u64) -> Result<()> {
-    let Ok(meminfo) = std::fs::read_to_string("/proc/meminfo") else { return Ok(()) };
-    let avail = meminfo
-        .lines()
-        .find_map(|l| l.strip_prefix("MemAvailable:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-        .map(|kb| kb * 1024);
-    match avail {
+    match host_memory_available() {
         Some(a) if bytes > a => Err(Error::InvalidArgument(format!(
             "pinned + mapped budgets of {} exceed the {} of host memory available to lock",
             format_size(bytes),
@@ -342,4 +336,14 @@ fn check_host_lockable(bytes: u64) -> Result<()> {
         ))),
         _ => Ok(()),
     }
+}
+
+/// The host memory available to allocate (Linux's `MemAvailable`), if the system says.
+pub fn host_memory_available() -> Option<u64> {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
+    meminfo
+        .lines()
+        .find_map(|l| l.strip_prefix("MemAvailable:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map(|kb| kb * 1024)
 }

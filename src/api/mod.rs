@@ -8,7 +8,7 @@ mod stats;
 mod store;
 mod views;
 
-pub use builder::StoreBuilder;
+pub use builder::{host_memory_available, StoreBuilder};
 pub use files::LoadOptions;
 pub use hints::LayerScope;
 pub use stats::{Stats, TierStats};

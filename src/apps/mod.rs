@@ -29,6 +29,22 @@ pub fn println(line: &str) -> Result<()> {
     print(&format!("{line}\n"))
 }
 
+/// Refuses to allocate `bytes` of host memory for `what` when the machine has less available
+/// (`MemAvailable`): a model too large for this host is an error that says so, not an
+/// allocation failure that aborts the process.
+pub(crate) fn check_host_memory(what: &str, bytes: u128) -> Result<()> {
+    let Some(avail) = crate::host_memory_available() else { return Ok(()) };
+    if bytes > avail as u128 {
+        return Err(Error::InvalidArgument(format!(
+            "{what} needs {} of host memory and {} is available: use a smaller model \
+             (--layers, --hidden, --rows)",
+            crate::format_size(u64::try_from(bytes).unwrap_or(u64::MAX)),
+            crate::format_size(avail)
+        )));
+    }
+    Ok(())
+}
+
 /// Whether `e`, or an error it was caused by, is a write to a pipe whose reader has gone.
 pub fn is_broken_pipe(e: &(dyn std::error::Error + 'static)) -> bool {
     let mut cur = Some(e);

@@ -390,6 +390,11 @@ impl Inputs {
         let (hidden, weights) = match &cfg.init {
             Some(p) => load_init(p)?,
             None => {
+                let (l, h, r) = (cfg.layers as u128, cfg.hidden as u128, cfg.rows as u128);
+                crate::apps::check_host_memory(
+                    "generating the model and its data",
+                    4 * (l * h * h + 2 * r * h),
+                )?;
                 let a = (3.0 / cfg.hidden as f32).sqrt();
                 let n = cfg.hidden * cfg.hidden;
                 (
@@ -904,6 +909,23 @@ fn train_once<T: Element>(
             format_size(acts),
             format_size(2 * lb + grad_lb),
             format_size(device)
+        )));
+    }
+    // Offloaded or recomputed activations still pass through the device: the layer in hand
+    // needs its weights, the next layer's on their way, the gradient, and the activation it
+    // reads with the one being brought back for the next.
+    let working = 2 * lb + grad_lb + 2 * act_mb;
+    if !floor && cfg.activations != Activations::Keep && working > device {
+        return Err(Error::InvalidArgument(format!(
+            "--activations {}: the step needs {} of the device at once (a layer in use, one on \
+             its way, its gradient, and two activations of {} rows), over the device budget of \
+             {}; use a --device-budget of at least {}, or fewer --rows per micro-batch \
+             (--accumulate)",
+            if cfg.activations == Activations::Offload { "offload" } else { "recompute" },
+            format_size(working),
+            mb_rows,
+            format_size(device),
+            format_size(working)
         )));
     }
     let mut act: Vec<Option<TensorId>> = vec![None; layers];

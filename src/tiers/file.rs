@@ -44,6 +44,13 @@ impl ExternalFile {
     /// Opens and maps `path` read-only.
     pub(crate) fn open(path: &Path) -> Result<ExternalFile> {
         let file = File::open(path).map_err(|e| Error::io(path, e))?;
+        // A directory opens, and mapping it fails with "No such device": say what it is.
+        if file.metadata().is_ok_and(|m| m.is_dir()) {
+            return Err(Error::io(
+                path,
+                std::io::Error::new(std::io::ErrorKind::IsADirectory, "is a directory, not a file"),
+            ));
+        }
         // SAFETY: a read-only private mapping of the user's file; see the type's Safety section
         // for the caller's side (the file is not truncated or rewritten while loaded).
         let map = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
