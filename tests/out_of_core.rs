@@ -81,7 +81,7 @@ fn bad_flags_are_errors() {
 
 #[test]
 fn a_model_too_large_for_the_host_is_an_error_not_an_abort() {
-    let cfg = MlpConfig::parse(&["--layers", "4", "--hidden", "2000000", "--rows", "8", "--host"])
+    let cfg = MlpConfig::parse(["--layers", "4", "--hidden", "2000000", "--rows", "8", "--host"])
         .unwrap();
     match run(&cfg, |_| Ok(())) {
         Err(strata::Error::InvalidArgument(m)) => assert!(m.contains("of host memory"), "{m}"),
