@@ -581,10 +581,148 @@ def parse_anchors(text, step, base=None):
     return figs
 
 
+# ------------------------------------------------------------------------------------------------
+# The store core (`run core`): per-access cost, eviction at scale, a hit during a disk miss, a
+# checkpoint of many small tensors.
+
+BACKEND_LINE = re.compile(r"^(?:backend: )?((?:host|cuda)\b.*)$", re.M)
+US = r"(?:us|µs)"
+
+
+def backend_of(text):
+    """The store's backend as the program printed it (`Store::backend_description`)."""
+    m = BACKEND_LINE.search(text)
+    return m.group(1).strip() if m else None
+
+
+def parse_core_bench(text, step):
+    """The bookkeeping bench's core ids: a device view hit + drop (≤ 1 µs of host time on the host
+    backend, ≤ 3 µs on CUDA) and a read that evicts at 1k, 10k and 100k tensors (100k within 2x of
+    1k: the victim comes from an index, so the count should not matter)."""
+    figs = parse_criterion(text, step)
+    skip = first(r"^SKIP (.*)$", text)
+    if step.get("meta", {}).get("cuda") == "1" and skip and figs and not any("CUDA" in f["name"] for f in figs):
+        # The CUDA id was asked for (on the GPU machine) and did not run: say why.
+        figs.append(fig("device_view + drop (one resident 4 KiB tensor, CUDA)", None, "ns", verdict="failed",
+                        note=skip.group(1)))
+    evicting = {}
+    for f in figs:
+        f["group"] = GROUPS["core-bench"]
+        name = f["name"]
+        if name.startswith("device_view + drop") and f.get("value") is not None:
+            cuda = "CUDA" in name
+            f["target"] = (target("≤ 3 µs of host time (CUDA)", "<=", 3000.0, "value") if cuda
+                           else target("≤ 1 µs of host time (host backend)", "<=", 1000.0, "value"))
+        m = re.match(r"read that evicts \(.*?, (\d+) tensors\)$", name)
+        if m and f.get("value") is not None:
+            evicting[int(m.group(1))] = f
+            f.pop("target", None)
+    base = evicting.get(min(evicting)) if evicting else None
+    for n, f in sorted(evicting.items()):
+        if f is base:
+            continue
+        f.update(peer=base["value"], peer_what=f"the same read among {min(evicting)} tensors",
+                 ratio=round(f["value"] / base["value"], 3))
+        if n >= 100 * min(evicting):
+            f["target"] = target(f"within 2x of the read among {min(evicting)} tensors", "<=", 2.0)
+    return figs
+
+
+HIT_MISS = re.compile(r"^miss of a (\d+) MiB tensor on disk: (" + NUM + ") ms", re.M)
+HIT_HITS = re.compile(r"^(\d+) device_view hits \+ drops on another thread meanwhile: median (" + NUM + ") "
+                      + US + r", p99 (" + NUM + ") " + US + r", worst (" + NUM + ") ms", re.M)
+
+
+def parse_hit_during_miss(text, step):
+    """examples/hit_during_miss.rs: a miss of a large tensor on disk on one thread, device view
+    hits of a resident tensor on another meanwhile (median and p99 under 1 ms)."""
+    group = GROUPS["hit-during-miss"]
+    backend = backend_of(text)
+    on = f"backend: {backend}" if backend else None
+    miss, hits = HIT_MISS.search(text), HIT_HITS.search(text)
+    figs = []
+    mib = miss.group(1) if miss else "?"
+    if miss:
+        figs.append(fig(f"the miss: {mib} MiB tensor on disk, read on one thread", float(miss.group(2)), "ms",
+                        group=group, note=on))
+    if hits:
+        n = int(hits.group(1))
+        what = f"a device_view hit + drop on another thread during the {mib} MiB miss"
+        under = target("under 1 ms", "<=", 1000.0, "value")
+        figs.append(fig(f"{what}: median", float(hits.group(2)), "µs", group=group, target=under,
+                        note=f"{n} hits"))
+        figs.append(fig(f"{what}: 99th percentile", float(hits.group(3)), "µs", group=group, target=under,
+                        note=f"{n} hits"))
+        figs.append(fig(f"{what}: worst", float(hits.group(4)), "ms", group=group,
+                        note="as measured, no target: the worst of the hits includes the OS's scheduling "
+                             "(on a 2-vCPU VM it is dominated by it)"))
+    return figs
+
+
+MANY_WROTE = re.compile(r"^wrote (\d+) tensors of (\d+) B in (" + NUM + ") s", re.M)
+MANY_LOADED = re.compile(r"^loaded (\d+) tensors in place in (" + NUM + ") s", re.M)
+MANY_PASS = re.compile(r"^read every tensor \(pass (\d+)\) in (" + NUM + r") s: (" + NUM + ") " + US
+                       + " a read", re.M)
+# "load + one read pass finishes in seconds"
+IN_SECONDS = 10.0
+
+
+def parse_many_tensors(text, step):
+    """examples/many_tensors.rs: a safetensors file of N small tensors written, loaded in place
+    into a store whose device holds a tenth of them, every tensor read twice; load + the first
+    pass in seconds."""
+    group = GROUPS["many-tensors"]
+    backend = backend_of(text)
+    wrote, loaded = MANY_WROTE.search(text), MANY_LOADED.search(text)
+    passes = {int(m.group(1)): (float(m.group(2)), float(m.group(3))) for m in MANY_PASS.finditer(text)}
+    n = (wrote or loaded).group(1) if (wrote or loaded) else "?"
+    figs = []
+    if wrote:
+        figs.append(fig(f"write a safetensors file of {n} tensors of {wrote.group(2)} B", float(wrote.group(3)),
+                        "s", group=group))
+    if loaded:
+        figs.append(fig(f"load its {loaded.group(1)} tensors in place (Store::load_safetensors)",
+                        float(loaded.group(2)), "s", group=group,
+                        note=f"backend: {backend}" if backend else None))
+    for p, (secs, us) in sorted(passes.items()):
+        figs.append(fig(f"read every tensor, pass {p}", secs, "s", group=group,
+                        note=f"{us:g} µs a read (the device holds a tenth: each read promotes and evicts)"))
+    if loaded and 1 in passes:
+        total = round(float(loaded.group(2)) + passes[1][0], 3)
+        figs.append(fig(f"load + read every tensor once ({n} tensors)", total, "s", group=group,
+                        target=target(f"in seconds (≤ {IN_SECONDS:g} s)", "<=", IN_SECONDS, "value")))
+    return figs
+
+
+LOAD_CLI = re.compile(r"^loaded (\d+) tensors \((" + SIZE + r")\) in place in (" + NUM + ") ms", re.M)
+LOAD_WALL = re.compile(r"^strata load: (" + NUM + ") s wall", re.M)
+
+
+def parse_strata_load(text, step):
+    """`strata load FILE` on the many-tensors checkpoint, timed whole (bash's `time`; the step's
+    own time where the line is missing): the process, store and all, in seconds."""
+    group = GROUPS["strata-load"]
+    loaded, wall = LOAD_CLI.search(text), LOAD_WALL.search(text)
+    secs = float(wall.group(1)) if wall else step.get("seconds")
+    if not loaded or secs is None:
+        return []
+    backend = backend_of(text)
+    notes = [f"of which the load itself: {float(loaded.group(3)):g} ms (as it prints)"]
+    if not wall:
+        notes.append("the step's time (no time line in the output)")
+    if backend:
+        notes.append(f"backend: {backend}")
+    return [fig(f"strata load of the {loaded.group(1)}-tensor file, the whole process", secs, "s", group=group,
+                target=target(f"in seconds (≤ {IN_SECONDS:g} s)", "<=", IN_SECONDS, "value"),
+                note="; ".join(notes))]
+
+
 PARSERS = {"libtest": parse_libtest, "sanitizer": parse_sanitizer, "criterion": parse_criterion,
            "store-bandwidth": parse_store_bandwidth, "layered": parse_layered, "mlp": parse_mlp,
            "train": parse_train, "offload-peers": parse_offload_peers, "optim-step": parse_optim_step,
-           "optim-peers": parse_optim_peers, "strata-bench": parse_strata_bench, "anchors": parse_anchors}
+           "optim-peers": parse_optim_peers, "strata-bench": parse_strata_bench, "anchors": parse_anchors,
+           "core-bench": parse_core_bench, "hit-during-miss": parse_hit_during_miss,
+           "many-tensors": parse_many_tensors, "strata-load": parse_strata_load}
 NEEDS_BASE = {"strata-bench", "anchors"}
 # The table a kind's figures go to, unless the step's meta names another.
 GROUPS = {"libtest": "GPU test suite", "sanitizer": "compute-sanitizer",
@@ -594,7 +732,11 @@ GROUPS = {"libtest": "GPU test suite", "sanitizer": "compute-sanitizer",
           "train": "training with optimizer state in the store (issue 9)",
           "offload-peers": "peers (offload_peers.py)", "optim-step": "CPU AdamW step (issue 9)",
           "optim-peers": "peers (optim_peers.py)", "strata-bench": "strata bench (GB/s)",
-          "anchors": "strata bench against transfer_anchors.py (issue 7)"}
+          "anchors": "strata bench against transfer_anchors.py (issue 7)",
+          "core-bench": "store core: a device view hit and a read that evicts, per access (criterion)",
+          "hit-during-miss": "store core: a hit during another thread's disk miss",
+          "many-tensors": "store core: a checkpoint of many small tensors",
+          "strata-load": "store core: a checkpoint of many small tensors"}
 
 
 # ------------------------------------------------------------------------------------------------
