@@ -33,13 +33,15 @@
 //! ## The accounting
 //! - **parameters**: every tensor of the file, in its own dtype.
 //! - **gradients** (with `train`): the bytes of the floating-point parameters (f64, f32, f16,
-//!   bf16), or 4 bytes per element with `fp32_grads` (accumulation over micro-batches);
-//!   integer and bool tensors (indices, masks, counters) are not trained.
+//!   bf16), 2 bytes per element for FP8 parameters (f8e4m3, f8e5m2: FP8 training keeps
+//!   gradients in bf16, FP8 having too little range for them), or 4 bytes per element with
+//!   `fp32_grads` (accumulation over micro-batches); integer and bool tensors (indices, masks,
+//!   counters, packed quantized weights) are not trained.
 //! - **optimizer state** (with `train`), per element of the floating-point parameters: SGD with
 //!   momentum keeps one fp32 buffer (4 bytes), Adam two fp32 moments (8 bytes), `sgd`
-//!   (no momentum, as `strata::optim`'s SGD) none; with 16-bit parameters (f16, bf16) each of
-//!   them also keeps fp32 master weights (4 bytes: mixed precision). `none` keeps nothing
-//!   (gradients only: no optimizer step).
+//!   (no momentum, as `strata::optim`'s SGD) none; with 16- and 8-bit parameters (f16, bf16,
+//!   f8e4m3, f8e5m2) each of them also keeps fp32 master weights (4 bytes: mixed precision).
+//!   `none` keeps nothing (gradients only: no optimizer step).
 //!
 //! ## The placement
 //! The device is filled first, with parameters, then gradients, then optimizer state; then
@@ -108,12 +110,24 @@ impl TensorEntry {
     /// Whether the tensor is trained (a floating-point dtype): it gets gradients and optimizer
     /// state.
     pub fn is_trainable(&self) -> bool {
-        matches!(self.dtype, DType::F64 | DType::F32 | DType::F16 | DType::BF16)
+        self.dtype.is_float()
     }
 
-    /// Whether mixed-precision training keeps fp32 master weights for it (f16, bf16).
+    /// Whether mixed-precision training keeps fp32 master weights for it (16- and 8-bit floats:
+    /// f16, bf16, f8e4m3, f8e5m2).
     pub fn is_half(&self) -> bool {
-        matches!(self.dtype, DType::F16 | DType::BF16)
+        matches!(self.dtype, DType::F16 | DType::BF16 | DType::F8E4M3 | DType::F8E5M2)
+    }
+
+    /// Bytes of its gradient in training: its own bytes, 2 per element for FP8 (kept in bf16),
+    /// or 4 per element with `fp32` (0 when it is not trained).
+    fn gradient_bytes(&self, fp32: bool) -> u64 {
+        match (self.is_trainable(), fp32, self.dtype) {
+            (false, _, _) => 0,
+            (true, true, _) => self.elements().saturating_mul(4),
+            (true, false, DType::F8E4M3 | DType::F8E5M2) => self.elements().saturating_mul(2),
+            (true, false, _) => self.bytes,
+        }
     }
 }
 
@@ -307,11 +321,7 @@ pub fn plan(tensors: &[TensorEntry], config: &PlanConfig) -> MemoryPlan {
         tensors.iter().map(|t| t.bytes).collect(),
         tensors
             .iter()
-            .map(|t| match (config.train && t.is_trainable(), config.fp32_grads) {
-                (false, _) => 0,
-                (true, false) => t.bytes,
-                (true, true) => t.elements().saturating_mul(4),
-            })
+            .map(|t| if config.train { t.gradient_bytes(config.fp32_grads) } else { 0 })
             .collect(),
         tensors.iter().map(|t| state_bytes(t, config)).collect(),
     ];
@@ -792,18 +802,19 @@ pub fn tensor_table(tensors: &[TensorEntry]) -> String {
     let name_w = tensors.iter().map(|t| t.name.chars().count()).max().unwrap_or(0).clamp(4, 60);
     let shape_w = shapes.iter().map(String::len).max().unwrap_or(0).max(5);
     let size_w = sizes.iter().map(String::len).max().unwrap_or(0).max(5);
+    let dtype_w = tensors.iter().map(|t| t.dtype.name().len()).max().unwrap_or(0).max(5);
     let mut s = String::new();
     let _ = writeln!(
         s,
-        "{:<name_w$}  {:<5}  {:<shape_w$}  {:>size_w$}",
+        "{:<name_w$}  {:<dtype_w$}  {:<shape_w$}  {:>size_w$}",
         "name", "dtype", "shape", "bytes"
     );
     for ((t, shape), size) in tensors.iter().zip(&shapes).zip(&sizes) {
         let _ = writeln!(
             s,
-            "{:<name_w$}  {:<5}  {shape:<shape_w$}  {size:>size_w$}",
+            "{:<name_w$}  {:<dtype_w$}  {shape:<shape_w$}  {size:>size_w$}",
             t.name,
-            t.dtype.to_string()
+            t.dtype.name()
         );
     }
     s
@@ -904,6 +915,36 @@ mod tests {
         assert_eq!(adam.optimizer_state().bytes, 12 * MIB + 8 * MIB);
         assert_eq!(adam.total(), (6 * MIB + 64) + 6 * MIB + 20 * MIB);
         assert_eq!(adam.unplaced(), 0);
+    }
+
+    #[test]
+    fn fp8_trains_with_bf16_gradients_and_master_weights_unsigned_does_not() {
+        // 1 Mi elements of each FP8 type (1 MiB each), 1 MiB of u32, and small u16 and u64.
+        let ts = [
+            t("q", DType::F8E4M3, &[1 << 20]),
+            t("k", DType::F8E5M2, &[1024, 1024]),
+            t("u", DType::U32, &[1 << 18]),
+            t("v", DType::U16, &[8]),
+            t("w", DType::U64, &[8]),
+        ];
+        let big = [u64::MAX / 8; 4];
+        let adam = plan(&ts, &cfg(big, Optimizer::Adam, true));
+        assert_eq!(adam.parameters().bytes, 3 * MIB + 16 + 64);
+        assert_eq!(adam.gradients().bytes, 2 * 2 * MIB, "bf16 gradients of the FP8 ones only");
+        // Two fp32 moments and fp32 master weights per FP8 element.
+        assert_eq!(adam.optimizer_state().bytes, 2 * 12 * MIB);
+        let fp32 = plan(&ts, &PlanConfig { fp32_grads: true, ..cfg(big, Optimizer::None, true) });
+        assert_eq!(fp32.gradients().bytes, 2 * 4 * MIB);
+        assert_eq!(fp32.optimizer_state().bytes, 0);
+        let table = tensor_table(&ts);
+        let rows: Vec<&str> = table.lines().collect();
+        assert!(rows[1].contains(" f8e4m3 ") && rows[2].contains(" f8e5m2 "), "{table}");
+        // The columns stay aligned with a dtype name longer than the header.
+        let col = |r: &str| r.find('[').unwrap();
+        assert!(rows[1..].iter().all(|r| col(r) == col(rows[1])), "{table}");
+        assert_eq!(rows[0].find("shape"), Some(col(rows[1])), "{table}");
+        let tot = totals(&ts);
+        assert!(tot.contains("f8e4m3 1.00 MiB (1 tensor)") && tot.contains("u64 64 B"), "{tot}");
     }
 
     #[test]

@@ -66,6 +66,9 @@ impl std::str::FromStr for Tier {
 }
 
 /// Element type of a tensor.
+///
+/// Printed by its lower-case name (`bf16`, `f8e4m3`); parsed from that name or from its name in
+/// a safetensors header (`BF16`, `F8_E4M3`), in any case.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
 pub enum DType {
     /// 64-bit float.
@@ -76,6 +79,12 @@ pub enum DType {
     F16,
     /// bfloat16.
     BF16,
+    /// 8-bit float with 4 exponent and 3 mantissa bits, no infinities (OCP FP8 E4M3, PyTorch's
+    /// `float8_e4m3fn`).
+    F8E4M3,
+    /// 8-bit float with 5 exponent and 2 mantissa bits (OCP FP8 E5M2, PyTorch's
+    /// `float8_e5m2`).
+    F8E5M2,
     /// 64-bit signed integer.
     I64,
     /// 32-bit signed integer.
@@ -84,6 +93,12 @@ pub enum DType {
     I16,
     /// 8-bit signed integer.
     I8,
+    /// 64-bit unsigned integer.
+    U64,
+    /// 32-bit unsigned integer.
+    U32,
+    /// 16-bit unsigned integer.
+    U16,
     /// 8-bit unsigned integer.
     U8,
     /// Boolean, one byte.
@@ -92,15 +107,20 @@ pub enum DType {
 
 impl DType {
     /// Every dtype.
-    pub const ALL: [DType; 10] = [
+    pub const ALL: [DType; 15] = [
         DType::F64,
         DType::F32,
         DType::F16,
         DType::BF16,
+        DType::F8E4M3,
+        DType::F8E5M2,
         DType::I64,
         DType::I32,
         DType::I16,
         DType::I8,
+        DType::U64,
+        DType::U32,
+        DType::U16,
         DType::U8,
         DType::Bool,
     ];
@@ -108,29 +128,88 @@ impl DType {
     /// Size of one element in bytes.
     pub const fn size_of(self) -> usize {
         match self {
-            DType::F64 | DType::I64 => 8,
-            DType::F32 | DType::I32 => 4,
-            DType::F16 | DType::BF16 | DType::I16 => 2,
-            DType::I8 | DType::U8 | DType::Bool => 1,
+            DType::F64 | DType::I64 | DType::U64 => 8,
+            DType::F32 | DType::I32 | DType::U32 => 4,
+            DType::F16 | DType::BF16 | DType::I16 | DType::U16 => 2,
+            DType::F8E4M3 | DType::F8E5M2 | DType::I8 | DType::U8 | DType::Bool => 1,
+        }
+    }
+
+    /// Whether it is a floating-point type (f64, f32, f16, bf16 and the two FP8 types).
+    pub const fn is_float(self) -> bool {
+        matches!(
+            self,
+            DType::F64 | DType::F32 | DType::F16 | DType::BF16 | DType::F8E4M3 | DType::F8E5M2
+        )
+    }
+
+    /// Lower-case name, as printed: `f32`, `bf16`, `f8e4m3`, `u16`, `bool`.
+    pub const fn name(self) -> &'static str {
+        match self {
+            DType::F64 => "f64",
+            DType::F32 => "f32",
+            DType::F16 => "f16",
+            DType::BF16 => "bf16",
+            DType::F8E4M3 => "f8e4m3",
+            DType::F8E5M2 => "f8e5m2",
+            DType::I64 => "i64",
+            DType::I32 => "i32",
+            DType::I16 => "i16",
+            DType::I8 => "i8",
+            DType::U64 => "u64",
+            DType::U32 => "u32",
+            DType::U16 => "u16",
+            DType::U8 => "u8",
+            DType::Bool => "bool",
+        }
+    }
+
+    /// Its name in a safetensors header: `F32`, `BF16`, `F8_E4M3`, `U16`, `BOOL`.
+    pub const fn safetensors_name(self) -> &'static str {
+        match self {
+            DType::F64 => "F64",
+            DType::F32 => "F32",
+            DType::F16 => "F16",
+            DType::BF16 => "BF16",
+            DType::F8E4M3 => "F8_E4M3",
+            DType::F8E5M2 => "F8_E5M2",
+            DType::I64 => "I64",
+            DType::I32 => "I32",
+            DType::I16 => "I16",
+            DType::I8 => "I8",
+            DType::U64 => "U64",
+            DType::U32 => "U32",
+            DType::U16 => "U16",
+            DType::U8 => "U8",
+            DType::Bool => "BOOL",
         }
     }
 }
 
 impl fmt::Display for DType {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let s = match self {
-            DType::F64 => "f64",
-            DType::F32 => "f32",
-            DType::F16 => "f16",
-            DType::BF16 => "bf16",
-            DType::I64 => "i64",
-            DType::I32 => "i32",
-            DType::I16 => "i16",
-            DType::I8 => "i8",
-            DType::U8 => "u8",
-            DType::Bool => "bool",
-        };
-        f.write_str(s)
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for DType {
+    type Err = crate::Error;
+    /// A dtype by [`DType::name`] or [`DType::safetensors_name`], in any case: `bf16`, `BF16`,
+    /// `f8e4m3`, `F8_E4M3`.
+    fn from_str(s: &str) -> crate::Result<DType> {
+        let s = s.trim();
+        DType::ALL
+            .into_iter()
+            .find(|d| {
+                d.name().eq_ignore_ascii_case(s) || d.safetensors_name().eq_ignore_ascii_case(s)
+            })
+            .ok_or_else(|| {
+                let names: Vec<&str> = DType::ALL.iter().map(|d| d.name()).collect();
+                crate::Error::InvalidArgument(format!(
+                    "unknown dtype {s:?} (one of {})",
+                    names.join(", ")
+                ))
+            })
     }
 }
 
@@ -320,6 +399,26 @@ mod tests {
         assert_eq!(Tier::Mapped.slower(), Some(Tier::Disk));
         assert_eq!("PINNED".parse::<Tier>().unwrap(), Tier::Pinned);
         assert!("hbm".parse::<Tier>().is_err());
+    }
+
+    #[test]
+    fn dtypes_parse_by_either_name_and_print_lower_case() {
+        for d in DType::ALL {
+            assert_eq!(d.to_string().parse::<DType>().unwrap(), d, "{d}");
+            assert_eq!(d.safetensors_name().parse::<DType>().unwrap(), d, "{d}");
+            assert_eq!(d.name().to_ascii_uppercase().parse::<DType>().unwrap(), d, "{d}");
+        }
+        assert_eq!("F8_E4M3".parse::<DType>().unwrap(), DType::F8E4M3);
+        assert_eq!("f8_e5m2".parse::<DType>().unwrap(), DType::F8E5M2);
+        assert_eq!(" u16 ".parse::<DType>().unwrap(), DType::U16);
+        assert_eq!(DType::F8E4M3.to_string(), "f8e4m3");
+        assert_eq!((DType::U64.size_of(), DType::U32.size_of(), DType::U16.size_of()), (8, 4, 2));
+        assert_eq!((DType::F8E4M3.size_of(), DType::F8E5M2.size_of()), (1, 1));
+        assert!(DType::F8E5M2.is_float() && !DType::U32.is_float() && !DType::Bool.is_float());
+        for bad in ["", "f8", "float", "F8_E8M0", "c64", "u128"] {
+            let e = bad.parse::<DType>().unwrap_err().to_string();
+            assert!(e.contains("unknown dtype") && e.contains("f8e4m3"), "{bad}: {e}");
+        }
     }
 
     #[test]

@@ -28,10 +28,15 @@ fn st_dtype(d: DType) -> Dtype {
         DType::F32 => Dtype::F32,
         DType::F16 => Dtype::F16,
         DType::BF16 => Dtype::BF16,
+        DType::F8E4M3 => Dtype::F8_E4M3,
+        DType::F8E5M2 => Dtype::F8_E5M2,
         DType::I64 => Dtype::I64,
         DType::I32 => Dtype::I32,
         DType::I16 => Dtype::I16,
         DType::I8 => Dtype::I8,
+        DType::U64 => Dtype::U64,
+        DType::U32 => Dtype::U32,
+        DType::U16 => Dtype::U16,
         DType::U8 => Dtype::U8,
         DType::Bool => Dtype::BOOL,
     }
@@ -39,18 +44,10 @@ fn st_dtype(d: DType) -> Dtype {
 
 /// The dtype's name in a safetensors header.
 fn header_dtype(d: DType) -> &'static str {
-    match d {
-        DType::F64 => "F64",
-        DType::F32 => "F32",
-        DType::F16 => "F16",
-        DType::BF16 => "BF16",
-        DType::I64 => "I64",
-        DType::I32 => "I32",
-        DType::I16 => "I16",
-        DType::I8 => "I8",
-        DType::U8 => "U8",
-        DType::Bool => "BOOL",
-    }
+    let name = d.safetensors_name();
+    // The crate's own name for it (its serde name) is the same.
+    assert_eq!(format!("{:?}", st_dtype(d)), name);
+    name
 }
 
 /// One tensor of a test file, with the bytes the file holds for it.
@@ -148,8 +145,9 @@ fn store_with(backend: Backend, caps: [u64; 4]) -> Store {
     b.staging(2, 64 << 10).disk_workers(2).build().expect("build store")
 }
 
+/// Room for every tensor of [`every_dtype`] in each memory tier (a host extent takes 4 KiB).
 fn roomy_store(backend: Backend) -> Store {
-    store_with(backend, [256 * KIB, 256 * KIB, 256 * KIB, 8 << 20])
+    store_with(backend, [512 * KIB, 512 * KIB, 512 * KIB, 8 << 20])
 }
 
 fn load(store: &Store, path: &Path) -> Vec<(String, TensorId)> {
@@ -431,6 +429,13 @@ fn python_fixture_tensors() -> Vec<T> {
         t("u8", DType::U8, &[10], (0..10).map(|i| i * 25).collect()),
         t("bool", DType::Bool, &[7], (0..7).map(|i| u8::from(i % 3 == 0)).collect()),
         t("scalar", DType::F32, &[], 3.25f32.to_le_bytes().to_vec()),
+        t("u16", DType::U16, &[4], le([0u16, 1, 65535, 256].map(u16::to_le_bytes))),
+        t("u32", DType::U32, &[3], le([0u32, u32::MAX, 65536].map(u32::to_le_bytes))),
+        t("u64", DType::U64, &[3], le([0u64, u64::MAX, 1 << 40].map(u64::to_le_bytes))),
+        // 0, 1.0, -2.0, 448 (the largest), NaN, 0.5
+        t("f8_e4m3", DType::F8E4M3, &[2, 3], vec![0x00, 0x38, 0xC0, 0x7E, 0x7F, 0x30]),
+        // 0, 1.0, -2.0, 57344 (the largest), +inf, NaN
+        t("f8_e5m2", DType::F8E5M2, &[6], vec![0x00, 0x3C, 0xC0, 0x7B, 0x7C, 0x7E]),
     ]
 }
 
@@ -497,10 +502,13 @@ fn python(script: &str, arg: &Path) -> Option<String> {
 
 #[test]
 fn saved_files_load_in_python() {
-    // numpy has no bfloat16: every other dtype.
+    // numpy has no bfloat16 and no FP8 (tests/fp8_python checks those with torch): every other
+    // dtype, the unsigned ones included.
     let mut rng = Rng::new(3);
-    let mut ts: Vec<T> =
-        every_dtype(&mut rng).into_iter().filter(|t| t.dtype != DType::BF16).collect();
+    let mut ts: Vec<T> = every_dtype(&mut rng)
+        .into_iter()
+        .filter(|t| !matches!(t.dtype, DType::BF16 | DType::F8E4M3 | DType::F8E5M2))
+        .collect();
     let dir = tempfile::tempdir().unwrap();
     let src = dir.path().join("src.safetensors");
     write_st(&src, &ts, None);
@@ -539,23 +547,38 @@ fn saved_files_load_in_python() {
         DType::I32 => "int32",
         DType::I16 => "int16",
         DType::I8 => "int8",
+        DType::U64 => "uint64",
+        DType::U32 => "uint32",
+        DType::U16 => "uint16",
         DType::U8 => "uint8",
         DType::Bool => "bool",
-        DType::BF16 => unreachable!("numpy has no bfloat16"),
+        DType::BF16 | DType::F8E4M3 | DType::F8E5M2 => unreachable!("not in numpy"),
     };
-    let hex = |b: &[u8]| b.iter().map(|b| format!("{b:02x}")).collect::<String>();
-    let got: HashMap<String, Vec<String>> = listing
-        .lines()
+    check_python_listing(listing.lines(), &ts, np);
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Checks python's lines (the name in hex, the dtype, the shape, the bytes in hex) against
+/// `ts`, each tensor under its name, its dtype as `dtype` names it.
+fn check_python_listing<'a>(
+    lines: impl Iterator<Item = &'a str>,
+    ts: &[T],
+    dtype: impl Fn(DType) -> &'static str,
+) {
+    let got: HashMap<String, Vec<String>> = lines
         .map(|l| {
             let f: Vec<String> = l.split(' ').map(str::to_string).collect();
             assert_eq!(f.len(), 4, "python line {l:?}");
             (f[0].clone(), f[1..].to_vec())
         })
         .collect();
-    assert_eq!(got.len(), ts.len(), "python listing:\n{listing}");
-    for t in &ts {
+    assert_eq!(got.len(), ts.len(), "python listing: {got:?}");
+    for t in ts {
         let shape = t.shape.iter().map(usize::to_string).collect::<Vec<_>>().join(",");
-        let want = vec![np(t.dtype).to_string(), shape, hex(&t.data)];
+        let want = vec![dtype(t.dtype).to_string(), shape, hex(&t.data)];
         let g = got.get(&hex(t.name.as_bytes()));
         assert_eq!(g, Some(&want), "{}: what python read", t.name);
     }
@@ -1153,12 +1176,9 @@ fn bad_files_are_typed_errors_naming_the_file_and_tensor() {
     ];
     // Dtypes the crate knows and strata does not.
     for (dt, shape, len) in [
-        ("F8_E4M3", "[16]", 16),
-        ("F8_E5M2", "[16]", 16),
         ("F8_E8M0", "[16]", 16),
-        ("U16", "[8]", 16),
-        ("U32", "[4]", 16),
-        ("U64", "[2]", 16),
+        ("F8_E4M3FNUZ", "[16]", 16),
+        ("F8_E5M2FNUZ", "[16]", 16),
         ("C64", "[2]", 16),
         ("F4", "[32]", 16),
         ("F6_E2M3", "[8]", 6),
@@ -1178,9 +1198,9 @@ fn bad_files_are_typed_errors_naming_the_file_and_tensor() {
         problems.extend(bad_case(&store, dir.path(), case, bytes, *blame));
     }
     // The unsupported dtype is named in the message.
-    let p = dir.path().join("unsupported_dtype_F8_E4M3.safetensors");
+    let p = dir.path().join("unsupported_dtype_F8_E8M0.safetensors");
     if let Err(e) = store.load_safetensors(&p, LoadOptions::default()) {
-        if !e.to_string().contains("F8_E4M3") {
+        if !e.to_string().contains("F8_E8M0") {
             problems.push(format!("unsupported dtype: the message does not say which: {e}"));
         }
     }

@@ -252,6 +252,9 @@ impl TrainConfig {
         if !((0.0..1.0).contains(&b1) && (0.0..1.0).contains(&b2)) {
             return bad(format!("betas ({b1}, {b2}) must be in [0, 1)"));
         }
+        if let Some(d) = self.dtype.filter(|d| !matches!(d, DType::BF16 | DType::F32)) {
+            return bad(format!("the trainer computes in bf16 or f32, not {d}"));
+        }
         if let Some(p) = &self.save {
             check_output(p)?;
         }
@@ -566,7 +569,8 @@ pub fn run(cfg: &TrainConfig, mut progress: impl FnMut(&str) -> Result<()>) -> R
     ))?;
     match dtype {
         DType::BF16 => run_typed::<bf16>(cfg, &inputs, &mut progress),
-        _ => run_typed::<f32>(cfg, &inputs, &mut progress),
+        DType::F32 => run_typed::<f32>(cfg, &inputs, &mut progress),
+        d => Err(Error::InvalidArgument(format!("the trainer computes in bf16 or f32, not {d}"))),
     }
 }
 
