@@ -65,6 +65,7 @@ pub use api::{
     host_memory_available, DeviceView, HostView, LayerScope, LoadOptions, MappedView, Stats, Store, StoreBuilder, Stream,
     TensorInfo, TierStats,
 };
+pub use api::{Loaded, LoadedFile, LoadedTensor};
 pub use error::{Error, Result};
 pub use policy::{FrequencyPolicy, LruPolicy, Policy, PolicyKind, SchedulePolicy, VictimKey};
 pub use types::{format_size, parse_size, BackendKind, DType, Group, TensorId, Tier};

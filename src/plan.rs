@@ -31,7 +31,7 @@
 //! ```
 //!
 //! ## The accounting
-//! - **parameters**: every tensor of the file, in its own dtype.
+//! - **parameters**: every tensor of the checkpoint, in its own dtype.
 //! - **gradients** (with `train`): the bytes of the floating-point parameters (f64, f32, f16,
 //!   bf16), 2 bytes per element for FP8 parameters (f8e4m3, f8e5m2: FP8 training keeps
 //!   gradients in bf16, FP8 having too little range for them), or 4 bytes per element with
@@ -70,11 +70,12 @@
 //! disk write / disk write bandwidth` for the disk: every transfer one after the other, with no
 //! overlap, so an upper bound of what the transfers cost a step.
 
+use std::collections::BTreeMap;
 use std::fmt::{self, Write as _};
 use std::fs::File;
 use std::io::Read as _;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use crate::error::{Error, Result};
@@ -131,12 +132,26 @@ impl TensorEntry {
     }
 }
 
-/// The tensors of a `.safetensors` file, in file order, read from its header without reading the
-/// data: the file is mapped read-only into a small host store (nothing is copied) and each
-/// tensor's dtype, shape and size are taken from there, so the file gets the same checks as
-/// [`Store::load_safetensors`] (a missing file is an [`Error::Io`], a bad one an
-/// [`Error::BadFile`] naming the file and the tensor).
-pub fn read_tensors(path: impl AsRef<Path>) -> Result<Vec<TensorEntry>> {
+/// What the headers of a checkpoint say: its tensors, its files and their `__metadata__`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Checkpoint {
+    /// Every tensor, file by file, each file in file order.
+    pub tensors: Vec<TensorEntry>,
+    /// The `.safetensors` files, in that order.
+    pub files: Vec<PathBuf>,
+    /// The sharded checkpoint's index, when there is one.
+    pub index: Option<PathBuf>,
+    /// The files' `__metadata__`, merged as [`Loaded::metadata`](crate::Loaded::metadata) does.
+    pub metadata: BTreeMap<String, String>,
+}
+
+/// The tensors of a checkpoint (one `.safetensors` file, a sharded checkpoint's
+/// `*.index.json`, or a directory, as [`Store::load_checkpoint`] takes them), read from the
+/// headers without reading the data: the files are mapped read-only into a small host store
+/// (nothing is copied) and each tensor's dtype, shape and size are taken from there, so the
+/// checkpoint gets the same checks as [`Store::load_checkpoint`] (a missing file is an
+/// [`Error::Io`], a bad one an [`Error::BadFile`] naming the file and the tensor).
+pub fn read_checkpoint(path: impl AsRef<Path>) -> Result<Checkpoint> {
     let store = Store::builder()
         .host_backend()
         .capacity(Tier::Device, 0)
@@ -144,19 +159,30 @@ pub fn read_tensors(path: impl AsRef<Path>) -> Result<Vec<TensorEntry>> {
         .capacity(Tier::Mapped, 0)
         .capacity(Tier::Disk, 0)
         .build()?;
-    let loaded = store.load_safetensors(path, LoadOptions::default())?;
-    loaded
-        .into_iter()
-        .map(|(_, id)| {
-            let info = store.info(id)?;
+    let loaded = store.load_checkpoint(path, LoadOptions::default())?;
+    let tensors = loaded
+        .iter()
+        .map(|t| {
+            let info = store.info(t.id)?;
             Ok(TensorEntry {
-                name: info.name,
+                name: t.name.clone(),
                 dtype: info.dtype,
                 shape: info.shape,
                 bytes: info.bytes,
             })
         })
-        .collect()
+        .collect::<Result<Vec<_>>>()?;
+    Ok(Checkpoint {
+        tensors,
+        files: loaded.files().iter().map(|f| f.path.clone()).collect(),
+        index: loaded.index().map(Path::to_path_buf),
+        metadata: loaded.metadata().clone(),
+    })
+}
+
+/// The tensors of a checkpoint: [`read_checkpoint`]'s.
+pub fn read_tensors(path: impl AsRef<Path>) -> Result<Vec<TensorEntry>> {
+    read_checkpoint(path).map(|c| c.tensors)
 }
 
 /// The optimizer whose state the plan counts.

@@ -584,6 +584,45 @@ fn check_python_listing<'a>(
     }
 }
 
+#[test]
+fn every_dtype_and_metadata_load_in_python() {
+    // Python's `safetensors.deserialize` gives any dtype's bytes (bf16 and FP8 included, which
+    // numpy lacks); `safe_open` gives the header's metadata.
+    let mut rng = Rng::new(14);
+    let ts = every_dtype(&mut rng);
+    let dir = tempfile::tempdir().unwrap();
+    let src = dir.path().join("src.safetensors");
+    write_st(&src, &ts, Some(HashMap::from([("format".into(), "pt".into())])));
+    let store = roomy_store(Backend::Host);
+    let opts = LoadOptions { name_prefix: "loaded.".into(), ..Default::default() };
+    let mut loaded = store.load_checkpoint(&src, opts).unwrap();
+    loaded.metadata_mut().insert("saved_by".into(), "strata ü".into());
+    let out = dir.path().join("every dtype.safetensors");
+    loaded.save(&store, &out).unwrap();
+    // The metadata as JSON, then one line per tensor: the name in hex, the dtype, the shape, the
+    // bytes in hex.
+    let script = "import sys, json\n\
+                  from safetensors import deserialize, safe_open\n\
+                  with safe_open(sys.argv[1], framework='numpy') as f:\n    \
+                  print(json.dumps(f.metadata(), sort_keys=True))\n\
+                  for k, t in deserialize(open(sys.argv[1], 'rb').read()):\n    \
+                  print(k.encode().hex(), t['dtype'], ','.join(map(str, t['shape'])),\n          \
+                  bytes(t['data']).hex())\n";
+    let Some(listing) = python(script, &out) else {
+        println!("SKIP every_dtype_and_metadata_load_in_python: no python3 with safetensors");
+        return;
+    };
+    let mut lines = listing.lines();
+    let meta: HashMap<String, String> = serde_json::from_str(lines.next().unwrap()).unwrap();
+    let want = HashMap::from([
+        ("format".to_string(), "pt".to_string()),
+        ("saved_by".to_string(), "strata ü".to_string()),
+    ]);
+    assert_eq!(meta, want, "the metadata python read");
+    // Saved under their names in the file: no "loaded." prefix.
+    check_python_listing(lines, &ts, DType::safetensors_name);
+}
+
 // ---------------------------------------------------------------------------------------------
 // 3. A file larger than every in-memory budget
 // ---------------------------------------------------------------------------------------------

@@ -1,12 +1,18 @@
-//! Tensor files: loading safetensors in place (the Disk tier refers to the mapped file) or by
-//! copy, and saving tensors to a new safetensors file atomically.
+//! Tensor files: loading safetensors checkpoints (one file, or a sharded checkpoint by its index
+//! or its directory) in place (the Disk tier refers to the mapped files) or by copy, and saving
+//! tensors to a new safetensors file atomically, with its `__metadata__`.
+
+mod checkpoint;
 
 use std::borrow::Cow;
 use std::cell::RefCell;
+use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use safetensors::tensor::{Dtype as StDtype, SafeTensors, View};
+
+pub use checkpoint::{Loaded, LoadedFile, LoadedTensor};
 
 use super::Store;
 use crate::error::{Error, Result};
@@ -19,7 +25,7 @@ use crate::tiers::file::ExternalFile;
 use crate::tiers::Ext;
 use crate::types::{DType, Group, TensorId, Tier};
 
-/// How [`Store::load_safetensors`] loads a file.
+/// How [`Store::load_checkpoint`] and [`Store::load_safetensors`] load a checkpoint.
 #[derive(Clone, Debug, Default)]
 pub struct LoadOptions {
     /// `None` (default): every tensor stays in the file, in place — the Disk tier refers to the
@@ -27,7 +33,8 @@ pub struct LoadOptions {
     /// copied into `tier` instead (making room there as `move_to` does), and the file is no longer
     /// referred to.
     pub copy_to: Option<Tier>,
-    /// Prepended to every tensor's name in the store (for loading several files side by side).
+    /// Prepended to every tensor's name in the store (for loading several checkpoints side by
+    /// side). [`Loaded`] keeps the names in the file too, and [`Loaded::save`] writes those.
     pub name_prefix: String,
     /// The group of the loaded tensors (default `Other`; weights are usually `Param`).
     pub group: Group,
@@ -80,11 +87,18 @@ fn bad(path: &Path, tensor: Option<&str>, why: impl Into<String>) -> Error {
 
 /// One tensor found in a file.
 struct Found {
+    /// Its name in the file.
     name: String,
     dtype: DType,
     shape: Vec<usize>,
     offset: u64,
     len: u64,
+}
+
+/// What a file holds: its tensors in file order, and its header's `__metadata__`.
+struct Parsed {
+    found: Vec<Found>,
+    metadata: BTreeMap<String, String>,
 }
 
 /// Checks every tensor's entry of the header against the file before the `safetensors` crate
@@ -145,12 +159,13 @@ fn precheck(path: &Path, bytes: &[u8]) -> Result<()> {
     Ok(())
 }
 
-/// Parses a mapped safetensors file: every tensor's dtype, shape and byte range, in file order.
-fn parse(file: &ExternalFile, prefix: &str) -> Result<Vec<Found>> {
+/// Parses a mapped safetensors file: every tensor's dtype, shape and byte range, in file order,
+/// and the header's `__metadata__`.
+fn parse(file: &ExternalFile) -> Result<Parsed> {
     let path = file.path();
     let bytes = file.bytes();
     precheck(path, bytes)?;
-    let st = SafeTensors::deserialize(bytes).map_err(|e| {
+    let (n, header) = SafeTensors::read_metadata(bytes).map_err(|e| {
         use safetensors::SafeTensorError as E;
         let tensor = match &e {
             E::InvalidOffset(name) | E::TensorNotFound(name) => Some(name.as_str()),
@@ -158,31 +173,35 @@ fn parse(file: &ExternalFile, prefix: &str) -> Result<Vec<Found>> {
         };
         bad(path, tensor, e.to_string())
     })?;
-    let base = bytes.as_ptr() as usize;
+    // The data starts after the 8-byte length and the header.
+    let data = 8 + n as u64;
     let mut found = Vec::new();
-    for (name, view) in st.tensors() {
-        let dtype = from_st(view.dtype()).ok_or_else(|| {
-            bad(path, Some(&name), format!("unsupported dtype {:?}", view.dtype()))
-        })?;
-        let data = view.data();
-        let elems = view.shape().iter().try_fold(1usize, |a, &d| a.checked_mul(d));
-        if elems.and_then(|n| n.checked_mul(dtype.size_of())) != Some(data.len()) {
+    for (name, info) in header.tensors() {
+        let dtype = from_st(info.dtype)
+            .ok_or_else(|| bad(path, Some(&name), format!("unsupported dtype {:?}", info.dtype)))?;
+        let (begin, end) = info.data_offsets;
+        let len = end - begin;
+        let elems = info.shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
+        if elems.and_then(|n| n.checked_mul(dtype.size_of())) != Some(len) {
             return Err(bad(
                 path,
                 Some(&name),
-                format!("shape {:?} does not match {} bytes", view.shape(), data.len()),
+                format!("shape {:?} does not match {len} bytes", info.shape),
             ));
         }
         found.push(Found {
-            name: format!("{prefix}{name}"),
+            name,
             dtype,
-            shape: view.shape().to_vec(),
-            offset: (data.as_ptr() as usize - base) as u64,
-            len: data.len() as u64,
+            shape: info.shape.clone(),
+            offset: data + begin as u64,
+            len: len as u64,
         });
     }
-    found.sort_by_key(|f| f.offset);
-    Ok(found)
+    // File order; zero-size tensors share an offset: the order among them is their names'.
+    found.sort_by(|a, b| (a.offset, a.len, &a.name).cmp(&(b.offset, b.len, &b.name)));
+    let metadata =
+        header.metadata().iter().flatten().map(|(k, v)| (k.clone(), v.clone())).collect();
+    Ok(Parsed { found, metadata })
 }
 
 /// A store tensor as the `safetensors` writer sees it: its bytes are read from the store when
@@ -225,19 +244,90 @@ impl View for Lazy<'_> {
 }
 
 impl Store {
-    /// Loads every tensor of a `.safetensors` file and returns their names and ids, in file
-    /// order. By default nothing is copied: each tensor's home is its byte range of the file,
-    /// mapped read-only (a multi-GB file costs no RAM until tensors are used), and promoting a
+    /// Loads a checkpoint: one `.safetensors` file, a sharded checkpoint's index
+    /// (`model.safetensors.index.json`: `{"metadata": {...}, "weight_map": {"tensor":
+    /// "shard file", ...}}`, the shards beside it), or a directory (its
+    /// `*.safetensors.index.json` when it has one, else every `*.safetensors` file in it, in name
+    /// order). Returns the tensors (their names in the files, in the store and their ids: file by
+    /// file, each in file order) and the files' `__metadata__`; [`Loaded::save`] writes them
+    /// back in one call.
+    ///
+    /// By default nothing is copied: each tensor's home is its byte range of its file, mapped
+    /// read-only (a multi-GB checkpoint costs no RAM until tensors are used), and promoting a
     /// tensor reads that range (with `O_DIRECT` where it is page-aligned). Writing a loaded
     /// tensor never modifies the file: the new bytes get a new home in the store.
     /// [`LoadOptions::copy_to`] copies the tensors into a tier instead.
     ///
-    /// Bad input is an [`Error::BadFile`] naming the file (and the tensor, where it is one
-    /// tensor's fault); a missing or unreadable file is an [`Error::Io`]; a name already in the
-    /// store is [`Error::DuplicateName`]. Nothing is loaded when any of these happens.
+    /// All or nothing: every file is read and checked before anything is loaded. Bad input is an
+    /// [`Error::BadFile`] naming the file (and the tensor, where it is one tensor's fault): a
+    /// malformed file or index, a tensor of the index missing from its shard, a tensor of a shard
+    /// not in the index (or mapped to another shard), a tensor in two files. A missing or
+    /// unreadable file (a shard included) is an [`Error::Io`] naming it; a name already in the
+    /// store is [`Error::DuplicateName`].
     ///
-    /// The file must not be truncated or rewritten while the store refers to it (as with any
+    /// The files must not be truncated or rewritten while the store refers to them (as with any
     /// memory-mapped loader).
+    ///
+    /// ```
+    /// # use strata::{DType, LoadOptions, Store, Tier};
+    /// # fn main() -> strata::Result<()> {
+    /// # let dir = tempfile::tempdir().unwrap();
+    /// # let src = Store::builder().host_backend().build()?;
+    /// # let a = src.put("a", DType::F32, &[2], &[1u8; 8])?;
+    /// # let b = src.put("b", DType::U16, &[4], &[2u8; 8])?;
+    /// # src.save_safetensors(dir.path().join("model-00001-of-00002.safetensors"), &[a])?;
+    /// # src.save_safetensors(dir.path().join("model-00002-of-00002.safetensors"), &[b])?;
+    /// # std::fs::write(dir.path().join("model.safetensors.index.json"), r#"{"metadata": {},
+    /// #   "weight_map": {"a": "model-00001-of-00002.safetensors",
+    /// #                  "b": "model-00002-of-00002.safetensors"}}"#).unwrap();
+    /// let store = Store::builder().host_backend().build()?;
+    /// // The directory, or dir.path().join("model.safetensors.index.json").
+    /// let model = store.load_checkpoint(dir.path(), LoadOptions::default())?;
+    /// assert_eq!((model.len(), model.files().len()), (2, 2));
+    /// let b = model.get("b").unwrap();
+    /// assert_eq!(store.info(b)?.dtype, DType::U16);
+    /// assert_eq!(store.tier_of(b)?, Tier::Disk); // in its shard, in place
+    /// assert_eq!(store.read(b)?, vec![2u8; 8]);
+    /// # Ok(()) }
+    /// ```
+    pub fn load_checkpoint(&self, path: impl AsRef<Path>, opts: LoadOptions) -> Result<Loaded> {
+        let layout = checkpoint::resolve(path.as_ref())?;
+        let mut files = Vec::with_capacity(layout.files.len());
+        let mut parsed = Vec::with_capacity(layout.files.len());
+        for p in &layout.files {
+            let file = Arc::new(ExternalFile::open(p)?);
+            parsed.push(parse(&file)?);
+            files.push(file);
+        }
+        // Every tensor with its file's position, in load order.
+        let found: Vec<(usize, &Found)> = parsed
+            .iter()
+            .enumerate()
+            .flat_map(|(i, p)| p.found.iter().map(move |f| (i, f)))
+            .collect();
+        checkpoint::check_names(&layout, found.iter().map(|&(i, f)| (i, f.name.as_str())))?;
+        let ids = self.register(&files, &found, &opts)?;
+        let tensors = found
+            .iter()
+            .zip(ids)
+            .map(|(&(file, f), id)| LoadedTensor {
+                name: f.name.clone(),
+                store_name: format!("{}{}", opts.name_prefix, f.name),
+                id,
+                file,
+            })
+            .collect();
+        let loaded_files = layout
+            .files
+            .into_iter()
+            .zip(parsed)
+            .map(|(path, p)| LoadedFile { path, metadata: p.metadata })
+            .collect();
+        Ok(Loaded::new(tensors, loaded_files, layout.index.map(|i| i.path)))
+    }
+
+    /// [`Store::load_checkpoint`] (one file, an index or a directory), returning only the
+    /// tensors' names in the store and their ids, in load order.
     ///
     /// ```
     /// # use strata::{DType, LoadOptions, Store, Tier};
@@ -260,16 +350,26 @@ impl Store {
         path: impl AsRef<Path>,
         opts: LoadOptions,
     ) -> Result<Vec<(String, TensorId)>> {
-        let path = path.as_ref();
-        let file = Arc::new(ExternalFile::open(path)?);
-        let found = parse(&file, &opts.name_prefix)?;
+        self.load_checkpoint(path, opts).map(Loaded::into_pairs)
+    }
+
+    /// Registers `found` (tensors of `files`, checked) in place, then copies them into
+    /// `opts.copy_to` if asked; all or nothing. Returns their ids, in the same order.
+    fn register(
+        &self,
+        files: &[Arc<ExternalFile>],
+        found: &[(usize, &Found)],
+        opts: &LoadOptions,
+    ) -> Result<Vec<TensorId>> {
         let sh = &*self.shared;
         let mut st = sh.lock();
+        let names: Vec<String> =
+            found.iter().map(|(_, f)| format!("{}{}", opts.name_prefix, f.name)).collect();
         // All or nothing: check every name first.
         let mut seen = std::collections::HashSet::new();
-        for f in &found {
-            if st.res.names.contains_key(f.name.as_str()) || !seen.insert(&f.name) {
-                return Err(Error::DuplicateName(f.name.clone()));
+        for name in &names {
+            if st.res.names.contains_key(name.as_str()) || !seen.insert(name) {
+                return Err(Error::DuplicateName(name.clone()));
             }
         }
         if let Some(t) = opts.copy_to {
@@ -278,9 +378,9 @@ impl Store {
             }
         }
         let mut out = Vec::with_capacity(found.len());
-        for f in &found {
+        for (&(file, f), name) in found.iter().zip(&names) {
             let meta = Meta {
-                name: f.name.as_str().into(),
+                name: name.as_str().into(),
                 dtype: f.dtype,
                 shape: f.shape.clone().into(),
                 bytes: f.len,
@@ -290,17 +390,17 @@ impl Store {
             st.res.put_replica(
                 id,
                 Tier::Disk,
-                Replica::new(Ext::File { file: file.clone(), offset: f.offset }, None),
+                Replica::new(Ext::File { file: files[file].clone(), offset: f.offset }, None),
             );
             st.reindex(id);
-            out.push((f.name.clone(), id));
+            out.push(id);
         }
         let Some(t) = opts.copy_to else { return Ok(out) };
         // Copy each tensor into `t` and drop the file's copy (straight from the file: pread, or
         // O_DIRECT where aligned); on failure, undo the whole load.
         let res = (|| -> Result<()> {
-            for (i, &(_, id)) in out.iter().enumerate() {
-                let bytes = found[i].len;
+            for (&id, (_, f)) in out.iter().zip(found) {
+                let bytes = f.len;
                 let flight = st.start_flight(id, None);
                 let r = (|| -> Result<()> {
                     let level = if t == Tier::Disk { Level::Guess } else { Level::Demand };
@@ -341,7 +441,7 @@ impl Store {
             Ok(())
         })();
         if let Err(e) = res {
-            for (_, id) in &out {
+            for id in &out {
                 // Undo everything; the error returned is the load's.
                 for tier in Tier::ALL {
                     if st.res.get(*id).is_ok_and(|e| e.has(tier)) {
@@ -358,9 +458,11 @@ impl Store {
     }
 
     /// Writes these tensors' current contents (a copy written on the device included) to a new
-    /// safetensors file at `path`, atomically: the file is written beside `path` under a
-    /// temporary name, flushed to disk, then renamed over `path`. The result loads with the
-    /// Python `safetensors` package and with the Rust crate. One tensor is in memory at a time.
+    /// safetensors file at `path` under their names in the store (a load's
+    /// [`name_prefix`](LoadOptions::name_prefix) included: [`Loaded::save`] writes the names of
+    /// the files), atomically: the file is written beside `path` under a temporary name, flushed
+    /// to disk, then renamed over `path`. The result loads with the Python `safetensors` package
+    /// and with the Rust crate. One tensor is in memory at a time.
     pub fn save_safetensors(&self, path: impl AsRef<Path>, ids: &[TensorId]) -> Result<()> {
         let named =
             ids.iter().map(|&id| Ok((id, self.info(id)?.name))).collect::<Result<Vec<_>>>()?;
@@ -373,6 +475,18 @@ impl Store {
         &self,
         path: impl AsRef<Path>,
         tensors: &[(TensorId, String)],
+    ) -> Result<()> {
+        self.save_safetensors_with(path, tensors, &BTreeMap::new())
+    }
+
+    /// [`Store::save_safetensors_as`] with `metadata` as the header's `__metadata__` (none when
+    /// empty): `{"format": "pt"}`, as PyTorch checkpoints carry, or anything of the caller's.
+    /// [`Loaded::metadata`] is what a loaded checkpoint carried.
+    pub fn save_safetensors_with(
+        &self,
+        path: impl AsRef<Path>,
+        tensors: &[(TensorId, String)],
+        metadata: &BTreeMap<String, String>,
     ) -> Result<()> {
         let path = path.as_ref();
         let failed = RefCell::new(None);
@@ -402,7 +516,9 @@ impl Store {
             .ok_or_else(|| Error::InvalidArgument(format!("{} names no file", path.display())))?;
         let tmp: PathBuf =
             dir.join(format!(".{}.strata-{}.tmp", file_name.to_string_lossy(), std::process::id()));
-        let written = safetensors::serialize_to_file(views, None, &tmp)
+        let metadata: Option<HashMap<String, String>> =
+            (!metadata.is_empty()).then(|| metadata.clone().into_iter().collect());
+        let written = safetensors::serialize_to_file(views, metadata, &tmp)
             .map_err(|e| match e {
                 safetensors::SafeTensorError::IoError(io) => Error::io(&tmp, io),
                 other => bad(path, None, other.to_string()),
