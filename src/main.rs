@@ -1,5 +1,5 @@
-//! The `strata` command line: `strata demo`, `bench`, `train-demo`, `inspect` (a tensor file's
-//! tensors and a memory plan) and `load` (a tensor file into a store).
+//! The `strata` command line: `strata demo`, `bench`, `train-demo`, `inspect` (a checkpoint's
+//! tensors and a memory plan) and `load` (a checkpoint into a store).
 
 use std::io::Write as _;
 use std::process::ExitCode;
@@ -45,17 +45,20 @@ enum Cmd {
     /// `strata train-demo --mode train --layers 4 --hidden 64 --rows 8 --device-budget 64KiB
     /// --host`.
     TrainDemo(Box<TrainDemoArgs>),
-    /// Lists the tensors of a .safetensors file (name, dtype, shape, bytes) and their totals
-    /// without reading the data, then a memory plan: parameters, gradients (--train) and
-    /// optimizer state (--train --optimizer sgd|sgd-momentum|adamw) placed device first under the
-    /// budgets, and
+    /// Lists the tensors of a checkpoint (name, dtype, shape, bytes) and their totals without
+    /// reading the data, then a memory plan: parameters, gradients (--train) and optimizer state
+    /// (--train --optimizer sgd|sgd-momentum|adamw) placed device first under the budgets, and
     /// the predicted transfer time per step from `strata bench --json` results (--bench) or a
-    /// brief measurement. See docs/inspect.md for the accounting and the formula.
+    /// brief measurement. The checkpoint is a .safetensors file, a sharded checkpoint's index
+    /// (model.safetensors.index.json), or a directory (its index, else all its .safetensors
+    /// files). See docs/inspect.md for the accounting and the formula.
     Inspect(InspectArgs),
-    /// Loads a .safetensors file into a store with these budgets (the GPU when there is one,
-    /// unless --host): in place by default (the disk tier refers to the mapped file, nothing is
-    /// copied), or --copy-to TIER copies each tensor into TIER with a progress bar. Ends with the
-    /// store's tier table.
+    /// Loads a checkpoint (a .safetensors file, a sharded checkpoint's index
+    /// model.safetensors.index.json, or a directory) into a store with these budgets (the GPU
+    /// when there is one, unless --host): in place by default (the disk tier refers to the mapped
+    /// files, nothing is copied), or --copy-to TIER copies each tensor into TIER with a progress
+    /// bar. --checksums then reads every tensor back and prints its crc32. Ends with the store's
+    /// tier table.
     Load(LoadArgs),
 }
 
@@ -82,11 +85,16 @@ impl Budgets {
     }
 }
 
+/// The checkpoint argument's help, for `inspect` and `load`.
+const CHECKPOINT_HELP: &str = "The checkpoint, in one of three forms: a .safetensors file; a \
+    sharded checkpoint's index (model.safetensors.index.json, its shards beside it); or a \
+    directory (its *.safetensors.index.json if it has one, else every *.safetensors file in it, \
+    in name order)";
+
 #[derive(clap::Args)]
 struct InspectArgs {
-    /// The .safetensors file.
-    #[arg(value_name = "FILE.safetensors")]
-    file: std::path::PathBuf,
+    #[arg(value_name = "CHECKPOINT", help = CHECKPOINT_HELP)]
+    path: std::path::PathBuf,
     #[command(flatten)]
     budgets: Budgets,
     /// Optimizer whose state is counted with --train, named as train-demo names them: none, sgd
@@ -107,9 +115,8 @@ struct InspectArgs {
 
 #[derive(clap::Args)]
 struct LoadArgs {
-    /// The .safetensors file.
-    #[arg(value_name = "FILE.safetensors")]
-    file: std::path::PathBuf,
+    #[arg(value_name = "CHECKPOINT", help = CHECKPOINT_HELP)]
+    path: std::path::PathBuf,
     #[command(flatten)]
     budgets: Budgets,
     /// Copy every tensor into this tier [default: in place].
@@ -118,6 +125,10 @@ struct LoadArgs {
     /// Use the host backend even when a GPU is present.
     #[arg(long)]
     host: bool,
+    /// After loading, read every tensor back through the store and print its crc32 (to compare
+    /// checkpoints bit for bit).
+    #[arg(long)]
+    checksums: bool,
 }
 
 #[derive(clap::Args)]
@@ -354,9 +365,52 @@ fn train_demo(args: &TrainDemoArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The files a checkpoint came from, when there are several or an index named them: `3 files
+/// named by DIR/model.safetensors.index.json: a, b, c`; long lists shortened.
+fn files_line(files: &[std::path::PathBuf], index: Option<&std::path::Path>) -> Option<String> {
+    if files.len() == 1 && index.is_none() {
+        return None;
+    }
+    let names: Vec<String> = files
+        .iter()
+        .map(|f| {
+            f.file_name().map_or_else(|| f.display().to_string(), |n| n.to_string_lossy().into())
+        })
+        .collect();
+    let list = match names.len() {
+        0..=4 => names.join(", "),
+        n => format!("{}, {}, ..., {}", names[0], names[1], names[n - 1]),
+    };
+    let n = files.len();
+    let s = if n == 1 { "" } else { "s" };
+    Some(match index {
+        Some(i) => format!("{n} file{s} named by {}: {list}", i.display()),
+        None => format!("{n} file{s}: {list}"),
+    })
+}
+
+/// A checkpoint's `__metadata__` as one line of JSON, shortened past 200 characters.
+fn metadata_line(metadata: &std::collections::BTreeMap<String, String>) -> Option<String> {
+    if metadata.is_empty() {
+        return None;
+    }
+    let json = serde_json::to_string(metadata).unwrap_or_default();
+    Some(match json.char_indices().nth(200) {
+        Some((cut, _)) => format!("{}... ({} bytes)", &json[..cut], json.len()),
+        None => json,
+    })
+}
+
 fn inspect(a: InspectArgs) -> anyhow::Result<()> {
-    let tensors = strata::plan::read_tensors(&a.file)?;
-    out!("strata inspect {}", a.file.display())?;
+    let ckpt = strata::plan::read_checkpoint(&a.path)?;
+    let tensors = ckpt.tensors;
+    out!("strata inspect {}", a.path.display())?;
+    if let Some(line) = files_line(&ckpt.files, ckpt.index.as_deref()) {
+        out!("files: {line}")?;
+    }
+    if let Some(line) = metadata_line(&ckpt.metadata) {
+        out!("metadata: {line}")?;
+    }
     out!()?;
     out_raw!("{}", strata::plan::tensor_table(&tensors))?;
     out!()?;
@@ -380,7 +434,13 @@ fn inspect(a: InspectArgs) -> anyhow::Result<()> {
         None => {
             let pcie = traffic.h2d + traffic.d2h > 0;
             let disk = traffic.disk_read + traffic.disk_write > 0;
-            Bandwidths::measure(pcie, disk.then_some(a.file.as_path()))
+            // The largest file: the disk figure is a read of up to 64 MiB of it.
+            let largest = ckpt
+                .files
+                .iter()
+                .max_by_key(|f| std::fs::metadata(f).map_or(0, |m| m.len()))
+                .map(|f| f.as_path());
+            Bandwidths::measure(pcie, largest.filter(|_| disk))
         }
     };
     out_raw!("{}", plan.predict(&bw))?;
@@ -399,7 +459,7 @@ fn load(a: LoadArgs) -> anyhow::Result<()> {
         b = b.host_backend();
     }
     let store = b.build()?;
-    out!("strata load {}", a.file.display())?;
+    out!("strata load {}", a.path.display())?;
     out!("backend: {}", store.backend_description())?;
     let t0 = Instant::now();
     let copy_to_disk = a.copy_to == Some(Tier::Disk);
@@ -408,18 +468,27 @@ fn load(a: LoadArgs) -> anyhow::Result<()> {
     // file); the bar can only say it is running.
     let spinner = copy_to_disk.then(|| {
         let p = indicatif::ProgressBar::new_spinner();
-        p.set_message(format!("copying {} into the disk tier", a.file.display()));
+        p.set_message(format!("copying {} into the disk tier", a.path.display()));
         p.enable_steady_tick(std::time::Duration::from_millis(120));
         p
     });
-    let loaded = store.load_safetensors(&a.file, opts);
+    let loaded = store.load_checkpoint(&a.path, opts);
     if let Some(p) = spinner {
         p.finish_and_clear();
     }
     let loaded = loaded?;
+    if let Some(line) = files_line(
+        &loaded.files().iter().map(|f| f.path.clone()).collect::<Vec<_>>(),
+        loaded.index(),
+    ) {
+        out!("files: {line}")?;
+    }
+    if let Some(line) = metadata_line(loaded.metadata()) {
+        out!("metadata: {line}")?;
+    }
     let mut sizes = Vec::with_capacity(loaded.len());
-    for (_, id) in &loaded {
-        sizes.push(store.info(*id)?.bytes);
+    for t in &loaded {
+        sizes.push(store.info(t.id)?.bytes);
     }
     let total: u64 = sizes.iter().sum();
     let secs = t0.elapsed().as_secs_f64();
@@ -432,8 +501,12 @@ fn load(a: LoadArgs) -> anyhow::Result<()> {
             total as f64 / secs.max(1e-9) / 1e9
         )?;
     } else {
+        let files = match loaded.files().len() {
+            1 => "the mapped file".to_string(),
+            n => format!("the {n} mapped files"),
+        };
         out!(
-            "loaded {} tensors ({}) in place in {:.1} ms: the disk tier refers to the mapped file",
+            "loaded {} tensors ({}) in place in {:.1} ms: the disk tier refers to {files}",
             loaded.len(),
             format_size(total),
             secs * 1e3
@@ -451,10 +524,10 @@ fn load(a: LoadArgs) -> anyhow::Result<()> {
         );
         bar.set_message(format!("copying into {tier}"));
         let t = Instant::now();
-        for ((name, id), bytes) in loaded.iter().zip(&sizes) {
-            if let Err(e) = store.move_to(*id, tier) {
+        for (t, bytes) in loaded.iter().zip(&sizes) {
+            if let Err(e) = store.move_to(t.id, tier) {
                 bar.abandon();
-                anyhow::bail!("copying {name:?} into {tier}: {e}");
+                anyhow::bail!("copying {:?} into {tier}: {e}", t.store_name);
             }
             bar.inc(*bytes);
         }
@@ -468,8 +541,38 @@ fn load(a: LoadArgs) -> anyhow::Result<()> {
             total as f64 / secs.max(1e-9) / 1e9
         )?;
     }
+    if a.checksums {
+        out!()?;
+        out_raw!("{}", checksum_table(&store, &loaded)?)?;
+    }
     out!()?;
     out!("{}", store.stats())?;
     store.check_err()?;
     Ok(())
+}
+
+/// `strata inspect`'s tensor table (names as in the files) with each tensor's crc32, its bytes
+/// read back through the store.
+fn checksum_table(store: &Store, loaded: &strata::Loaded) -> anyhow::Result<String> {
+    let mut entries = Vec::with_capacity(loaded.len());
+    let mut crcs = Vec::with_capacity(loaded.len());
+    for t in loaded {
+        let info = store.info(t.id)?;
+        crcs.push(crc32fast::hash(&store.read(t.id)?));
+        entries.push(strata::plan::TensorEntry {
+            name: t.name.clone(),
+            dtype: info.dtype,
+            shape: info.shape,
+            bytes: info.bytes,
+        });
+    }
+    let table = strata::plan::tensor_table(&entries);
+    let mut out = String::with_capacity(table.len() + 10 * crcs.len());
+    for (i, line) in table.lines().enumerate() {
+        match i.checked_sub(1).map(|k| crcs[k]) {
+            None => out.push_str(&format!("{line}     crc32\n")),
+            Some(crc) => out.push_str(&format!("{line}  {crc:08x}\n")),
+        }
+    }
+    Ok(out)
 }

@@ -1,6 +1,8 @@
 //! `strata inspect` and `strata load` end to end on the host: runs the built binary on a small
-//! safetensors file written with the `safetensors` crate.
+//! safetensors file written with the `safetensors` crate, and on the same tensors as a sharded
+//! checkpoint (by its index and by its directory).
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
@@ -153,4 +155,157 @@ fn a_missing_or_bad_file_is_an_error() {
     let (out, _, stderr) = run(&["inspect"], &cut);
     assert!(!out.status.success());
     assert!(stderr.starts_with("error: bad tensor file"), "{stderr}");
+}
+
+/// A model of every kind of dtype, written as one file (`single/model.safetensors`) and as two
+/// shards of the same tensors with their index (`sharded/`), each with `{"format": "pt"}`:
+/// (single file, index, sharded directory).
+fn write_sharded(dir: &Path) -> (PathBuf, PathBuf, PathBuf) {
+    let t = |n: &str, d: Dtype, shape: &[usize]| {
+        let len = shape.iter().product::<usize>() * d.bitsize() / 8;
+        let data: Vec<u8> = (0..len).map(|i| (i * 7 + n.len()) as u8 & 0x7f).collect();
+        (n.to_string(), d, shape.to_vec(), data)
+    };
+    let ts = [
+        t("model.embed.weight", Dtype::BF16, &[8, 4]),
+        t("model.layers.0.mlp.weight", Dtype::F8_E4M3, &[4, 8]),
+        t("model.layers.0.mlp.weight_scale", Dtype::F32, &[1]),
+        t("model.layers.1.mlp.weight", Dtype::F8_E5M2, &[4, 8]),
+        t("model.layers.1.norm", Dtype::F16, &[4]),
+        t("quant.qweight", Dtype::U32, &[2, 3]),
+        t("quant.g_idx", Dtype::U16, &[5]),
+        t("quant.offsets", Dtype::U64, &[2]),
+        t("position_ids", Dtype::I64, &[3]),
+    ];
+    let meta = || Some(HashMap::from([("format".to_string(), "pt".to_string())]));
+    let write = |path: &Path, part: &[&(String, Dtype, Vec<usize>, Vec<u8>)]| {
+        let views: Vec<(String, TensorView<'_>)> = part
+            .iter()
+            .map(|(n, d, s, b)| (n.clone(), TensorView::new(*d, s.clone(), b).unwrap()))
+            .collect();
+        safetensors::serialize_to_file(views, meta(), path).unwrap();
+    };
+    let single_dir = dir.join("single");
+    let sharded = dir.join("sharded");
+    std::fs::create_dir_all(&single_dir).unwrap();
+    std::fs::create_dir_all(&sharded).unwrap();
+    let single = single_dir.join("model.safetensors");
+    write(&single, &ts.iter().collect::<Vec<_>>());
+    // Two shards of runs of the single file's order: each written in the same order.
+    let bytes = std::fs::read(&single).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut order: Vec<(usize, String)> =
+        st.iter().map(|(n, v)| (v.data().as_ptr() as usize, n.to_string())).collect();
+    order.sort();
+    let mut weight_map = serde_json::Map::new();
+    for (i, run) in order.chunks(5).enumerate() {
+        let shard = format!("model-{:05}-of-00002.safetensors", i + 1);
+        let part: Vec<_> =
+            run.iter().map(|(_, n)| ts.iter().find(|t| &t.0 == n).unwrap()).collect();
+        write(&sharded.join(&shard), &part);
+        for (_, n) in run {
+            weight_map.insert(n.clone(), shard.clone().into());
+        }
+    }
+    let index = sharded.join("model.safetensors.index.json");
+    let json = serde_json::json!({"metadata": {"total_size": 0}, "weight_map": weight_map});
+    std::fs::write(&index, json.to_string()).unwrap();
+    (single, index, sharded)
+}
+
+/// The block of `stdout` that starts with a line starting with `head`, up to the blank line.
+fn block(stdout: &str, head: &str) -> String {
+    let lines: Vec<&str> = stdout.lines().skip_while(|l| !l.starts_with(head)).collect();
+    assert!(!lines.is_empty(), "no line starting {head:?} in:\n{stdout}");
+    lines.iter().take_while(|l| !l.is_empty()).map(|l| format!("{l}\n")).collect()
+}
+
+#[test]
+fn inspect_and_load_give_the_same_tensors_for_a_sharded_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let (single, index, sharded) = write_sharded(dir.path());
+    let mut tables = Vec::new();
+    for path in [&single, &index, &sharded] {
+        let (out, stdout, stderr) = run(&["inspect"], path);
+        assert!(out.status.success(), "stdout:\n{stdout}\nstderr:\n{stderr}");
+        // The tensor table, then the totals.
+        let table = block(&stdout, "name ");
+        let totals = block(&stdout, "9 tensors");
+        for d in ["f8e4m3", "f8e5m2", "u16", "u32", "u64", "bf16"] {
+            assert!(table.contains(&format!(" {d} ")), "{d}:\n{table}");
+            assert!(totals.contains(&format!("{d} ")), "{d}:\n{totals}");
+        }
+        assert!(stdout.contains("metadata: {\"format\":\"pt\"}"), "{stdout}");
+        let files = stdout.lines().find(|l| l.starts_with("files: "));
+        if path == &single {
+            assert_eq!(files, None, "{stdout}");
+        } else {
+            let files = files.unwrap_or_else(|| panic!("no files line:\n{stdout}"));
+            assert!(files.contains("2 files named by") && files.contains("index.json"), "{files}");
+            assert!(files.contains("model-00001-of-00002.safetensors, model-00002"), "{files}");
+        }
+
+        let args = [&["load", "--host", "--checksums"][..], &SMALL].concat();
+        let (out, stdout, stderr) = run(&args, path);
+        assert!(out.status.success(), "stdout:\n{stdout}\nstderr:\n{stderr}");
+        assert!(stdout.contains("loaded 9 tensors") && stdout.contains("in place"), "{stdout}");
+        let sums = block(&stdout, "name ");
+        assert!(sums.lines().next().unwrap().ends_with("crc32"), "{sums}");
+        assert_eq!(sums.lines().count(), 10, "{sums}");
+        tables.push((path.clone(), table, totals, sums));
+    }
+    let (_, table, totals, sums) = &tables[0];
+    for (path, t, tot, s) in &tables[1..] {
+        assert_eq!(t, table, "{}: tensor table", path.display());
+        assert_eq!(tot, totals, "{}: totals", path.display());
+        assert_eq!(s, sums, "{}: checksums", path.display());
+    }
+
+    // Copied into pinned, the same bytes.
+    let args = [&["load", "--host", "--checksums", "--copy-to", "pinned"][..], &SMALL].concat();
+    let (out, stdout, stderr) = run(&args, &index);
+    assert!(out.status.success(), "stdout:\n{stdout}\nstderr:\n{stderr}");
+    assert!(stdout.contains("copied 9 tensors") && stdout.contains("into pinned"), "{stdout}");
+    assert_eq!(&block(&stdout, "name "), sums);
+}
+
+#[test]
+fn help_names_the_three_forms_of_a_checkpoint() {
+    for cmd in ["inspect", "load"] {
+        let out = Command::new(strata_bin()).args([cmd, "--help"]).output().unwrap();
+        let help = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{help}");
+        assert!(help.contains("<CHECKPOINT>"), "{cmd}:\n{help}");
+        for form in [".safetensors file", "model.safetensors.index.json", "directory"] {
+            assert!(help.contains(form), "{cmd} --help does not name {form:?}:\n{help}");
+        }
+    }
+}
+
+#[test]
+fn a_broken_sharded_checkpoint_is_an_error_naming_the_shard() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_, index, sharded) = write_sharded(dir.path());
+    let second = sharded.join("model-00002-of-00002.safetensors");
+    std::fs::rename(&second, dir.path().join("elsewhere.safetensors")).unwrap();
+    for path in [&index, &sharded] {
+        for args in [vec!["inspect"], [&["load", "--host"][..], &SMALL].concat()] {
+            let (out, stdout, stderr) = run(&args, path);
+            assert!(!out.status.success(), "{args:?}: stdout:\n{stdout}");
+            assert!(stderr.starts_with("error: I/O error on "), "{stderr}");
+            assert!(stderr.contains("model-00002-of-00002.safetensors"), "{stderr}");
+            assert!(!stdout.contains("loaded"), "{stdout}");
+        }
+    }
+    // A tensor of the index that its shard lacks.
+    std::fs::rename(dir.path().join("elsewhere.safetensors"), &second).unwrap();
+    let mut json: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&index).unwrap()).unwrap();
+    json["weight_map"]["lm_head.weight"] = "model-00002-of-00002.safetensors".into();
+    std::fs::write(&index, json.to_string()).unwrap();
+    let (out, _, stderr) = run(&["inspect"], &index);
+    assert!(!out.status.success());
+    assert!(stderr.starts_with("error: bad tensor file"), "{stderr}");
+    assert!(stderr.contains("model-00002-of-00002.safetensors"), "{stderr}");
+    assert!(stderr.contains("\"lm_head.weight\""), "{stderr}");
 }
