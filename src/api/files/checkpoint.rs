@@ -215,6 +215,7 @@ pub struct Loaded {
 
 /// One tensor of a [`Loaded`] checkpoint.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct LoadedTensor {
     /// Its name in its file (and in the index).
     pub name: String,
@@ -229,6 +230,7 @@ pub struct LoadedTensor {
 
 /// One file of a [`Loaded`] checkpoint.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct LoadedFile {
     /// Its path.
     pub path: PathBuf,
