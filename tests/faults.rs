@@ -27,7 +27,13 @@ use strata::{DType, Error, LoadOptions, Store, TensorId, Tier};
 #[derive(Default)]
 struct Shadow {
     tensors: BTreeMap<String, (TensorId, Vec<u8>)>,
+    /// The tensors `saved.safetensors` must hold (by name), once a save succeeded: a failed save
+    /// leaves the file as it was.
+    file: Option<BTreeMap<String, Vec<u8>>>,
 }
+
+/// A change that replaces the expected contents of `saved.safetensors`.
+const FILE: &str = "file:";
 
 /// How one run went.
 #[derive(Default, Debug)]
@@ -64,7 +70,24 @@ fn build(dir: &Path) -> strata::Result<Arc<Store>> {
 }
 
 /// Checks every tensor of the shadow against the store (nothing armed); returns the names lost.
-fn verify(store: &Store, sh: &Shadow, run: &mut Run, ctx: &str) {
+fn verify(store: &Store, sh: &Shadow, dir: &Path, run: &mut Run, ctx: &str) {
+    let path = dir.join("saved.safetensors");
+    match (&sh.file, std::fs::read(&path)) {
+        (None, Err(_)) => {}
+        (None, Ok(_)) => run.lost.push(format!("{ctx}: a failed save left saved.safetensors")),
+        (Some(_), Err(e)) => run.lost.push(format!("{ctx}: saved.safetensors is gone: {e}")),
+        (Some(want), Ok(bytes)) => match safetensors::SafeTensors::deserialize(&bytes) {
+            Err(e) => run.lost.push(format!("{ctx}: saved.safetensors is broken: {e}")),
+            Ok(f) => {
+                run.checked += 1;
+                let got: BTreeMap<String, Vec<u8>> =
+                    f.iter().map(|(n, v)| (n.to_string(), v.data().to_vec())).collect();
+                if &got != want {
+                    run.lost.push(format!("{ctx}: saved.safetensors holds other tensors"));
+                }
+            }
+        },
+    }
     for (name, (id, want)) in &sh.tensors {
         run.checked += 1;
         match store.read(*id) {
@@ -104,6 +127,15 @@ fn write(st: &Store, sh: &Shadow, name: &str, seed: u8) -> strata::Result<Change
 fn put(st: &Store, name: &str, d: Vec<u8>) -> strata::Result<Change> {
     let id = st.put(name, DType::U8, &[d.len()], &d)?;
     Ok(vec![(name.into(), Some((id, d)))])
+}
+
+/// The change of a successful save of `names`: the file holds their current bytes.
+fn saved(sh: &Shadow, names: &[&str]) -> Change {
+    let mut ch: Change = vec![(FILE.into(), None)];
+    for n in names {
+        ch.push((format!("{FILE}{n}"), sh.tensors.get(*n).cloned()));
+    }
+    ch
 }
 
 /// The shadow's changes after a step: a tensor's new id and bytes, or `None` when removed.
@@ -219,7 +251,7 @@ fn step(
                 let ids: Vec<TensorId> =
                     ["a", "b", "c"].iter().map(|n| id(sh, n)).collect::<strata::Result<_>>()?;
                 st.save_safetensors(dir.join("saved.safetensors"), &ids)?;
-                Ok(Change::new())
+                Ok(saved(sh, &["a", "b", "c"]))
             }),
         ),
         15 => (
@@ -269,6 +301,14 @@ fn step(
             }),
         ),
         19 => ("put f", put(st, "f", bytes(8 << 10, 15))),
+        20 => (
+            "save a, f over the saved file",
+            run(&|| {
+                let ids = [id(sh, "a")?, id(sh, "f")?];
+                st.save_safetensors(dir.join("saved.safetensors"), &ids)?;
+                Ok(saved(sh, &["a", "f"]))
+            }),
+        ),
         _ => return None,
     })
 }
@@ -295,6 +335,15 @@ fn workload(dir: &Path, mut after: impl FnMut(usize)) -> Run {
         match res {
             Ok(changes) => {
                 for (n, v) in changes {
+                    if let Some(t) = n.strip_prefix(FILE) {
+                        let file = sh.file.get_or_insert_default();
+                        match (t, v) {
+                            ("", _) => file.clear(),
+                            (t, Some((_, b))) => drop(file.insert(t.into(), b)),
+                            (_, None) => {}
+                        }
+                        continue;
+                    }
                     match v {
                         Some(t) => sh.tensors.insert(n, t),
                         None => sh.tensors.remove(&n),
@@ -312,13 +361,13 @@ fn workload(dir: &Path, mut after: impl FnMut(usize)) -> Run {
             // The fault has fired: nothing is armed now. Every tensor must be intact.
             failpoint::disarm();
             drain(&store);
-            verify(&store, &sh, &mut run, name);
+            verify(&store, &sh, dir, &mut run, name);
         }
         i += 1;
     }
     failpoint::disarm();
     drain(&store);
-    verify(&store, &sh, &mut run, "end");
+    verify(&store, &sh, dir, &mut run, "end");
     for (name, (id, _)) in std::mem::take(&mut sh.tensors) {
         store.remove(id).unwrap_or_else(|e| panic!("remove {name}: {e}"));
     }

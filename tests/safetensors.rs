@@ -400,6 +400,41 @@ fn save_refuses_bad_requests_and_leaves_nothing_behind() {
     assert!(load(&roomy_store(Backend::Host), &empty).is_empty());
 }
 
+#[test]
+fn save_over_a_file_keeps_its_permissions_and_its_loaded_tensors() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("model.safetensors");
+    let store = roomy_store(Backend::Host);
+    let a = store.put("a", DType::U8, &[4], &[1, 2, 3, 4]).unwrap();
+    store.save_safetensors(&p, &[a]).unwrap();
+    std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o640)).unwrap();
+
+    // The old file stays loaded in place while a new one replaces it under its name.
+    let reader = roomy_store(Backend::Host);
+    let loaded = load(&reader, &p);
+    let b = store.put("b", DType::U8, &[2], &[9, 9]).unwrap();
+    store.save_safetensors(&p, &[b]).unwrap();
+    assert_eq!(reader.read(loaded[0].1).unwrap(), [1, 2, 3, 4], "the old file's tensor");
+    assert_eq!(std::fs::metadata(&p).unwrap().permissions().mode() & 0o7777, 0o640);
+    let fresh = roomy_store(Backend::Host);
+    let again = load(&fresh, &p);
+    assert_eq!(again.len(), 1);
+    assert_eq!(fresh.read(again[0].1).unwrap(), [9, 9]);
+
+    // A temporary file of a save killed between its link and its rename (its process is gone:
+    // no pid reaches 2^31) is removed by the next save; another file's and a live process's stay.
+    let stale = dir.path().join(".model.safetensors.strata-2147483647-0.tmp");
+    let live = dir.path().join(format!(".model.safetensors.strata-{}-99.tmp", std::process::id()));
+    let other = dir.path().join(".other.safetensors.strata-2147483647-0.tmp");
+    for f in [&stale, &live, &other] {
+        std::fs::write(f, b"partial").unwrap();
+    }
+    store.save_safetensors(&p, &[a]).unwrap();
+    assert!(!stale.exists(), "a dead save's temporary file stayed");
+    assert!(live.exists() && other.exists(), "a file that is not a dead save's was removed");
+}
+
 // ---------------------------------------------------------------------------------------------
 // 2. A file written by the Python package
 // ---------------------------------------------------------------------------------------------

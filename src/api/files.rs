@@ -3,14 +3,13 @@
 //! tensors to a new safetensors file atomically, with its `__metadata__`.
 
 mod checkpoint;
+mod save;
 
-use std::borrow::Cow;
-use std::cell::RefCell;
-use std::collections::{BTreeMap, HashMap};
-use std::path::{Path, PathBuf};
+use std::collections::BTreeMap;
+use std::path::Path;
 use std::sync::Arc;
 
-use safetensors::tensor::{Dtype as StDtype, SafeTensors, View};
+use safetensors::tensor::{Dtype as StDtype, SafeTensors};
 
 pub use checkpoint::{Loaded, LoadedFile, LoadedTensor};
 
@@ -202,45 +201,6 @@ fn parse(file: &ExternalFile) -> Result<Parsed> {
     let metadata =
         header.metadata().iter().flatten().map(|(k, v)| (k.clone(), v.clone())).collect();
     Ok(Parsed { found, metadata })
-}
-
-/// A store tensor as the `safetensors` writer sees it: its bytes are read from the store when
-/// the writer gets to it, so a save never holds more than one tensor in memory.
-struct Lazy<'a> {
-    store: &'a Store,
-    id: TensorId,
-    dtype: StDtype,
-    shape: Vec<usize>,
-    len: usize,
-    failed: &'a RefCell<Option<Error>>,
-}
-
-impl View for Lazy<'_> {
-    fn dtype(&self) -> StDtype {
-        self.dtype
-    }
-    fn shape(&self) -> &[usize] {
-        &self.shape
-    }
-    fn data(&self) -> Cow<'_, [u8]> {
-        match self.store.read(self.id) {
-            Ok(b) if b.len() == self.len => Cow::Owned(b),
-            Ok(_) => {
-                self.failed.borrow_mut().get_or_insert(Error::InvalidArgument(format!(
-                    "tensor {:?} changed size while it was saved",
-                    self.id
-                )));
-                Cow::Owned(vec![0; self.len])
-            }
-            Err(e) => {
-                self.failed.borrow_mut().get_or_insert(e);
-                Cow::Owned(vec![0; self.len])
-            }
-        }
-    }
-    fn data_len(&self) -> usize {
-        self.len
-    }
 }
 
 impl Store {
@@ -460,9 +420,29 @@ impl Store {
     /// Writes these tensors' current contents (a copy written on the device included) to a new
     /// safetensors file at `path` under their names in the store (a load's
     /// [`name_prefix`](LoadOptions::name_prefix) included: [`Loaded::save`] writes the names of
-    /// the files), atomically: the file is written beside `path` under a temporary name, flushed
-    /// to disk, then renamed over `path`. The result loads with the Python `safetensors` package
-    /// and with the Rust crate. One tensor is in memory at a time.
+    /// the files), atomically: the file is written unnamed in `path`'s directory, flushed to
+    /// disk, then linked beside `path` and renamed over it, and the directory is flushed. A reader
+    /// of `path` sees the old file or the new one, whole; a failed save leaves the old file as it
+    /// was, and a process killed during a save leaves nothing behind (one killed in the
+    /// microseconds between the link and the rename leaves `.NAME.strata-PID-N.tmp`, which the
+    /// next save to that directory removes). An existing file's permissions carry over to the new
+    /// one. The result loads with the Python `safetensors` package and with the Rust crate. One
+    /// tensor is in memory at a time.
+    ///
+    /// ```
+    /// # fn main() -> strata::Result<()> {
+    /// use strata::{DType, LoadOptions, Store};
+    /// let dir = tempfile::tempdir().unwrap();
+    /// let store = Store::builder().host_backend().build()?;
+    /// let w = store.put("w", DType::F32, &[2], &[0u8; 8])?;
+    /// store.save_safetensors(dir.path().join("model.safetensors"), &[w])?;
+    /// // Loaded beside the original: the store's names take a prefix.
+    /// let opts = LoadOptions { name_prefix: "copy.".into(), ..LoadOptions::default() };
+    /// let loaded = store.load_checkpoint(dir.path().join("model.safetensors"), opts)?;
+    /// let w2 = loaded.get("w").expect("saved under its name");
+    /// assert_eq!(store.read(w2)?, vec![0u8; 8]);
+    /// # Ok(()) }
+    /// ```
     pub fn save_safetensors(&self, path: impl AsRef<Path>, ids: &[TensorId]) -> Result<()> {
         let named =
             ids.iter().map(|&id| Ok((id, self.info(id)?.name))).collect::<Result<Vec<_>>>()?;
@@ -488,57 +468,6 @@ impl Store {
         tensors: &[(TensorId, String)],
         metadata: &BTreeMap<String, String>,
     ) -> Result<()> {
-        let path = path.as_ref();
-        let failed = RefCell::new(None);
-        let mut views = Vec::with_capacity(tensors.len());
-        let mut names = std::collections::HashSet::new();
-        for (id, name) in tensors {
-            let id = *id;
-            let info = self.info(id)?;
-            if !names.insert(name.clone()) {
-                return Err(Error::DuplicateName(name.clone()));
-            }
-            views.push((
-                name.clone(),
-                Lazy {
-                    store: self,
-                    id,
-                    dtype: to_st(info.dtype),
-                    shape: info.shape,
-                    len: info.bytes as usize,
-                    failed: &failed,
-                },
-            ));
-        }
-        let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
-        let file_name = path
-            .file_name()
-            .ok_or_else(|| Error::InvalidArgument(format!("{} names no file", path.display())))?;
-        let tmp: PathBuf =
-            dir.join(format!(".{}.strata-{}.tmp", file_name.to_string_lossy(), std::process::id()));
-        let metadata: Option<HashMap<String, String>> =
-            (!metadata.is_empty()).then(|| metadata.clone().into_iter().collect());
-        let written = safetensors::serialize_to_file(views, metadata, &tmp)
-            .map_err(|e| match e {
-                safetensors::SafeTensorError::IoError(io) => Error::io(&tmp, io),
-                other => bad(path, None, other.to_string()),
-            })
-            .and_then(|()| match failed.into_inner() {
-                Some(e) => Err(e),
-                None => Ok(()),
-            })
-            .and_then(|()| {
-                std::fs::File::open(&tmp).and_then(|f| f.sync_all()).map_err(|e| Error::io(&tmp, e))
-            })
-            .and_then(|()| std::fs::rename(&tmp, path).map_err(|e| Error::io(path, e)));
-        if let Err(e) = written {
-            let _ = std::fs::remove_file(&tmp);
-            return Err(e);
-        }
-        // The rename itself is durable once the directory is.
-        if let Ok(d) = std::fs::File::open(dir) {
-            let _ = d.sync_all();
-        }
-        Ok(())
+        save::save(self, path.as_ref(), tensors, metadata)
     }
 }

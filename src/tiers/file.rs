@@ -93,3 +93,28 @@ impl ExternalFile {
         self.file.read_exact_at(buf, offset).map_err(|e| Error::io(&self.path, e))
     }
 }
+
+/// Gives `file`, opened unnamed (`O_TMPFILE` without `O_EXCL`), the name `at` (which must not
+/// exist), on the same file system.
+pub(crate) fn link_unnamed(file: &File, at: &Path) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::ffi::OsStrExt;
+    let from = std::ffi::CString::new(format!("/proc/self/fd/{}", file.as_raw_fd()))?;
+    let to = std::ffi::CString::new(at.as_os_str().as_bytes())?;
+    // SAFETY: both arguments are NUL-terminated strings that live across the call, which only
+    // reads them; `file` stays open (its descriptor valid) for the call's duration.
+    let rc = unsafe {
+        libc::linkat(
+            libc::AT_FDCWD,
+            from.as_ptr(),
+            libc::AT_FDCWD,
+            to.as_ptr(),
+            libc::AT_SYMLINK_FOLLOW,
+        )
+    };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
