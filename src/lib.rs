@@ -46,6 +46,8 @@ mod api;
 #[cfg(feature = "cli")]
 pub mod apps;
 mod backend;
+#[cfg(feature = "candle")]
+pub mod candle;
 mod error;
 pub mod failpoint;
 mod migrate;

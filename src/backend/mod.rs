@@ -9,6 +9,8 @@
 //!
 //! This module and the tier arenas are the only places with `unsafe` code.
 
+#[cfg(feature = "candle-cuda")]
+pub(crate) mod candle_cuda;
 pub(crate) mod cuda;
 pub(crate) mod host;
 pub mod kernels;

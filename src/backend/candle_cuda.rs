@@ -1,0 +1,103 @@
+//! Device-to-device copies from a store's device view into memory candle owns (feature
+//! `candle-cuda`), and their timing. candle frees a tensor's buffer when the tensor's last clone
+//! drops, so it cannot be handed the store's memory: it gets a copy, made on its own stream.
+
+use std::sync::Arc;
+
+use candle_core::backend::BackendStorage;
+use candle_core::cuda::CudaStorage;
+use candle_core::op::BackpropOp;
+use candle_core::{CudaDevice, Storage, Tensor};
+use cudarc::driver::{sys, CudaEvent, CudaSlice, CudaStream, DeviceRepr};
+
+use crate::api::DeviceView;
+
+/// A pair of timing events around copies on a stream; the elapsed time is read later.
+pub(crate) struct CopyTimer {
+    start: CudaEvent,
+    end: Option<CudaEvent>,
+}
+
+impl CopyTimer {
+    /// Records the start event on `stream`.
+    pub(crate) fn start(stream: &Arc<CudaStream>) -> candle_core::Result<CopyTimer> {
+        let ev = stream
+            .context()
+            .new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(candle_core::Error::wrap)?;
+        ev.record(stream).map_err(candle_core::Error::wrap)?;
+        Ok(CopyTimer { start: ev, end: None })
+    }
+
+    /// Records the end event on `stream`.
+    pub(crate) fn stop(&mut self, stream: &Arc<CudaStream>) -> candle_core::Result<()> {
+        let ev = stream
+            .context()
+            .new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(candle_core::Error::wrap)?;
+        ev.record(stream).map_err(candle_core::Error::wrap)?;
+        self.end = Some(ev);
+        Ok(())
+    }
+
+    /// Seconds between the two events, once the end event completed (this waits for it).
+    pub(crate) fn seconds(&self) -> candle_core::Result<f64> {
+        let Some(end) = &self.end else { return Ok(0.0) };
+        end.synchronize().map_err(candle_core::Error::wrap)?;
+        let ms = self.start.elapsed_ms(end).map_err(candle_core::Error::wrap)?;
+        Ok(f64::from(ms) / 1e3)
+    }
+}
+
+/// A candle tensor on `dev` holding a copy of the view's bytes, made device to device on
+/// `dev`'s stream (which must be the view's stream: it waited for the copy that brought the
+/// bytes, and the view's drop records that stream's use, so the store reuses the memory only
+/// after this copy ran). `dtype` and `shape` describe the tensor; its bytes must be a whole
+/// number of `dtype`'s elements (the caller checked).
+pub(crate) fn view_to_candle(
+    view: &DeviceView,
+    dev: &CudaDevice,
+    dtype: candle_core::DType,
+    shape: &[usize],
+) -> candle_core::Result<Tensor> {
+    use candle_core::DType as C;
+    let storage = match dtype {
+        C::U8 => copy::<u8>(view, dev)?,
+        C::U32 => copy::<u32>(view, dev)?,
+        C::I16 => copy::<i16>(view, dev)?,
+        C::I32 => copy::<i32>(view, dev)?,
+        C::I64 => copy::<i64>(view, dev)?,
+        C::F16 => copy::<half::f16>(view, dev)?,
+        C::BF16 => copy::<half::bf16>(view, dev)?,
+        C::F32 => copy::<f32>(view, dev)?,
+        C::F64 => copy::<f64>(view, dev)?,
+        other => {
+            return Err(candle_core::Error::Msg(format!(
+                "no device-to-device copy into candle for dtype {other:?}"
+            )))
+        }
+    };
+    debug_assert_eq!(storage.dtype(), dtype);
+    Ok(Tensor::from_storage(Storage::Cuda(storage), shape, BackpropOp::none(), false))
+}
+
+fn copy<T>(view: &DeviceView, dev: &CudaDevice) -> candle_core::Result<CudaStorage>
+where
+    T: DeviceRepr + candle_core::cuda::CudaDType,
+{
+    let src = view.cuda_view::<T>().ok_or_else(|| {
+        candle_core::Error::Msg(format!(
+            "a view of {} bytes is not a CUDA view of whole {}-byte elements",
+            view.len_bytes(),
+            std::mem::size_of::<T>()
+        ))
+    })?;
+    let stream = dev.cuda_stream();
+    // SAFETY: the allocation is uninitialised; the copy issued next on the same stream writes
+    // every one of its `src.len()` elements before any later work on that stream (candle's
+    // kernels) can read it, and the slice is not reachable by anyone else until it is returned.
+    let mut dst: CudaSlice<T> =
+        unsafe { stream.alloc::<T>(src.len()) }.map_err(candle_core::Error::wrap)?;
+    stream.memcpy_dtod(&src, &mut dst).map_err(candle_core::Error::wrap)?;
+    Ok(CudaStorage::wrap_cuda_slice(dst, dev.clone()))
+}

@@ -1,0 +1,194 @@
+//! [`OutOfCoreBert`]: candle-transformers' BERT run one layer at a time through [`Layers`].
+
+use std::collections::{BTreeSet, HashMap};
+
+use candle_core::{DType as CDType, Tensor};
+use candle_nn::VarBuilder;
+use candle_transformers::models::bert::{BertEncoder, BertModel, Config};
+
+use super::Layers;
+
+/// candle-transformers' `BertModel`, run out of core: the embeddings, then each encoder layer,
+/// each built from weights fetched by [`Layers::fetch`] just before it runs (the next stage
+/// prefetched meanwhile) and dropped after it.
+///
+/// Every stage is candle-transformers' own code: the embeddings are a `BertModel` of no encoder
+/// layer, each layer a `BertEncoder` of one layer. So the same candle ops run in the same order
+/// as in `BertModel::forward`, and the output is the same, bit for bit. The word-embedding
+/// table does not go to the device: the rows the input uses are gathered on the host
+/// ([`Layers::gather_rows`]) and the embedding runs on that sub-table with the ids renumbered,
+/// which selects the same rows.
+///
+/// The tensors are found where `BertModel::load` finds them: at the root, under `bert.`, or
+/// under the config's `model_type`.
+///
+/// ```no_run
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// use std::sync::Arc;
+/// use candle_core::{DType, Device, Tensor};
+/// use strata::candle::{Layers, OutOfCoreBert};
+/// use strata::{LoadOptions, Store, Tier};
+///
+/// let device = Device::Cpu;
+/// let store = Arc::new(strata::candle::store_for(
+///     &device,
+///     Store::builder().capacity(Tier::Device, 8 << 20).prefetch_budget(8 << 20),
+/// )?);
+/// let loaded = store.load_checkpoint("all-MiniLM-L6-v2/model.safetensors", LoadOptions::default())?;
+/// let config = serde_json::from_str(&std::fs::read_to_string("all-MiniLM-L6-v2/config.json")?)?;
+/// let bert = OutOfCoreBert::new(Layers::from_loaded(store, &loaded, &device)?, &config, DType::F32)?;
+/// let ids = Tensor::new(&[[101u32, 7592, 2088, 102]], &device)?;
+/// let hidden = bert.forward(&ids, &ids.zeros_like()?, None)?; // [1, 4, 384]
+/// # let _ = hidden; Ok(()) }
+/// ```
+pub struct OutOfCoreBert {
+    layers: Layers,
+    config: Config,
+    dtype: CDType,
+    /// Where the model's tensors are: "", "bert." or "<model_type>.".
+    root: String,
+    /// The embeddings' tensors, the word table apart.
+    embeddings: Vec<String>,
+    /// Each encoder layer's tensors.
+    encoder: Vec<Vec<String>>,
+}
+
+impl std::fmt::Debug for OutOfCoreBert {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OutOfCoreBert")
+            .field("root", &self.root)
+            .field("layers", &self.encoder.len())
+            .field("dtype", &self.dtype)
+            .finish()
+    }
+}
+
+const WORD: &str = "embeddings.word_embeddings.weight";
+
+impl OutOfCoreBert {
+    /// A BERT of `config` over the tensors `layers` serves, computing in `dtype`. Fails with
+    /// `CannotFindTensor` when the word-embedding table or an encoder layer's tensors are
+    /// missing (a missing tensor inside a layer is reported when that layer loads).
+    pub fn new(layers: Layers, config: &Config, dtype: CDType) -> candle_core::Result<Self> {
+        let mut roots = vec![String::new(), "bert.".to_string()];
+        if let Some(t) = &config.model_type {
+            roots.push(format!("{t}."));
+        }
+        let root = roots
+            .into_iter()
+            .find(|r| layers.id(&format!("{r}{WORD}")).is_some())
+            .ok_or_else(|| candle_core::Error::CannotFindTensor { path: WORD.to_string() }.bt())?;
+        let owned = |v: Vec<&str>| v.into_iter().map(str::to_string).collect::<Vec<_>>();
+        let word = format!("{root}{WORD}");
+        let embeddings = owned(layers.names_under(&format!("{root}embeddings.")))
+            .into_iter()
+            .filter(|n| *n != word)
+            .collect();
+        let mut encoder = Vec::with_capacity(config.num_hidden_layers);
+        for l in 0..config.num_hidden_layers {
+            let prefix = format!("{root}encoder.layer.{l}.");
+            let names = owned(layers.names_under(&prefix));
+            if names.is_empty() {
+                return Err(
+                    candle_core::Error::CannotFindTensor { path: format!("{prefix}*") }.bt()
+                );
+            }
+            encoder.push(names);
+        }
+        Ok(OutOfCoreBert { layers, config: config.clone(), dtype, root, embeddings, encoder })
+    }
+
+    /// The [`Layers`] it fetches through (for its [`transfers`](Layers::transfers) and the
+    /// store's [`stats`](crate::Store::stats)).
+    pub fn layers(&self) -> &Layers {
+        &self.layers
+    }
+
+    /// `BertModel::forward`: the last hidden state, `[batch, tokens, hidden_size]`, for
+    /// `input_ids` and `token_type_ids` (`[batch, tokens]`, `u32` or `i64`) and an optional
+    /// attention mask (all ones when `None`).
+    pub fn forward(
+        &self,
+        input_ids: &Tensor,
+        token_type_ids: &Tensor,
+        attention_mask: Option<&Tensor>,
+    ) -> candle_core::Result<Tensor> {
+        let dev = self.layers.device();
+        let stages: Vec<Vec<&str>> = std::iter::once(&self.embeddings)
+            .chain(&self.encoder)
+            .map(|names| names.iter().map(String::as_str).collect())
+            .collect();
+        // Each stage prefetches the next; the last, the first of the next call.
+        let next = |s: usize| stages[(s + 1) % stages.len()].as_slice();
+
+        // Embeddings: the word table's rows this input uses, the ids renumbered into them.
+        let ids = input_ids.to_dtype(CDType::I64)?.to_vec2::<i64>()?;
+        let used: BTreeSet<usize> =
+            ids.iter().flatten().map(|&i| usize::try_from(i).unwrap_or(usize::MAX)).collect();
+        let rows: Vec<usize> = used.iter().copied().collect();
+        let word = self.layers.gather_rows(&format!("{}{WORD}", self.root), &rows)?;
+        // Every id is in `rows` (sorted): its position there is its new id.
+        let renumbered: Vec<u32> = ids
+            .iter()
+            .flatten()
+            .map(|&i| {
+                let i = usize::try_from(i).unwrap_or(usize::MAX);
+                rows.binary_search(&i)
+                    .map(|k| k as u32)
+                    .map_err(|_| candle_core::Error::Msg(format!("token id {i} not gathered")).bt())
+            })
+            .collect::<candle_core::Result<_>>()?;
+        let local_ids = Tensor::from_vec(renumbered, input_ids.dims(), dev)?;
+        let mut weights = self.layers.fetch(&stages[0], next(0))?.into_tensors();
+        weights.insert(format!("{}{WORD}", self.root), word);
+        let vb = self.rooted(VarBuilder::from_tensors(weights, self.dtype, dev));
+        let config = Config { num_hidden_layers: 0, vocab_size: rows.len(), ..self.config.clone() };
+        let embedding_output =
+            BertModel::load(vb, &config)?.forward(&local_ids, token_type_ids, None)?;
+
+        let attention_mask = match attention_mask {
+            Some(m) => m.clone(),
+            None => input_ids.ones_like()?,
+        };
+        let attention_mask = extended_attention_mask(&attention_mask, embedding_output.dtype())?;
+
+        let one = Config { num_hidden_layers: 1, ..self.config.clone() };
+        let mut hidden = embedding_output;
+        for (l, _) in self.encoder.iter().enumerate() {
+            let weights = self.layers.fetch(&stages[l + 1], next(l + 1))?;
+            // The layer's tensors under "layer.0." for a one-layer encoder.
+            let from = format!("{}encoder.layer.{l}.", self.root);
+            let tensors: HashMap<String, Tensor> = weights
+                .into_tensors()
+                .into_iter()
+                .map(|(n, t)| (format!("layer.0.{}", n.strip_prefix(&from).unwrap_or(&n)), t))
+                .collect();
+            let vb = VarBuilder::from_tensors(tensors, self.dtype, dev);
+            hidden = BertEncoder::load(vb, &one)?.forward(&hidden, &attention_mask)?;
+        }
+        Ok(hidden)
+    }
+
+    /// `vb` under the model's root (tensor names without it).
+    fn rooted(&self, vb: VarBuilder<'static>) -> VarBuilder<'static> {
+        match self.root.strip_suffix('.') {
+            Some(r) => vb.pp(r),
+            None => vb,
+        }
+    }
+}
+
+/// candle-transformers' `get_extended_attention_mask` (private there), the same ops in the same
+/// order: 0 where the mask is 1, the dtype's minimum where it is 0, shaped to broadcast over
+/// heads and queries.
+fn extended_attention_mask(attention_mask: &Tensor, dtype: CDType) -> candle_core::Result<Tensor> {
+    let attention_mask = match attention_mask.rank() {
+        3 => attention_mask.unsqueeze(1)?,
+        2 => attention_mask.unsqueeze(1)?.unsqueeze(1)?,
+        _ => candle_core::bail!("Wrong shape for input_ids or attention_mask"),
+    };
+    let attention_mask = attention_mask.to_dtype(dtype)?;
+    (attention_mask.ones_like()? - &attention_mask)?.broadcast_mul(
+        &Tensor::try_from(f32::MIN)?.to_device(attention_mask.device())?.to_dtype(dtype)?,
+    )
+}

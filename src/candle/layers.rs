@@ -1,0 +1,376 @@
+//! [`Layers`]: one layer's weights at a time, handed to candle through the store's device views,
+//! the next layer prefetched meanwhile.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::time::Instant;
+
+use candle_core::{DType as CDType, Device, Tensor};
+use candle_nn::VarBuilder;
+use parking_lot::Mutex;
+
+use super::{candle_dtype, strata_err, stream_for, tensor_from_bytes, unsupported_dtype};
+use crate::error::Result;
+use crate::types::{TensorId, Tier};
+use crate::{Loaded, Store, Stream};
+
+/// What [`Layers`] handed to candle, and what it cost beside the store's own moves (which
+/// [`Store::stats`] counts).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Transfers {
+    /// Tensors handed to candle.
+    pub tensors: u64,
+    /// Bytes copied out of the store's device views into candle-owned memory: device to device
+    /// on CUDA, a host memcpy on the CPU.
+    pub view_copy_bytes: u64,
+    /// Seconds those copies took: measured with CUDA events on candle's stream, or on the wall
+    /// clock on the CPU.
+    pub view_copy_seconds: f64,
+    /// Bytes of tensors too large for the Device tier, copied to candle from a host replica
+    /// instead (read in place, not through the Device tier).
+    pub host_copy_bytes: u64,
+    /// Bytes of rows gathered on the host for [`Layers::gather_rows`] and copied to candle.
+    pub gathered_bytes: u64,
+}
+
+/// Hands candle the weights of one layer at a time, fetched through the store: the out-of-core
+/// loop of a candle model.
+///
+/// [`Layers::fetch`] takes the names of this layer's tensors and of the next layer's. It
+/// prefetches the next layer (as far as the prefetch budget allows; the rest starts as this
+/// layer's tensors are used), takes a device view of each of this layer's tensors (waiting, in
+/// stream order, only for its own copy), copies it into a candle tensor on the candle device,
+/// and releases the store's copy at once, so that while candle computes this layer the store
+/// brings in the next one. The candle tensors are candle's own (see the module docs for why);
+/// they live as long as the [`LayerWeights`] (and any clone of them candle keeps).
+///
+/// - **CPU** ([`Device::Cpu`], a store on the host backend): the views are the host memory of
+///   the store's Device tier; one memcpy per tensor into candle's buffer.
+/// - **CUDA** (feature `candle-cuda`, a store in the candle device's context): the views are
+///   on candle's own stream, and the copy into candle's buffer is device to device on that
+///   stream, issued without a host wait: no host round trip.
+///
+/// A tensor too large for the Device tier is read from a host replica (or its file) instead;
+/// [`Transfers::host_copy_bytes`] counts those bytes.
+///
+/// ```
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// use std::sync::Arc;
+/// use candle_core::{DType, Device, Module};
+/// use strata::candle::Layers;
+/// use strata::{Store, Tier};
+///
+/// let device = Device::Cpu;
+/// // A Device tier of 64 KiB for eight 16 KiB layers.
+/// let store = Arc::new(strata::candle::store_for(
+///     &device,
+///     Store::builder().capacity(Tier::Device, 64 << 10).prefetch_budget(64 << 10),
+/// )?);
+/// let mut names = Vec::new();
+/// for l in 0..8 {
+///     let name = format!("layer.{l}.weight");
+///     let id = store.put_group(&name, strata::Group::Param, strata::DType::F32, &[64, 64],
+///         &vec![0u8; 64 * 64 * 4])?;
+///     names.push((name, id));
+/// }
+/// let layers = Layers::new(store.clone(), names.clone(), &device)?;
+/// let mut x = candle_core::Tensor::ones((1, 64), DType::F32, &device)?;
+/// for l in 0..8 {
+///     let next: Vec<&str> = names.get(l + 1).map(|(n, _)| n.as_str()).into_iter().collect();
+///     let w = layers.fetch(&[names[l].0.as_str()], &next)?;
+///     let lin = candle_nn::linear_no_bias(64, 64, w.var_builder(DType::F32).pp(format!("layer.{l}")))?;
+///     x = lin.forward(&x)?;
+/// } // each layer's weights are dropped here, after the layer
+/// assert_eq!(layers.transfers().tensors, 8);
+/// # Ok(()) }
+/// ```
+pub struct Layers {
+    store: Arc<Store>,
+    device: Device,
+    stream: Stream,
+    names: BTreeMap<String, TensorId>,
+    /// The Device tier's budget: larger tensors are served from host memory.
+    device_capacity: u64,
+    transfers: Mutex<Counted>,
+}
+
+#[derive(Default)]
+struct Counted {
+    t: Transfers,
+    #[cfg(feature = "candle-cuda")]
+    timers: Vec<crate::backend::candle_cuda::CopyTimer>,
+}
+
+impl std::fmt::Debug for Layers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Layers")
+            .field("device", &self.device)
+            .field("tensors", &self.names.len())
+            .finish()
+    }
+}
+
+impl Layers {
+    /// Serves these tensors of `store` to candle on `device`, under these names. The store must
+    /// go with the device ([`store_for`](super::store_for) builds one that does): a host-backend
+    /// store for [`Device::Cpu`], a CUDA store in the device's context for a CUDA device;
+    /// otherwise [`Error::BackendMismatch`](crate::Error::BackendMismatch).
+    pub fn new(
+        store: Arc<Store>,
+        names: impl IntoIterator<Item = (String, TensorId)>,
+        device: &Device,
+    ) -> Result<Layers> {
+        let stream = stream_for(&store, device)?;
+        let device_capacity = store.stats().capacity(Tier::Device);
+        Ok(Layers {
+            store,
+            device: device.clone(),
+            stream,
+            names: names.into_iter().collect(),
+            device_capacity,
+            transfers: Mutex::new(Counted::default()),
+        })
+    }
+
+    /// [`Layers::new`] over a loaded checkpoint, under the tensors' names in their files.
+    pub fn from_loaded(store: Arc<Store>, loaded: &Loaded, device: &Device) -> Result<Layers> {
+        Self::new(store, loaded.iter().map(|t| (t.name.clone(), t.id)), device)
+    }
+
+    /// The store.
+    pub fn store(&self) -> &Arc<Store> {
+        &self.store
+    }
+
+    /// The candle device the tensors are handed to.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// The id of the tensor served under `name`.
+    pub fn id(&self, name: &str) -> Option<TensorId> {
+        self.names.get(name).copied()
+    }
+
+    /// The names served that start with `prefix`, in order: `names_under("encoder.layer.3.")`
+    /// is layer 3's tensors.
+    pub fn names_under(&self, prefix: &str) -> Vec<&str> {
+        self.names
+            .range(prefix.to_string()..)
+            .take_while(|(n, _)| n.starts_with(prefix))
+            .map(|(n, _)| n.as_str())
+            .collect()
+    }
+
+    /// What was handed to candle so far. On CUDA, reading the copy times waits for the copies
+    /// issued so far to complete.
+    pub fn transfers(&self) -> candle_core::Result<Transfers> {
+        let c = self.transfers.lock();
+        #[allow(unused_mut)]
+        let mut t = c.t;
+        #[cfg(feature = "candle-cuda")]
+        for timer in &c.timers {
+            t.view_copy_seconds += timer.seconds()?;
+        }
+        Ok(t)
+    }
+
+    fn resolve(&self, names: &[&str]) -> candle_core::Result<Vec<TensorId>> {
+        names
+            .iter()
+            .map(|&n| {
+                self.id(n).ok_or_else(|| {
+                    candle_core::Error::CannotFindTensor { path: n.to_string() }.bt()
+                })
+            })
+            .collect()
+    }
+
+    /// Starts bringing these tensors to the Device tier (those that fit it) and returns at once.
+    pub fn prefetch(&self, names: &[&str]) -> candle_core::Result<()> {
+        let ids = self.resolve(names)?;
+        let mut fit = Vec::with_capacity(ids.len());
+        for (&id, name) in ids.iter().zip(names) {
+            let info = self.store.info(id).map_err(|e| strata_err(name, e))?;
+            if info.bytes <= self.device_capacity {
+                fit.push(id);
+            }
+        }
+        self.store.prefetch(&fit).map_err(|e| strata_err(names.join(", ").as_str(), e))
+    }
+
+    /// This layer's weights, as candle tensors on the candle device, under their names; `next`
+    /// names the next layer's tensors, prefetched meanwhile (empty for none). The store's
+    /// copies are released as soon as candle has its own, so that the next layer can take
+    /// their place while candle computes this one.
+    ///
+    /// The tensors keep their stored dtype (converted as candle's safetensors loader converts
+    /// it: `u16` to `u32`); [`LayerWeights::var_builder`] converts to the model's dtype. A name
+    /// not served is `CannotFindTensor`; a dtype candle lacks is `UnsupportedSafeTensorDtype`
+    /// naming the tensor.
+    pub fn fetch(&self, uses: &[&str], next: &[&str]) -> candle_core::Result<LayerWeights> {
+        let ids = self.resolve(uses)?;
+        self.prefetch(next)?;
+        let mut tensors = HashMap::with_capacity(uses.len());
+        let mut on_device = Vec::with_capacity(ids.len());
+        let res = (|| {
+            for (&id, &name) in ids.iter().zip(uses) {
+                let info = self.store.info(id).map_err(|e| strata_err(name, e))?;
+                if candle_dtype(info.dtype).is_none() {
+                    return Err(unsupported_dtype(name, info.dtype));
+                }
+                let t = if info.bytes <= self.device_capacity {
+                    on_device.push(id);
+                    self.through_view(name, id, &info)?
+                } else {
+                    let bytes = self.store.read_in_place(id).map_err(|e| strata_err(name, e))?;
+                    self.transfers.lock().t.host_copy_bytes += info.bytes;
+                    tensor_from_bytes(name, &bytes, info.dtype, &info.shape, &self.device)?
+                };
+                self.transfers.lock().t.tensors += 1;
+                tensors.insert(name.to_string(), t);
+            }
+            Ok(())
+        })();
+        // Done with the store's copies (also when a copy failed): they are the first to make
+        // room for the next layer.
+        let released = self.store.release(&on_device);
+        res?;
+        released.map_err(|e| strata_err(uses.join(", ").as_str(), e))?;
+        Ok(LayerWeights { tensors, device: self.device.clone() })
+    }
+
+    /// One tensor through a device view, copied into a candle tensor.
+    fn through_view(
+        &self,
+        name: &str,
+        id: TensorId,
+        info: &crate::TensorInfo,
+    ) -> candle_core::Result<Tensor> {
+        let view = self.store.device_view(id, &self.stream).map_err(|e| strata_err(name, e))?;
+        match &self.device {
+            #[cfg(feature = "candle-cuda")]
+            Device::Cuda(dev) if info.dtype != crate::DType::U16 => {
+                use crate::backend::candle_cuda::{view_to_candle, CopyTimer};
+                let stream = dev.cuda_stream();
+                let mut timer = CopyTimer::start(&stream)?;
+                let cd = candle_dtype(info.dtype).unwrap_or(CDType::U8);
+                let t = view_to_candle(&view, dev, cd, &info.shape)?;
+                timer.stop(&stream)?;
+                let mut c = self.transfers.lock();
+                c.t.view_copy_bytes += info.bytes;
+                c.timers.push(timer);
+                Ok(t)
+            }
+            Device::Cpu => {
+                let t0 = Instant::now();
+                let t = view
+                    .with_host_bytes(|b| {
+                        tensor_from_bytes(name, b, info.dtype, &info.shape, &self.device)
+                    })
+                    .map_err(|e| strata_err(name, e))??;
+                let mut c = self.transfers.lock();
+                c.t.view_copy_bytes += info.bytes;
+                c.t.view_copy_seconds += t0.elapsed().as_secs_f64();
+                Ok(t)
+            }
+            _ => {
+                // CUDA u16 (widened to u32 on the host, as candle's loader does): through the
+                // host.
+                drop(view);
+                let bytes = self.store.read_in_place(id).map_err(|e| strata_err(name, e))?;
+                self.transfers.lock().t.host_copy_bytes += info.bytes;
+                tensor_from_bytes(name, &bytes, info.dtype, &info.shape, &self.device)
+            }
+        }
+    }
+
+    /// Rows `rows` of the 2-D tensor `name` (an embedding table), as a `[rows.len(), columns]`
+    /// candle tensor on the candle device, in its stored dtype: only those rows cross to the
+    /// device. They are gathered on the host from the tensor's Pinned replica, which is made
+    /// on first use (one copy of the table, kept for later calls), or, without room in Pinned,
+    /// from a read of the whole tensor.
+    pub fn gather_rows(&self, name: &str, rows: &[usize]) -> candle_core::Result<Tensor> {
+        let id = self.resolve(&[name])?[0];
+        let info = self.store.info(id).map_err(|e| strata_err(name, e))?;
+        let &[n_rows, cols] = info.shape.as_slice() else {
+            return Err(candle_core::Error::Msg(format!(
+                "gather_rows of {name}: a 2-D tensor is needed, it has shape {:?}",
+                info.shape
+            ))
+            .bt());
+        };
+        if let Some(&bad) = rows.iter().find(|&&r| r >= n_rows) {
+            return Err(candle_core::Error::Msg(format!(
+                "gather_rows of {name}: row {bad} of a table of {n_rows} rows"
+            ))
+            .bt());
+        }
+        let row_bytes = cols * info.dtype.size_of();
+        let gather = |table: &[u8]| -> Vec<u8> {
+            let mut out = Vec::with_capacity(rows.len() * row_bytes);
+            for &r in rows {
+                out.extend_from_slice(&table[r * row_bytes..(r + 1) * row_bytes]);
+            }
+            out
+        };
+        let gathered = match self.pinned_copy(id) {
+            Some(view) => gather(view.bytes()),
+            None => gather(&self.store.read_in_place(id).map_err(|e| strata_err(name, e))?),
+        };
+        self.transfers.lock().t.gathered_bytes += gathered.len() as u64;
+        tensor_from_bytes(name, &gathered, info.dtype, &[rows.len(), cols], &self.device)
+    }
+
+    /// A host view of the tensor's Pinned replica, making it if there is room; `None` without.
+    fn pinned_copy(&self, id: TensorId) -> Option<crate::HostView> {
+        let tiers = self.store.info(id).ok()?.tiers;
+        if !tiers.contains(&Tier::Pinned) && !tiers.contains(&Tier::Mapped) {
+            self.store.move_to(id, Tier::Pinned).ok()?;
+        }
+        self.store.host_view(id).ok()
+    }
+}
+
+/// One layer's weights handed to candle by [`Layers::fetch`]: candle tensors on the candle
+/// device, candle's own memory, freed when the last of them (or of their clones) drops.
+#[derive(Clone, Debug)]
+pub struct LayerWeights {
+    tensors: HashMap<String, Tensor>,
+    device: Device,
+}
+
+impl LayerWeights {
+    /// The tensor of this name.
+    pub fn get(&self, name: &str) -> Option<&Tensor> {
+        self.tensors.get(name)
+    }
+
+    /// Number of tensors.
+    pub fn len(&self) -> usize {
+        self.tensors.len()
+    }
+
+    /// Whether there is none.
+    pub fn is_empty(&self) -> bool {
+        self.tensors.is_empty()
+    }
+
+    /// Adds or replaces a tensor (a gathered embedding table, say) before building a
+    /// `VarBuilder`.
+    pub fn insert(&mut self, name: impl Into<String>, tensor: Tensor) {
+        self.tensors.insert(name.into(), tensor);
+    }
+
+    /// A candle-nn `VarBuilder` over these tensors, under the same names, converting them to
+    /// `dtype` as a model loads them (candle-nn's `VarBuilder::from_tensors`: shape checked,
+    /// `CannotFindTensor` for a name not in this layer).
+    pub fn var_builder(&self, dtype: CDType) -> VarBuilder<'static> {
+        VarBuilder::from_tensors(self.tensors.clone(), dtype, &self.device)
+    }
+
+    /// The tensors, by name.
+    pub fn into_tensors(self) -> HashMap<String, Tensor> {
+        self.tensors
+    }
+}

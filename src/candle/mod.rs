@@ -1,0 +1,164 @@
+//! strata inside [candle](https://github.com/huggingface/candle) (feature `candle`): a store's
+//! tensors served to candle models.
+//!
+//! | what | type | what is copied |
+//! |---|---|---|
+//! | a candle-nn `VarBuilder` over a store | [`StoreBackend`] | each tensor, once, from its fastest replica (in place in the checkpoint file, or a memory tier) into a candle-owned buffer on the candle device; the store keeps no extra copy |
+//! | one layer's weights at a time | [`Layers`], [`LayerWeights`] | the layer's tensors through device views: on the CPU from the host memory of the store's Device tier (host backend), on CUDA device to device from the store's Device tier into candle-owned memory, on candle's stream; the next layer is prefetched meanwhile |
+//! | candle-transformers' BERT run layer by layer | [`OutOfCoreBert`] | as [`Layers`]; the word-embedding rows the input uses are gathered from a host replica |
+//!
+//! A model built from [`StoreBackend`] computes what the same model built with candle's own
+//! `VarBuilder::from_mmaped_safetensors` computes, bit for bit: the same dtype conversions
+//! (safetensors `U16` becomes candle `U32`; the dtypes candle lacks are an error naming the
+//! tensor), the same shape check and error (`UnexpectedShape`, "shape mismatch for NAME").
+//!
+//! ```no_run
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! use std::sync::Arc;
+//! use candle_core::{DType, Device};
+//! use strata::candle::StoreBackend;
+//!
+//! let device = Device::Cpu;
+//! let store = Arc::new(strata::candle::store_for(&device, strata::Store::builder())?);
+//! // A .safetensors file, a sharded checkpoint's *.index.json, or a directory: loaded in place.
+//! let backend = StoreBackend::load(store, "all-MiniLM-L6-v2/")?;
+//! let vb = backend.into_var_builder(DType::F32, &device);
+//! let config: candle_transformers::models::bert::Config =
+//!     serde_json::from_str(&std::fs::read_to_string("all-MiniLM-L6-v2/config.json")?)?;
+//! let model = candle_transformers::models::bert::BertModel::load(vb, &config)?;
+//! # let _ = model; Ok(()) }
+//! ```
+//!
+//! Candle cannot be handed memory it does not own: a candle tensor frees its buffer when its
+//! last clone drops, which for a store's memory would free (or reuse) what the store still
+//! owns. So every tensor handed to candle is candle's own copy, and the store's replica is
+//! released as soon as that copy is made (on CUDA: once candle's stream has run the copy, which
+//! the store waits for in stream order, never on the host). `docs/candle.md` has the details and
+//! the figures.
+
+mod backend;
+mod bert;
+mod layers;
+
+pub use backend::StoreBackend;
+pub use bert::OutOfCoreBert;
+pub use layers::{LayerWeights, Layers, Transfers};
+
+use candle_core::{Device, Tensor};
+
+use crate::error::{Error, Result};
+use crate::types::DType;
+use crate::{Store, StoreBuilder, Stream};
+
+/// Builds a store whose backend goes with a candle device: the host backend for
+/// [`Device::Cpu`] (its Device tier is host memory, so the budgets and the streaming work as on
+/// a GPU), and for a CUDA device the CUDA backend in the device's own CUDA context (a store in
+/// another context could not copy into candle's memory). Every other setting comes from
+/// `builder`.
+///
+/// ```
+/// # fn main() -> strata::Result<()> {
+/// use strata::{Store, Tier};
+/// let store = strata::candle::store_for(
+///     &candle_core::Device::Cpu,
+///     Store::builder().capacity(Tier::Device, 8 << 20),
+/// )?;
+/// assert_eq!(store.backend(), strata::BackendKind::Host);
+/// # Ok(()) }
+/// ```
+pub fn store_for(device: &Device, builder: StoreBuilder) -> Result<Store> {
+    match device {
+        Device::Cpu => builder.host_backend().build(),
+        #[cfg(feature = "candle-cuda")]
+        Device::Cuda(dev) => builder.context(dev.cuda_stream().context().clone()).build(),
+        other => Err(Error::BackendMismatch(format!(
+            "candle device {other:?}: strata serves candle's CPU device, and its CUDA devices \
+             when built with the candle-cuda feature"
+        ))),
+    }
+}
+
+/// The stream on which the store lends tensors to work on `device`: candle's own CUDA stream
+/// (so the store's copies and candle's kernels are ordered on the GPU, without host waits), or
+/// one of the store's host streams for the CPU. Fails when the store and the device do not go
+/// together (see [`store_for`]).
+pub(crate) fn stream_for(store: &Store, device: &Device) -> Result<Stream> {
+    let mismatch = |why: &str| {
+        Err(Error::BackendMismatch(format!(
+            "{why}: build the store with strata::candle::store_for(&device, Store::builder())"
+        )))
+    };
+    match device {
+        Device::Cpu if store.backend() == crate::BackendKind::Host => store.stream(),
+        Device::Cpu => mismatch("a CUDA store with candle's CPU device"),
+        #[cfg(feature = "candle-cuda")]
+        Device::Cuda(dev) => {
+            let stream = dev.cuda_stream();
+            match store.cuda_context() {
+                Some(ctx) if ctx.cu_ctx() == stream.context().cu_ctx() => {
+                    Ok(Stream::from_cuda(stream))
+                }
+                Some(_) => mismatch("the store's CUDA context is not the candle device's"),
+                None => mismatch("a host-backend store with a CUDA candle device"),
+            }
+        }
+        _ => mismatch(&format!("candle device {device:?} is not served")),
+    }
+}
+
+/// The candle dtype a tensor of `dtype` loads as, as candle's safetensors loader does it
+/// (`U16` is widened to `U32`); `None` for the dtypes candle has no type for.
+pub(crate) fn candle_dtype(dtype: DType) -> Option<candle_core::DType> {
+    use candle_core::DType as C;
+    Some(match dtype {
+        DType::U8 => C::U8,
+        DType::U16 | DType::U32 => C::U32,
+        DType::I16 => C::I16,
+        DType::I32 => C::I32,
+        DType::I64 => C::I64,
+        DType::BF16 => C::BF16,
+        DType::F16 => C::F16,
+        DType::F32 => C::F32,
+        DType::F64 => C::F64,
+        DType::F8E4M3 => C::F8E4M3,
+        DType::F8E5M2 | DType::I8 | DType::U64 | DType::Bool => return None,
+    })
+}
+
+/// candle's error for a dtype it cannot load (what its safetensors loader says), naming the
+/// tensor.
+pub(crate) fn unsupported_dtype(name: &str, dtype: DType) -> candle_core::Error {
+    let st = match dtype {
+        DType::F8E5M2 => safetensors::Dtype::F8_E5M2,
+        DType::I8 => safetensors::Dtype::I8,
+        DType::U64 => safetensors::Dtype::U64,
+        _ => safetensors::Dtype::BOOL,
+    };
+    candle_core::Error::UnsupportedSafeTensorDtype(st).context(format!(
+        "tensor {name} is {dtype}, which candle cannot hold: convert it in the checkpoint (to \
+         one of u8, u16, u32, i16, i32, i64, f8e4m3, f16, bf16, f32, f64)"
+    ))
+}
+
+/// A strata error as a candle error, saying which tensor it concerns.
+pub(crate) fn strata_err(name: &str, e: Error) -> candle_core::Error {
+    candle_core::Error::wrap(e).context(format!("strata could not serve tensor {name}"))
+}
+
+/// A candle tensor on `device` holding a copy of `bytes`, a tensor of `dtype` and `shape` as
+/// stored (native byte order), converted as candle's safetensors loader converts it.
+pub(crate) fn tensor_from_bytes(
+    name: &str,
+    bytes: &[u8],
+    dtype: DType,
+    shape: &[usize],
+    device: &Device,
+) -> candle_core::Result<Tensor> {
+    let Some(cd) = candle_dtype(dtype) else { return Err(unsupported_dtype(name, dtype)) };
+    if dtype == DType::U16 {
+        let wide: Vec<u32> =
+            bytes.chunks_exact(2).map(|b| u32::from(u16::from_ne_bytes([b[0], b[1]]))).collect();
+        return Tensor::from_vec(wide, shape, device);
+    }
+    Tensor::from_raw_buffer(bytes, cd, shape, device)
+}
