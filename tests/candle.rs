@@ -1,0 +1,404 @@
+//! strata inside candle (feature `candle`, CPU candle): a small BERT with random weights, written
+//! by the test as safetensors (one file, and sharded with an index), run by candle-transformers'
+//! `BertModel` with its weights from strata's `VarBuilder` backend and from candle's own loader,
+//! and layer by layer out of core under a Device budget smaller than the model.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use candle_core::{DType, Device, Tensor};
+use candle_nn::VarBuilder;
+use candle_transformers::models::bert::{BertModel, Config, HiddenAct};
+use strata::candle::{Layers, OutOfCoreBert, StoreBackend};
+use strata::{LoadOptions, Store, Tier};
+
+fn config() -> Config {
+    Config {
+        vocab_size: 50,
+        hidden_size: 32,
+        num_hidden_layers: 4,
+        num_attention_heads: 4,
+        intermediate_size: 64,
+        hidden_act: HiddenAct::Gelu,
+        max_position_embeddings: 16,
+        type_vocab_size: 2,
+        layer_norm_eps: 1e-12,
+        ..Config::default()
+    }
+}
+
+/// The tensors of a BERT of `c`, as Hugging Face names them, with their shapes.
+fn bert_shapes(c: &Config) -> Vec<(String, Vec<usize>)> {
+    let (h, i) = (c.hidden_size, c.intermediate_size);
+    let mut v = vec![
+        ("embeddings.word_embeddings.weight".to_string(), vec![c.vocab_size, h]),
+        ("embeddings.position_embeddings.weight".into(), vec![c.max_position_embeddings, h]),
+        ("embeddings.token_type_embeddings.weight".into(), vec![c.type_vocab_size, h]),
+        ("embeddings.LayerNorm.weight".into(), vec![h]),
+        ("embeddings.LayerNorm.bias".into(), vec![h]),
+    ];
+    for l in 0..c.num_hidden_layers {
+        let p = format!("encoder.layer.{l}.");
+        for (n, s) in [
+            ("attention.self.query.weight", vec![h, h]),
+            ("attention.self.query.bias", vec![h]),
+            ("attention.self.key.weight", vec![h, h]),
+            ("attention.self.key.bias", vec![h]),
+            ("attention.self.value.weight", vec![h, h]),
+            ("attention.self.value.bias", vec![h]),
+            ("attention.output.dense.weight", vec![h, h]),
+            ("attention.output.dense.bias", vec![h]),
+            ("attention.output.LayerNorm.weight", vec![h]),
+            ("attention.output.LayerNorm.bias", vec![h]),
+            ("intermediate.dense.weight", vec![i, h]),
+            ("intermediate.dense.bias", vec![i]),
+            ("output.dense.weight", vec![h, i]),
+            ("output.dense.bias", vec![h]),
+            ("output.LayerNorm.weight", vec![h]),
+            ("output.LayerNorm.bias", vec![h]),
+        ] {
+            v.push((format!("{p}{n}"), s));
+        }
+    }
+    v
+}
+
+/// A seeded xorshift in [-0.5, 0.5).
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> f32 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        (self.0 >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+    }
+}
+
+/// Writes a random BERT of `config()` in `dtype` (`F32` or `BF16`) to `dir`: `model.safetensors`,
+/// and the same tensors in two shards with `model.safetensors.index.json` under `dir/sharded/`.
+/// Returns the single file's path.
+fn write_bert(
+    dir: &Path,
+    dtype: strata::DType,
+    extra: &[(&str, strata::DType, Vec<usize>)],
+) -> PathBuf {
+    let store = Store::builder().host_backend().capacity(Tier::Device, 0).build().unwrap();
+    let mut rng = Rng(0x2545_f491_4f6c_dd1d);
+    let mut ids = Vec::new();
+    for (name, shape) in bert_shapes(&config()) {
+        let n: usize = shape.iter().product();
+        let vals: Vec<f32> = (0..n).map(|_| rng.next()).collect();
+        let bytes: Vec<u8> = match dtype {
+            strata::DType::BF16 => {
+                vals.iter().flat_map(|&x| half::bf16::from_f32(x).to_le_bytes()).collect()
+            }
+            _ => vals.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        };
+        ids.push((store.put(&name, dtype, &shape, &bytes).unwrap(), name));
+    }
+    for (name, dt, shape) in extra {
+        let n: usize = shape.iter().product::<usize>() * dt.size_of();
+        let bytes: Vec<u8> = (0..n).map(|i| (i % 2) as u8).collect();
+        ids.push((store.put(name, *dt, shape, &bytes).unwrap(), name.to_string()));
+    }
+    let file = dir.join("model.safetensors");
+    let meta = BTreeMap::from([("format".to_string(), "pt".to_string())]);
+    store.save_safetensors_with(&file, &ids, &meta).unwrap();
+    let sharded = dir.join("sharded");
+    std::fs::create_dir_all(&sharded).unwrap();
+    let half = ids.len() / 2;
+    let mut weight_map = serde_json::Map::new();
+    for (k, part) in [&ids[..half], &ids[half..]].into_iter().enumerate() {
+        let shard = format!("model-0000{}-of-00002.safetensors", k + 1);
+        store.save_safetensors_with(sharded.join(&shard), part, &meta).unwrap();
+        for (_, name) in part {
+            weight_map.insert(name.clone(), shard.clone().into());
+        }
+    }
+    let index = serde_json::json!({"metadata": {}, "weight_map": weight_map});
+    std::fs::write(sharded.join("model.safetensors.index.json"), index.to_string()).unwrap();
+    file
+}
+
+fn input(dev: &Device) -> (Tensor, Tensor, Tensor) {
+    let ids = Tensor::new(&[[1u32, 7, 42, 7, 3, 49]], dev).unwrap();
+    let types = ids.zeros_like().unwrap();
+    let mask = ids.ones_like().unwrap();
+    (ids, types, mask)
+}
+
+fn run(vb: VarBuilder) -> Tensor {
+    let (ids, types, mask) = input(vb.device());
+    BertModel::load(vb, &config()).unwrap().forward(&ids, &types, Some(&mask)).unwrap()
+}
+
+/// The error under candle's backtrace and context wrappers.
+fn root(e: &candle_core::Error) -> &candle_core::Error {
+    match e {
+        candle_core::Error::WithBacktrace { inner, .. }
+        | candle_core::Error::Context { inner, .. } => root(inner),
+        e => e,
+    }
+}
+
+fn bits(t: &Tensor) -> Vec<u32> {
+    t.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|x| x.to_bits()).collect()
+}
+
+/// candle's own loader over the single file (the buffered variant: the same conversions as the
+/// mapped one, without `unsafe`).
+fn candle_vb(file: &Path, dtype: DType) -> VarBuilder<'static> {
+    VarBuilder::from_buffered_safetensors(std::fs::read(file).unwrap(), dtype, &Device::Cpu)
+        .unwrap()
+}
+
+fn strata_vb(path: &Path, dtype: DType) -> VarBuilder<'static> {
+    let store = Arc::new(Store::builder().host_backend().build().unwrap());
+    StoreBackend::load(store, path).unwrap().into_var_builder(dtype, &Device::Cpu)
+}
+
+#[test]
+fn strata_backend_runs_bert_as_candles_loader_does() {
+    for (dtype, model_dtype) in [
+        (strata::DType::F32, DType::F32),
+        (strata::DType::BF16, DType::F32),
+        (strata::DType::F32, DType::BF16),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let file = write_bert(dir.path(), dtype, &[]);
+        let want = run(candle_vb(&file, model_dtype)).to_dtype(DType::F32).unwrap();
+        let sharded = dir.path().join("sharded");
+        for path in [file.clone(), sharded.join("model.safetensors.index.json"), sharded] {
+            let got = run(strata_vb(&path, model_dtype)).to_dtype(DType::F32).unwrap();
+            assert_eq!(got.dims(), &[1, 6, 32]);
+            assert_eq!(
+                bits(&got),
+                bits(&want),
+                "{dtype} weights computed in {model_dtype:?} from {}",
+                path.display()
+            );
+        }
+    }
+}
+
+#[test]
+fn strata_backend_converts_every_dtype_as_candle_does() {
+    let dir = tempfile::tempdir().unwrap();
+    let loadable = [
+        strata::DType::U8,
+        strata::DType::U16,
+        strata::DType::U32,
+        strata::DType::I16,
+        strata::DType::I32,
+        strata::DType::I64,
+        strata::DType::F16,
+        strata::DType::BF16,
+        strata::DType::F32,
+        strata::DType::F64,
+        strata::DType::F8E4M3,
+    ];
+    let names: Vec<String> = loadable.iter().map(|d| format!("t.{d}")).collect();
+    let extra: Vec<_> =
+        loadable.iter().zip(&names).map(|(&d, n)| (n.as_str(), d, vec![3, 4])).collect();
+    let file = write_bert(dir.path(), strata::DType::F32, &extra);
+    let (theirs, ours) = (candle_vb(&file, DType::F32), strata_vb(&file, DType::F32));
+    for name in &names {
+        for to in [DType::U32, DType::I64, DType::F16, DType::BF16, DType::F32, DType::F64] {
+            if name.ends_with("f8e4m3") && to == DType::F64 {
+                continue; // candle 0.11's own f8e4m3 -> f64 conversion does not return
+            }
+            let a = theirs.get_unchecked_dtype(name, to);
+            let b = ours.get_unchecked_dtype(name, to);
+            match (a, b) {
+                (Ok(a), Ok(b)) => {
+                    assert_eq!((a.dtype(), a.dims()), (b.dtype(), b.dims()), "{name} as {to:?}");
+                    // Exact in f32: the values are 0 and 1 and the smallest f8e4m3.
+                    let f = |t: Tensor| bits(&t.to_dtype(DType::F32).unwrap());
+                    assert_eq!(f(a), f(b), "{name} as {to:?}");
+                }
+                (Err(_), Err(_)) => {}
+                (a, b) => {
+                    panic!("{name} as {to:?}: candle {:?}, strata {:?}", a.is_ok(), b.is_ok())
+                }
+            }
+        }
+        // The stored dtype, as candle loads it (u16 widened to u32).
+        let stored = |vb: &VarBuilder| {
+            let t = vb.get_unchecked_dtype(name, DType::F32).unwrap();
+            (t.dims().to_vec(), bits(&t))
+        };
+        assert_eq!(stored(&ours), stored(&theirs), "{name}");
+    }
+}
+
+#[test]
+fn bad_inputs_are_candle_errors_naming_the_tensor() {
+    let dir = tempfile::tempdir().unwrap();
+    let odd = [
+        ("odd.i8", strata::DType::I8),
+        ("odd.bool", strata::DType::Bool),
+        ("odd.u64", strata::DType::U64),
+        ("odd.f8e5m2", strata::DType::F8E5M2),
+    ];
+    let extra: Vec<_> = odd.iter().map(|&(n, d)| (n, d, vec![2])).collect();
+    let file = write_bert(dir.path(), strata::DType::F32, &extra);
+    let ours = strata_vb(&file, DType::F32);
+    let theirs = candle_vb(&file, DType::F32);
+
+    // Missing: candle's CannotFindTensor, with the full name.
+    let e = ours.pp("encoder").get((32, 32), "layer.9.attention.self.query.weight").unwrap_err();
+    assert!(matches!(root(&e), candle_core::Error::CannotFindTensor { .. }), "{e:?}");
+    assert!(e.to_string().contains("encoder.layer.9.attention.self.query.weight"), "{e}");
+
+    // Wrong shape: candle's UnexpectedShape, word for word what candle's loader says.
+    let name = "embeddings.word_embeddings.weight";
+    let e = ours.get((51, 32), name).unwrap_err();
+    let c = theirs.get((51, 32), name).unwrap_err();
+    assert!(matches!(root(&e), candle_core::Error::UnexpectedShape { .. }), "{e:?}");
+    assert_eq!(root(&e).to_string(), root(&c).to_string());
+    assert!(e.to_string().contains(name), "{e}");
+
+    // A dtype candle cannot hold: candle's UnsupportedSafeTensorDtype, with the tensor named.
+    for (name, dt) in odd {
+        for e in [ours.get(2, name).unwrap_err(), ours.get_unchecked(name).unwrap_err()] {
+            let s = e.to_string();
+            assert!(s.contains(name) && s.contains("unsupported safetensor dtype"), "{s}");
+            assert!(matches!(root(&e), candle_core::Error::UnsupportedSafeTensorDtype(_)), "{e:?}");
+            assert!(s.contains(dt.name()), "{s}");
+        }
+    }
+
+    // Through a model: BertModel::load of a config with one layer more than the file has.
+    let c = Config { num_hidden_layers: 5, ..config() };
+    let e = BertModel::load(strata_vb(&file, DType::F32), &c).err().unwrap();
+    assert!(e.to_string().contains("encoder.layer.4."), "{e}");
+}
+
+/// A store for the out-of-core run: a Device tier of `budget` bytes.
+fn budget_store(budget: u64) -> Arc<Store> {
+    let builder = Store::builder()
+        .capacity(Tier::Device, budget)
+        .prefetch_budget(budget)
+        .capacity(Tier::Pinned, 1 << 20)
+        .capacity(Tier::Mapped, 0)
+        .staging(2, 64 << 10)
+        .disk_workers(2);
+    Arc::new(strata::candle::store_for(&Device::Cpu, builder).unwrap())
+}
+
+#[test]
+fn out_of_core_equals_in_memory_and_streams_every_layer_after_the_first_from_prefetches() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = write_bert(dir.path(), strata::DType::F32, &[]);
+    let want = run(candle_vb(&file, DType::F32));
+    let c = config();
+    let model_bytes: u64 =
+        bert_shapes(&c).iter().map(|(_, s)| 4 * s.iter().product::<usize>() as u64).sum();
+    let layer_bytes = (model_bytes
+        - 4 * (c.vocab_size + c.max_position_embeddings + 2 + 2) as u64 * 32)
+        / c.num_hidden_layers as u64;
+    // Two layers and a half: less than the model, room for a layer and the next.
+    let budget = layer_bytes * 5 / 2;
+    assert!(budget < model_bytes);
+    let sharded = dir.path().join("sharded").join("model.safetensors.index.json");
+    for (path, stage_in_pinned) in [(file.clone(), false), (sharded, true)] {
+        let store = budget_store(budget);
+        let loaded = store.load_checkpoint(&path, LoadOptions::default()).unwrap();
+        if stage_in_pinned {
+            for t in loaded.iter() {
+                store.move_to(t.id, Tier::Pinned).unwrap();
+            }
+        }
+        let layers = Layers::from_loaded(store.clone(), &loaded, &Device::Cpu).unwrap();
+        let bert = OutOfCoreBert::new(layers, &c, DType::F32).unwrap();
+        let (ids, types, mask) = input(&Device::Cpu);
+        // The embeddings stage: every tensor under embeddings. but the word table.
+        let first_stage = loaded
+            .iter()
+            .filter(|t| t.name.starts_with("embeddings.") && !t.name.contains("word"))
+            .count() as u64;
+        let mut before = store.stats();
+        for step in 0..3 {
+            let got = bert.forward(&ids, &types, Some(&mask)).unwrap();
+            assert_eq!(bits(&got), bits(&want), "step {step} from {}", path.display());
+            let s = store.stats();
+            let misses = s.prefetch_misses - before.prefetch_misses;
+            // The first step misses only its first stage, which nothing prefetched; later steps
+            // find it prefetched by the last layer of the step before.
+            let allowed = if step == 0 { first_stage } else { 0 };
+            assert_eq!(misses, allowed, "step {step}: device-view misses from {}", path.display());
+            assert_eq!(s.prefetch_hits - before.prefetch_hits, 16 * 4 + first_stage - allowed);
+            // The layers were streamed: more bytes into the Device tier than it holds, and
+            // never more there than the budget.
+            assert!(s.moved_into(Tier::Device) - before.moved_into(Tier::Device) > budget);
+            assert!(s.used(Tier::Device) <= budget);
+            before = s;
+        }
+        assert!(before.evictions > 0);
+        let tr = bert.layers().transfers().unwrap();
+        assert_eq!(tr.tensors, 3 * (16 * 4 + first_stage));
+        assert_eq!(tr.gathered_bytes, 3 * 5 * 32 * 4, "5 distinct ids, 32 f32 columns");
+        assert_eq!(tr.host_copy_bytes, 0);
+    }
+}
+
+#[test]
+fn out_of_core_fetches_name_missing_tensors_and_refuse_a_mismatched_store() {
+    let dir = tempfile::tempdir().unwrap();
+    let file =
+        write_bert(dir.path(), strata::DType::F32, &[("odd.bool", strata::DType::Bool, vec![4])]);
+    let store = budget_store(64 << 10);
+    let loaded = store.load_checkpoint(&file, LoadOptions::default()).unwrap();
+    let layers = Layers::from_loaded(store.clone(), &loaded, &Device::Cpu).unwrap();
+    let e = layers.fetch(&["encoder.layer.0.nope"], &[]).unwrap_err();
+    assert!(e.to_string().contains("encoder.layer.0.nope"), "{e}");
+    let e = layers.fetch(&[], &["encoder.layer.7.x"]).unwrap_err();
+    assert!(e.to_string().contains("encoder.layer.7.x"), "{e}");
+    let e = layers.fetch(&["odd.bool"], &[]).unwrap_err();
+    assert!(e.to_string().contains("odd.bool"), "{e}");
+    let w = layers.fetch(&["encoder.layer.0.output.dense.bias"], &[]).unwrap();
+    let e = w.var_builder(DType::F32).get(33, "encoder.layer.0.output.dense.bias").unwrap_err();
+    assert!(e.to_string().contains("shape mismatch for encoder.layer.0.output.dense.bias"), "{e}");
+    // A config with more layers than the checkpoint: the missing layer is named.
+    let e = OutOfCoreBert::new(layers, &Config { num_hidden_layers: 5, ..config() }, DType::F32)
+        .unwrap_err();
+    assert!(e.to_string().contains("encoder.layer.4."), "{e}");
+}
+
+/// On a GPU (feature `candle-cuda`): the out-of-core run on candle's CUDA device, from device
+/// views on candle's stream, equals candle's own in-memory run there.
+#[cfg(feature = "candle-cuda")]
+#[test]
+fn out_of_core_on_cuda_equals_in_memory() {
+    let dev = match Device::new_cuda(0) {
+        Ok(d) => d,
+        Err(e) => {
+            assert!(std::env::var("STRATA_REQUIRE_GPU").is_err(), "no GPU: {e}");
+            println!("SKIP out_of_core_on_cuda_equals_in_memory: no GPU ({e})");
+            return;
+        }
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let file = write_bert(dir.path(), strata::DType::F32, &[]);
+    let vb = VarBuilder::from_buffered_safetensors(std::fs::read(&file).unwrap(), DType::F32, &dev)
+        .unwrap();
+    let want = run(vb);
+    let store = Arc::new(
+        strata::candle::store_for(
+            &dev,
+            Store::builder().capacity(Tier::Device, 96 << 10).prefetch_budget(96 << 10),
+        )
+        .unwrap(),
+    );
+    let loaded = store.load_checkpoint(&file, LoadOptions::default()).unwrap();
+    let layers = Layers::from_loaded(store.clone(), &loaded, &dev).unwrap();
+    let bert = OutOfCoreBert::new(layers, &config(), DType::F32).unwrap();
+    let (ids, types, mask) = input(&dev);
+    for _ in 0..2 {
+        let got = bert.forward(&ids, &types, Some(&mask)).unwrap();
+        assert_eq!(bits(&got), bits(&want));
+    }
+    let tr = bert.layers().transfers().unwrap();
+    assert!(tr.view_copy_bytes > 0 && tr.view_copy_seconds > 0.0);
+}
