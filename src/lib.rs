@@ -37,7 +37,9 @@
 //! [`plan`] (memory plans of a tensor file). Behind the `cli` feature (on by default):
 //! `strata::apps`, what the `strata` binary runs (the bench, the MLP and trainer demos), with
 //! their dependencies (clap, indicatif, plotters, csv; `docs/dependencies.md`). Everything else
-//! builds with `default-features = false`.
+//! builds with `default-features = false`. Behind the `candle` feature (off by default):
+//! `strata::candle`, a candle-nn `VarBuilder` backend over a store and out-of-core layers for
+//! candle models (`docs/candle.md`).
 
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]
