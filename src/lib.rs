@@ -46,6 +46,7 @@ mod api;
 #[cfg(feature = "cli")]
 pub mod apps;
 mod backend;
+mod element;
 mod error;
 pub mod failpoint;
 mod migrate;
@@ -66,6 +67,7 @@ pub use api::{
     StoreBuilder, Stream, TensorInfo, TierStats,
 };
 pub use api::{Loaded, LoadedFile, LoadedTensor};
+pub use element::Element;
 pub use error::{Error, Result};
 pub use policy::{FrequencyPolicy, LruPolicy, Policy, PolicyKind, SchedulePolicy, VictimKey};
 pub use types::{format_size, parse_size, BackendKind, DType, Group, TensorId, Tier};
@@ -78,6 +80,7 @@ pub fn cuda_device_count() -> std::result::Result<usize, String> {
 
 /// Re-export of the cudarc version strata is built against, so embedders name the same types.
 pub use cudarc;
+pub use half;
 
 /// The README's example, compiled and run as a doctest.
 #[cfg(doctest)]

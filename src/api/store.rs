@@ -7,6 +7,7 @@ use std::sync::Arc;
 use super::{DeviceView, HostView, MappedView, Stats, Stream, TierStats};
 use crate::backend::sim::Simulation;
 use crate::backend::Backend;
+use crate::element::Element;
 use crate::error::{Error, Result};
 use crate::migrate::ops;
 use crate::residency::Shared;
@@ -131,6 +132,44 @@ impl Store {
     /// read).
     pub fn read(&self, id: TensorId) -> Result<Vec<u8>> {
         ops::read(&self.shared, id, true)
+    }
+
+    /// Stores a new tensor of `T`s (dtype [`Element::DTYPE`]) named `name`: the typed
+    /// [`Store::put`]. `data` holds `shape.iter().product()` values.
+    ///
+    /// ```
+    /// # fn main() -> strata::Result<()> {
+    /// let store = strata::Store::builder().host_backend().build()?;
+    /// let bias = store.put_slice("bias", &[3], &[half::bf16::from_f32(0.5); 3])?;
+    /// assert_eq!(store.info(bias)?.dtype, strata::DType::BF16);
+    /// assert_eq!(store.read_vec::<half::bf16>(bias)?[2].to_f32(), 0.5);
+    /// # Ok(()) }
+    /// ```
+    pub fn put_slice<T: Element>(
+        &self,
+        name: &str,
+        shape: &[usize],
+        data: &[T],
+    ) -> Result<TensorId> {
+        self.put(name, T::DTYPE, shape, T::as_bytes(data))
+    }
+
+    /// The tensor's values as `T`s: the typed [`Store::read`] (the bytes are read straight into
+    /// the returned vector). A tensor of another dtype than `T`'s is
+    /// [`Error::DTypeMismatch`]; a `bool` tensor holding a byte other than 0 and 1 is
+    /// [`Error::InvalidArgument`].
+    pub fn read_vec<T: Element>(&self, id: TensorId) -> Result<Vec<T>> {
+        ops::read_as(&self.shared, id, true, true)
+    }
+
+    /// Replaces the tensor's values with `data`: the typed [`Store::write`] (a tensor of another
+    /// dtype than `T`'s is [`Error::DTypeMismatch`]).
+    pub fn write_slice<T: Element>(&self, id: TensorId, data: &[T]) -> Result<()> {
+        let dtype = self.info(id)?.dtype;
+        if dtype != T::DTYPE {
+            return Err(Error::DTypeMismatch { id, dtype, asked: std::any::type_name::<T>() });
+        }
+        self.write(id, T::as_bytes(data))
     }
 
     /// `read` that never promotes: for state the caller reads, updates and writes back where

@@ -32,7 +32,7 @@ use half::bf16;
 use crate::apps::args::{
     check_output, ActivationsArg, DTypeArg, EngineArg, ModeArg, OnOff, OptimizerArg, TrainDemoArgs,
 };
-use crate::linalg::{loss_value, Element, Linalg, Matrix, LOSS_PARTIALS};
+use crate::linalg::{loss_value, Float, Linalg, Matrix, LOSS_PARTIALS};
 use crate::optim::{AdamW, Algorithm, Engine, Optimizer, OptimizerConfig, Sgd, StepTraffic};
 use crate::plan::{self, PlanConfig, TensorEntry};
 use crate::probe::median_after_first;
@@ -574,7 +574,7 @@ pub fn run(cfg: &TrainConfig, mut progress: impl FnMut(&str) -> Result<()>) -> R
     }
 }
 
-fn run_typed<T: Element>(
+fn run_typed<T: Float>(
     cfg: &TrainConfig,
     inputs: &Inputs,
     progress: &mut impl FnMut(&str) -> Result<()>,
@@ -768,7 +768,7 @@ enum Phase {
 }
 
 /// Scratch matrices of one run (outside the store).
-struct Scratch<T: Element> {
+struct Scratch<T: Float> {
     x: Vec<Matrix<T>>,
     y: Vec<Matrix<T>>,
     cur: Matrix<T>,
@@ -781,11 +781,11 @@ struct Scratch<T: Element> {
     partials: Matrix<f32>,
 }
 
-fn to_t<T: Element>(v: &[f32]) -> Vec<T> {
+fn to_t<T: Float>(v: &[f32]) -> Vec<T> {
     v.iter().map(|&x| T::from_f32(x)).collect()
 }
 
-fn t_bytes<T: Element>(v: &[T]) -> Vec<u8> {
+fn t_bytes<T: Float>(v: &[T]) -> Vec<u8> {
     let mut b = vec![0u8; std::mem::size_of_val(v)];
     T::write_ne_bytes(v, &mut b);
     b
@@ -804,7 +804,7 @@ fn putting_bar(n: usize, floor: bool) -> indicatif::ProgressBar {
     bar
 }
 
-fn train_once<T: Element>(
+fn train_once<T: Float>(
     cfg: &TrainConfig,
     inputs: &Inputs,
     engine: Engine,
@@ -1158,7 +1158,7 @@ impl Ctx<'_> {
         }
     }
 
-    fn micro_batch<T: Element>(
+    fn micro_batch<T: Float>(
         &self,
         sc: &mut Scratch<T>,
         mb: usize,
@@ -1251,7 +1251,7 @@ impl Ctx<'_> {
     }
 
     /// Copies the stored input of layer `i` (`i ≥ 1`) into `dst`.
-    fn load<T: Element>(&self, i: usize, dst: &mut Matrix<T>) -> Result<()> {
+    fn load<T: Float>(&self, i: usize, dst: &mut Matrix<T>) -> Result<()> {
         let a = self.act[i]
             .ok_or_else(|| Error::InvalidArgument(format!("activation {i} is not stored")))?;
         let v = self.store.device_view(a, self.la.stream())?;
@@ -1260,7 +1260,7 @@ impl Ctx<'_> {
 
     /// Enters the recompute segment starting at layer `i`: its input into `seg[0]` (layer 0
     /// reads `x` directly).
-    fn load_segment<T: Element>(&self, sc: &mut Scratch<T>, i: usize) -> Result<()> {
+    fn load_segment<T: Float>(&self, sc: &mut Scratch<T>, i: usize) -> Result<()> {
         if i == 0 {
             return Ok(());
         }

@@ -8,6 +8,7 @@ use super::copy::{self, Src};
 use super::room::{self, Got};
 use super::{copy_replica, fill_replica, plan_fill, run_copy};
 use crate::backend::{RawEvent, RawStream};
+use crate::element::Element;
 use crate::error::{Error, Result};
 use crate::placement::victims::Level;
 use crate::residency::{Locked, Meta, Shared, State};
@@ -300,8 +301,23 @@ fn read_source(
 
 /// `Store::read` (`promote`: a miss may promote the tensor, if the store allows).
 pub(crate) fn read(sh: &Shared, id: TensorId, promote: bool) -> Result<Vec<u8>> {
+    read_as::<u8>(sh, id, promote, false)
+}
+
+/// `Store::read_vec`: [`read`] into a buffer of `T`s (`typed`: the tensor's dtype must be
+/// `T`'s).
+pub(crate) fn read_as<T: Element>(
+    sh: &Shared,
+    id: TensorId,
+    promote: bool,
+    typed: bool,
+) -> Result<Vec<T>> {
     let (mut st, _) = sh.lock_when_free(id, false)?;
     let e = st.res.get(id)?;
+    if typed && e.meta.dtype != T::DTYPE {
+        let dtype = e.meta.dtype;
+        return Err(Error::DTypeMismatch { id, dtype, asked: std::any::type_name::<T>() });
+    }
     if e.host_lent {
         return Err(Error::Busy { id, holders: e.held() });
     }
@@ -310,9 +326,22 @@ pub(crate) fn read(sh: &Shared, id: TensorId, promote: bool) -> Result<Vec<u8>> 
     let (bytes, name) = (e.bytes(), e.meta.name.clone());
     let (src, waits) = read_source(sh, &st, id, tier)?;
     st.start_read(id);
-    let res = st.unlocked(|| {
-        let mut out = vec![0u8; bytes as usize];
-        copy::read_into(sh, id, &name, src, &waits, &mut out).map(|()| out)
+    let n = bytes as usize / std::mem::size_of::<T>();
+    let res = st.unlocked(|| match T::zeroed_vec(n) {
+        // Read straight into the caller's buffer.
+        Some(mut out) => {
+            copy::read_into(sh, id, &name, src, &waits, T::bytes_mut(&mut out)).map(|()| out)
+        }
+        // A bool tensor: every byte is checked to be 0 or 1.
+        None => {
+            let mut raw = vec![0u8; bytes as usize];
+            copy::read_into(sh, id, &name, src, &waits, &mut raw)?;
+            T::to_vec(&raw).ok_or_else(|| {
+                Error::InvalidArgument(format!(
+                    "tensor {id} ({name:?}) holds a byte other than 0 and 1: read its bytes"
+                ))
+            })
+        }
     });
     st.end_read(id);
     let out = res?;
@@ -325,7 +354,7 @@ pub(crate) fn read(sh: &Shared, id: TensorId, promote: bool) -> Result<Vec<u8>> 
     st.counters.bytes_out += bytes;
     if !hit && promote && st.place.promote_on_read {
         // Optional: a promotion that fails leaves the read as it was (and the tensor intact).
-        if let Err(e) = promote_after_read(sh, &mut st, id, tier, &out) {
+        if let Err(e) = promote_after_read(sh, &mut st, id, tier, T::as_bytes(&out)) {
             tracing::debug!(tensor = %id, error = %e, "promotion after a read failed");
         }
     }
