@@ -404,8 +404,12 @@ fn faults(site: Site) -> &'static [Fault] {
     }
 }
 
+/// Armed faults are global to the process: the tests here take turns.
+static ARMED: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 #[test]
 fn every_fault_at_every_site_loses_nothing() {
+    let _turn = ARMED.lock().unwrap_or_else(|e| e.into_inner());
     let dir = tempfile::tempdir().unwrap();
     // Count the passes through each site.
     failpoint::count();
@@ -452,4 +456,46 @@ fn every_fault_at_every_site_loses_nothing() {
         lost.len()
     );
     assert!(lost.is_empty(), "tensors lost:\n{}", lost.join("\n"));
+}
+
+/// Pinned memory that the backend cannot give in one piece is reserved in smaller ones; where
+/// no piece can be had at all, the build fails with `OutOfMemory` for the tier.
+#[test]
+fn a_budget_that_cannot_be_reserved_whole_is_reserved_in_pieces() {
+    let _turn = ARMED.lock().unwrap_or_else(|e| e.into_inner());
+    let build = || {
+        Store::builder()
+            .host_backend()
+            .capacity(Tier::Device, 0)
+            .capacity(Tier::Pinned, 256 << 20)
+            .capacity(Tier::Mapped, 0)
+            .capacity(Tier::Disk, 0)
+            .build()
+    };
+    // The first allocation (the whole 256 MiB) fails: two pieces of 128 MiB.
+    failpoint::arm(Site::Alloc, 1, Fault::OutOfMemory);
+    let store = build().unwrap();
+    assert!(failpoint::fired());
+    failpoint::disarm();
+    assert_eq!(store.stats().capacity(Tier::Pinned), 256 << 20);
+    let a = store.put("a", DType::U8, &[128 << 20], &vec![1; 128 << 20]).unwrap();
+    let b = store.put("b", DType::U8, &[128 << 20], &vec![2; 128 << 20]).unwrap();
+    assert!(store.read(a).unwrap().iter().all(|&x| x == 1));
+    assert!(store.read(b).unwrap().iter().all(|&x| x == 2));
+    match store.put("c", DType::U8, &[129 << 20], &vec![0; 129 << 20]) {
+        Err(Error::TooLarge { what, .. }) => assert!(what.contains("2 pieces"), "{what}"),
+        other => panic!("a tensor larger than a piece: {other:?}"),
+    }
+    drop(store);
+
+    // Every allocation fails: the build gives up at the smallest piece with OutOfMemory.
+    failpoint::arm_from(Site::Alloc, 1, Fault::OutOfMemory);
+    let err = build().err();
+    let tries = failpoint::hits(Site::Alloc);
+    failpoint::disarm();
+    assert!(
+        matches!(err, Some(Error::OutOfMemory { tier: Tier::Pinned, bytes }) if bytes == 256 << 20),
+        "{err:?}"
+    );
+    assert_eq!(tries, 3, "256, 128 and 64 MiB tried");
 }

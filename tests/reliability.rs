@@ -172,3 +172,45 @@ fn a_read_never_fails_because_its_promotion_did() {
     drop(v);
     store.check_err().unwrap();
 }
+
+/// A budget reserved in pieces: the bytes of tensors in every piece read back, progress is
+/// reported piece by piece, and a tensor larger than a piece is `TooLarge`, naming the pieces.
+#[test]
+fn a_budget_reserved_in_pieces_holds_tensors_in_every_piece() {
+    let reports = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let r = reports.clone();
+    let store = Store::builder()
+        .host_backend()
+        .capacity(Tier::Device, 0)
+        .capacity(Tier::Pinned, 256 << 20)
+        .capacity(Tier::Mapped, 0)
+        .capacity(Tier::Disk, 0)
+        .reserve_in_pieces(64 << 20)
+        .on_reserve(move |t, done, budget| r.lock().unwrap().push((t, done, budget)))
+        .build()
+        .unwrap();
+    let want: Vec<_> = (1..=4).map(|i| (Tier::Pinned, i * (64 << 20), 256 << 20)).collect();
+    assert_eq!(*reports.lock().unwrap(), want);
+    assert_eq!(store.stats().capacity(Tier::Pinned), 256 << 20);
+
+    // 60 MiB tensors: one per piece (a piece cannot hold two), all four fit.
+    let ids: Vec<_> = (0..4u8)
+        .map(|i| store.put(&format!("t{i}"), DType::U8, &[60 << 20], &vec![i; 60 << 20]).unwrap())
+        .collect();
+    // Small ones fill the pieces' tails.
+    let small: Vec<_> = (0..4u8)
+        .map(|i| {
+            store.put(&format!("s{i}"), DType::U8, &[3 << 20], &vec![100 + i; 3 << 20]).unwrap()
+        })
+        .collect();
+    for (i, id) in ids.iter().enumerate() {
+        assert!(store.read(*id).unwrap().iter().all(|&b| b == i as u8), "t{i}");
+    }
+    for (i, id) in small.iter().enumerate() {
+        assert!(store.read(*id).unwrap().iter().all(|&b| b == 100 + i as u8), "s{i}");
+    }
+    match store.put("big", DType::U8, &[65 << 20], &vec![0; 65 << 20]) {
+        Err(Error::TooLarge { what, .. }) => assert!(what.contains("4 pieces"), "{what}"),
+        other => panic!("a tensor larger than a piece: {other:?}"),
+    }
+}

@@ -804,6 +804,17 @@ fn putting_bar(n: usize, floor: bool) -> indicatif::ProgressBar {
     bar
 }
 
+/// The bar of the store's memory reservation (on stderr where it is a terminal).
+fn reserving_bar(bytes: u64) -> indicatif::ProgressBar {
+    let bar = indicatif::ProgressBar::new(bytes);
+    if let Ok(style) = indicatif::ProgressStyle::with_template(
+        "reserving tier memory [{bar:30}] {bytes}/{total_bytes} ({elapsed}, eta {eta})",
+    ) {
+        bar.set_style(style.progress_chars("=> "));
+    }
+    bar
+}
+
 fn train_once<T: Float>(
     cfg: &TrainConfig,
     inputs: &Inputs,
@@ -842,7 +853,18 @@ fn train_once<T: Float>(
         .capacity(Tier::Disk, if floor { 0 } else { disk })
         .prefetch_budget(prefetch)
         .staging(4, (lb as usize).clamp(4096, 16 << 20));
+    // Reserving tens of GiB of pinned memory takes seconds (about half a second per GiB): in
+    // pieces of a GiB (or of the largest tensor, an f32 layer or micro-batch), with a bar.
+    let largest = (h * h.max(mb_rows) * 4) as u64;
+    let budgets = [device, if floor { 0 } else { pinned }, mapped];
+    let bar = reserving_bar(budgets.iter().sum());
+    let b2 = bar.clone();
+    b = b.reserve_in_pieces(largest.max(1 << 30)).on_reserve(move |t, done, _| {
+        let before: u64 = budgets[..t.index().min(3)].iter().sum();
+        b2.set_position(before + done);
+    });
     let store = Arc::new(b.build()?);
+    bar.finish_and_clear();
     let s = store.stream()?;
     let la = Linalg::new(&store, &s)?;
     let backend = store.backend_description();

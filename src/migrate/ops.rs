@@ -14,7 +14,7 @@ use crate::placement::victims::Level;
 use crate::residency::{Locked, Meta, Shared, State};
 use crate::tiers::arena::WriteLease;
 use crate::tiers::Ext;
-use crate::types::{format_size, DType, Group, TensorId, Tier};
+use crate::types::{DType, Group, TensorId, Tier};
 
 /// Bytes of a tensor of `dtype` and `shape`, or `BadShape` when the count overflows.
 pub(crate) fn tensor_bytes(dtype: DType, shape: &[usize]) -> Result<u64> {
@@ -40,7 +40,7 @@ fn candidate_tiers(st: &State, bytes: u64, only: Option<Tier>) -> Result<Vec<Tie
         let caps = Tier::ALL
             .into_iter()
             .filter(|&t| only.is_none_or(|o| o == t) && st.books.enabled(t))
-            .map(|t| format!("{t} {}", format_size(st.books.capacity(t))))
+            .map(|t| st.books.describe(t))
             .collect::<Vec<_>>()
             .join(", ");
         let what = match only {
@@ -404,10 +404,7 @@ pub(crate) fn move_to(sh: &Shared, id: TensorId, tier: Tier) -> Result<()> {
         return Err(Error::Busy { id, holders });
     }
     if !st.books.can_ever_fit(tier, bytes) {
-        return Err(Error::TooLarge {
-            bytes,
-            what: format!("tier {tier} ({})", format_size(st.books.capacity(tier))),
-        });
+        return Err(Error::TooLarge { bytes, what: format!("tier {}", st.books.describe(tier)) });
     }
     st.touch(id);
     let flight = st.start_flight(id, None);
@@ -489,7 +486,7 @@ pub(crate) fn device_view(
     if !st.books.can_ever_fit(Tier::Device, bytes) {
         return Err(Error::TooLarge {
             bytes,
-            what: format!("the Device tier ({})", format_size(st.books.capacity(Tier::Device))),
+            what: format!("tier {}", st.books.describe(Tier::Device)),
         });
     }
     let hit = e.has(Tier::Device);
