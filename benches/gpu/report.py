@@ -140,9 +140,9 @@ CRITERION_TIME = re.compile(
     r"^(\S[^\n]*?)\s*\n?\s+time:\s+\[(" + NUM + r") (\S+) (" + NUM + r") (\S+) (" + NUM + r") (\S+)\]",
     re.M)
 NS = {"ps": 1e-3, "ns": 1.0, "µs": 1e3, "us": 1e3, "ms": 1e6, "s": 1e9}
-# The bookkeeping target (issue 7): under 1 µs per access. These ids are one access each (the x64
-# ids are divided by 64); the others (put, put + read, Device tier of the host backend) include
-# copies and are shown beside.
+# The bookkeeping bench's target: under 1 µs of bookkeeping per access. These ids are one access
+# each (the x64 ids are divided by 64); the others (put, put + read, Device tier of the host
+# backend) include copies and are shown beside.
 PER_ACCESS = ("on_access", "a hit, Pinned", "device_view + drop", "device_view x64")
 
 
@@ -727,12 +727,12 @@ NEEDS_BASE = {"strata-bench", "anchors"}
 # The table a kind's figures go to, unless the step's meta names another.
 GROUPS = {"libtest": "GPU test suite", "sanitizer": "compute-sanitizer",
           "criterion": "bookkeeping per access (criterion)",
-          "store-bandwidth": "store transfers against raw driver copies (issue 4)",
-          "layered": "out-of-core layer passes (issue 5)", "mlp": "out-of-core MLP (issue 6)",
-          "train": "training with optimizer state in the store (issue 9)",
-          "offload-peers": "peers (offload_peers.py)", "optim-step": "CPU AdamW step (issue 9)",
+          "store-bandwidth": "store transfers against raw driver copies",
+          "layered": "out-of-core layer passes", "mlp": "out-of-core MLP",
+          "train": "training with optimizer state in the store",
+          "offload-peers": "peers (offload_peers.py)", "optim-step": "CPU AdamW step",
           "optim-peers": "peers (optim_peers.py)", "strata-bench": "strata bench (GB/s)",
-          "anchors": "strata bench against transfer_anchors.py (issue 7)",
+          "anchors": "strata bench against transfer_anchors.py",
           "core-bench": "store core: a device view hit and a read that evicts, per access (criterion)",
           "hit-during-miss": "store core: a hit during another thread's disk miss",
           "many-tensors": "store core: a checkpoint of many small tensors",
