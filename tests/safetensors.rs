@@ -1,4 +1,4 @@
-//! Loading and saving `.safetensors` files (issue 8): round trips through the `safetensors` crate
+//! Loading and saving `.safetensors` files: round trips through the `safetensors` crate
 //! with every dtype, a file written by the Python package (tests/fixtures/make_fixture.py), a file
 //! larger than every in-memory budget, the user's file left byte-identical by training-style
 //! writes, `LoadOptions`, typed errors for bad input, and a randomized robustness test.
