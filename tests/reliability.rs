@@ -214,3 +214,23 @@ fn a_budget_reserved_in_pieces_holds_tensors_in_every_piece() {
         other => panic!("a tensor larger than a piece: {other:?}"),
     }
 }
+
+/// A restarted process whose pid repeats (a container's pid 1 after `kill -9`) builds its store
+/// beside whatever an earlier one left: the slab has no name to collide with, and the store
+/// leaves other files in its directory alone.
+#[test]
+fn a_store_builds_beside_stale_files_and_adds_none() {
+    let dir = tempfile::tempdir().unwrap();
+    let stale = dir.path().join(format!("strata-{}-0.slab", std::process::id()));
+    std::fs::write(&stale, b"an earlier run's slab").unwrap();
+    for _ in 0..2 {
+        let store = Store::builder().host_backend().disk_dir(dir.path()).build().unwrap();
+        let id = store.put("x", DType::U8, &[4096], &[5; 4096]).unwrap();
+        store.move_to(id, Tier::Disk).unwrap();
+        assert_eq!(store.read(id).unwrap(), [5; 4096]);
+        let names: Vec<_> =
+            std::fs::read_dir(dir.path()).unwrap().flatten().map(|e| e.path()).collect();
+        assert_eq!(names, [stale.clone()], "the store named a file in its directory");
+    }
+    assert_eq!(std::fs::read(&stale).unwrap(), b"an earlier run's slab");
+}

@@ -435,6 +435,45 @@ fn save_over_a_file_keeps_its_permissions_and_its_loaded_tensors() {
     assert!(live.exists() && other.exists(), "a file that is not a dead save's was removed");
 }
 
+#[test]
+fn two_saves_to_one_path_at_once_each_write_a_whole_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("model.safetensors");
+    let store = std::sync::Arc::new(roomy_store(Backend::Host));
+    // Two versions of two tensors each, saved at once under the same names.
+    let versions: Vec<Vec<(TensorId, String)>> = (0..2u8)
+        .map(|v| {
+            ["a", "b"]
+                .iter()
+                .map(|n| {
+                    let data = vec![v * 10 + n.len() as u8; 1 << 20];
+                    let id = store.put(&format!("{v}.{n}"), DType::U8, &[1 << 20], &data).unwrap();
+                    (id, n.to_string())
+                })
+                .collect()
+        })
+        .collect();
+    for round in 0..30 {
+        std::thread::scope(|s| {
+            for v in &versions {
+                let (store, p) = (store.clone(), p.clone());
+                s.spawn(move || store.save_safetensors_as(&p, v).unwrap());
+            }
+        });
+        // The file is one call's, whole: both tensors of one version.
+        let bytes = std::fs::read(&p).unwrap();
+        let f = SafeTensors::deserialize(&bytes).unwrap();
+        let (a, b) = (f.tensor("a").unwrap().data()[0], f.tensor("b").unwrap().data()[0]);
+        assert!((a, b) == (1, 1) || (a, b) == (11, 11), "round {round}: a={a} b={b}: mixed");
+        let names: Vec<String> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .collect();
+        assert_eq!(names, ["model.safetensors"], "round {round}: files left behind");
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // 2. A file written by the Python package
 // ---------------------------------------------------------------------------------------------
