@@ -87,6 +87,18 @@ fn crash_child() {
             let kept = back.as_ref().is_ok_and(|b| *b == old);
             println!("write: {res:?}; kept the old bytes: {kept}; read: {:?}", back.err());
         }
+        "stale" => {
+            // Temporary files of an earlier process that had this pid (a container's pid 1
+            // after a kill), with the names this process's saves would take first.
+            for n in 0..4 {
+                let stale =
+                    dir.join(format!(".m.safetensors.strata-{}-{n}.tmp", std::process::id()));
+                std::fs::write(stale, b"an earlier run's save").unwrap();
+            }
+            let t = store.put("t", DType::U8, &[4], &[1, 2, 3, 4]).unwrap();
+            let res = store.save_safetensors(dir.join("m.safetensors"), &[t]);
+            println!("save: {:?}", res.map_err(|e| e.to_string()));
+        }
         other => panic!("unknown child mode {other}"),
     }
 }
@@ -216,4 +228,22 @@ fn a_write_cut_short_by_the_file_size_limit_keeps_the_old_bytes() {
         .unwrap_or_else(|| panic!("{stdout}"));
     assert!(line.contains("write: Err("), "the write should fail: {line}");
     assert!(line.contains("kept the old bytes: true"), "{line}");
+}
+
+/// A process whose pid repeats (a container's pid 1 after a kill) saves beside temporary files
+/// that an earlier process with that pid left: the first save succeeds all the same.
+#[test]
+fn a_save_succeeds_beside_temporary_files_of_an_earlier_process_with_its_pid() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "crash_child", "--nocapture", "--test-threads", "1"])
+        .env(CHILD, "stale")
+        .env(DIR, dir.path())
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("save: Ok(())"), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    let store = Store::builder().host_backend().build().unwrap();
+    let loaded = store.load_safetensors(dir.path().join("m.safetensors"), LoadOptions::default());
+    assert_eq!(store.read(loaded.unwrap()[0].1).unwrap(), [1, 2, 3, 4]);
 }

@@ -230,7 +230,29 @@ fn a_store_builds_beside_stale_files_and_adds_none() {
         assert_eq!(store.read(id).unwrap(), [5; 4096]);
         let names: Vec<_> =
             std::fs::read_dir(dir.path()).unwrap().flatten().map(|e| e.path()).collect();
-        assert_eq!(names, [stale.clone()], "the store named a file in its directory");
+        assert_eq!(names, std::slice::from_ref(&stale), "the store named a file in its directory");
     }
     assert_eq!(std::fs::read(&stale).unwrap(), b"an earlier run's slab");
+}
+
+/// A user's host-backend "kernel" (`launch_host`) that panics does not stop its stream: work
+/// queued behind it runs and the store's waits on the stream complete.
+#[test]
+fn a_panicking_host_kernel_does_not_hang_the_store() {
+    let store = std::sync::Arc::new(Store::builder().host_backend().build().unwrap());
+    let s = store.stream().unwrap();
+    let id = store.put("x", DType::U8, &[4096], &[1; 4096]).unwrap();
+    let v = store.device_view(id, &s).unwrap();
+    s.launch_host(|| panic!("a kernel's fault (this panic is expected)")).unwrap();
+    drop(v);
+    let (tx, rx) = std::sync::mpsc::channel();
+    let s2 = store.clone();
+    std::thread::spawn(move || {
+        let _ = tx.send(s2.read(id).map(|b| b[0]));
+    });
+    match rx.recv_timeout(std::time::Duration::from_secs(20)) {
+        Ok(r) => assert_eq!(r.unwrap(), 1),
+        Err(_) => panic!("a read after a panicking kernel hung"),
+    }
+    s.synchronize().unwrap();
 }

@@ -392,6 +392,42 @@ fn save_refuses_bad_requests_and_leaves_nothing_behind() {
     }
     assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0, "files left behind");
 
+    // The name safetensors reserves for the header's metadata.
+    let meta = store.put("__metadata__", DType::U8, &[1], &[0]).unwrap();
+    match store.save_safetensors(dir.path().join("m.safetensors"), &[a, meta]) {
+        Err(Error::InvalidArgument(m)) => assert!(m.contains("__metadata__"), "{m}"),
+        other => panic!("a tensor named __metadata__: {other:?}"),
+    }
+    store.remove(meta).unwrap();
+
+    // Not a regular file: a directory, a FIFO (a device alike) is refused, never replaced.
+    let sub = dir.path().join("sub");
+    std::fs::create_dir(&sub).unwrap();
+    assert!(matches!(store.save_safetensors(&sub, &[a]), Err(Error::InvalidArgument(_))));
+    let fifo = dir.path().join("fifo");
+    if std::process::Command::new("mkfifo").arg(&fifo).status().is_ok_and(|s| s.success()) {
+        match store.save_safetensors(&fifo, &[a]) {
+            Err(Error::InvalidArgument(m)) => assert!(m.contains("not a regular file"), "{m}"),
+            other => panic!("save over a FIFO: {other:?}"),
+        }
+        use std::os::unix::fs::FileTypeExt;
+        assert!(std::fs::symlink_metadata(&fifo).unwrap().file_type().is_fifo(), "replaced");
+        std::fs::remove_file(&fifo).unwrap();
+    }
+    std::fs::remove_dir(&sub).unwrap();
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0, "files left behind");
+
+    // A symlink is followed: the file it names is replaced and the link still names it.
+    let real = dir.path().join("real.safetensors");
+    let link = dir.path().join("link.safetensors");
+    store.save_safetensors(&real, &[]).unwrap();
+    std::os::unix::fs::symlink(&real, &link).unwrap();
+    store.save_safetensors(&link, &[a]).unwrap();
+    assert!(std::fs::symlink_metadata(&link).unwrap().file_type().is_symlink());
+    assert_eq!(load(&roomy_store(Backend::Host), &real).len(), 1, "the link's file was saved");
+    std::fs::remove_file(&link).unwrap();
+    std::fs::remove_file(&real).unwrap();
+
     // An empty list is a valid (empty) file.
     let empty = dir.path().join("empty.safetensors");
     store.save_safetensors(&empty, &[]).unwrap();

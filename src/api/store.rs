@@ -129,7 +129,10 @@ impl Store {
 
     /// The tensor's bytes, from its fastest replica. Counts as an access; on a miss the policy
     /// may promote the tensor to the fastest tier (a promotion that fails does not fail the
-    /// read).
+    /// read). While a device or mapped view of the tensor lives, its kernels may be writing the
+    /// view's memory: the read takes another copy where there is one (the bytes from before the
+    /// view); else it reads the view's memory, and ordering it against the view's writes is the
+    /// caller's (see [`DeviceView`]'s ordering rules).
     pub fn read(&self, id: TensorId) -> Result<Vec<u8>> {
         ops::read(&self.shared, id, true)
     }
@@ -220,7 +223,9 @@ impl Store {
 
     /// The id of the tensor named `name`.
     pub fn lookup(&self, name: &str) -> Option<TensorId> {
-        self.shared.lock().res.names.get(name).copied()
+        let st = self.shared.lock();
+        let id = *st.res.names.get(name)?;
+        st.res.get(id).is_ok_and(|e| !e.loading).then_some(id)
     }
 
     /// The fastest tier holding a valid copy of the tensor (or one being filled by a prefetch).
@@ -247,7 +252,8 @@ impl Store {
     /// Every tensor's id, in the order they were put.
     pub fn ids(&self) -> Vec<TensorId> {
         let st = self.shared.lock();
-        let mut ids: Vec<TensorId> = st.res.slab.iter().map(|(id, _)| id).collect();
+        let mut ids: Vec<TensorId> =
+            st.res.slab.iter().filter(|(_, e)| !e.loading).map(|(id, _)| id).collect();
         ids.sort_unstable();
         ids
     }

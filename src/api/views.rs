@@ -104,6 +104,17 @@ impl Stream {
 /// default), work launched through [`DeviceView::cuda_slice`] on other streams is covered
 /// without it; a trainer that turned tracking off must call `record_use`.
 ///
+/// Two views of one tensor alive at once (on two streams) are not ordered against each other:
+/// the store orders a view after the work of views that have *dropped*. A caller writing through
+/// one live view while another is read on another stream orders the two streams itself
+/// ([`Stream::wait_for`]).
+///
+/// While a view lives, [`Store::read`](crate::Store::read) (and so `save_safetensors`) reads
+/// another copy of the tensor where there is one (the bytes from before the view); where the
+/// view's memory is the only copy it reads that, and what it sees of writes the view's kernels
+/// are making is the caller's to order. An overwrite view's memory is never read before the
+/// view drops. A read already in progress when a view is asked for finishes first.
+///
 /// After writing through the view call [`DeviceView::mark_dirty`], so that the other copies,
 /// now stale, are dropped and the tensor is written back when evicted.
 #[must_use = "the tensor is held in place only while the view lives"]

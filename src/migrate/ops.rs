@@ -321,7 +321,22 @@ pub(crate) fn read_as<T: Element>(
     if e.host_lent {
         return Err(Error::Busy { id, holders: e.held() });
     }
-    let tier = e.fastest_readable().ok_or(Error::UnknownId(id))?;
+    // A live view's memory is its kernels' to write: another copy, the bytes from before the
+    // view, is read where there is one. An overwrite view's memory holds no bytes of the tensor
+    // until its view drops (the replica is marked filling), so it is never read.
+    let other = (e.views > 0)
+        .then(|| {
+            Tier::ALL
+                .into_iter()
+                .filter(|&t| Some(t) != e.view_tier)
+                .find(|t| e.replicas[t.index()].as_ref().is_some_and(|r| !r.filling))
+        })
+        .flatten();
+    let tier = match other.or_else(|| e.fastest_readable()) {
+        Some(t) => t,
+        None if e.views > 0 => return Err(Error::Busy { id, holders: e.held() }),
+        None => return Err(Error::UnknownId(id)),
+    };
     let hit = Some(e.fastest().unwrap_or(tier)) == st.fastest_enabled();
     let (bytes, name) = (e.bytes(), e.meta.name.clone());
     let (src, waits) = read_source(sh, &st, id, tier)?;
@@ -473,7 +488,8 @@ pub(crate) fn device_view(
     stream: &RawStream,
     overwrite: bool,
 ) -> Result<ViewParts> {
-    let (mut st, waited) = sh.lock_when_free(id, false)?;
+    // A read in progress finishes first: the view's kernels may write the bytes it copies.
+    let (mut st, waited) = sh.lock_when_free(id, true)?;
     st.counters.stall_s += waited;
     let e = st.res.get(id)?;
     let bytes = e.bytes();
@@ -563,7 +579,10 @@ fn bring_for_view(
         match sh.backend.h2d().record() {
             Ok(ev) => {
                 stream.wait(&ev)?;
-                st.res.put_replica(id, Tier::Device, crate::residency::Replica::new(ext, None));
+                // Its bytes are the view's to write: nothing reads them until the view drops.
+                let mut r = crate::residency::Replica::new(ext, None);
+                r.filling = true;
+                st.res.put_replica(id, Tier::Device, r);
                 st.reindex(id);
                 return Ok(());
             }
@@ -585,7 +604,7 @@ fn bring_for_view(
 
 /// `Store::mapped_view`.
 pub(crate) fn mapped_view(sh: &Shared, id: TensorId, stream: &RawStream) -> Result<ViewParts> {
-    let (mut st, _) = sh.lock_when_free(id, false)?;
+    let (mut st, _) = sh.lock_when_free(id, true)?;
     let e = st.res.get(id)?;
     if e.host_lent || (e.views > 0 && e.view_tier != Some(Tier::Mapped)) {
         return Err(Error::Busy { id, holders: e.held() });
@@ -672,23 +691,40 @@ pub(crate) fn release_view(
             if stream.is_none() {
                 e.host_lent = false;
             }
-            e.views = e.views.saturating_sub(1);
-            if e.views == 0 {
-                e.view_tier = None;
-            }
             for (k, ev) in others {
                 e.uses.record(k, ev);
             }
-            // A use that could not be recorded (the backend failed) is reported; the hold and
-            // the view's writes are settled all the same, so nothing stays held or stale.
-            match ev {
-                Some(Ok((k, ev))) => e.uses.record(k, ev),
-                Some(Err(err)) => failed = Some(err),
-                None => {}
+            // A use that could not be recorded (the backend failed) is reported, and the hold
+            // stays until an event can be recorded on that stream (`State::settle`, at the
+            // tensor's next operation): nothing may free or reuse memory the view's work may
+            // still touch. The view's writes are applied all the same.
+            let keep_hold = match ev {
+                Some(Ok((k, ev))) => {
+                    e.uses.record(k, ev);
+                    false
+                }
+                Some(Err(err)) => {
+                    failed = Some(err);
+                    e.unsettled.extend(stream.cloned());
+                    true
+                }
+                None => false,
+            };
+            if !keep_hold {
+                e.views = e.views.saturating_sub(1);
+                if e.views == 0 {
+                    e.view_tier = None;
+                }
             }
             if dirty {
                 e.discarded = false;
                 st.drop_other_replicas(id, tier);
+                // An overwrite view's memory holds the tensor's bytes now.
+                if let Some(r) =
+                    st.res.get_mut(id).ok().and_then(|e| e.replicas[tier.index()].as_mut())
+                {
+                    r.filling = false;
+                }
             }
             st.reindex(id);
             // Waiting prefetches start at the next hint or view, not here: a drop that could
