@@ -1,7 +1,7 @@
 //! Fault injection: make the k-th pass through a failure site fail with a chosen error, to test
 //! that every operation fails cleanly and loses nothing.
 //!
-//! Compiled in only with the `failpoints` cargo feature; without it [`check`] is an empty inline
+//! Compiled in only with the `failpoints` cargo feature; without it the internal check at each site is an empty inline
 //! function and costs nothing. With it, a site costs one relaxed atomic load until a fault is
 //! armed.
 //!

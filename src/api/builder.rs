@@ -118,7 +118,7 @@ impl StoreBuilder {
     }
 
     /// The host backend in simulated time: copies and kernels take the time they would take on
-    /// the machine `sim` describes, and the store's timings ([`Stats`], traces, step times read
+    /// the machine `sim` describes, and the store's timings ([`Stats`](crate::Stats), traces, step times read
     /// from events) are simulated ones. For planning an out-of-core run and studying its
     /// pipeline on a machine without a GPU; see [`Simulation`] for what the model leaves out.
     ///
@@ -203,8 +203,8 @@ impl StoreBuilder {
         self
     }
 
-    /// Keeps a timeline of copies and waits (default off): [`Stats::copy_seconds`],
-    /// [`Stats::stall_seconds`] of device streams and [`Stats::overlap_ratio`] are measured, and
+    /// Keeps a timeline of copies and waits (default off): [`Stats::copy_seconds`](crate::Stats::copy_seconds),
+    /// [`Stats::stall_seconds`](crate::Stats::stall_seconds) of device streams and [`Stats::overlap_ratio`](crate::Stats::overlap_ratio) are measured, and
     /// [`Store::trace`] can write it as a Chrome trace. It costs a timing-enabled event per
     /// copy and per stream wait on a copy; without it the store uses pooled events without
     /// timing, the cheapest the driver has.
