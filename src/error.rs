@@ -68,6 +68,17 @@ pub enum Error {
         /// What was being checked.
         what: String,
     },
+    /// A typed access ([`Store::read_vec`](crate::Store::read_vec), a typed view) asked for a
+    /// Rust type that is not the tensor's dtype.
+    #[error("tensor {id} is {dtype}: {}, not as {asked}", crate::element::how_to_read(*dtype))]
+    DTypeMismatch {
+        /// The tensor.
+        id: TensorId,
+        /// Its dtype.
+        dtype: crate::types::DType,
+        /// The Rust type asked for.
+        asked: &'static str,
+    },
     /// The shape is not valid (its element count overflows, or a name is empty).
     #[error("bad shape {shape:?}: {why}")]
     BadShape {

@@ -1,7 +1,7 @@
 //! Fault injection: make the k-th pass through a failure site fail with a chosen error, to test
 //! that every operation fails cleanly and loses nothing.
 //!
-//! Compiled in only with the `failpoints` cargo feature; without it [`check`] is an empty inline
+//! Compiled in only with the `failpoints` cargo feature; without it the internal check at each site is an empty inline
 //! function and costs nothing. With it, a site costs one relaxed atomic load until a fault is
 //! armed.
 //!
@@ -97,12 +97,13 @@ mod imp {
     use super::{Fault, Site};
 
     pub(super) static ARMED: AtomicBool = AtomicBool::new(false);
-    /// (site, passes left before the fault, fault), hit counts per site, whether it fired.
+    /// (site, passes left before the fault, fault, whether every later pass fails too), hit
+    /// counts per site, whether it fired.
     pub(super) static STATE: Mutex<State> =
         Mutex::new(State { armed: None, fired: false, hits: Vec::new() });
 
     pub(super) struct State {
-        pub(super) armed: Option<(Site, u64, Fault)>,
+        pub(super) armed: Option<(Site, u64, Fault, bool)>,
         pub(super) fired: bool,
         pub(super) hits: Vec<(Site, u64)>,
     }
@@ -117,11 +118,15 @@ mod imp {
             None => s.hits.push((site, 1)),
         }
         match &mut s.armed {
-            Some((x, left, fault)) if *x == site => {
+            Some((x, left, fault, sticky)) if *x == site => {
                 *left -= 1;
                 if *left == 0 {
                     let f = *fault;
-                    s.armed = None;
+                    if *sticky {
+                        *left = 1;
+                    } else {
+                        s.armed = None;
+                    }
                     s.fired = true;
                     return Some(f);
                 }
@@ -136,8 +141,20 @@ mod imp {
 /// fault armed before and resets the pass counts. With the `failpoints` feature only.
 #[cfg(feature = "failpoints")]
 pub fn arm(site: Site, nth: u64, fault: Fault) {
+    arm_with(site, nth, fault, false);
+}
+
+/// Like [`arm`], but every pass from the `nth` on fails (a disk that stays full, memory that
+/// stays short) until [`disarm`]. With the `failpoints` feature only.
+#[cfg(feature = "failpoints")]
+pub fn arm_from(site: Site, nth: u64, fault: Fault) {
+    arm_with(site, nth, fault, true);
+}
+
+#[cfg(feature = "failpoints")]
+fn arm_with(site: Site, nth: u64, fault: Fault, sticky: bool) {
     let mut s = imp::STATE.lock();
-    s.armed = Some((site, nth.max(1), fault));
+    s.armed = Some((site, nth.max(1), fault, sticky));
     s.fired = false;
     s.hits.clear();
     imp::ARMED.store(true, std::sync::atomic::Ordering::Relaxed);

@@ -50,6 +50,7 @@ pub mod apps;
 mod backend;
 #[cfg(feature = "candle")]
 pub mod candle;
+mod element;
 mod error;
 pub mod failpoint;
 mod migrate;
@@ -70,6 +71,7 @@ pub use api::{
     StoreBuilder, Stream, TensorInfo, TierStats,
 };
 pub use api::{Loaded, LoadedFile, LoadedTensor};
+pub use element::Element;
 pub use error::{Error, Result};
 pub use policy::{FrequencyPolicy, LruPolicy, Policy, PolicyKind, SchedulePolicy, VictimKey};
 pub use types::{format_size, parse_size, BackendKind, DType, Group, TensorId, Tier};
@@ -82,6 +84,7 @@ pub fn cuda_device_count() -> std::result::Result<usize, String> {
 
 /// Re-export of the cudarc version strata is built against, so embedders name the same types.
 pub use cudarc;
+pub use half;
 
 /// The README's example, compiled and run as a doctest.
 #[cfg(doctest)]

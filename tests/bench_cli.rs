@@ -114,3 +114,28 @@ fn bad_arguments_fail_with_a_message() {
         assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
     }
 }
+
+/// `strata bench` stopped with Ctrl-C (SIGINT) or killed leaves nothing in its disk directory:
+/// the disk paths' files and the store's slab have no names.
+#[test]
+fn a_stopped_bench_leaves_nothing_in_its_disk_dir() {
+    let dir = tempfile::tempdir().unwrap();
+    for signal in ["-INT", "-KILL"] {
+        let mut child = Command::new(strata_bin())
+            .args(["bench", "--host", "--paths", "disk_*", "--sizes", "64MiB", "--reps", "200"])
+            .arg("--disk-dir")
+            .arg(dir.path())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(700));
+        let sent = Command::new("kill").arg(signal).arg(child.id().to_string()).status().unwrap();
+        assert!(sent.success(), "kill {signal}");
+        let status = child.wait().unwrap();
+        assert!(!status.success(), "the bench ended before the signal: make it longer");
+        let left: Vec<_> =
+            std::fs::read_dir(dir.path()).unwrap().flatten().map(|e| e.path()).collect();
+        assert!(left.is_empty(), "{signal}: left behind {left:?}");
+    }
+}

@@ -681,3 +681,55 @@ fn compute_refuses_dtypes_it_does_not_run() {
         }
     }
 }
+
+/// A load that copies shows its tensors to no one before it is done: another thread looking
+/// them up meanwhile finds nothing, so a load that fails (here on its third tensor, which the
+/// tier cannot hold) removes tensors nobody else holds, and memory it frees is not written
+/// through a stale view.
+#[test]
+fn a_copying_load_shows_its_tensors_only_once_it_is_done() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("m.safetensors");
+    let (small, big, huge) = (64 << 10, 16 << 20, 8 << 20);
+    {
+        let src = Store::builder().host_backend().build().unwrap();
+        let a = src.put("t0", DType::U8, &[small], &vec![1u8; small]).unwrap();
+        let b = src.put("t1", DType::U8, &[big], &vec![2u8; big]).unwrap();
+        let c = src.put("t2", DType::U8, &[huge], &vec![3u8; huge]).unwrap();
+        src.save_safetensors(&path, &[a, b, c]).unwrap();
+    }
+    let store = std::sync::Arc::new(
+        Store::builder()
+            .host_backend()
+            .capacity(Tier::Device, 0)
+            .capacity(Tier::Mapped, 0)
+            .capacity(Tier::Pinned, (small + big) as u64 + (4 << 10))
+            .capacity(Tier::Disk, 0)
+            .build()
+            .unwrap(),
+    );
+    let done = std::sync::Arc::new(AtomicBool::new(false));
+    let (s2, d2) = (store.clone(), done.clone());
+    let watcher = std::thread::spawn(move || {
+        let mut seen = Vec::new();
+        while !d2.load(Ordering::Relaxed) {
+            seen.extend(s2.lookup("t0"));
+            seen.extend(s2.ids());
+        }
+        seen
+    });
+    let opts = LoadOptions { copy_to: Some(Tier::Pinned), ..LoadOptions::default() };
+    let err = store.load_checkpoint(&path, opts).err();
+    done.store(true, Ordering::Relaxed);
+    assert!(matches!(err, Some(Error::OutOfMemory { .. } | Error::TooLarge { .. })), "{err:?}");
+    assert_eq!(watcher.join().unwrap(), [], "a failing load's tensors were visible");
+    assert!(store.ids().is_empty() && store.lookup("t0").is_none());
+    assert_eq!(store.stats().used(Tier::Pinned), 0);
+    // The names are free again, and a load that fits shows its tensors when it returns.
+    let fits = Store::builder().host_backend().capacity(Tier::Pinned, 32 << 20).build().unwrap();
+    let opts = LoadOptions { copy_to: Some(Tier::Pinned), ..LoadOptions::default() };
+    let loaded = fits.load_checkpoint(&path, opts).unwrap();
+    assert_eq!(fits.lookup("t1"), loaded.get("t1"));
+    assert_eq!(fits.ids().len(), 3);
+}

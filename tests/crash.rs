@@ -29,8 +29,8 @@ fn crash_child() {
     let dir = Path::new(&dir);
     let store = Store::builder()
         .host_backend()
-        .capacity(Tier::Device, 1 << 20)
-        .capacity(Tier::Pinned, 1 << 20)
+        .capacity(Tier::Device, if what == "fsize" { 0 } else { 1 << 20 })
+        .capacity(Tier::Pinned, if what == "fsize" { 0 } else { 1 << 20 })
         .capacity(Tier::Mapped, 0)
         .capacity(Tier::Disk, 64 << 20)
         .disk_dir(dir.join("slab"))
@@ -67,6 +67,37 @@ fn crash_child() {
                     let _ = store.read(id).unwrap();
                 }
             }
+        }
+        "fsize" => {
+            // A Disk-only tensor at [0, 16 MiB) of the slab, then a file-size limit of 24 MiB:
+            // the write's new extent, [16, 32 MiB), is cut short halfway.
+            let old = vec![7u8; 16 << 20];
+            let t = store.put("t", DType::U8, &[old.len()], &old).unwrap();
+            assert_eq!(store.info(t).unwrap().tiers, [Tier::Disk]);
+            let limited = Command::new("prlimit")
+                .args(["--pid", &std::process::id().to_string(), "--fsize=25165824:25165824"])
+                .status()
+                .is_ok_and(|s| s.success());
+            if !limited {
+                println!("no-prlimit");
+                return;
+            }
+            let res = store.write(t, &vec![9u8; 16 << 20]);
+            let back = store.read(t);
+            let kept = back.as_ref().is_ok_and(|b| *b == old);
+            println!("write: {res:?}; kept the old bytes: {kept}; read: {:?}", back.err());
+        }
+        "stale" => {
+            // Temporary files of an earlier process that had this pid (a container's pid 1
+            // after a kill), with the names this process's saves would take first.
+            for n in 0..4 {
+                let stale =
+                    dir.join(format!(".m.safetensors.strata-{}-{n}.tmp", std::process::id()));
+                std::fs::write(stale, b"an earlier run's save").unwrap();
+            }
+            let t = store.put("t", DType::U8, &[4], &[1, 2, 3, 4]).unwrap();
+            let res = store.save_safetensors(dir.join("m.safetensors"), &[t]);
+            println!("save: {:?}", res.map_err(|e| e.to_string()));
         }
         other => panic!("unknown child mode {other}"),
     }
@@ -164,4 +195,55 @@ fn a_killed_spilling_store_leaves_nothing() {
         let stray = left(dir.path(), &[]);
         assert!(stray.is_empty(), "round {round}: left behind: {stray:?}");
     }
+}
+
+/// A write that fails partway (the file-size limit cuts the slab write short, then refuses it:
+/// `EFBIG`) leaves the tensor's old bytes readable: the new bytes go to a new extent, and the
+/// only good copy is never overwritten.
+#[test]
+fn a_write_cut_short_by_the_file_size_limit_keeps_the_old_bytes() {
+    let dir = tempfile::tempdir().unwrap();
+    // SIGXFSZ ignored (inherited through exec), so the limit gives EFBIG instead of a kill.
+    let out = Command::new("sh")
+        .arg("-c")
+        .arg("trap '' XFSZ; exec \"$0\" --exact crash_child --nocapture --test-threads 1")
+        .arg(std::env::current_exe().unwrap())
+        .env(CHILD, "fsize")
+        .env(DIR, dir.path())
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    if stdout.contains("no-prlimit") {
+        println!("SKIP a_write_cut_short_by_the_file_size_limit_keeps_the_old_bytes: no prlimit");
+        return;
+    }
+    assert!(
+        out.status.success(),
+        "the child failed: {stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let line = stdout
+        .lines()
+        .find_map(|l| l.find("write:").map(|i| &l[i..]))
+        .unwrap_or_else(|| panic!("{stdout}"));
+    assert!(line.contains("write: Err("), "the write should fail: {line}");
+    assert!(line.contains("kept the old bytes: true"), "{line}");
+}
+
+/// A process whose pid repeats (a container's pid 1 after a kill) saves beside temporary files
+/// that an earlier process with that pid left: the first save succeeds all the same.
+#[test]
+fn a_save_succeeds_beside_temporary_files_of_an_earlier_process_with_its_pid() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "crash_child", "--nocapture", "--test-threads", "1"])
+        .env(CHILD, "stale")
+        .env(DIR, dir.path())
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("save: Ok(())"), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    let store = Store::builder().host_backend().build().unwrap();
+    let loaded = store.load_safetensors(dir.path().join("m.safetensors"), LoadOptions::default());
+    assert_eq!(store.read(loaded.unwrap()[0].1).unwrap(), [1, 2, 3, 4]);
 }

@@ -404,8 +404,12 @@ fn faults(site: Site) -> &'static [Fault] {
     }
 }
 
+/// Armed faults are global to the process: the tests here take turns.
+static ARMED: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 #[test]
 fn every_fault_at_every_site_loses_nothing() {
+    let _turn = ARMED.lock().unwrap_or_else(|e| e.into_inner());
     let dir = tempfile::tempdir().unwrap();
     // Count the passes through each site.
     failpoint::count();
@@ -452,4 +456,91 @@ fn every_fault_at_every_site_loses_nothing() {
         lost.len()
     );
     assert!(lost.is_empty(), "tensors lost:\n{}", lost.join("\n"));
+}
+
+/// Pinned memory that the backend cannot give in one piece is reserved in smaller ones; where
+/// no piece can be had at all, the build fails with `OutOfMemory` for the tier.
+#[test]
+fn a_budget_that_cannot_be_reserved_whole_is_reserved_in_pieces() {
+    let _turn = ARMED.lock().unwrap_or_else(|e| e.into_inner());
+    let build = || {
+        Store::builder()
+            .host_backend()
+            .capacity(Tier::Device, 0)
+            .capacity(Tier::Pinned, 256 << 20)
+            .capacity(Tier::Mapped, 0)
+            .capacity(Tier::Disk, 0)
+            .build()
+    };
+    // The first allocation (the whole 256 MiB) fails: two pieces of 128 MiB.
+    failpoint::arm(Site::Alloc, 1, Fault::OutOfMemory);
+    let store = build().unwrap();
+    assert!(failpoint::fired());
+    failpoint::disarm();
+    assert_eq!(store.stats().capacity(Tier::Pinned), 256 << 20);
+    let a = store.put("a", DType::U8, &[128 << 20], &vec![1; 128 << 20]).unwrap();
+    let b = store.put("b", DType::U8, &[128 << 20], &vec![2; 128 << 20]).unwrap();
+    assert!(store.read(a).unwrap().iter().all(|&x| x == 1));
+    assert!(store.read(b).unwrap().iter().all(|&x| x == 2));
+    match store.put("c", DType::U8, &[129 << 20], &vec![0; 129 << 20]) {
+        Err(Error::TooLarge { what, .. }) => assert!(what.contains("2 pieces"), "{what}"),
+        other => panic!("a tensor larger than a piece: {other:?}"),
+    }
+    drop(store);
+
+    // Every allocation fails: the build gives up at the smallest piece with OutOfMemory.
+    failpoint::arm_from(Site::Alloc, 1, Fault::OutOfMemory);
+    let err = build().err();
+    let tries = failpoint::hits(Site::Alloc);
+    failpoint::disarm();
+    assert!(
+        matches!(err, Some(Error::OutOfMemory { tier: Tier::Pinned, bytes }) if bytes == 256 << 20),
+        "{err:?}"
+    );
+    assert_eq!(tries, 3, "256, 128 and 64 MiB tried");
+}
+
+/// A view's drop whose event cannot be recorded (the backend failed) keeps the tensor held, so
+/// its device memory is neither evicted nor given to another tensor under the kernel still
+/// queued; the next operation on the tensor records the event and releases it.
+#[test]
+fn a_view_drop_that_cannot_record_its_event_keeps_the_memory_from_reuse() {
+    let _turn = ARMED.lock().unwrap_or_else(|e| e.into_inner());
+    const N: usize = 64 << 10;
+    let st = Store::builder()
+        .host_backend()
+        .capacity(Tier::Device, N as u64)
+        .capacity(Tier::Pinned, 1 << 20)
+        .capacity(Tier::Mapped, 0)
+        .capacity(Tier::Disk, 0)
+        .build()
+        .unwrap();
+    let (a, s2) = (st.stream().unwrap(), st.stream().unwrap());
+    let b = st.put("b", DType::U8, &[N], &vec![1u8; N]).unwrap();
+    let c = st.put_in(Tier::Pinned, "c", strata::Group::Other, DType::U8, &[N], &[2u8; N]).unwrap();
+    let mut v = st.device_view(b, &a).unwrap();
+    v.mark_dirty();
+    let (ptr, len) = (v.device_ptr() as usize, v.len_bytes());
+    a.launch_host(move || {
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        // SAFETY: on the host backend a device view's pointer is the host address of `len`
+        // bytes the store keeps allocated until this stream's work is done: the rule under test
+        // (if broken, the bytes checked below are wrong, the memory itself stays mapped).
+        unsafe { std::ptr::write_bytes(ptr as *mut u8, 3, len) };
+    })
+    .unwrap();
+    failpoint::arm(Site::EventRecord, 1, Fault::Backend);
+    drop(v); // its event record fails
+    failpoint::disarm();
+    assert!(st.check_err().is_err(), "the failed record is reported");
+    // c wants the device, which only b's memory could give: b is still held.
+    assert!(matches!(st.device_view(c, &s2), Err(Error::OutOfMemory { .. })));
+    // The next operation on b records the event (the backend works again) and releases it; its
+    // reads wait for the kernel.
+    assert_eq!(st.read(b).unwrap(), vec![3u8; N], "b lost its kernel's write");
+    let vc = st.device_view(c, &s2).unwrap();
+    drop(vc);
+    s2.synchronize().unwrap();
+    assert_eq!(st.read(c).unwrap(), vec![2u8; N], "c was overwritten by b's kernel");
+    assert_eq!(st.read(b).unwrap(), vec![3u8; N]);
 }

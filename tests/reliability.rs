@@ -172,3 +172,87 @@ fn a_read_never_fails_because_its_promotion_did() {
     drop(v);
     store.check_err().unwrap();
 }
+
+/// A budget reserved in pieces: the bytes of tensors in every piece read back, progress is
+/// reported piece by piece, and a tensor larger than a piece is `TooLarge`, naming the pieces.
+#[test]
+fn a_budget_reserved_in_pieces_holds_tensors_in_every_piece() {
+    let reports = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let r = reports.clone();
+    let store = Store::builder()
+        .host_backend()
+        .capacity(Tier::Device, 0)
+        .capacity(Tier::Pinned, 256 << 20)
+        .capacity(Tier::Mapped, 0)
+        .capacity(Tier::Disk, 0)
+        .reserve_in_pieces(64 << 20)
+        .on_reserve(move |t, done, budget| r.lock().unwrap().push((t, done, budget)))
+        .build()
+        .unwrap();
+    let want: Vec<_> = (1..=4).map(|i| (Tier::Pinned, i * (64 << 20), 256 << 20)).collect();
+    assert_eq!(*reports.lock().unwrap(), want);
+    assert_eq!(store.stats().capacity(Tier::Pinned), 256 << 20);
+
+    // 60 MiB tensors: one per piece (a piece cannot hold two), all four fit.
+    let ids: Vec<_> = (0..4u8)
+        .map(|i| store.put(&format!("t{i}"), DType::U8, &[60 << 20], &vec![i; 60 << 20]).unwrap())
+        .collect();
+    // Small ones fill the pieces' tails.
+    let small: Vec<_> = (0..4u8)
+        .map(|i| {
+            store.put(&format!("s{i}"), DType::U8, &[3 << 20], &vec![100 + i; 3 << 20]).unwrap()
+        })
+        .collect();
+    for (i, id) in ids.iter().enumerate() {
+        assert!(store.read(*id).unwrap().iter().all(|&b| b == i as u8), "t{i}");
+    }
+    for (i, id) in small.iter().enumerate() {
+        assert!(store.read(*id).unwrap().iter().all(|&b| b == 100 + i as u8), "s{i}");
+    }
+    match store.put("big", DType::U8, &[65 << 20], &vec![0; 65 << 20]) {
+        Err(Error::TooLarge { what, .. }) => assert!(what.contains("4 pieces"), "{what}"),
+        other => panic!("a tensor larger than a piece: {other:?}"),
+    }
+}
+
+/// A restarted process whose pid repeats (a container's pid 1 after `kill -9`) builds its store
+/// beside whatever an earlier one left: the slab has no name to collide with, and the store
+/// leaves other files in its directory alone.
+#[test]
+fn a_store_builds_beside_stale_files_and_adds_none() {
+    let dir = tempfile::tempdir().unwrap();
+    let stale = dir.path().join(format!("strata-{}-0.slab", std::process::id()));
+    std::fs::write(&stale, b"an earlier run's slab").unwrap();
+    for _ in 0..2 {
+        let store = Store::builder().host_backend().disk_dir(dir.path()).build().unwrap();
+        let id = store.put("x", DType::U8, &[4096], &[5; 4096]).unwrap();
+        store.move_to(id, Tier::Disk).unwrap();
+        assert_eq!(store.read(id).unwrap(), [5; 4096]);
+        let names: Vec<_> =
+            std::fs::read_dir(dir.path()).unwrap().flatten().map(|e| e.path()).collect();
+        assert_eq!(names, std::slice::from_ref(&stale), "the store named a file in its directory");
+    }
+    assert_eq!(std::fs::read(&stale).unwrap(), b"an earlier run's slab");
+}
+
+/// A user's host-backend "kernel" (`launch_host`) that panics does not stop its stream: work
+/// queued behind it runs and the store's waits on the stream complete.
+#[test]
+fn a_panicking_host_kernel_does_not_hang_the_store() {
+    let store = std::sync::Arc::new(Store::builder().host_backend().build().unwrap());
+    let s = store.stream().unwrap();
+    let id = store.put("x", DType::U8, &[4096], &[1; 4096]).unwrap();
+    let v = store.device_view(id, &s).unwrap();
+    s.launch_host(|| panic!("a kernel's fault (this panic is expected)")).unwrap();
+    drop(v);
+    let (tx, rx) = std::sync::mpsc::channel();
+    let s2 = store.clone();
+    std::thread::spawn(move || {
+        let _ = tx.send(s2.read(id).map(|b| b[0]));
+    });
+    match rx.recv_timeout(std::time::Duration::from_secs(20)) {
+        Ok(r) => assert_eq!(r.unwrap(), 1),
+        Err(_) => panic!("a read after a panicking kernel hung"),
+    }
+    s.synchronize().unwrap();
+}

@@ -1,4 +1,4 @@
-//! Loading and saving `.safetensors` files (issue 8): round trips through the `safetensors` crate
+//! Loading and saving `.safetensors` files: round trips through the `safetensors` crate
 //! with every dtype, a file written by the Python package (tests/fixtures/make_fixture.py), a file
 //! larger than every in-memory budget, the user's file left byte-identical by training-style
 //! writes, `LoadOptions`, typed errors for bad input, and a randomized robustness test.
@@ -392,6 +392,42 @@ fn save_refuses_bad_requests_and_leaves_nothing_behind() {
     }
     assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0, "files left behind");
 
+    // The name safetensors reserves for the header's metadata.
+    let meta = store.put("__metadata__", DType::U8, &[1], &[0]).unwrap();
+    match store.save_safetensors(dir.path().join("m.safetensors"), &[a, meta]) {
+        Err(Error::InvalidArgument(m)) => assert!(m.contains("__metadata__"), "{m}"),
+        other => panic!("a tensor named __metadata__: {other:?}"),
+    }
+    store.remove(meta).unwrap();
+
+    // Not a regular file: a directory, a FIFO (a device alike) is refused, never replaced.
+    let sub = dir.path().join("sub");
+    std::fs::create_dir(&sub).unwrap();
+    assert!(matches!(store.save_safetensors(&sub, &[a]), Err(Error::InvalidArgument(_))));
+    let fifo = dir.path().join("fifo");
+    if std::process::Command::new("mkfifo").arg(&fifo).status().is_ok_and(|s| s.success()) {
+        match store.save_safetensors(&fifo, &[a]) {
+            Err(Error::InvalidArgument(m)) => assert!(m.contains("not a regular file"), "{m}"),
+            other => panic!("save over a FIFO: {other:?}"),
+        }
+        use std::os::unix::fs::FileTypeExt;
+        assert!(std::fs::symlink_metadata(&fifo).unwrap().file_type().is_fifo(), "replaced");
+        std::fs::remove_file(&fifo).unwrap();
+    }
+    std::fs::remove_dir(&sub).unwrap();
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0, "files left behind");
+
+    // A symlink is followed: the file it names is replaced and the link still names it.
+    let real = dir.path().join("real.safetensors");
+    let link = dir.path().join("link.safetensors");
+    store.save_safetensors(&real, &[]).unwrap();
+    std::os::unix::fs::symlink(&real, &link).unwrap();
+    store.save_safetensors(&link, &[a]).unwrap();
+    assert!(std::fs::symlink_metadata(&link).unwrap().file_type().is_symlink());
+    assert_eq!(load(&roomy_store(Backend::Host), &real).len(), 1, "the link's file was saved");
+    std::fs::remove_file(&link).unwrap();
+    std::fs::remove_file(&real).unwrap();
+
     // An empty list is a valid (empty) file.
     let empty = dir.path().join("empty.safetensors");
     store.save_safetensors(&empty, &[]).unwrap();
@@ -433,6 +469,45 @@ fn save_over_a_file_keeps_its_permissions_and_its_loaded_tensors() {
     store.save_safetensors(&p, &[a]).unwrap();
     assert!(!stale.exists(), "a dead save's temporary file stayed");
     assert!(live.exists() && other.exists(), "a file that is not a dead save's was removed");
+}
+
+#[test]
+fn two_saves_to_one_path_at_once_each_write_a_whole_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("model.safetensors");
+    let store = std::sync::Arc::new(roomy_store(Backend::Host));
+    // Two versions of two tensors each, saved at once under the same names.
+    let versions: Vec<Vec<(TensorId, String)>> = (0..2u8)
+        .map(|v| {
+            ["a", "b"]
+                .iter()
+                .map(|n| {
+                    let data = vec![v * 10 + n.len() as u8; 1 << 20];
+                    let id = store.put(&format!("{v}.{n}"), DType::U8, &[1 << 20], &data).unwrap();
+                    (id, n.to_string())
+                })
+                .collect()
+        })
+        .collect();
+    for round in 0..30 {
+        std::thread::scope(|s| {
+            for v in &versions {
+                let (store, p) = (store.clone(), p.clone());
+                s.spawn(move || store.save_safetensors_as(&p, v).unwrap());
+            }
+        });
+        // The file is one call's, whole: both tensors of one version.
+        let bytes = std::fs::read(&p).unwrap();
+        let f = SafeTensors::deserialize(&bytes).unwrap();
+        let (a, b) = (f.tensor("a").unwrap().data()[0], f.tensor("b").unwrap().data()[0]);
+        assert!((a, b) == (1, 1) || (a, b) == (11, 11), "round {round}: a={a} b={b}: mixed");
+        let names: Vec<String> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .collect();
+        assert_eq!(names, ["model.safetensors"], "round {round}: files left behind");
+    }
 }
 
 // ---------------------------------------------------------------------------------------------

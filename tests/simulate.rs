@@ -1,9 +1,9 @@
 //! Model checks: the host backend in simulated time (`StoreBuilder::simulate`, `--simulate h100`)
 //! places copies and kernels on a simulated timeline, deterministically, so the pipeline the
-//! store builds for the out-of-core MLP at the shapes of issue 6 (L=32, H=8192, 4 GiB of weights)
+//! store builds for the out-of-core MLP at the shapes of its GPU rows (L=32, H=8192, 4 GiB of weights)
 //! can be checked on a machine without a GPU, in milliseconds: what waits for what, how many bytes
 //! cross, and where the simulated step lands against its floors, under the model
-//! `strata::Simulation` documents. They check the model, not issue 6's targets: those are GPU
+//! `strata::Simulation` documents. They check the model, not the MLP's GPU targets: those are GPU
 //! figures, measured by `benches/gpu/run perf` on a GPU and recorded in docs/benchmarks.md.
 
 use strata::apps::mlp::{run, MlpConfig, MlpReport};
@@ -36,7 +36,7 @@ fn steady(report: &MlpReport, flags: &[&str]) {
 #[test]
 fn model_check_forward_streams_at_the_simulated_pcie_floor() {
     // In the model, the forward pipeline keeps the copy engine busy: the simulated step within 5%
-    // of max(compute, PCIe) (the bound of issue 6's forward targets), at 1 and 2 GiB of budget
+    // of max(compute, PCIe) (the bound of the MLP's forward targets), at 1 and 2 GiB of budget
     // and with both few (transfer-bound) and many (compute-bound) rows. Not the GPU target.
     for flags in [
         &["--rows", "2048", "--device-budget", "1GiB"][..],
@@ -53,7 +53,7 @@ fn model_check_forward_streams_at_the_simulated_pcie_floor() {
 #[test]
 fn model_check_training_moves_weights_both_ways_near_the_simulated_floor() {
     // In the model, the training pipeline moves weights both ways within 15% of its floor (the
-    // bound of issue 6's training target), with the byte counts below. Not the GPU target.
+    // bound of the MLP's training target), with the byte counts below. Not the GPU target.
     let flags = &["--mode", "train", "--rows", "4096", "--device-budget", "1GiB"][..];
     let r = simulate(flags);
     let ratio = r.ratio.expect("both floors are known");

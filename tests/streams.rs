@@ -485,3 +485,89 @@ fn a_host_view_waits_for_its_write_back_without_holding_up_other_threads() {
     assert!(hit < Duration::from_millis(50), "a view of another tensor waited {hit:?}");
     store.check_err().unwrap();
 }
+
+/// While an overwrite view lives, its memory holds no bytes of the tensor yet (here: a removed
+/// tensor's): a read from another thread gets the bytes from before the view, then the view's
+/// once it drops.
+#[test]
+fn a_read_during_an_overwrite_view_gets_the_bytes_before_it() {
+    common::each_backend("a_read_during_an_overwrite_view_gets_the_bytes_before_it", |b| {
+        let store = Arc::new(
+            b.builder()
+                .capacity(Tier::Device, LEN as u64)
+                .capacity(Tier::Pinned, 1 << 20)
+                .capacity(Tier::Mapped, 0)
+                .capacity(Tier::Disk, 0)
+                .build()
+                .unwrap(),
+        );
+        let k = Kern::new(&store);
+        let s = store.stream().unwrap();
+        let secret = store.put("secret", DType::U8, &[LEN], &kernels::pattern(LEN, 77)).unwrap();
+        assert_eq!(common::tiers(&store, secret), [Tier::Device]);
+        store.remove(secret).unwrap();
+        let x = store
+            .put_in(
+                Tier::Pinned,
+                "x",
+                strata::Group::Other,
+                DType::U8,
+                &[LEN],
+                &kernels::pattern(LEN, 1),
+            )
+            .unwrap();
+        let mut v = store.device_view_for_overwrite(x, &s).unwrap();
+        let s2 = store.clone();
+        let got = std::thread::spawn(move || s2.read(x).unwrap()).join().unwrap();
+        assert!(got == kernels::pattern(LEN, 1), "a read during the overwrite view: other bytes");
+        k.write(&mut v, 2, Duration::ZERO);
+        drop(v);
+        assert!(store.read(x).unwrap() == kernels::pattern(LEN, 2), "the view's bytes after it");
+    });
+}
+
+/// A read already copying the tensor's only copy out finishes before a view made after it
+/// starts may write: the read returns the bytes from before the view, whole (with a writing
+/// view and with an overwrite view).
+#[test]
+fn a_read_in_progress_is_not_torn_by_a_later_view() {
+    common::each_backend("a_read_in_progress_is_not_torn_by_a_later_view", |b| {
+        let store = Arc::new(store(b));
+        let k = Kern::new(&store);
+        let (a, c) = (store.stream().unwrap(), store.stream().unwrap());
+        let x = store
+            .put_in(
+                Tier::Device,
+                "x",
+                strata::Group::Other,
+                DType::U8,
+                &[LEN],
+                &kernels::pattern(LEN, 1),
+            )
+            .unwrap();
+        for (round, overwrite) in [false, true, false, true].into_iter().enumerate() {
+            let before = kernels::pattern(LEN, round as u32 * 10 + 1);
+            store.write(x, &before).unwrap();
+            store.move_to(x, Tier::Device).unwrap();
+            // A slow reader on c: the store's read must wait for it (its last use), so the read
+            // is in progress when the view below is asked for.
+            let vc = store.device_view(x, &c).unwrap();
+            let _ = k.read(&vc, &c, Duration::from_millis(150));
+            drop(vc);
+            let s2 = store.clone();
+            let reader = std::thread::spawn(move || s2.read(x).unwrap());
+            std::thread::sleep(Duration::from_millis(40));
+            let mut v = if overwrite {
+                store.device_view_for_overwrite(x, &a).unwrap()
+            } else {
+                store.device_view(x, &a).unwrap()
+            };
+            k.write(&mut v, round as u32 * 10 + 2, Duration::ZERO);
+            drop(v);
+            let got = reader.join().unwrap();
+            a.synchronize().unwrap();
+            assert!(got == before, "round {round} (overwrite {overwrite}): the read was torn");
+            store.check_err().unwrap();
+        }
+    });
+}

@@ -96,7 +96,7 @@ def tests_reports():
                         rp.GROUPS["sanitizer"], target=rp.target("0 errors", "==", 0, "value"))
              for t in ("gpu", "schedule")]
     first = rp.make_report(
-        "tests", "GPU test suite and memcheck, H100 (issue 4's suite)", [], figs,
+        "tests", "GPU test suite and memcheck, H100", [], figs,
         commit("e35de39", "2026-11-23T08:29:23Z"), "2026-11-23T08:30Z", H100,
         notes=["The integration tests ran on both backends. The GPU test "
                "`layered_passes_with_scopes_match_the_resident_run` (tests/gpu.rs) also passed at 08:20 UTC "
@@ -122,7 +122,7 @@ def store_bandwidth_report():
     text, log = raw("h100-2026-11-23-store-bandwidth.txt")
     st = step("store-bandwidth", "store-bandwidth", ".gpu/bin/example-store_bandwidth 1GiB 7", log)
     return rp.make_report(
-        "perf", "Store transfers against raw driver copies, H100 (issue 4)", [st], from_raw(st, text),
+        "perf", "Store transfers against raw driver copies, H100", [st], from_raw(st, text),
         commit("e35de39", "2026-11-23T08:29:23Z"), "2026-11-23T08:30Z", H100,
         notes=["Median of 7 runs, wall clock from issue to completion, all in one process. The pageable `put` "
                "copies into 4 × 16 MiB pinned staging buffers with a pool of worker threads (16 on this machine) "
@@ -148,7 +148,7 @@ def layered_report():
 
     steps, figs = runs(text, "-- layered ", layered)
     return rp.make_report(
-        "perf", "Out-of-core layer passes, H100 (issue 5)", steps, figs,
+        "perf", "Out-of-core layer passes, H100", steps, figs,
         commit("e35de39", "2026-11-23T08:29:23Z"), "2026-11-23T08:31Z", H100,
         notes=["2 GiB of weights in Pinned memory (32 layers of 64 MiB), a 512 MiB device budget (weights = 4x "
                "the budget); a pass views each layer in order and a kernel (`strata_checksum`, `--repeats` reads "
@@ -176,7 +176,7 @@ def bench_report():
            "--plot docs/bench/h100-2026-11-23.svg --disk-dir /tmp/bd")
     st = step("strata-bench", "strata-bench", cmd, "../h100-2026-11-23.json", json="h100-2026-11-23.json")
     return rp.make_report(
-        "perf", "strata bench, H100 (issue 7)", [st], from_raw(st, "(the JSON file)"),
+        "perf", "strata bench, H100", [st], from_raw(st, "(the JSON file)"),
         commit("854a48b", "2026-11-23T08:25:01Z"), "2026-11-23T08:25:57Z", H100,
         notes=["Default sizes and repetitions. The full table is in `docs/bench/h100-2026-11-23.csv` and "
                "`.json`; the plot (looked at: axes labelled, log-log, legend readable):",
@@ -189,7 +189,7 @@ def anchors_report():
            "--sizes 256MiB,1GiB --reps 15; python3 .gpu/peers/transfer_anchors.py")
     st = step("anchors", "anchors", cmd, log, bench_text="h100-2026-11-23-subset.txt")
     return rp.make_report(
-        "perf", "strata bench against transfer_anchors.py in the same session, H100 (issue 7)", [st],
+        "perf", "strata bench against transfer_anchors.py in the same session, H100", [st],
         from_raw(st, text), commit("e35de39", "2026-11-23T08:29:23Z"), "2026-11-23T08:33:37Z", H100,
         notes=["strata bench: `docs/bench/h100-2026-11-23-subset.txt`; anchors: "
                "`docs/bench/h100-2026-11-23-anchors-rerun.txt` (an earlier run, `h100-2026-11-23-anchors.txt`, "
@@ -232,7 +232,7 @@ def out_of_core_report():
     steps.append(st)
     figs += from_raw(st, text)
     return rp.make_report(
-        "perf", "Out-of-core MLP with cuBLAS beside PyTorch and Accelerate, H100 (issue 6)", steps, figs,
+        "perf", "Out-of-core MLP with cuBLAS beside PyTorch and Accelerate, H100", steps, figs,
         commit("2a7dfbe", "2026-11-23T08:49:18Z"), "2026-11-23T08:50Z", H100,
         notes=["L = 32 bf16 linear layers of 8192 × 8192 (4 GiB of weights, 128 MiB a layer), weights in Pinned "
                "memory. 5 steps, the median of steps 2–5 reported (the 3rd of the 4 sorted); every run's final "
@@ -243,10 +243,10 @@ def out_of_core_report():
                "their floor streams all 4 GiB: 79.1 ms forward, 158.2 ms train).",
                "The training rows ran `--mode train`, which is now spelled `--mode train --optimizer device-sgd` "
                "(`strata::mlp`'s loop: ones as the output gradient, SGD applied on the device to the bf16 weights "
-               "themselves); plain `--mode train` runs `strata::train` since issue 9. These rows ran with the "
-               "defaults of that day (`--ahead 2`, a prefetch budget of 3 layers, resident hinted layers counted "
-               "against it, nothing pinned); all of that changed later (one layer ahead, `--keep`), and the new "
-               "defaults have not run on a GPU yet.",
+               "themselves); plain `--mode train` now runs `strata::train` (training with optimizer state in the "
+               "store, added later). These rows ran with the defaults of that day (`--ahead 2`, a prefetch "
+               "budget of 3 layers, resident hinted layers counted against it, nothing pinned); all of that "
+               "changed later (one layer ahead, `--keep`), and the new defaults have not run on a GPU yet.",
                "Step times vary within a run (forward 1 GiB steps 2–5: 82.6, 76.7, 68.1, 67.8 ms; training 158.0, "
                "141.1, 152.6, 165.8 ms); the per-step lines are in the raw output. An earlier run the same day "
                "(08:46 UTC, before device evictions stopped blocking the host on the victim's last kernel) "
@@ -254,7 +254,7 @@ def out_of_core_report():
                "policy has learned the loop (29 and 55 misses in steps 1–2 of training, 0 after). All-resident "
                "compute: 11.1 ms forward at 2048 rows, 95.8–98.5 ms at 16384, 71.3 ms a training step at 4096 "
                "rows (PyTorch: 10.8, 95.9, 66.1 ms).",
-               "Against issue 6's targets: rows 16384 meets \"within 5% of max(compute, PCIe)\"; rows 2048 at "
+               "Against the out-of-core MLP's targets: rows 16384 meets \"within 5% of max(compute, PCIe)\"; rows 2048 at "
                "1 GiB (1.19x), the 2 GiB budget (1.11x) and training (1.23x; target 15%) did not, though strata "
                "beat the hand-written PyTorch loop in absolute time in all three by moving fewer bytes (it keeps "
                "part of the model resident).", LATER])
@@ -278,7 +278,7 @@ def bookkeeping_report():
              "dominated by the hand-off to the emulated copy stream's worker thread, not bookkeeping")]
     figs = [doc_figure(n, v, "ns", cmd, group, target=t, note=note) for n, v, t, note in rows]
     return rp.make_report(
-        "tests", "Bookkeeping per access (criterion), host backend, development VM (issue 7)", [], figs,
+        "tests", "Bookkeeping per access (criterion), host backend, development VM", [], figs,
         commit("e35de39", "2026-11-23T08:29:23Z"), "2026-11-23T08:37Z", DEVVM,
         notes=["criterion's median estimate, after the hints/engine work; recorded in docs/benchmarks.md by "
                "commit eaa483a (08:37 UTC). `device_view` + drop was 326 ns in the same bench before the hints "
@@ -300,7 +300,7 @@ def cpu_adamw_report():
                        note=f"step {step_ms} ms, {moved} GB/s moved, copy bandwidth {copy} GB/s")
             for label, cmd, step_ms, moved, copy, frac in runs]
     return rp.make_report(
-        "perf", "The Cpu engine's AdamW step, development VM (issue 9)", [], figs,
+        "perf", "The Cpu engine's AdamW step, development VM", [], figs,
         commit("c6cb13c", "2026-11-23T11:25:17Z"), "2026-11-23T11:24Z", DEVVM,
         notes=["AdamW on 100M parameters, fp32 state, the median of steps 2–10. The copy bandwidth is "
                "`strata bench`'s `host_memcpy` of 400 MB on the step's threads, counted as bytes read + bytes "
@@ -315,7 +315,7 @@ def cpu_adamw_report():
 
 
 def load_report():
-    group = "peak memory of strata load (issue 8)"
+    group = "peak memory of strata load"
     base = ("/usr/bin/time -v target/release/strata load /tmp/big.safetensors --host --device-budget 64MiB "
             "--pinned-budget 64MiB --mapped-budget 0 --disk-budget 64MiB")
     figs = [doc_figure("strata load in place, 2 GiB file: maximum resident set size", 4444, "kB", base, group,
@@ -326,7 +326,7 @@ def load_report():
             doc_figure("strata inspect, the same file: maximum resident set size", 20784, "kB",
                        "/usr/bin/time -v target/release/strata inspect /tmp/big.safetensors", group)]
     return rp.make_report(
-        "perf", "Loading safetensors: peak memory, development VM (issue 8)", [], figs,
+        "perf", "Loading safetensors: peak memory, development VM", [], figs,
         commit("f0262fa", "2026-11-23T09:07:34Z"), "2026-11-23T09:07Z", DEVVM,
         notes=["A 2 GiB safetensors file (16 f16 tensors of 8192 × 8192, written with the Python `safetensors` "
                "package). Details and the before/after of the two fixes this measurement led to are in "

@@ -47,8 +47,8 @@ Each table gives a figure, its ratio to its floor (the best the hardware allows,
 the same run) or to a peer, the target it is held to, the verdict (met, missed; measured: no
 target applies; not run, failed, timed out: the step did not give the figure), and the command
 (with a link to its output where it was kept). The next GPU session runs
-`bash benches/gpu/run stage` here, then `tests`, `perf` and `scale` on the GPU machine (see
-"What awaits a GPU run" below).
+`bash benches/gpu/run stage` here, then `tests`, `perf`, `scale` and `core` on the GPU machine
+(see "What awaits a GPU run" below).
 """
 
 

@@ -140,10 +140,25 @@ CRITERION_TIME = re.compile(
     r"^(\S[^\n]*?)\s*\n?\s+time:\s+\[(" + NUM + r") (\S+) (" + NUM + r") (\S+) (" + NUM + r") (\S+)\]",
     re.M)
 NS = {"ps": 1e-3, "ns": 1.0, "µs": 1e3, "us": 1e3, "ms": 1e6, "s": 1e9}
-# The bookkeeping target (issue 7): under 1 µs per access. These ids are one access each (the x64
-# ids are divided by 64); the others (put, put + read, Device tier of the host backend) include
-# copies and are shown beside.
+# The bookkeeping bench's target: under 1 µs of bookkeeping per access. These ids are one access
+# each (the x64 ids are divided by 64); the others (put, put + read, Device tier of the host
+# backend) include copies and are shown beside.
 PER_ACCESS = ("on_access", "a hit, Pinned", "device_view + drop", "device_view x64")
+# A device view hit + drop is held to the store core's requirement: ≤ 1 µs of host time on the
+# host backend (the bookkeeping target above) and ≤ 3 µs on CUDA. The tests stage (the CUDA ids
+# of the bookkeeping bench) and the core stage judge the CUDA figure against the same target.
+CUDA_VIEW_TARGET_TEXT = "≤ 3 µs of host time (CUDA)"
+CUDA_VIEW_NOTE = ("target: the store core's requirement, a device_view hit + drop on CUDA ≤ 3 µs of host "
+                  "time, measured by the bookkeeping bench")
+
+
+def cuda_view_target():
+    return target(CUDA_VIEW_TARGET_TEXT, "<=", 3000.0, "value")
+
+
+def is_cuda_view(name):
+    """A device view hit + drop on CUDA (one view, or the x64 id per view)."""
+    return name.startswith("device_view") and "CUDA" in name
 
 
 def parse_criterion(text, step):
@@ -157,9 +172,11 @@ def parse_criterion(text, step):
         if "x64" in name:
             ns, note = ns / 64, "one iteration is 64 views and 64 drops; per view"
         per_access = any(k in name for k in PER_ACCESS)
-        figs.append(fig(name, round(ns, 3), "ns", group=GROUPS["criterion"],
-                        note=note,
-                        target=target("< 1 µs per access", "<=", 1000.0, "value") if per_access else None))
+        tgt = target("< 1 µs per access", "<=", 1000.0, "value") if per_access else None
+        if per_access and is_cuda_view(name):
+            tgt = cuda_view_target()
+            note = "; ".join(x for x in [note, CUDA_VIEW_NOTE] if x)
+        figs.append(fig(name, round(ns, 3), "ns", group=GROUPS["criterion"], note=note, target=tgt))
     skip = first(r"^SKIP (.*)$", text)
     if not figs and skip:  # the ids asked for did not run: say why
         figs.append(fig(step.get("meta", {}).get("label", step["name"]), None, "ns", group=GROUPS["criterion"],
@@ -610,8 +627,8 @@ def parse_core_bench(text, step):
         f["group"] = GROUPS["core-bench"]
         name = f["name"]
         if name.startswith("device_view + drop") and f.get("value") is not None:
-            cuda = "CUDA" in name
-            f["target"] = (target("≤ 3 µs of host time (CUDA)", "<=", 3000.0, "value") if cuda
+            # (parse_criterion has given the CUDA id its target and note already.)
+            f["target"] = (cuda_view_target() if is_cuda_view(name)
                            else target("≤ 1 µs of host time (host backend)", "<=", 1000.0, "value"))
         m = re.match(r"read that evicts \(.*?, (\d+) tensors\)$", name)
         if m and f.get("value") is not None:
@@ -727,12 +744,12 @@ NEEDS_BASE = {"strata-bench", "anchors"}
 # The table a kind's figures go to, unless the step's meta names another.
 GROUPS = {"libtest": "GPU test suite", "sanitizer": "compute-sanitizer",
           "criterion": "bookkeeping per access (criterion)",
-          "store-bandwidth": "store transfers against raw driver copies (issue 4)",
-          "layered": "out-of-core layer passes (issue 5)", "mlp": "out-of-core MLP (issue 6)",
-          "train": "training with optimizer state in the store (issue 9)",
-          "offload-peers": "peers (offload_peers.py)", "optim-step": "CPU AdamW step (issue 9)",
+          "store-bandwidth": "store transfers against raw driver copies",
+          "layered": "out-of-core layer passes", "mlp": "out-of-core MLP",
+          "train": "training with optimizer state in the store",
+          "offload-peers": "peers (offload_peers.py)", "optim-step": "CPU AdamW step",
           "optim-peers": "peers (optim_peers.py)", "strata-bench": "strata bench (GB/s)",
-          "anchors": "strata bench against transfer_anchors.py (issue 7)",
+          "anchors": "strata bench against transfer_anchors.py",
           "core-bench": "store core: a device view hit and a read that evicts, per access (criterion)",
           "hit-during-miss": "store core: a hit during another thread's disk miss",
           "many-tensors": "store core: a checkpoint of many small tensors",

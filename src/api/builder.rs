@@ -66,7 +66,12 @@ pub struct StoreBuilder {
     prefetch_budget: Option<u64>,
     disk_workers: usize,
     timeline: bool,
+    piece: Option<u64>,
+    on_reserve: Option<ReserveProgress>,
 }
+
+/// A callback told of the memory reserved while a store is built.
+type ReserveProgress = Box<dyn FnMut(Tier, u64, u64) + Send>;
 
 impl Default for StoreBuilder {
     fn default() -> Self {
@@ -82,6 +87,8 @@ impl Default for StoreBuilder {
             prefetch_budget: None,
             disk_workers: DISK_WORKERS,
             timeline: false,
+            piece: None,
+            on_reserve: None,
         }
     }
 }
@@ -111,7 +118,7 @@ impl StoreBuilder {
     }
 
     /// The host backend in simulated time: copies and kernels take the time they would take on
-    /// the machine `sim` describes, and the store's timings ([`Stats`], traces, step times read
+    /// the machine `sim` describes, and the store's timings ([`Stats`](crate::Stats), traces, step times read
     /// from events) are simulated ones. For planning an out-of-core run and studying its
     /// pipeline on a machine without a GPU; see [`Simulation`] for what the model leaves out.
     ///
@@ -196,8 +203,8 @@ impl StoreBuilder {
         self
     }
 
-    /// Keeps a timeline of copies and waits (default off): [`Stats::copy_seconds`],
-    /// [`Stats::stall_seconds`] of device streams and [`Stats::overlap_ratio`] are measured, and
+    /// Keeps a timeline of copies and waits (default off): [`Stats::copy_seconds`](crate::Stats::copy_seconds),
+    /// [`Stats::stall_seconds`](crate::Stats::stall_seconds) of device streams and [`Stats::overlap_ratio`](crate::Stats::overlap_ratio) are measured, and
     /// [`Store::trace`] can write it as a Chrome trace. It costs a timing-enabled event per
     /// copy and per stream wait on a copy; without it the store uses pooled events without
     /// timing, the cheapest the driver has.
@@ -206,9 +213,39 @@ impl StoreBuilder {
         self
     }
 
+    /// Reserves each memory tier's budget in pieces of at most `bytes` (default: in one piece).
+    /// Either way, when the backend cannot give a piece that large (no contiguous range of
+    /// pinned memory, say), the pieces halve, down to 64 MiB. A tensor must fit in one piece, so
+    /// the largest tensor a tier can hold is its largest piece ([`Error::TooLarge`] beyond).
+    /// Pieces let [`on_reserve`](StoreBuilder::on_reserve) report progress while a large
+    /// budget is reserved (pinned memory takes about half a second per GiB).
+    pub fn reserve_in_pieces(mut self, bytes: u64) -> Self {
+        self.piece = Some(bytes.max(1));
+        self
+    }
+
+    /// Calls `f(tier, reserved, budget)` after each piece of a memory tier's budget is reserved
+    /// during [`build`](StoreBuilder::build), for progress output during a long start.
+    ///
+    /// ```
+    /// use strata::{Store, Tier};
+    /// let store = Store::builder()
+    ///     .host_backend()
+    ///     .capacity(Tier::Pinned, 256 << 20)
+    ///     .reserve_in_pieces(64 << 20)
+    ///     .on_reserve(|tier, done, budget| eprintln!("{tier}: {done} of {budget} bytes reserved"))
+    ///     .build()?;
+    /// assert_eq!(store.stats().capacity(Tier::Pinned), 256 << 20);
+    /// # Ok::<(), strata::Error>(())
+    /// ```
+    pub fn on_reserve(mut self, f: impl FnMut(Tier, u64, u64) + Send + 'static) -> Self {
+        self.on_reserve = Some(Box::new(f));
+        self
+    }
+
     /// Builds the store: picks the backend, reserves each tier's memory, opens the disk tier,
     /// reserves the staging buffers and starts the migration workers.
-    pub fn build(self) -> Result<Store> {
+    pub fn build(mut self) -> Result<Store> {
         if self.capacity.iter().all(|&c| c == 0) {
             return Err(Error::NoCapacity);
         }
@@ -224,7 +261,20 @@ impl StoreBuilder {
         for t in [Tier::Device, Tier::Pinned, Tier::Mapped] {
             let cap = self.capacity[t.index()];
             if cap > 0 {
-                let (arena, alloc) = MemArena::new(&backend, t, cap)?;
+                let started = std::time::Instant::now();
+                let mut progress = |done: u64| {
+                    if let Some(f) = self.on_reserve.as_mut() {
+                        f(t, done, cap);
+                    }
+                };
+                let (arena, alloc) = MemArena::new(&backend, t, cap, self.piece, &mut progress)?;
+                tracing::info!(
+                    tier = %t,
+                    bytes = cap,
+                    pieces = arena.pieces(),
+                    seconds = started.elapsed().as_secs_f64(),
+                    "tier memory reserved"
+                );
                 arenas[t.index()] = Some(arena);
                 allocs[t.index()] = Some(alloc);
             }

@@ -356,6 +356,12 @@ impl Store {
             out.push(id);
         }
         let Some(t) = opts.copy_to else { return Ok(out) };
+        // Until every copy is done, nobody else gets these ids (the names stay taken).
+        for &id in &out {
+            if let Ok(e) = st.res.get_mut(id) {
+                e.loading = true;
+            }
+        }
         // Copy each tensor into `t` and drop the file's copy (straight from the file: pread, or
         // O_DIRECT where aligned); on failure, undo the whole load.
         let res = (|| -> Result<()> {
@@ -414,6 +420,11 @@ impl Store {
             }
             return Err(e);
         }
+        for &id in &out {
+            if let Ok(e) = st.res.get_mut(id) {
+                e.loading = false;
+            }
+        }
         Ok(out)
     }
 
@@ -426,7 +437,9 @@ impl Store {
     /// was, and a process killed during a save leaves nothing behind (one killed in the
     /// microseconds between the link and the rename leaves `.NAME.strata-PID-N.tmp`, which the
     /// next save to that directory removes). An existing file's permissions carry over to the new
-    /// one. The result loads with the Python `safetensors` package and with the Rust crate. One
+    /// one; a symlink is followed (the file it names is replaced, the link still names it); a
+    /// directory, device or FIFO at `path` is refused, as is a tensor named `__metadata__`
+    /// (the name safetensors reserves). The result loads with the Python `safetensors` package and with the Rust crate. One
     /// tensor is in memory at a time.
     ///
     /// ```

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use super::{DeviceView, HostView, MappedView, Stats, Stream, TierStats};
 use crate::backend::sim::Simulation;
 use crate::backend::Backend;
+use crate::element::Element;
 use crate::error::{Error, Result};
 use crate::migrate::ops;
 use crate::residency::Shared;
@@ -128,9 +129,50 @@ impl Store {
 
     /// The tensor's bytes, from its fastest replica. Counts as an access; on a miss the policy
     /// may promote the tensor to the fastest tier (a promotion that fails does not fail the
-    /// read).
+    /// read). While a device or mapped view of the tensor lives, its kernels may be writing the
+    /// view's memory: the read takes another copy where there is one (the bytes from before the
+    /// view); else it reads the view's memory, and ordering it against the view's writes is the
+    /// caller's (see [`DeviceView`]'s ordering rules).
     pub fn read(&self, id: TensorId) -> Result<Vec<u8>> {
         ops::read(&self.shared, id, true)
+    }
+
+    /// Stores a new tensor of `T`s (dtype [`Element::DTYPE`]) named `name`: the typed
+    /// [`Store::put`]. `data` holds `shape.iter().product()` values.
+    ///
+    /// ```
+    /// # fn main() -> strata::Result<()> {
+    /// let store = strata::Store::builder().host_backend().build()?;
+    /// let bias = store.put_slice("bias", &[3], &[half::bf16::from_f32(0.5); 3])?;
+    /// assert_eq!(store.info(bias)?.dtype, strata::DType::BF16);
+    /// assert_eq!(store.read_vec::<half::bf16>(bias)?[2].to_f32(), 0.5);
+    /// # Ok(()) }
+    /// ```
+    pub fn put_slice<T: Element>(
+        &self,
+        name: &str,
+        shape: &[usize],
+        data: &[T],
+    ) -> Result<TensorId> {
+        self.put(name, T::DTYPE, shape, T::as_bytes(data))
+    }
+
+    /// The tensor's values as `T`s: the typed [`Store::read`] (the bytes are read straight into
+    /// the returned vector). A tensor of another dtype than `T`'s is
+    /// [`Error::DTypeMismatch`]; a `bool` tensor holding a byte other than 0 and 1 is
+    /// [`Error::InvalidArgument`].
+    pub fn read_vec<T: Element>(&self, id: TensorId) -> Result<Vec<T>> {
+        ops::read_as(&self.shared, id, true, true)
+    }
+
+    /// Replaces the tensor's values with `data`: the typed [`Store::write`] (a tensor of another
+    /// dtype than `T`'s is [`Error::DTypeMismatch`]).
+    pub fn write_slice<T: Element>(&self, id: TensorId, data: &[T]) -> Result<()> {
+        let dtype = self.info(id)?.dtype;
+        if dtype != T::DTYPE {
+            return Err(Error::DTypeMismatch { id, dtype, asked: std::any::type_name::<T>() });
+        }
+        self.write(id, T::as_bytes(data))
     }
 
     /// `read` that never promotes: for state the caller reads, updates and writes back where
@@ -181,7 +223,9 @@ impl Store {
 
     /// The id of the tensor named `name`.
     pub fn lookup(&self, name: &str) -> Option<TensorId> {
-        self.shared.lock().res.names.get(name).copied()
+        let st = self.shared.lock();
+        let id = *st.res.names.get(name)?;
+        st.res.get(id).is_ok_and(|e| !e.loading).then_some(id)
     }
 
     /// The fastest tier holding a valid copy of the tensor (or one being filled by a prefetch).
@@ -208,7 +252,8 @@ impl Store {
     /// Every tensor's id, in the order they were put.
     pub fn ids(&self) -> Vec<TensorId> {
         let st = self.shared.lock();
-        let mut ids: Vec<TensorId> = st.res.slab.iter().map(|(id, _)| id).collect();
+        let mut ids: Vec<TensorId> =
+            st.res.slab.iter().filter(|(_, e)| !e.loading).map(|(id, _)| id).collect();
         ids.sort_unstable();
         ids
     }

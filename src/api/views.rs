@@ -6,6 +6,7 @@ use cudarc::driver::{CudaSlice, CudaStream, CudaView, CudaViewMut};
 
 use crate::backend::cuda::BorrowedSlice;
 use crate::backend::{RawEvent, RawStream};
+use crate::element::Element;
 use crate::error::{Error, Result};
 use crate::migrate::ops;
 use crate::residency::{Meta, Shared};
@@ -102,6 +103,17 @@ impl Stream {
 /// reused or overwritten before that work is done. With cudarc's event tracking on (its
 /// default), work launched through [`DeviceView::cuda_slice`] on other streams is covered
 /// without it; a trainer that turned tracking off must call `record_use`.
+///
+/// Two views of one tensor alive at once (on two streams) are not ordered against each other:
+/// the store orders a view after the work of views that have *dropped*. A caller writing through
+/// one live view while another is read on another stream orders the two streams itself
+/// ([`Stream::wait_for`]).
+///
+/// While a view lives, [`Store::read`](crate::Store::read) (and so `save_safetensors`) reads
+/// another copy of the tensor where there is one (the bytes from before the view); where the
+/// view's memory is the only copy it reads that, and what it sees of writes the view's kernels
+/// are making is the caller's to order. An overwrite view's memory is never read before the
+/// view drops. A read already in progress when a view is asked for finishes first.
 ///
 /// After writing through the view call [`DeviceView::mark_dirty`], so that the other copies,
 /// now stale, are dropped and the tensor is written back when evicted.
@@ -253,6 +265,43 @@ impl DeviceView {
         self.cuda.get_mut().and_then(BorrowedSlice::typed_mut)
     }
 
+    /// The memory as a cudarc view of the tensor's values, `T` being its dtype's Rust type
+    /// (CUDA backend). A `T` of another dtype is [`Error::DTypeMismatch`]; on the host backend it
+    /// is [`Error::BackendMismatch`] (use [`DeviceView::with_host_values`]). [`cuda_view`]
+    /// reinterprets the bytes as any type instead.
+    ///
+    /// [`cuda_view`]: DeviceView::cuda_view
+    pub fn typed_cuda_view<T: Element>(&self) -> Result<CudaView<'_, T>> {
+        self.check_dtype::<T>()?;
+        self.cuda_view().ok_or_else(not_cuda)
+    }
+
+    /// [`DeviceView::typed_cuda_view`], for writing; marks the view dirty.
+    pub fn typed_cuda_view_mut<T: Element>(&mut self) -> Result<CudaViewMut<'_, T>> {
+        self.check_dtype::<T>()?;
+        self.cuda_view_mut().ok_or_else(not_cuda)
+    }
+
+    /// [`DeviceView::with_host_bytes`] with the tensor's values, `T` being its dtype's Rust type
+    /// (another `T` is [`Error::DTypeMismatch`]).
+    pub fn with_host_values<T: Element, R>(&self, f: impl FnOnce(&[T]) -> R) -> Result<R> {
+        self.check_dtype::<T>()?;
+        self.with_host_bytes(|b| T::from_bytes(b).map(f))?.ok_or_else(misaligned)
+    }
+
+    /// [`DeviceView::with_host_values`], for writing; marks the view dirty.
+    pub fn with_host_values_mut<T: Element, R>(
+        &mut self,
+        f: impl FnOnce(&mut [T]) -> R,
+    ) -> Result<R> {
+        self.check_dtype::<T>()?;
+        self.with_host_bytes_mut(|b| T::from_bytes_mut(b).map(f))?.ok_or_else(misaligned)
+    }
+
+    fn check_dtype<T: Element>(&self) -> Result<()> {
+        dtype_is::<T>(self.id, self.meta.dtype)
+    }
+
     /// The bytes on the CPU, after the view's stream has run what was issued to it: on the host
     /// backend for every tier, on the CUDA backend for mapped views. `f` runs without the
     /// store's lock (it may use the store, but not this tensor). On a
@@ -277,6 +326,31 @@ impl DeviceView {
 
 fn not_host() -> Error {
     Error::BackendMismatch("the view's memory is not host memory here".into())
+}
+
+fn not_cuda() -> Error {
+    Error::BackendMismatch(
+        "a cudarc view needs the CUDA backend; on the host backend use with_host_values".into(),
+    )
+}
+
+fn misaligned() -> Error {
+    // Extents are aligned to at least 256 bytes and hold whole values of their dtype; a bool
+    // tensor whose bytes are not all 0 or 1 is the one way to get here.
+    Error::InvalidArgument(
+        "the tensor's bytes are not valid values of its dtype (a bool that is not 0 or 1?): \
+         use its bytes"
+            .into(),
+    )
+}
+
+/// `Ok` when `T` is the Rust type of `dtype`.
+fn dtype_is<T: Element>(id: TensorId, dtype: DType) -> Result<()> {
+    if dtype == T::DTYPE {
+        Ok(())
+    } else {
+        Err(Error::DTypeMismatch { id, dtype, asked: std::any::type_name::<T>() })
+    }
 }
 
 impl Drop for DeviceView {
@@ -376,6 +450,34 @@ impl HostView {
     pub fn bytes_mut(&mut self) -> &mut [u8] {
         self.dirty = true;
         self.lease.bytes_mut().unwrap_or_default()
+    }
+
+    /// The tensor's values, `T` being its dtype's Rust type (another `T` is
+    /// [`Error::DTypeMismatch`]).
+    ///
+    /// ```
+    /// # fn main() -> strata::Result<()> {
+    /// use strata::{Store, Tier};
+    /// let store = Store::builder().host_backend().build()?;
+    /// let m = store.put_slice("moments", &[4], &[0i32; 4])?;
+    /// store.move_to(m, Tier::Pinned)?;
+    /// let mut v = store.host_view(m)?;
+    /// for (i, x) in v.values_mut::<i32>()?.iter_mut().enumerate() {
+    ///     *x = i as i32;
+    /// }
+    /// drop(v);
+    /// assert_eq!(store.read_vec::<i32>(m)?, [0, 1, 2, 3]);
+    /// # Ok(()) }
+    /// ```
+    pub fn values<T: Element>(&self) -> Result<&[T]> {
+        dtype_is::<T>(self.id, self.dtype)?;
+        T::from_bytes(self.bytes()).ok_or_else(misaligned)
+    }
+
+    /// [`HostView::values`], for writing; marks the view dirty.
+    pub fn values_mut<T: Element>(&mut self) -> Result<&mut [T]> {
+        dtype_is::<T>(self.id, self.dtype)?;
+        T::from_bytes_mut(self.bytes_mut()).ok_or_else(misaligned)
     }
 
     /// The values of an f32 tensor; `None` for other dtypes.

@@ -1,5 +1,5 @@
 //! What the `strata` binary runs, built on the store's public API (feature `cli`, on by
-//! default): [`bench`] (`strata bench`), [`mlp`] (the bf16 out-of-core benchmark loop) and
+//! default): [`bench`](mod@bench) (`strata bench`), [`mlp`] (the bf16 out-of-core benchmark loop) and
 //! [`train`] (the out-of-core trainer) behind `strata train-demo` and
 //! `examples/out_of_core.rs`. A library user who wants the store alone turns the feature off
 //! (`default-features = false`) and compiles none of this, nor its dependencies.
@@ -24,7 +24,7 @@ pub fn print(text: &str) -> Result<()> {
         .map_err(|source| Error::Io { path: "<stdout>".into(), source })
 }
 
-/// [`print`] of `line` and a line break: the `progress` callback the demos take.
+/// [`print`](fn@print) of `line` and a line break: the `progress` callback the demos take.
 pub fn println(line: &str) -> Result<()> {
     print(&format!("{line}\n"))
 }

@@ -32,7 +32,7 @@ use half::bf16;
 use crate::apps::args::{
     check_output, ActivationsArg, DTypeArg, EngineArg, ModeArg, OnOff, OptimizerArg, TrainDemoArgs,
 };
-use crate::linalg::{loss_value, Element, Linalg, Matrix, LOSS_PARTIALS};
+use crate::linalg::{loss_value, Float, Linalg, Matrix, LOSS_PARTIALS};
 use crate::optim::{AdamW, Algorithm, Engine, Optimizer, OptimizerConfig, Sgd, StepTraffic};
 use crate::plan::{self, PlanConfig, TensorEntry};
 use crate::probe::median_after_first;
@@ -574,7 +574,7 @@ pub fn run(cfg: &TrainConfig, mut progress: impl FnMut(&str) -> Result<()>) -> R
     }
 }
 
-fn run_typed<T: Element>(
+fn run_typed<T: Float>(
     cfg: &TrainConfig,
     inputs: &Inputs,
     progress: &mut impl FnMut(&str) -> Result<()>,
@@ -768,7 +768,7 @@ enum Phase {
 }
 
 /// Scratch matrices of one run (outside the store).
-struct Scratch<T: Element> {
+struct Scratch<T: Float> {
     x: Vec<Matrix<T>>,
     y: Vec<Matrix<T>>,
     cur: Matrix<T>,
@@ -781,11 +781,11 @@ struct Scratch<T: Element> {
     partials: Matrix<f32>,
 }
 
-fn to_t<T: Element>(v: &[f32]) -> Vec<T> {
+fn to_t<T: Float>(v: &[f32]) -> Vec<T> {
     v.iter().map(|&x| T::from_f32(x)).collect()
 }
 
-fn t_bytes<T: Element>(v: &[T]) -> Vec<u8> {
+fn t_bytes<T: Float>(v: &[T]) -> Vec<u8> {
     let mut b = vec![0u8; std::mem::size_of_val(v)];
     T::write_ne_bytes(v, &mut b);
     b
@@ -804,7 +804,18 @@ fn putting_bar(n: usize, floor: bool) -> indicatif::ProgressBar {
     bar
 }
 
-fn train_once<T: Element>(
+/// The bar of the store's memory reservation (on stderr where it is a terminal).
+fn reserving_bar(bytes: u64) -> indicatif::ProgressBar {
+    let bar = indicatif::ProgressBar::new(bytes);
+    if let Ok(style) = indicatif::ProgressStyle::with_template(
+        "reserving tier memory [{bar:30}] {bytes}/{total_bytes} ({elapsed}, eta {eta})",
+    ) {
+        bar.set_style(style.progress_chars("=> "));
+    }
+    bar
+}
+
+fn train_once<T: Float>(
     cfg: &TrainConfig,
     inputs: &Inputs,
     engine: Engine,
@@ -842,7 +853,18 @@ fn train_once<T: Element>(
         .capacity(Tier::Disk, if floor { 0 } else { disk })
         .prefetch_budget(prefetch)
         .staging(4, (lb as usize).clamp(4096, 16 << 20));
+    // Reserving tens of GiB of pinned memory takes seconds (about half a second per GiB): in
+    // pieces of a GiB (or of the largest tensor, an f32 layer or micro-batch), with a bar.
+    let largest = (h * h.max(mb_rows) * 4) as u64;
+    let budgets = [device, if floor { 0 } else { pinned }, mapped];
+    let bar = reserving_bar(budgets.iter().sum());
+    let b2 = bar.clone();
+    b = b.reserve_in_pieces(largest.max(1 << 30)).on_reserve(move |t, done, _| {
+        let before: u64 = budgets[..t.index().min(3)].iter().sum();
+        b2.set_position(before + done);
+    });
     let store = Arc::new(b.build()?);
+    bar.finish_and_clear();
     let s = store.stream()?;
     let la = Linalg::new(&store, &s)?;
     let backend = store.backend_description();
@@ -1158,7 +1180,7 @@ impl Ctx<'_> {
         }
     }
 
-    fn micro_batch<T: Element>(
+    fn micro_batch<T: Float>(
         &self,
         sc: &mut Scratch<T>,
         mb: usize,
@@ -1251,7 +1273,7 @@ impl Ctx<'_> {
     }
 
     /// Copies the stored input of layer `i` (`i ≥ 1`) into `dst`.
-    fn load<T: Element>(&self, i: usize, dst: &mut Matrix<T>) -> Result<()> {
+    fn load<T: Float>(&self, i: usize, dst: &mut Matrix<T>) -> Result<()> {
         let a = self.act[i]
             .ok_or_else(|| Error::InvalidArgument(format!("activation {i} is not stored")))?;
         let v = self.store.device_view(a, self.la.stream())?;
@@ -1260,7 +1282,7 @@ impl Ctx<'_> {
 
     /// Enters the recompute segment starting at layer `i`: its input into `seg[0]` (layer 0
     /// reads `x` directly).
-    fn load_segment<T: Element>(&self, sc: &mut Scratch<T>, i: usize) -> Result<()> {
+    fn load_segment<T: Float>(&self, sc: &mut Scratch<T>, i: usize) -> Result<()> {
         if i == 0 {
             return Ok(());
         }

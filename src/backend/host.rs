@@ -144,7 +144,15 @@ impl HostStream {
             .name(name.to_string())
             .spawn(move || {
                 for job in rx {
-                    job();
+                    // A panicking job (a user's `launch_host` closure) must not stop the
+                    // stream: the events queued behind it would never complete, and every wait
+                    // on them would hang. The panic is reported (the hook printed it) and the
+                    // stream goes on, as a GPU stream goes on after a kernel's fault is caught.
+                    if std::panic::catch_unwind(std::panic::AssertUnwindSafe(job)).is_err() {
+                        tracing::error!(
+                            "a job on a host-backend stream panicked; the stream goes on"
+                        );
+                    }
                 }
             })
             .map_err(|e| Error::io("<thread spawn>", e))?;

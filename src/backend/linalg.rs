@@ -7,7 +7,7 @@
 //! `y = x Wᵀ`, `linear_grad_input` `dx = dy W`, `linear_grad_weight` `dW = dyᵀ x`, as
 //! `torch.nn.Linear` does. Activations and gradients are [`Matrix`] scratch buffers that live
 //! outside the store; [`Linalg::copy_to_view`] and [`Linalg::copy_from_view`] move them in and
-//! out of store tensors. The element type is [`Element`]: `half::bf16` or `f32`.
+//! out of store tensors. The element type is [`Float`]: `half::bf16` or `f32`.
 //!
 //! The host backend's GEMM is a plain triple loop (sum in f32 in index order, one rounding at
 //! the end): it is for checking out-of-core loops against all-resident ones on small models,
@@ -77,22 +77,11 @@ mod sealed {
     }
 }
 
-/// An element type of [`Matrix`] and of the weights [`Linalg`] reads: `half::bf16` or `f32`.
-pub trait Element:
-    sealed::Sealed
-    + Copy
-    + PartialEq
-    + Default
-    + Send
-    + Sync
-    + std::fmt::Debug
-    + DeviceRepr
-    + ValidAsZeroBits
-    + Unpin
-    + 'static
+/// An element type of [`Matrix`] and of the weights [`Linalg`] reads: `half::bf16` or `f32`
+/// (the float [`Element`](crate::Element)s the GEMMs and kernels take).
+pub trait Float:
+    crate::Element + sealed::Sealed + Default + DeviceRepr + ValidAsZeroBits + Unpin
 {
-    /// The store's dtype for it.
-    const DTYPE: DType;
     /// Index into per-type kernel tables (0: bf16, 1: f32).
     #[doc(hidden)]
     const INDEX: usize;
@@ -132,8 +121,7 @@ impl sealed::Sealed for f32 {
     }
 }
 
-impl Element for bf16 {
-    const DTYPE: DType = DType::BF16;
+impl Float for bf16 {
     const INDEX: usize = 0;
     fn to_f32(self) -> f32 {
         bf16::to_f32(self)
@@ -151,8 +139,7 @@ impl Element for bf16 {
     }
 }
 
-impl Element for f32 {
-    const DTYPE: DType = DType::F32;
+impl Float for f32 {
     const INDEX: usize = 1;
     fn to_f32(self) -> f32 {
         self
@@ -172,18 +159,18 @@ impl Element for f32 {
 
 /// A row-major matrix of scratch memory (device memory on CUDA, host memory on the host
 /// backend), for activations and gradients.
-pub struct Matrix<T: Element = bf16> {
+pub struct Matrix<T: Float = bf16> {
     rows: usize,
     cols: usize,
     data: Data<T>,
 }
 
-enum Data<T: Element> {
+enum Data<T: Float> {
     Cuda(CudaSlice<T>),
     Host(Vec<T>),
 }
 
-impl<T: Element> Matrix<T> {
+impl<T: Float> Matrix<T> {
     /// Rows.
     pub fn rows(&self) -> usize {
         self.rows
@@ -264,7 +251,7 @@ fn narrow(f: f32) -> bf16 {
 
 /// `c[m×n] = a · b` on the host, with `a(i, p)` and `b(p, j)` given as closures, summing in f32
 /// in order of `p`.
-fn host_gemm<T: Element>(
+fn host_gemm<T: Float>(
     m: usize,
     n: usize,
     k: usize,
@@ -361,7 +348,7 @@ impl Linalg {
     }
 
     /// A `rows × cols` matrix of zeros.
-    pub fn matrix<T: Element>(&self, rows: usize, cols: usize) -> Result<Matrix<T>> {
+    pub fn matrix<T: Float>(&self, rows: usize, cols: usize) -> Result<Matrix<T>> {
         let n = rows.checked_mul(cols).ok_or_else(|| shape_err("rows × cols overflows"))?;
         let data = match &self.cuda {
             Some(c) => Data::Cuda(
@@ -373,7 +360,7 @@ impl Linalg {
     }
 
     /// Copies `values` (row-major, `rows × cols` of them) into `m`.
-    pub fn upload<T: Element>(&self, m: &mut Matrix<T>, values: &[T]) -> Result<()> {
+    pub fn upload<T: Float>(&self, m: &mut Matrix<T>, values: &[T]) -> Result<()> {
         if values.len() != m.len() {
             return Err(shape_err("upload length"));
         }
@@ -390,7 +377,7 @@ impl Linalg {
     }
 
     /// The matrix's values, once the work issued before has run.
-    pub fn download<T: Element>(&self, m: &Matrix<T>) -> Result<Vec<T>> {
+    pub fn download<T: Float>(&self, m: &Matrix<T>) -> Result<Vec<T>> {
         match &self.cuda {
             Some(c) => {
                 c.stream.synchronize().map_err(|e| Error::cuda("cuStreamSynchronize", e))?;
@@ -407,7 +394,7 @@ impl Linalg {
     }
 
     /// Sets every element of `m` to `v` (rounded to `T`).
-    pub fn fill<T: Element>(&self, m: &mut Matrix<T>, v: f32) -> Result<()> {
+    pub fn fill<T: Float>(&self, m: &mut Matrix<T>, v: f32) -> Result<()> {
         let v = T::from_f32(v);
         match &self.cuda {
             Some(c) => {
@@ -428,12 +415,7 @@ impl Linalg {
 
     /// `y = x · Wᵀ`: `x` is `rows × in`, the view's tensor `W` is `out × in` of `T`, `y` is
     /// `rows × out`.
-    pub fn linear<T: Element>(
-        &self,
-        x: &Matrix<T>,
-        w: &DeviceView,
-        y: &mut Matrix<T>,
-    ) -> Result<()> {
+    pub fn linear<T: Float>(&self, x: &Matrix<T>, w: &DeviceView, y: &mut Matrix<T>) -> Result<()> {
         self.check_stream(w)?;
         let (rows, inp, out) = (x.rows, x.cols, y.cols);
         check_weight::<T>(w, out, inp)?;
@@ -474,7 +456,7 @@ impl Linalg {
     }
 
     /// `dx = dy · W`: `dy` is `rows × out`, `W` is `out × in`, `dx` is `rows × in`.
-    pub fn linear_grad_input<T: Element>(
+    pub fn linear_grad_input<T: Float>(
         &self,
         dy: &Matrix<T>,
         w: &DeviceView,
@@ -517,7 +499,7 @@ impl Linalg {
     }
 
     /// `dW = dyᵀ · x`: `dy` is `rows × out`, `x` is `rows × in`, `dw` is `out × in`.
-    pub fn linear_grad_weight<T: Element>(
+    pub fn linear_grad_weight<T: Float>(
         &self,
         dy: &Matrix<T>,
         x: &Matrix<T>,
@@ -586,7 +568,7 @@ impl Linalg {
     }
 
     /// `x = max(x, 0)`, in place.
-    pub fn relu<T: Element>(&self, x: &mut Matrix<T>) -> Result<()> {
+    pub fn relu<T: Float>(&self, x: &mut Matrix<T>) -> Result<()> {
         match &self.cuda {
             Some(c) => {
                 let n = x.len() as u64;
@@ -609,7 +591,7 @@ impl Linalg {
     }
 
     /// `g = a > 0 ? g : 0`: the gradient through a relu whose output is `a`.
-    pub fn relu_mask<T: Element>(&self, g: &mut Matrix<T>, a: &Matrix<T>) -> Result<()> {
+    pub fn relu_mask<T: Float>(&self, g: &mut Matrix<T>, a: &Matrix<T>) -> Result<()> {
         if g.rows != a.rows || g.cols != a.cols {
             return Err(shape_err("relu mask"));
         }
@@ -639,7 +621,7 @@ impl Linalg {
     /// `Σ (out − y)²` (in f32) added into `partials`, a `1 × LOSS_PARTIALS` matrix that
     /// [`loss_value`] sums. With `scale = 1 / R` and the loss `0.5 · Σ(out − y)² / R`, `g` is the
     /// loss's gradient with respect to `out`.
-    pub fn loss_grad<T: Element>(
+    pub fn loss_grad<T: Float>(
         &self,
         out: &Matrix<T>,
         y: &Matrix<T>,
@@ -687,7 +669,7 @@ impl Linalg {
     /// Accumulates a gradient into a store tensor: `grad = (first ? 0 : grad) + dw`. An f32
     /// `grad` accumulates any `T` (micro-batches in f32); a `grad` of `T` itself takes only
     /// `first` (a copy). Marks the view dirty.
-    pub fn accumulate<T: Element>(
+    pub fn accumulate<T: Float>(
         &self,
         grad: &mut DeviceView,
         dw: &Matrix<T>,
@@ -743,7 +725,7 @@ impl Linalg {
 
     /// Copies a matrix into a store tensor of the same type and size (an activation kept in
     /// the store); marks the view dirty.
-    pub fn copy_to_view<T: Element>(&self, src: &Matrix<T>, dst: &mut DeviceView) -> Result<()> {
+    pub fn copy_to_view<T: Float>(&self, src: &Matrix<T>, dst: &mut DeviceView) -> Result<()> {
         self.check_stream(dst)?;
         check_len::<T>(dst, src.len())?;
         match &self.cuda {
@@ -762,7 +744,7 @@ impl Linalg {
     }
 
     /// Copies a store tensor of the same type and size into a matrix.
-    pub fn copy_from_view<T: Element>(&self, src: &DeviceView, dst: &mut Matrix<T>) -> Result<()> {
+    pub fn copy_from_view<T: Float>(&self, src: &DeviceView, dst: &mut Matrix<T>) -> Result<()> {
         self.check_stream(src)?;
         check_len::<T>(src, dst.len())?;
         match &self.cuda {
@@ -809,7 +791,7 @@ fn positive(v: f32) -> bool {
     v.partial_cmp(&0.0) == Some(std::cmp::Ordering::Greater)
 }
 
-fn check_len<T: Element>(v: &DeviceView, elems: usize) -> Result<()> {
+fn check_len<T: Float>(v: &DeviceView, elems: usize) -> Result<()> {
     if v.dtype() != T::DTYPE || v.len_bytes() != elems * std::mem::size_of::<T>() {
         return Err(shape_err(&format!(
             "a {} tensor of {} bytes for {elems} elements of {}",
@@ -821,7 +803,7 @@ fn check_len<T: Element>(v: &DeviceView, elems: usize) -> Result<()> {
     Ok(())
 }
 
-fn check_weight<T: Element>(w: &DeviceView, out: usize, inp: usize) -> Result<()> {
+fn check_weight<T: Float>(w: &DeviceView, out: usize, inp: usize) -> Result<()> {
     let want = out.checked_mul(inp).and_then(|n| n.checked_mul(std::mem::size_of::<T>()));
     if want != Some(w.len_bytes()) || w.dtype() != T::DTYPE {
         return Err(shape_err(&format!(
@@ -835,7 +817,7 @@ fn check_weight<T: Element>(w: &DeviceView, out: usize, inp: usize) -> Result<()
 }
 
 /// cuBLAS's column-major configuration: `[m, n, k]` and leading dimensions `[lda, ldb, ldc]`.
-fn gemm_cfg<T: Element>(
+fn gemm_cfg<T: Float>(
     transa: cublasOperation_t,
     transb: cublasOperation_t,
     [m, n, k]: [usize; 3],
@@ -899,7 +881,7 @@ mod tests {
         );
         la.sgd(&mut view, &dw, 0.5).unwrap();
         drop(view);
-        let got = <bf16 as Element>::from_ne_bytes(&store.read(id).unwrap());
+        let got = <bf16 as Float>::from_ne_bytes(&store.read(id).unwrap());
         assert_eq!(got, [-0.5f32, 0.5, -0.5, 0.5, -0.5, 0.5].map(bf16::from_f32));
         let mut wrong = la.matrix(1, 2).unwrap();
         let v = store.device_view(id, &s).unwrap();

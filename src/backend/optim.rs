@@ -72,7 +72,7 @@ use half::bf16;
 
 use crate::api::Store;
 use crate::api::{DeviceView, HostView, Stream};
-use crate::backend::linalg::Element;
+use crate::backend::linalg::Float;
 use crate::error::{Error, Result};
 use crate::probe::{median, raw_pinned_copy, Direction};
 use crate::types::{format_size, DType, Group, TensorId, Tier};
@@ -471,7 +471,7 @@ impl AdamScalars {
 /// the block is in L1.
 const BLOCK: usize = 4096;
 
-fn adamw_block<G: Element>(k: &AdamScalars, p: &mut [f32], m: &mut [f32], v: &mut [f32], g: &[G]) {
+fn adamw_block<G: Float>(k: &AdamScalars, p: &mut [f32], m: &mut [f32], v: &mut [f32], g: &[G]) {
     for (((p, m), v), g) in p.iter_mut().zip(m.iter_mut()).zip(v.iter_mut()).zip(g) {
         let gi = g.to_f32();
         let pi = *p * k.decay;
@@ -484,7 +484,7 @@ fn adamw_block<G: Element>(k: &AdamScalars, p: &mut [f32], m: &mut [f32], v: &mu
     }
 }
 
-fn sgd_block<G: Element>(h: &Sgd, p: &mut [f32], g: &[G]) {
+fn sgd_block<G: Float>(h: &Sgd, p: &mut [f32], g: &[G]) {
     let (lr, wd) = (h.lr as f32, h.weight_decay as f32);
     for (p, g) in p.iter_mut().zip(g) {
         let mut gi = g.to_f32();
@@ -498,7 +498,7 @@ fn sgd_block<G: Element>(h: &Sgd, p: &mut [f32], g: &[G]) {
 fn round_block(p: &[f32], out: Option<&mut [bf16]>) {
     if let Some(out) = out {
         for (o, &x) in out.iter_mut().zip(p) {
-            *o = <bf16 as Element>::from_f32(x);
+            *o = <bf16 as Float>::from_f32(x);
         }
     }
 }
@@ -801,7 +801,7 @@ impl Optimizer {
             ParamState { param: id, dtype: info.dtype, elems, grad, master: None, moments: None };
         let r = (|| -> Result<()> {
             if info.dtype == DType::BF16 {
-                let values: Vec<f32> = <bf16 as Element>::from_ne_bytes(&s.read(id)?)
+                let values: Vec<f32> = <bf16 as Float>::from_ne_bytes(&s.read(id)?)
                     .iter()
                     .map(|b| b.to_f32())
                     .collect();
@@ -923,7 +923,7 @@ impl Optimizer {
             Some(m) => {
                 self.store.write(m, &f32_bytes(values))?;
                 let rounded: Vec<bf16> =
-                    values.iter().map(|&x| <bf16 as Element>::from_f32(x)).collect();
+                    values.iter().map(|&x| <bf16 as Float>::from_f32(x)).collect();
                 let mut b = vec![0u8; st.elems * 2];
                 bf16::write_ne_bytes(&rounded, &mut b);
                 self.store.write(st.param, &b)
@@ -1084,14 +1084,14 @@ impl Optimizer {
         out: Option<&mut DeviceView>,
         mv: Option<&mut (DeviceView, DeviceView)>,
     ) -> Result<()> {
-        let f32s = |b: &[u8]| <f32 as Element>::from_ne_bytes(b);
+        let f32s = |b: &[u8]| <f32 as Float>::from_ne_bytes(b);
         let g_f32;
         let g_bf16;
         let g = if grad.dtype() == DType::F32 {
             g_f32 = grad.with_host_bytes(f32s)?;
             GradSlice::F32(&g_f32)
         } else {
-            g_bf16 = grad.with_host_bytes(<bf16 as Element>::from_ne_bytes)?;
+            g_bf16 = grad.with_host_bytes(<bf16 as Float>::from_ne_bytes)?;
             GradSlice::Bf16(&g_bf16)
         };
         let mut pv = p.with_host_bytes(f32s)?;
@@ -1177,8 +1177,8 @@ impl Slot {
         }
         let bytes = retry_busy(|| store.read_in_place(id))?;
         Ok(match dtype {
-            DType::F32 => Slot::F32(id, <f32 as Element>::from_ne_bytes(&bytes)),
-            _ => Slot::Bf16(id, <bf16 as Element>::from_ne_bytes(&bytes)),
+            DType::F32 => Slot::F32(id, <f32 as Float>::from_ne_bytes(&bytes)),
+            _ => Slot::Bf16(id, <bf16 as Float>::from_ne_bytes(&bytes)),
         })
     }
 

@@ -54,7 +54,10 @@ impl Shared {
     ) -> Result<(Locked<'_>, f64)> {
         let mut waited = 0.0;
         loop {
-            let st = self.lock();
+            let mut st = self.lock();
+            if !st.res.get(id)?.unsettled.is_empty() {
+                st.settle(id);
+            }
             let e = st.res.get(id)?;
             let f = if exclusive { e.any_flight() } else { e.flight.clone() };
             let Some(f) = f else { return Ok((st, waited)) };

@@ -8,12 +8,13 @@ use super::copy::{self, Src};
 use super::room::{self, Got};
 use super::{copy_replica, fill_replica, plan_fill, run_copy};
 use crate::backend::{RawEvent, RawStream};
+use crate::element::Element;
 use crate::error::{Error, Result};
 use crate::placement::victims::Level;
 use crate::residency::{Locked, Meta, Shared, State};
 use crate::tiers::arena::WriteLease;
 use crate::tiers::Ext;
-use crate::types::{format_size, DType, Group, TensorId, Tier};
+use crate::types::{DType, Group, TensorId, Tier};
 
 /// Bytes of a tensor of `dtype` and `shape`, or `BadShape` when the count overflows.
 pub(crate) fn tensor_bytes(dtype: DType, shape: &[usize]) -> Result<u64> {
@@ -39,7 +40,7 @@ fn candidate_tiers(st: &State, bytes: u64, only: Option<Tier>) -> Result<Vec<Tie
         let caps = Tier::ALL
             .into_iter()
             .filter(|&t| only.is_none_or(|o| o == t) && st.books.enabled(t))
-            .map(|t| format!("{t} {}", format_size(st.books.capacity(t))))
+            .map(|t| st.books.describe(t))
             .collect::<Vec<_>>()
             .join(", ");
         let what = match only {
@@ -300,19 +301,62 @@ fn read_source(
 
 /// `Store::read` (`promote`: a miss may promote the tensor, if the store allows).
 pub(crate) fn read(sh: &Shared, id: TensorId, promote: bool) -> Result<Vec<u8>> {
+    read_as::<u8>(sh, id, promote, false)
+}
+
+/// `Store::read_vec`: [`read`] into a buffer of `T`s (`typed`: the tensor's dtype must be
+/// `T`'s).
+pub(crate) fn read_as<T: Element>(
+    sh: &Shared,
+    id: TensorId,
+    promote: bool,
+    typed: bool,
+) -> Result<Vec<T>> {
     let (mut st, _) = sh.lock_when_free(id, false)?;
     let e = st.res.get(id)?;
+    if typed && e.meta.dtype != T::DTYPE {
+        let dtype = e.meta.dtype;
+        return Err(Error::DTypeMismatch { id, dtype, asked: std::any::type_name::<T>() });
+    }
     if e.host_lent {
         return Err(Error::Busy { id, holders: e.held() });
     }
-    let tier = e.fastest_readable().ok_or(Error::UnknownId(id))?;
+    // A live view's memory is its kernels' to write: another copy, the bytes from before the
+    // view, is read where there is one. An overwrite view's memory holds no bytes of the tensor
+    // until its view drops (the replica is marked filling), so it is never read.
+    let other = (e.views > 0)
+        .then(|| {
+            Tier::ALL
+                .into_iter()
+                .filter(|&t| Some(t) != e.view_tier)
+                .find(|t| e.replicas[t.index()].as_ref().is_some_and(|r| !r.filling))
+        })
+        .flatten();
+    let tier = match other.or_else(|| e.fastest_readable()) {
+        Some(t) => t,
+        None if e.views > 0 => return Err(Error::Busy { id, holders: e.held() }),
+        None => return Err(Error::UnknownId(id)),
+    };
     let hit = Some(e.fastest().unwrap_or(tier)) == st.fastest_enabled();
     let (bytes, name) = (e.bytes(), e.meta.name.clone());
     let (src, waits) = read_source(sh, &st, id, tier)?;
     st.start_read(id);
-    let res = st.unlocked(|| {
-        let mut out = vec![0u8; bytes as usize];
-        copy::read_into(sh, id, &name, src, &waits, &mut out).map(|()| out)
+    let n = bytes as usize / std::mem::size_of::<T>();
+    let res = st.unlocked(|| match T::zeroed_vec(n) {
+        // Read straight into the caller's buffer.
+        Some(mut out) => {
+            copy::read_into(sh, id, &name, src, &waits, T::bytes_mut(&mut out)).map(|()| out)
+        }
+        // A bool tensor: every byte is checked to be 0 or 1.
+        None => {
+            let mut raw = vec![0u8; bytes as usize];
+            copy::read_into(sh, id, &name, src, &waits, &mut raw)?;
+            T::to_vec(&raw).ok_or_else(|| {
+                Error::InvalidArgument(format!(
+                    "tensor {id} ({name:?}) holds a byte other than 0 and 1: read its bytes"
+                ))
+            })
+        }
     });
     st.end_read(id);
     let out = res?;
@@ -325,7 +369,7 @@ pub(crate) fn read(sh: &Shared, id: TensorId, promote: bool) -> Result<Vec<u8>> 
     st.counters.bytes_out += bytes;
     if !hit && promote && st.place.promote_on_read {
         // Optional: a promotion that fails leaves the read as it was (and the tensor intact).
-        if let Err(e) = promote_after_read(sh, &mut st, id, tier, &out) {
+        if let Err(e) = promote_after_read(sh, &mut st, id, tier, T::as_bytes(&out)) {
             tracing::debug!(tensor = %id, error = %e, "promotion after a read failed");
         }
     }
@@ -375,10 +419,7 @@ pub(crate) fn move_to(sh: &Shared, id: TensorId, tier: Tier) -> Result<()> {
         return Err(Error::Busy { id, holders });
     }
     if !st.books.can_ever_fit(tier, bytes) {
-        return Err(Error::TooLarge {
-            bytes,
-            what: format!("tier {tier} ({})", format_size(st.books.capacity(tier))),
-        });
+        return Err(Error::TooLarge { bytes, what: format!("tier {}", st.books.describe(tier)) });
     }
     st.touch(id);
     let flight = st.start_flight(id, None);
@@ -447,7 +488,8 @@ pub(crate) fn device_view(
     stream: &RawStream,
     overwrite: bool,
 ) -> Result<ViewParts> {
-    let (mut st, waited) = sh.lock_when_free(id, false)?;
+    // A read in progress finishes first: the view's kernels may write the bytes it copies.
+    let (mut st, waited) = sh.lock_when_free(id, true)?;
     st.counters.stall_s += waited;
     let e = st.res.get(id)?;
     let bytes = e.bytes();
@@ -460,7 +502,7 @@ pub(crate) fn device_view(
     if !st.books.can_ever_fit(Tier::Device, bytes) {
         return Err(Error::TooLarge {
             bytes,
-            what: format!("the Device tier ({})", format_size(st.books.capacity(Tier::Device))),
+            what: format!("tier {}", st.books.describe(Tier::Device)),
         });
     }
     let hit = e.has(Tier::Device);
@@ -537,7 +579,10 @@ fn bring_for_view(
         match sh.backend.h2d().record() {
             Ok(ev) => {
                 stream.wait(&ev)?;
-                st.res.put_replica(id, Tier::Device, crate::residency::Replica::new(ext, None));
+                // Its bytes are the view's to write: nothing reads them until the view drops.
+                let mut r = crate::residency::Replica::new(ext, None);
+                r.filling = true;
+                st.res.put_replica(id, Tier::Device, r);
                 st.reindex(id);
                 return Ok(());
             }
@@ -559,7 +604,7 @@ fn bring_for_view(
 
 /// `Store::mapped_view`.
 pub(crate) fn mapped_view(sh: &Shared, id: TensorId, stream: &RawStream) -> Result<ViewParts> {
-    let (mut st, _) = sh.lock_when_free(id, false)?;
+    let (mut st, _) = sh.lock_when_free(id, true)?;
     let e = st.res.get(id)?;
     if e.host_lent || (e.views > 0 && e.view_tier != Some(Tier::Mapped)) {
         return Err(Error::Busy { id, holders: e.held() });
@@ -646,23 +691,40 @@ pub(crate) fn release_view(
             if stream.is_none() {
                 e.host_lent = false;
             }
-            e.views = e.views.saturating_sub(1);
-            if e.views == 0 {
-                e.view_tier = None;
-            }
             for (k, ev) in others {
                 e.uses.record(k, ev);
             }
-            // A use that could not be recorded (the backend failed) is reported; the hold and
-            // the view's writes are settled all the same, so nothing stays held or stale.
-            match ev {
-                Some(Ok((k, ev))) => e.uses.record(k, ev),
-                Some(Err(err)) => failed = Some(err),
-                None => {}
+            // A use that could not be recorded (the backend failed) is reported, and the hold
+            // stays until an event can be recorded on that stream (`State::settle`, at the
+            // tensor's next operation): nothing may free or reuse memory the view's work may
+            // still touch. The view's writes are applied all the same.
+            let keep_hold = match ev {
+                Some(Ok((k, ev))) => {
+                    e.uses.record(k, ev);
+                    false
+                }
+                Some(Err(err)) => {
+                    failed = Some(err);
+                    e.unsettled.extend(stream.cloned());
+                    true
+                }
+                None => false,
+            };
+            if !keep_hold {
+                e.views = e.views.saturating_sub(1);
+                if e.views == 0 {
+                    e.view_tier = None;
+                }
             }
             if dirty {
                 e.discarded = false;
                 st.drop_other_replicas(id, tier);
+                // An overwrite view's memory holds the tensor's bytes now.
+                if let Some(r) =
+                    st.res.get_mut(id).ok().and_then(|e| e.replicas[tier.index()].as_mut())
+                {
+                    r.filling = false;
+                }
             }
             st.reindex(id);
             // Waiting prefetches start at the next hint or view, not here: a drop that could

@@ -147,6 +147,14 @@ pub(crate) struct Entry {
     pub(crate) read_flight: Option<Arc<Flight>>,
     /// Per stream, the last work that may touch the tensor's memory.
     pub(crate) uses: Uses,
+    /// A view dropped, but the event after its stream's work could not be recorded (the
+    /// backend failed): its hold stays, so nothing frees or reuses memory that work may touch,
+    /// until an event recorded later on this stream ([`crate::residency::State::settle`]).
+    pub(crate) unsettled: Vec<crate::backend::RawStream>,
+    /// Registered by a load that copies and has not finished: its name is taken, but
+    /// `lookup` and `ids` do not give it out, so a load that fails removes tensors nobody
+    /// else can hold.
+    pub(crate) loading: bool,
     /// Where the tensor sits in each tier's victim index (kept by placement).
     pub(crate) victim_slots: [crate::placement::victims::Slot; 4],
 }
@@ -173,6 +181,8 @@ impl Entry {
             readers: 0,
             read_flight: None,
             uses: Uses::default(),
+            unsettled: Vec::new(),
+            loading: false,
             victim_slots: [None; 4],
         }
     }

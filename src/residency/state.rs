@@ -61,6 +61,27 @@ impl State {
         f
     }
 
+    /// Retries the event a view's drop could not record ([`Entry::unsettled`]): once one is
+    /// recorded on that stream (after the view's work), it is the stream's last use and the
+    /// view's hold is released. Another failure leaves the tensor held.
+    pub(crate) fn settle(&mut self, id: TensorId) {
+        let Ok(e) = self.res.get_mut(id) else { return };
+        let mut i = 0;
+        while i < e.unsettled.len() {
+            let Ok(ev) = e.unsettled[i].record() else {
+                i += 1;
+                continue;
+            };
+            let stream = e.unsettled.swap_remove(i);
+            e.uses.record(stream.key(), ev);
+            e.views = e.views.saturating_sub(1);
+            if e.views == 0 {
+                e.view_tier = None;
+            }
+        }
+        self.reindex(id);
+    }
+
     /// Ends `id`'s exclusive flight and wakes whoever waits for it.
     pub(crate) fn end_flight(&mut self, id: TensorId, f: &Arc<Flight>) {
         if let Ok(e) = self.res.get_mut(id) {

@@ -1,6 +1,7 @@
-//! Extent sub-allocator: bookkeeping of aligned byte ranges over `[0, len)`, with no memory of
-//! its own. Each tier arena (device memory, pinned host memory, a disk file) carves its tensors
-//! out of one big reservation with it.
+//! Extent sub-allocator: bookkeeping of aligned byte ranges over `[0, len)` (or over several
+//! spans of one offset space, one per piece of memory), with no memory of its own. Each tier
+//! arena (device memory, pinned host memory, a disk file) carves its tensors out of its
+//! reservation with it.
 //!
 //! Free ranges live in two ordered sets: by offset (to find the neighbours to merge with on
 //! free) and by `(len, offset)` (to find the best fit on alloc). Both operations are O(log n) in
@@ -13,6 +14,10 @@ use std::collections::{BTreeMap, BTreeSet};
 /// Every offset handed out and every reserved size is a multiple of `align`, so free ranges
 /// always start on an `align` boundary and no padding is ever needed. When `len` is not a
 /// multiple of `align`, the tail past the last boundary is never handed out.
+///
+/// [`ExtentAllocator::with_spans`] lays several spans out in one offset space with a gap of
+/// `align` between them: the gap is never free, so no free range (and no extent) crosses from
+/// one span into the next.
 #[derive(Debug)]
 pub(crate) struct ExtentAllocator {
     /// Free ranges: offset -> length. Never two adjacent ones (they are merged on free).
@@ -21,30 +26,49 @@ pub(crate) struct ExtentAllocator {
     by_size: BTreeSet<(u64, u64)>,
     /// Sum of the reserved sizes of live extents.
     used: u64,
-    /// Length given to `new`.
+    /// Length given to `new` (the spans' lengths summed).
     len: u64,
-    /// `len` rounded down to `align`: the part that can be handed out.
+    /// The part that can be handed out: each span's length rounded down to `align`, summed.
     usable: u64,
+    /// Each span's `[start, usable end)`, by offset.
+    spans: Vec<(u64, u64)>,
     align: u64,
 }
 
 impl ExtentAllocator {
     /// `align` is a power of two (256 for device memory, 4096 for host and disk).
     pub(crate) fn new(len: u64, align: u64) -> Self {
+        Self::with_spans(&[len], align).0
+    }
+
+    /// An allocator over spans of `lens` bytes (pieces of memory reserved apart), laid out in
+    /// one offset space: span `i` starts at the returned offset `starts[i]`, `align` past the
+    /// aligned end of the span before it. An extent never crosses spans, so a request larger
+    /// than the largest span never succeeds ([`ExtentAllocator::largest_span`]).
+    pub(crate) fn with_spans(lens: &[u64], align: u64) -> (Self, Vec<u64>) {
         assert!(align.is_power_of_two(), "alignment {align} is not a power of two");
-        let usable = len & !(align - 1);
         let mut a = ExtentAllocator {
             free: BTreeMap::new(),
             by_size: BTreeSet::new(),
             used: 0,
-            len,
-            usable,
+            len: lens.iter().sum(),
+            usable: 0,
+            spans: Vec::with_capacity(lens.len()),
             align,
         };
-        if usable > 0 {
-            a.insert_free(0, usable);
+        let mut starts = Vec::with_capacity(lens.len());
+        let mut at = 0u64;
+        for &len in lens {
+            let usable = len & !(align - 1);
+            starts.push(at);
+            a.spans.push((at, at + usable));
+            if usable > 0 {
+                a.insert_free(at, usable);
+            }
+            a.usable += usable;
+            at = (at + len).next_multiple_of(align) + align;
         }
-        a
+        (a, starts)
     }
 
     /// Reserves round_up(size, align) bytes; returns the offset (a multiple of align), or None
@@ -117,6 +141,16 @@ impl ExtentAllocator {
         self.len
     }
 
+    /// How many spans (pieces of memory) the allocator covers.
+    pub(crate) fn spans(&self) -> usize {
+        self.spans.len()
+    }
+
+    /// The largest extent the allocator could ever hand out (its largest span, aligned).
+    pub(crate) fn largest_span(&self) -> u64 {
+        self.spans.iter().map(|&(s, e)| e - s).max().unwrap_or(0)
+    }
+
     /// Largest free range, 0 if none. A request of at most this many bytes succeeds.
     pub(crate) fn largest_free(&self) -> u64 {
         self.by_size.last().map_or(0, |&(l, _)| l)
@@ -141,7 +175,12 @@ impl ExtentAllocator {
         let Some(end) = offset.checked_add(need) else {
             return false;
         };
-        if offset & (self.align - 1) != 0 || end > self.usable || need > self.used {
+        if offset & (self.align - 1) != 0 || need > self.used {
+            return false;
+        }
+        // Inside one span: the last one starting at or before `offset`.
+        let i = self.spans.partition_point(|&(start, _)| start <= offset);
+        if i == 0 || end > self.spans[i - 1].1 {
             return false;
         }
         // Free ranges are disjoint and sorted, so only the last one starting before `end` can
@@ -314,17 +353,42 @@ mod tests {
         for w in ranges.windows(2) {
             assert!(w[0].0 + w[0].1 < w[1].0, "free ranges overlap or touch: {w:?}");
         }
-        // Live extents and free ranges together tile [0, usable) with no overlap.
+        // Live extents and free ranges together tile each span with no overlap.
         let mut all: Vec<(u64, u64)> = ranges.clone();
         all.extend(live.iter().map(|(&o, &s)| (o, a.reserved_size(s))));
         all.sort_unstable();
-        let mut at = 0;
-        for (o, l) in all {
-            assert_eq!(o % a.align, 0);
-            assert_eq!(o, at, "gap or overlap at {o}");
-            at = o + l;
+        let mut all = all.into_iter().peekable();
+        for &(start, end) in &a.spans {
+            let mut at = start;
+            while let Some(&(o, l)) = all.peek().filter(|r| r.0 < end) {
+                assert_eq!(o % a.align, 0);
+                assert_eq!(o, at, "gap or overlap at {o}");
+                at = o + l;
+                all.next();
+            }
+            assert_eq!(at, end, "span [{start}, {end}) not tiled");
         }
-        assert_eq!(at, a.usable);
+        assert!(all.next().is_none(), "a range outside every span");
+    }
+
+    #[test]
+    fn spans_never_merge_and_extents_stay_inside_one() {
+        let (mut a, starts) = ExtentAllocator::with_spans(&[1024, 1000, 2048], 256);
+        assert_eq!(starts, [0, 1280, 2560]);
+        assert_eq!((a.len(), a.largest_span(), a.largest_free()), (4072, 2048, 2048));
+        assert_eq!(a.alloc(2049), None, "larger than every span");
+        // Fill the first two spans: their ranges stay apart even when both are free.
+        let x = a.alloc(1024).unwrap();
+        let y = a.alloc(768).unwrap();
+        assert_eq!((x, y), (0, 1280));
+        a.free(x, 1024);
+        a.free(y, 768);
+        assert_eq!(a.ranges(), vec![(0, 1024), (1280, 768), (2560, 2048)]);
+        assert!(!a.is_live(1024, 256), "the gap is never an extent");
+        let z = a.alloc(2048).unwrap();
+        assert_eq!(z, 2560);
+        assert!(a.is_live(z, 2048));
+        assert!(!a.is_live(1280, 1536), "crosses out of its span");
     }
 
     #[test]
@@ -333,45 +397,51 @@ mod tests {
             [(1u64, 256u64, 1 << 20), (7, 4096, (1 << 22) + 123), (42, 256, 300_000)]
         {
             let mut rng = Rng::new(seed);
-            let mut a = ExtentAllocator::new(len, align);
-            let mut live: BTreeMap<u64, u64> = BTreeMap::new();
-            let mut fails = 0;
-            for _ in 0..5000 {
-                if live.is_empty() || rng.below(100) < 55 {
-                    // Mostly small requests, some large ones, to force splits and failures.
-                    let size = match rng.below(10) {
-                        0 => rng.below(len / 4),
-                        1..=3 => rng.below(8 * align),
-                        _ => rng.below(2 * align),
-                    }
-                    .max(1);
-                    let need = a.reserved_size(size);
-                    let before = a.ranges();
-                    let expect = before.iter().filter(|r| r.1 >= need).min_by_key(|r| (r.1, r.0));
-                    match a.alloc(size) {
-                        Some(off) => {
-                            assert_eq!(Some(off), expect.map(|r| r.0), "not the best fit");
-                            assert!(live.insert(off, size).is_none());
+            // The same lengths as one span and as three of unequal size.
+            let lens = [len / 2, len / 3, len - len / 2 - len / 3];
+            for mut a in
+                [ExtentAllocator::new(len, align), ExtentAllocator::with_spans(&lens, align).0]
+            {
+                let mut live: BTreeMap<u64, u64> = BTreeMap::new();
+                let mut fails = 0;
+                for _ in 0..5000 {
+                    if live.is_empty() || rng.below(100) < 55 {
+                        // Mostly small requests, some large ones, to force splits and failures.
+                        let size = match rng.below(10) {
+                            0 => rng.below(len / 4),
+                            1..=3 => rng.below(8 * align),
+                            _ => rng.below(2 * align),
                         }
-                        None => {
-                            assert!(expect.is_none(), "alloc failed with a fitting hole");
-                            fails += 1;
+                        .max(1);
+                        let need = a.reserved_size(size);
+                        let before = a.ranges();
+                        let expect =
+                            before.iter().filter(|r| r.1 >= need).min_by_key(|r| (r.1, r.0));
+                        match a.alloc(size) {
+                            Some(off) => {
+                                assert_eq!(Some(off), expect.map(|r| r.0), "not the best fit");
+                                assert!(live.insert(off, size).is_none());
+                            }
+                            None => {
+                                assert!(expect.is_none(), "alloc failed with a fitting hole");
+                                fails += 1;
+                            }
                         }
+                    } else {
+                        let i = rng.below(live.len() as u64) as usize;
+                        let (&off, &size) = live.iter().nth(i).unwrap();
+                        live.remove(&off);
+                        a.free(off, size);
                     }
-                } else {
-                    let i = rng.below(live.len() as u64) as usize;
-                    let (&off, &size) = live.iter().nth(i).unwrap();
-                    live.remove(&off);
+                    check(&a, &live);
+                }
+                assert!(fails > 0, "the test never exhausted the allocator");
+                for (off, size) in std::mem::take(&mut live) {
                     a.free(off, size);
                 }
                 check(&a, &live);
+                assert_eq!(a.free_ranges(), a.spans.iter().filter(|s| s.1 > s.0).count());
             }
-            assert!(fails > 0, "the test never exhausted the allocator");
-            for (off, size) in std::mem::take(&mut live) {
-                a.free(off, size);
-            }
-            check(&a, &live);
-            assert_eq!(a.free_ranges(), 1);
         }
     }
 }

@@ -26,6 +26,9 @@ use crate::error::Result;
 use crate::tiers::alloc::ExtentAllocator;
 use crate::types::Tier;
 
+/// The smallest piece a tier's budget is reserved in when the backend cannot give it whole.
+pub(crate) const MIN_PIECE: u64 = 64 << 20;
+
 /// One tensor's bytes in a memory arena. Not `Clone`: whoever holds it owns the range.
 #[derive(Debug)]
 pub(crate) struct Extent {
@@ -58,7 +61,9 @@ impl Extent {
 /// running on the device, so an allocation in `put` would wait for the user's kernels.
 pub(crate) struct MemArena {
     kind: MemKind,
-    block: Block,
+    /// The pieces the budget was reserved in, by offset: each block and the arena offset of its
+    /// first byte (the allocator's span for it). Usually one.
+    chunks: Vec<(u64, Block)>,
     /// Whether the CPU may reach Device memory through `block.host` (the host backend, where
     /// device memory is emulated): only views use that; the store's own copies go through the
     /// copy streams on every backend.
@@ -66,11 +71,17 @@ pub(crate) struct MemArena {
 }
 
 impl MemArena {
-    /// Reserves `capacity` bytes of `tier`'s memory kind, and the allocator for them.
+    /// Reserves `capacity` bytes of `tier`'s memory kind, and the allocator for them: in one
+    /// piece, or in pieces of at most `piece` bytes. When the backend cannot give a piece
+    /// (`OutOfMemory`: no contiguous range that large), the pieces halve, down to
+    /// [`MIN_PIECE`]; the largest tensor the tier can hold is its largest piece. `progress` is
+    /// told the bytes reserved so far after each piece.
     pub(crate) fn new(
         backend: &Backend,
         tier: Tier,
         capacity: u64,
+        piece: Option<u64>,
+        progress: &mut dyn FnMut(u64),
     ) -> Result<(MemArena, ExtentAllocator)> {
         let kind = match tier {
             Tier::Device => MemKind::Device,
@@ -80,24 +91,65 @@ impl MemArena {
         // 256 B on the device (cuMemAlloc's own alignment); a page on the host so O_DIRECT reads
         // can land in place.
         let align = if tier == Tier::Device { 256 } else { 4096 };
-        let len = usize::try_from(capacity).map_err(|_| {
-            crate::Error::InvalidArgument(format!("{tier} budget of {capacity} bytes"))
-        })?;
-        let block = backend.alloc(kind, len)?;
+        if usize::try_from(capacity).is_err() {
+            return Err(crate::Error::InvalidArgument(format!(
+                "{tier} budget of {capacity} bytes"
+            )));
+        }
+        let floor = MIN_PIECE.min(capacity);
+        let mut piece = piece.unwrap_or(capacity).clamp(floor, capacity.max(1));
+        let mut blocks = Vec::new();
+        let mut lens = Vec::new();
+        let mut done = 0u64;
+        while done < capacity || blocks.is_empty() {
+            let want = piece.min(capacity - done);
+            match backend.alloc(kind, want as usize) {
+                Ok(b) => {
+                    blocks.push(b);
+                    lens.push(want);
+                    done += want;
+                    progress(done);
+                }
+                Err(crate::Error::OutOfMemory { .. }) if want > floor => {
+                    piece = (want / 2).next_multiple_of(align).max(floor);
+                    tracing::info!(%tier, piece, "no piece of {want} bytes: reserving in smaller pieces");
+                }
+                Err(crate::Error::OutOfMemory { .. }) => {
+                    // What was reserved is freed as `blocks` drops.
+                    return Err(crate::Error::OutOfMemory { tier, bytes: capacity });
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        let (alloc, starts) = ExtentAllocator::with_spans(&lens, align);
+        let chunks = starts.into_iter().zip(blocks).collect();
         let views_reach_device = backend.kind() == crate::BackendKind::Host;
-        Ok((MemArena { kind, block, views_reach_device }, ExtentAllocator::new(capacity, align)))
+        Ok((MemArena { kind, chunks, views_reach_device }, alloc))
+    }
+
+    /// The piece holding `ext` and the extent's offset in it.
+    fn chunk(&self, ext: &Extent) -> (&Block, u64) {
+        let i = self.chunks.partition_point(|&(start, _)| start <= ext.offset).max(1) - 1;
+        let (start, block) = &self.chunks[i];
+        (block, ext.offset - start)
+    }
+
+    /// How many pieces the budget was reserved in.
+    pub(crate) fn pieces(&self) -> usize {
+        self.chunks.len()
     }
 
     /// Device address of the extent: device memory, or the device mapping of Mapped memory.
     pub(crate) fn dev_ptr(&self, ext: &Extent) -> u64 {
-        self.block.dev + ext.offset
+        let (b, off) = self.chunk(ext);
+        b.dev + off
     }
 
     /// Whether the store's CPU code reaches this arena's bytes directly (Pinned and Mapped); the
     /// Device tier is reached through copy streams only, on every backend, so the host backend
     /// exercises the same staging paths as the GPU.
     pub(crate) fn cpu_reachable(&self) -> bool {
-        self.kind != MemKind::Device && self.block.host_accessible()
+        self.kind != MemKind::Device && self.chunks.iter().all(|c| c.1.host_accessible())
     }
 
     /// A lease for reading the extent's bytes without the lock (module Safety, rule 2).
@@ -120,16 +172,16 @@ impl MemArena {
     }
 
     fn lease(&self, ext: &Extent, device_cpu: bool) -> Lease {
-        let b = &self.block;
+        let (b, off) = self.chunk(ext);
         let cpu_ok = b.host_accessible() && (self.kind != MemKind::Device || device_cpu);
         let cpu = if cpu_ok {
             // `wrapping_add` keeps this free of unsafe; the offset lies inside the block (the
-            // allocator hands out ranges within its length, which is the block's).
-            b.host.wrapping_add(ext.offset as usize)
+            // allocator hands out ranges within one span, whose length is its block's).
+            b.host.wrapping_add(off as usize)
         } else {
             std::ptr::null_mut()
         };
-        Lease { cpu, dma: b.copy_addr(ext.offset as usize), len: ext.bytes as usize }
+        Lease { cpu, dma: b.copy_addr(off as usize), len: ext.bytes as usize }
     }
 }
 
@@ -422,7 +474,7 @@ mod tests {
     #[test]
     fn arena_suballocates_its_budget() {
         let be = Backend::Host(HostBackend::new().unwrap());
-        let (a, mut alloc) = MemArena::new(&be, Tier::Pinned, 64 << 10).unwrap();
+        let (a, mut alloc) = MemArena::new(&be, Tier::Pinned, 64 << 10, None, &mut |_| {}).unwrap();
         let x = alloc.alloc(10_000).map(|o| Extent::new(o, 10_000)).unwrap();
         assert_eq!(alloc.used(), 12288);
         let big = alloc.alloc(40 << 10).unwrap();
@@ -439,7 +491,7 @@ mod tests {
     #[test]
     fn device_tier_is_reached_by_views_only_on_the_host_backend() {
         let be = Backend::Host(HostBackend::new().unwrap());
-        let (a, mut alloc) = MemArena::new(&be, Tier::Device, 4096).unwrap();
+        let (a, mut alloc) = MemArena::new(&be, Tier::Device, 4096, None, &mut |_| {}).unwrap();
         let e = Extent::new(alloc.alloc(100).unwrap(), 100);
         assert!(!a.cpu_reachable());
         assert!(a.read_lease(&e).bytes().is_none());
@@ -449,7 +501,8 @@ mod tests {
     #[test]
     fn staged_upload_and_download_round_trip_in_pieces() {
         let be = Backend::Host(HostBackend::new().unwrap());
-        let (dev, mut alloc) = MemArena::new(&be, Tier::Device, 1 << 20).unwrap();
+        let (dev, mut alloc) =
+            MemArena::new(&be, Tier::Device, 1 << 20, None, &mut |_| {}).unwrap();
         let n = 300_000;
         let e = Extent::new(alloc.alloc(n as u64).unwrap(), n as u64);
         let mut bufs: Vec<StagingBuf> =

@@ -108,7 +108,21 @@ impl TierBooks {
 
     /// Whether a tensor of `bytes` could ever fit the tier.
     pub(crate) fn can_ever_fit(&self, t: Tier, bytes: u64) -> bool {
-        self.alloc_of(t).is_some_and(|a| a.reserved_size(bytes) <= a.len())
+        self.alloc_of(t).is_some_and(|a| a.reserved_size(bytes) <= a.largest_span())
+    }
+
+    /// The tier's budget as an error message names it: `pinned 8 GiB`, or with the largest
+    /// piece when it was reserved in several (`pinned 8 GiB in 4 pieces, the largest 2 GiB`).
+    pub(crate) fn describe(&self, t: Tier) -> String {
+        let Some(a) = self.alloc_of(t) else { return format!("{t} (disabled)") };
+        let cap = crate::types::format_size(a.len());
+        match a.spans() {
+            1 => format!("{t} {cap}"),
+            n => format!(
+                "{t} {cap} in {n} pieces, the largest {}",
+                crate::types::format_size(a.largest_span())
+            ),
+        }
     }
 
     /// Bytes taken, waiting extents included.

@@ -46,6 +46,25 @@ pub(super) fn save(
     tensors: &[(TensorId, String)],
     metadata: &BTreeMap<String, String>,
 ) -> Result<()> {
+    // A symlink is followed: the file it names is replaced, and the link keeps naming it.
+    let resolved;
+    let path = match std::fs::symlink_metadata(path) {
+        Ok(m) if m.file_type().is_symlink() => {
+            resolved = std::fs::canonicalize(path).map_err(|e| Error::io(path, e))?;
+            resolved.as_path()
+        }
+        _ => path,
+    };
+    match std::fs::metadata(path) {
+        Ok(m) if !m.is_file() => {
+            return Err(Error::InvalidArgument(format!(
+                "{} is not a regular file ({}): save to a file's path",
+                path.display(),
+                if m.is_dir() { "a directory" } else { "a device, FIFO or socket" }
+            )));
+        }
+        _ => {}
+    }
     let file_name = path
         .file_name()
         .ok_or_else(|| Error::InvalidArgument(format!("{} names no file", path.display())))?
@@ -61,6 +80,12 @@ pub(super) fn save(
         let info = store.info(*id)?;
         if !names.insert(name.as_str()) {
             return Err(Error::DuplicateName(name.clone()));
+        }
+        if name == "__metadata__" {
+            return Err(Error::InvalidArgument(format!(
+                "tensor {id} is named __metadata__, which safetensors files reserve for their \
+                 metadata: save it under another name (save_safetensors_as)"
+            )));
         }
         entries.push(Entry {
             id: *id,
@@ -111,12 +136,15 @@ pub(super) fn save(
         Ok(m) => Some(m.permissions().mode() & 0o7777),
         Err(_) => None,
     };
-    let temp = dir.join(format!(
-        ".{file_name}.strata-{}-{}.tmp",
-        std::process::id(),
-        SAVES.fetch_add(1, Ordering::Relaxed)
-    ));
-    let (file, named) = create(dir, &temp, mode).map_err(|e| Error::io(path, e))?;
+    let temp_name = || {
+        dir.join(format!(
+            ".{file_name}.strata-{}-{}.tmp",
+            std::process::id(),
+            SAVES.fetch_add(1, Ordering::Relaxed)
+        ))
+    };
+    let mut temp = temp_name();
+    let (file, named) = create(dir, &mut temp, &temp_name, mode).map_err(|e| Error::io(path, e))?;
     let done = write(store, path, &file, &header, order.iter().map(|&i| &entries[i]))
         .and_then(|()| {
             failpoint::check(Site::SaveSync, path)?;
@@ -125,7 +153,16 @@ pub(super) fn save(
         .and_then(|()| {
             failpoint::check(Site::SaveRename, path)?;
             if !named {
-                link_unnamed(&file, &temp).map_err(|e| Error::io(path, e))?;
+                // A name taken by a file of an earlier process with our pid (a container
+                // restarted as pid 1): the next name.
+                let mut tries = 0;
+                while let Err(e) = link_unnamed(&file, &temp) {
+                    tries += 1;
+                    if e.kind() != std::io::ErrorKind::AlreadyExists || tries == 100 {
+                        return Err(Error::io(path, e));
+                    }
+                    temp = temp_name();
+                }
             }
             std::fs::rename(&temp, path).map_err(|e| Error::io(path, e))
         });
@@ -139,7 +176,12 @@ pub(super) fn save(
 
 /// The file to write: unnamed where the file system allows it (`named` false), else `temp`
 /// itself. Its permissions are `mode` (the target's, when it exists), or what a new file gets.
-fn create(dir: &Path, temp: &Path, mode: Option<u32>) -> std::io::Result<(File, bool)> {
+fn create(
+    dir: &Path,
+    temp: &mut PathBuf,
+    next: &dyn Fn() -> PathBuf,
+    mode: Option<u32>,
+) -> std::io::Result<(File, bool)> {
     let unnamed = OpenOptions::new()
         .write(true)
         .custom_flags(libc::O_TMPFILE)
@@ -150,7 +192,19 @@ fn create(dir: &Path, temp: &Path, mode: Option<u32>) -> std::io::Result<(File, 
         .filter(|_| Path::new("/proc/self/fd").is_dir());
     let (file, named) = match unnamed {
         Some(f) => (f, false),
-        None => (OpenOptions::new().write(true).create_new(true).mode(0o666).open(temp)?, true),
+        None => {
+            let mut tries = 0;
+            loop {
+                match OpenOptions::new().write(true).create_new(true).mode(0o666).open(&*temp) {
+                    Ok(f) => break (f, true),
+                    Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && tries < 100 => {
+                        tries += 1;
+                        *temp = next();
+                    }
+                    Err(e) => return Err(e),
+                }
+            }
+        }
     };
     if let Some(mode) = mode {
         file.set_permissions(std::fs::Permissions::from_mode(mode))?;

@@ -4,6 +4,7 @@
 
 use std::fs::{File, OpenOptions};
 use std::io;
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -43,9 +44,16 @@ fn open(path: &Path, write: bool, direct: bool) -> io::Result<File> {
     o.open(path)
 }
 
-/// The file the disk paths of one size use; removed on drop.
+/// The file the disk paths of one size use: unnamed (`O_TMPFILE`, or created and unlinked at
+/// once), so nothing of it outlives the process, also one stopped with Ctrl-C or killed; it is
+/// reopened (with `O_DIRECT`) through `/proc/self/fd`.
 pub(super) struct BenchFile {
+    /// Keeps the file alive.
+    _file: File,
+    /// `/proc/self/fd/N` of `_file`.
     path: PathBuf,
+    /// The directory it is in, for errors.
+    dir: PathBuf,
     /// Whether the writes went around the page cache.
     pub(super) direct_write: bool,
 }
@@ -64,14 +72,10 @@ impl BenchFile {
             return Err(Error::InvalidArgument("a bench file of 0 bytes".into()));
         }
         let n = NEXT_FILE.fetch_add(1, Ordering::Relaxed);
-        let path = dir.join(format!("strata-bench-{}-{n}.dat", std::process::id()));
-        OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .open(&path)
-            .map_err(|e| Error::io(&path, e))?;
-        // From here on the file is removed on drop, also when a write fails.
-        let mut file = BenchFile { path, direct_write: true };
+        let unnamed = tempfile::tempfile_in(dir).map_err(|e| Error::io(dir, e))?;
+        let path = PathBuf::from(format!("/proc/self/fd/{}", unnamed.as_raw_fd()));
+        let mut file =
+            BenchFile { _file: unnamed, path, dir: dir.to_path_buf(), direct_write: true };
         let padded = round_up(size);
         let piece = DISK_CHUNK.min(padded);
         let mut buf = vec![0u8; piece + ALIGN];
@@ -81,7 +85,7 @@ impl BenchFile {
             Ok(f) => f,
             Err(_) => {
                 file.direct_write = false;
-                open(&file.path, true, false).map_err(|e| Error::io(&file.path, e))?
+                open(&file.path, true, false).map_err(|e| Error::io(&file.dir, e))?
             }
         };
         let mut seconds = Vec::with_capacity(reps);
@@ -90,10 +94,10 @@ impl BenchFile {
             let mut res = write_all(&f, aligned(&mut buf, piece), padded);
             if matches!(&res, Err(e) if file.direct_write && refused(e)) {
                 file.direct_write = false;
-                f = open(&file.path, true, false).map_err(|e| Error::io(&file.path, e))?;
+                f = open(&file.path, true, false).map_err(|e| Error::io(&file.dir, e))?;
                 res = write_all(&f, aligned(&mut buf, piece), padded);
             }
-            res.map_err(|e| Error::io(&file.path, e))?;
+            res.map_err(|e| Error::io(&file.dir, e))?;
             if run >= runs - reps.min(runs) {
                 seconds.push(t.elapsed().as_secs_f64());
             }
@@ -133,7 +137,7 @@ impl BenchFile {
             Ok(f) => f,
             Err(_) => {
                 direct = false;
-                open(&self.path, false, false).map_err(|e| Error::io(&self.path, e))?
+                open(&self.path, false, false).map_err(|e| Error::io(&self.dir, e))?
             }
         };
         let mut seconds = Vec::with_capacity(reps);
@@ -142,21 +146,15 @@ impl BenchFile {
             let mut res = read_pass(&f, &mut bufs, piece, padded);
             if matches!(&res, Err(e) if direct && refused(e)) {
                 direct = false;
-                f = open(&self.path, false, false).map_err(|e| Error::io(&self.path, e))?;
+                f = open(&self.path, false, false).map_err(|e| Error::io(&self.dir, e))?;
                 res = read_pass(&f, &mut bufs, piece, padded);
             }
-            res.map_err(|e| Error::io(&self.path, e))?;
+            res.map_err(|e| Error::io(&self.dir, e))?;
             if run >= warmup {
                 seconds.push(t.elapsed().as_secs_f64());
             }
         }
         Ok((seconds, direct))
-    }
-}
-
-impl Drop for BenchFile {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.path);
     }
 }
 
@@ -215,7 +213,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn file_is_written_read_and_removed() {
+    fn file_is_written_read_and_unnamed() {
         let dir = tempfile::tempdir().unwrap();
         let size = 3 * 4096 + 100;
         let (file, secs) = BenchFile::create(dir.path(), size, 1, 2).unwrap();
@@ -230,9 +228,9 @@ mod tests {
         let (other, secs) = BenchFile::create(dir.path(), 4096, 0, 0).unwrap();
         assert!(secs.is_empty());
         assert_eq!(std::fs::metadata(other.path()).unwrap().len(), 4096);
-        let path = file.path().to_path_buf();
+        // Nothing of them has a name in the directory.
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
         drop(file);
-        assert!(!path.exists());
         assert!(BenchFile::create(dir.path(), 0, 0, 1).is_err());
         assert!(BenchFile::create(&dir.path().join("missing/dir"), 4096, 0, 1).is_err());
     }

@@ -299,19 +299,14 @@ impl Bench {
     /// Runs the sweep. Paths that fail at some size (out of memory, no NVRTC, a file system
     /// refusing the file) are reported as skipped with the reason; the sweep goes on.
     pub fn run(self) -> Result<Report> {
-        let tmp;
+        // The disk paths' files and the store's slab are unnamed: nothing is left in the
+        // directory, whatever ends the command.
         let dir = match &self.opts.disk_dir {
             Some(d) => {
                 std::fs::create_dir_all(d).map_err(|e| Error::io(d, e))?;
                 d.clone()
             }
-            None => {
-                tmp = tempfile::Builder::new()
-                    .prefix("strata-bench-")
-                    .tempdir()
-                    .map_err(|e| Error::io(std::env::temp_dir(), e))?;
-                tmp.path().to_path_buf()
-            }
+            None => std::env::temp_dir(),
         };
         // A directory the disk paths cannot write in fails the command now, rather than every
         // disk and store path being skipped and the sweep ending as if it had succeeded.
