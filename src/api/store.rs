@@ -181,6 +181,12 @@ impl Store {
         ops::read(&self.shared, id, false)
     }
 
+    /// `read_vec` that never promotes (`read_in_place` read straight into a vector of `T`s).
+    #[cfg(feature = "candle")]
+    pub(crate) fn read_in_place_as<T: Element>(&self, id: TensorId) -> Result<Vec<T>> {
+        ops::read_as(&self.shared, id, false, true)
+    }
+
     /// Replaces the tensor's bytes (`data` must be as long as the tensor). The new bytes go to
     /// a new copy in the tier of the fastest one (or, without room there, wherever a `put`
     /// would put them), and the old copies are dropped once it is in place: a write that fails

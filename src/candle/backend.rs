@@ -9,7 +9,7 @@ use candle_core::{DType as CDType, Device, Shape, Tensor};
 use candle_nn::var_builder::SimpleBackend;
 use candle_nn::VarBuilder;
 
-use super::{candle_dtype, strata_err, tensor_from_bytes, unsupported_dtype};
+use super::{candle_dtype, read_tensor, strata_err, unsupported_dtype};
 use crate::error::Result;
 use crate::types::TensorId;
 use crate::{LoadOptions, Loaded, Store};
@@ -107,8 +107,7 @@ impl StoreBackend {
             }
         }
         // Without promotion: the bytes go to candle, a copy in a faster tier would be waste.
-        let bytes = self.store.read_in_place(id).map_err(|e| strata_err(name, e))?;
-        tensor_from_bytes(name, &bytes, info.dtype, &info.shape, dev)
+        read_tensor(&self.store, name, id, &info, dev)
     }
 }
 

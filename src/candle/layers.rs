@@ -9,7 +9,9 @@ use candle_core::{DType as CDType, Device, Tensor};
 use candle_nn::VarBuilder;
 use parking_lot::Mutex;
 
-use super::{candle_dtype, strata_err, stream_for, tensor_from_bytes, unsupported_dtype};
+use super::{
+    candle_dtype, read_tensor, strata_err, stream_for, tensor_from_bytes, unsupported_dtype,
+};
 use crate::error::Result;
 use crate::types::{TensorId, Tier};
 use crate::{Loaded, Store, Stream};
@@ -223,9 +225,9 @@ impl Layers {
                     on_device.push(id);
                     self.through_view(name, id, &info)?
                 } else {
-                    let bytes = self.store.read_in_place(id).map_err(|e| strata_err(name, e))?;
+                    let t = read_tensor(&self.store, name, id, &info, &self.device)?;
                     self.transfers.lock().t.host_copy_bytes += info.bytes;
-                    tensor_from_bytes(name, &bytes, info.dtype, &info.shape, &self.device)?
+                    t
                 };
                 self.transfers.lock().t.tensors += 1;
                 tensors.insert(name.to_string(), t);
@@ -278,9 +280,9 @@ impl Layers {
                 // CUDA u16 (widened to u32 on the host, as candle's loader does): through the
                 // host.
                 drop(view);
-                let bytes = self.store.read_in_place(id).map_err(|e| strata_err(name, e))?;
+                let t = read_tensor(&self.store, name, id, info, &self.device)?;
                 self.transfers.lock().t.host_copy_bytes += info.bytes;
-                tensor_from_bytes(name, &bytes, info.dtype, &info.shape, &self.device)
+                Ok(t)
             }
         }
     }

@@ -47,7 +47,7 @@ pub use layers::{LayerWeights, Layers, Transfers};
 use candle_core::{Device, Tensor};
 
 use crate::error::{Error, Result};
-use crate::types::DType;
+use crate::types::{DType, TensorId};
 use crate::{Store, StoreBuilder, Stream};
 
 /// Builds a store whose backend goes with a candle device: the host backend for
@@ -143,6 +143,47 @@ pub(crate) fn unsupported_dtype(name: &str, dtype: DType) -> candle_core::Error 
 /// A strata error as a candle error, saying which tensor it concerns.
 pub(crate) fn strata_err(name: &str, e: Error) -> candle_core::Error {
     candle_core::Error::wrap(e).context(format!("strata could not serve tensor {name}"))
+}
+
+/// The tensor `id` (`info` its metadata) read from the store without promoting it, as a candle
+/// tensor on `device`, converted as candle's safetensors loader converts it. The bytes are read
+/// straight into the vector candle takes (on the CPU, candle keeps it: one copy from the store).
+pub(crate) fn read_tensor(
+    store: &Store,
+    name: &str,
+    id: TensorId,
+    info: &crate::TensorInfo,
+    device: &Device,
+) -> candle_core::Result<Tensor> {
+    let shape = info.shape.as_slice();
+    macro_rules! typed {
+        ($t:ty) => {
+            Tensor::from_vec(
+                store.read_in_place_as::<$t>(id).map_err(|e| strata_err(name, e))?,
+                shape,
+                device,
+            )
+        };
+    }
+    match info.dtype {
+        DType::U8 => typed!(u8),
+        DType::U16 => {
+            let narrow = store.read_in_place_as::<u16>(id).map_err(|e| strata_err(name, e))?;
+            Tensor::from_vec(narrow.into_iter().map(u32::from).collect::<Vec<u32>>(), shape, device)
+        }
+        DType::U32 => typed!(u32),
+        DType::I16 => typed!(i16),
+        DType::I32 => typed!(i32),
+        DType::I64 => typed!(i64),
+        DType::BF16 => typed!(half::bf16),
+        DType::F16 => typed!(half::f16),
+        DType::F32 => typed!(f32),
+        DType::F64 => typed!(f64),
+        _ => {
+            let bytes = store.read_in_place(id).map_err(|e| strata_err(name, e))?;
+            tensor_from_bytes(name, &bytes, info.dtype, shape, device)
+        }
+    }
 }
 
 /// A candle tensor on `device` holding a copy of `bytes`, a tensor of `dtype` and `shape` as
