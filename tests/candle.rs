@@ -164,6 +164,7 @@ fn strata_backend_runs_bert_as_candles_loader_does() {
         (strata::DType::F32, DType::F32),
         (strata::DType::BF16, DType::F32),
         (strata::DType::F32, DType::BF16),
+        (strata::DType::BF16, DType::BF16),
     ] {
         let dir = tempfile::tempdir().unwrap();
         let file = write_bert(dir.path(), dtype, &[]);
@@ -364,6 +365,79 @@ fn out_of_core_fetches_name_missing_tensors_and_refuse_a_mismatched_store() {
     let e = OutOfCoreBert::new(layers, &Config { num_hidden_layers: 5, ..config() }, DType::F32)
         .unwrap_err();
     assert!(e.to_string().contains("encoder.layer.4."), "{e}");
+}
+
+fn small_store(device_budget: u64) -> Arc<Store> {
+    let b = Store::builder()
+        .capacity(Tier::Device, device_budget)
+        .prefetch_budget(device_budget)
+        .capacity(Tier::Pinned, 1 << 20)
+        .capacity(Tier::Mapped, 0);
+    Arc::new(strata::candle::store_for(&Device::Cpu, b).unwrap())
+}
+
+fn f32_bytes(n: usize) -> Vec<u8> {
+    (0..n).flat_map(|i| (i as f32).to_ne_bytes()).collect()
+}
+
+fn tiers(s: &Store, id: strata::TensorId) -> Vec<Tier> {
+    s.info(id).unwrap().tiers
+}
+
+/// A fetch or a row gather refused for a dtype candle lacks moves nothing: `next` is not
+/// prefetched, the tensors before the bad one are not copied, the table is not moved.
+#[test]
+fn refused_fetches_and_gathers_leave_the_store_as_it_was() {
+    let s = small_store(64 << 10);
+    let mk = |n: &str| s.put(n, strata::DType::F32, &[64, 64], &f32_bytes(4096)).unwrap();
+    let (a, n1, n2) = (mk("a"), mk("n1"), mk("n2"));
+    let bad = s.put("bad", strata::DType::I8, &[8, 4], &[1u8; 32]).unwrap();
+    let table = mk("table");
+    s.move_to(table, Tier::Device).unwrap();
+    let names = [("a", a), ("n1", n1), ("n2", n2), ("bad", bad), ("table", table)];
+    let layers =
+        Layers::new(s.clone(), names.map(|(n, i)| (n.to_string(), i)), &Device::Cpu).unwrap();
+    let ids = [a, n1, n2, bad, table];
+    let before: Vec<_> = ids.iter().map(|&i| tiers(&s, i)).collect();
+    let moved = s.stats().moved_into(Tier::Device);
+
+    let e = layers.fetch(&["a", "bad"], &["n1", "n2"]).unwrap_err();
+    assert!(format!("{e}").contains("bad"), "{e}");
+    let e = layers.gather_rows("bad", &[0]).unwrap_err();
+    assert!(format!("{e}").contains("bad"), "{e}");
+    std::thread::sleep(std::time::Duration::from_millis(100)); // a prefetch would have run
+
+    let after: Vec<_> = ids.iter().map(|&i| tiers(&s, i)).collect();
+    assert_eq!(before, after);
+    assert_eq!(s.stats().moved_into(Tier::Device), moved);
+    assert_eq!(layers.transfers().unwrap(), strata::candle::Transfers::default());
+}
+
+/// A tensor the Device tier cannot hold now (its extent larger than the tier, or no room
+/// beside a pinned tensor) is read on the host instead of failing; a name given twice is
+/// handed over once.
+#[test]
+fn tensors_the_device_tier_cannot_hold_now_are_read_on_the_host() {
+    // 1000 bytes in a 1000-byte tier: the tier's extents are larger than the bytes.
+    let s = small_store(1000);
+    let a = s.put("a", strata::DType::F32, &[250], &f32_bytes(250)).unwrap();
+    let layers = Layers::new(s.clone(), [("a".to_string(), a)], &Device::Cpu).unwrap();
+    let w = layers.fetch(&["a", "a"], &[]).unwrap();
+    assert_eq!(w.len(), 1);
+    assert_eq!(w.get("a").unwrap().to_vec1::<f32>().unwrap()[249], 249.0);
+    let t = layers.transfers().unwrap();
+    assert_eq!((t.tensors, t.host_copy_bytes, t.view_copy_bytes), (1, 1000, 0));
+
+    // 48 KiB beside 16 KiB pinned in a 64 KiB tier fits; 60 KiB does not, for now.
+    let s = small_store(64 << 10);
+    let p = s.put("p", strata::DType::F32, &[64, 64], &f32_bytes(4096)).unwrap();
+    s.move_to(p, Tier::Device).unwrap();
+    s.pin(&[p]).unwrap();
+    let big = s.put("big", strata::DType::F32, &[15 * 1024], &f32_bytes(15 * 1024)).unwrap();
+    let layers = Layers::new(s.clone(), [("big".to_string(), big)], &Device::Cpu).unwrap();
+    let w = layers.fetch(&["big"], &[]).unwrap();
+    assert_eq!(w.get("big").unwrap().to_vec1::<f32>().unwrap()[15 * 1024 - 1], 15359.0);
+    assert_eq!(layers.transfers().unwrap().host_copy_bytes, 60 << 10);
 }
 
 /// On a GPU (feature `candle-cuda`): the out-of-core run on candle's CUDA device, from device

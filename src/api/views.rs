@@ -25,6 +25,11 @@ pub struct Stream {
 
 impl Stream {
     /// Wraps a cudarc stream (a trainer's own). It must belong to the store's context.
+    ///
+    /// CUDA's per-thread default stream (cudarc's `per_thread_stream`, candle's
+    /// `Device::new_cuda`) is a different stream on each host thread behind one handle: the
+    /// store tells the threads apart (each thread's views order its own stream's work), but
+    /// the work and the view that orders it must then be issued and dropped on one thread.
     pub fn from_cuda(stream: Arc<CudaStream>) -> Stream {
         Stream { raw: RawStream::Cuda(stream) }
     }

@@ -40,6 +40,15 @@ impl CopyTimer {
         Ok(())
     }
 
+    /// Seconds between the two events if the end event has completed, without waiting.
+    pub(crate) fn seconds_if_done(&self) -> Option<f64> {
+        let end = self.end.as_ref()?;
+        if !end.is_complete() {
+            return None;
+        }
+        self.start.elapsed_ms(end).ok().map(|ms| f64::from(ms) / 1e3)
+    }
+
     /// Seconds between the two events, once the end event completed (this waits for it).
     pub(crate) fn seconds(&self) -> candle_core::Result<f64> {
         let Some(end) = &self.end else { return Ok(0.0) };

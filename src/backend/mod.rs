@@ -112,6 +112,16 @@ impl Drop for Block {
     }
 }
 
+/// `CU_STREAM_PER_THREAD`: the handle of the calling thread's per-thread default stream.
+const PER_THREAD_STREAM: u64 = 0x2;
+
+static NEXT_THREAD_KEY: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
+thread_local! {
+    /// A number for this host thread, for the keys of the per-thread default stream.
+    static THREAD_KEY: u64 = NEXT_THREAD_KEY.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+}
+
 /// A stream: copies and waits issued to it run in order, asynchronously to the caller.
 #[derive(Clone)]
 pub(crate) enum RawStream {
@@ -228,11 +238,22 @@ impl RawStream {
         }
     }
 
-    /// A number naming the stream (the same for every handle of one stream).
+    /// A number naming the stream (the same for every handle of one stream). CUDA's per-thread
+    /// default stream has one handle (`CU_STREAM_PER_THREAD`) for a different stream on each
+    /// host thread (candle's `Device::new_cuda` uses it), so its key also names the calling
+    /// thread: two threads' uses of it are two streams' uses.
     pub(crate) fn key(&self) -> u64 {
         match self {
             RawStream::Host(s) => Arc::as_ptr(s) as usize as u64,
-            RawStream::Cuda(s) => s.cu_stream() as usize as u64,
+            RawStream::Cuda(s) => {
+                let handle = s.cu_stream() as usize as u64;
+                if handle == PER_THREAD_STREAM {
+                    // Heap addresses (other streams' handles) never have the top bit set.
+                    (1 << 63) | (THREAD_KEY.with(|k| *k) << 2) | PER_THREAD_STREAM
+                } else {
+                    handle
+                }
+            }
         }
     }
 

@@ -19,8 +19,9 @@ use super::Layers;
 /// ([`Layers::gather_rows`]) and the embedding runs on that sub-table with the ids renumbered,
 /// which selects the same rows.
 ///
-/// The tensors are found where `BertModel::load` finds them: at the root, under `bert.`, or
-/// under the config's `model_type`.
+/// The tensors are looked for at the root, under `bert.`, or under the config's `model_type`
+/// (`BertModel::load` looks under `bert.` only when a tensor named `bert` exists: this accepts
+/// what it accepts, and a little more).
 ///
 /// ```no_run
 /// # fn main() -> Result<(), Box<dyn std::error::Error>> {

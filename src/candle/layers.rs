@@ -28,8 +28,9 @@ pub struct Transfers {
     /// Seconds those copies took: measured with CUDA events on candle's stream, or on the wall
     /// clock on the CPU.
     pub view_copy_seconds: f64,
-    /// Bytes of tensors too large for the Device tier, copied to candle from a host replica
-    /// instead (read in place, not through the Device tier).
+    /// Bytes copied to candle from a host replica (read in place, not through the Device
+    /// tier): tensors the Device tier cannot hold (too large for it, or no room beside what is
+    /// held there), and on CUDA the `u16` and `f8e4m3` tensors.
     pub host_copy_bytes: u64,
     /// Bytes of rows gathered on the host for [`Layers::gather_rows`] and copied to candle.
     pub gathered_bytes: u64,
@@ -83,7 +84,7 @@ pub struct Transfers {
 ///     let lin = candle_nn::linear_no_bias(64, 64, w.var_builder(DType::F32).pp(format!("layer.{l}")))?;
 ///     x = lin.forward(&x)?;
 /// } // each layer's weights are dropped here, after the layer
-/// assert_eq!(layers.transfers().tensors, 8);
+/// assert_eq!(layers.transfers()?.tensors, 8);
 /// # Ok(()) }
 /// ```
 pub struct Layers {
@@ -167,14 +168,14 @@ impl Layers {
     /// What was handed to candle so far. On CUDA, reading the copy times waits for the copies
     /// issued so far to complete.
     pub fn transfers(&self) -> candle_core::Result<Transfers> {
-        let c = self.transfers.lock();
         #[allow(unused_mut)]
-        let mut t = c.t;
+        let mut c = self.transfers.lock();
         #[cfg(feature = "candle-cuda")]
-        for timer in &c.timers {
-            t.view_copy_seconds += timer.seconds()?;
+        while let Some(timer) = c.timers.pop() {
+            let seconds = timer.seconds()?;
+            c.t.view_copy_seconds += seconds;
         }
-        Ok(t)
+        Ok(c.t)
     }
 
     fn resolve(&self, names: &[&str]) -> candle_core::Result<Vec<TensorId>> {
@@ -211,23 +212,35 @@ impl Layers {
     /// not served is `CannotFindTensor`; a dtype candle lacks is `UnsupportedSafeTensorDtype`
     /// naming the tensor.
     pub fn fetch(&self, uses: &[&str], next: &[&str]) -> candle_core::Result<LayerWeights> {
+        // Every name and dtype checked before anything moves: a fetch refused for a bad input
+        // leaves the store as it was.
         let ids = self.resolve(uses)?;
+        let mut infos = Vec::with_capacity(ids.len());
+        for (&id, &name) in ids.iter().zip(uses) {
+            let info = self.store.info(id).map_err(|e| strata_err(name, e))?;
+            if candle_dtype(info.dtype).is_none() {
+                return Err(unsupported_dtype(name, info.dtype));
+            }
+            infos.push(info);
+        }
         self.prefetch(next)?;
         let mut tensors = HashMap::with_capacity(uses.len());
         let mut on_device = Vec::with_capacity(ids.len());
-        let res = (|| {
-            for (&id, &name) in ids.iter().zip(uses) {
-                let info = self.store.info(id).map_err(|e| strata_err(name, e))?;
-                if candle_dtype(info.dtype).is_none() {
-                    return Err(unsupported_dtype(name, info.dtype));
+        let res = (|| -> candle_core::Result<()> {
+            for ((&id, &name), info) in ids.iter().zip(uses).zip(&infos) {
+                if tensors.contains_key(name) {
+                    continue; // named twice: handed over once
                 }
-                let t = if info.bytes <= self.device_capacity {
-                    on_device.push(id);
-                    self.through_view(name, id, &info)?
-                } else {
-                    let t = read_tensor(&self.store, name, id, &info, &self.device)?;
-                    self.transfers.lock().t.host_copy_bytes += info.bytes;
-                    t
+                let t = match self.through_view(name, id, info)? {
+                    Some(t) => {
+                        on_device.push(id);
+                        t
+                    }
+                    None => {
+                        let t = read_tensor(&self.store, name, id, info, &self.device)?;
+                        self.transfers.lock().t.host_copy_bytes += info.bytes;
+                        t
+                    }
                 };
                 self.transfers.lock().t.tensors += 1;
                 tensors.insert(name.to_string(), t);
@@ -242,29 +255,60 @@ impl Layers {
         Ok(LayerWeights { tensors, device: self.device.clone() })
     }
 
-    /// One tensor through a device view, copied into a candle tensor.
+    /// One tensor through a device view, copied into a candle tensor; `None` when it is to be
+    /// read on the host instead: a tensor the Device tier cannot hold (too large for it, or no
+    /// room beside what is held there now), and on CUDA the dtypes without a device-to-device
+    /// copy into candle (`u16`, widened to `u32` on the host as candle's loader does, and
+    /// `f8e4m3`).
     fn through_view(
         &self,
         name: &str,
         id: TensorId,
         info: &crate::TensorInfo,
-    ) -> candle_core::Result<Tensor> {
-        let view = self.store.device_view(id, &self.stream).map_err(|e| strata_err(name, e))?;
+    ) -> candle_core::Result<Option<Tensor>> {
+        if info.bytes > self.device_capacity {
+            return Ok(None);
+        }
+        #[cfg(feature = "candle-cuda")]
+        if matches!(self.device, Device::Cuda(_))
+            && matches!(info.dtype, crate::DType::U16 | crate::DType::F8E4M3)
+        {
+            return Ok(None);
+        }
+        let view = match self.store.device_view(id, &self.stream) {
+            Ok(view) => view,
+            Err(crate::Error::TooLarge { .. } | crate::Error::OutOfMemory { .. }) => {
+                return Ok(None)
+            }
+            Err(e) => return Err(strata_err(name, e)),
+        };
         match &self.device {
             #[cfg(feature = "candle-cuda")]
-            Device::Cuda(dev) if info.dtype != crate::DType::U16 => {
+            Device::Cuda(dev) => {
                 use crate::backend::candle_cuda::{view_to_candle, CopyTimer};
+                let in_context =
+                    |e: candle_core::Error| e.context(format!("copying tensor {name} to candle"));
                 let stream = dev.cuda_stream();
-                let mut timer = CopyTimer::start(&stream)?;
+                let mut timer = CopyTimer::start(&stream).map_err(in_context)?;
                 let cd = candle_dtype(info.dtype).unwrap_or(CDType::U8);
-                let t = view_to_candle(&view, dev, cd, &info.shape)?;
-                timer.stop(&stream)?;
+                let t = view_to_candle(&view, dev, cd, &info.shape).map_err(in_context)?;
+                timer.stop(&stream).map_err(in_context)?;
                 let mut c = self.transfers.lock();
                 c.t.view_copy_bytes += info.bytes;
+                // Fold the timers whose copies are done, so that they do not pile up.
+                let mut done = 0.0;
+                c.timers.retain(|t| match t.seconds_if_done() {
+                    Some(s) => {
+                        done += s;
+                        false
+                    }
+                    None => true,
+                });
+                c.t.view_copy_seconds += done;
                 c.timers.push(timer);
-                Ok(t)
+                Ok(Some(t))
             }
-            Device::Cpu => {
+            _ => {
                 let t0 = Instant::now();
                 let t = view
                     .with_host_bytes(|b| {
@@ -274,24 +318,17 @@ impl Layers {
                 let mut c = self.transfers.lock();
                 c.t.view_copy_bytes += info.bytes;
                 c.t.view_copy_seconds += t0.elapsed().as_secs_f64();
-                Ok(t)
-            }
-            _ => {
-                // CUDA u16 (widened to u32 on the host, as candle's loader does): through the
-                // host.
-                drop(view);
-                let t = read_tensor(&self.store, name, id, info, &self.device)?;
-                self.transfers.lock().t.host_copy_bytes += info.bytes;
-                Ok(t)
+                Ok(Some(t))
             }
         }
     }
 
     /// Rows `rows` of the 2-D tensor `name` (an embedding table), as a `[rows.len(), columns]`
     /// candle tensor on the candle device, in its stored dtype: only those rows cross to the
-    /// device. They are gathered on the host from the tensor's Pinned replica, which is made
-    /// on first use (one copy of the table, kept for later calls), or, without room in Pinned,
-    /// from a read of the whole tensor.
+    /// device. They are gathered on the host from the tensor's Pinned (or Mapped) replica; a
+    /// table with none is moved to Pinned on first use (its other copies dropped, as
+    /// [`Store::move_to`] does; kept there for later calls), or, without room in Pinned, read
+    /// whole.
     pub fn gather_rows(&self, name: &str, rows: &[usize]) -> candle_core::Result<Tensor> {
         let id = self.resolve(&[name])?[0];
         let info = self.store.info(id).map_err(|e| strata_err(name, e))?;
@@ -307,6 +344,9 @@ impl Layers {
                 "gather_rows of {name}: row {bad} of a table of {n_rows} rows"
             ))
             .bt());
+        }
+        if candle_dtype(info.dtype).is_none() {
+            return Err(unsupported_dtype(name, info.dtype));
         }
         let row_bytes = cols * info.dtype.size_of();
         let gather = |table: &[u8]| -> Vec<u8> {
