@@ -367,15 +367,6 @@ fn out_of_core_fetches_name_missing_tensors_and_refuse_a_mismatched_store() {
     assert!(e.to_string().contains("encoder.layer.4."), "{e}");
 }
 
-fn small_store(device_budget: u64) -> Arc<Store> {
-    let b = Store::builder()
-        .capacity(Tier::Device, device_budget)
-        .prefetch_budget(device_budget)
-        .capacity(Tier::Pinned, 1 << 20)
-        .capacity(Tier::Mapped, 0);
-    Arc::new(strata::candle::store_for(&Device::Cpu, b).unwrap())
-}
-
 fn f32_bytes(n: usize) -> Vec<u8> {
     (0..n).flat_map(|i| (i as f32).to_ne_bytes()).collect()
 }
@@ -388,7 +379,7 @@ fn tiers(s: &Store, id: strata::TensorId) -> Vec<Tier> {
 /// prefetched, the tensors before the bad one are not copied, the table is not moved.
 #[test]
 fn refused_fetches_and_gathers_leave_the_store_as_it_was() {
-    let s = small_store(64 << 10);
+    let s = budget_store(64 << 10);
     let mk = |n: &str| s.put(n, strata::DType::F32, &[64, 64], &f32_bytes(4096)).unwrap();
     let (a, n1, n2) = (mk("a"), mk("n1"), mk("n2"));
     let bad = s.put("bad", strata::DType::I8, &[8, 4], &[1u8; 32]).unwrap();
@@ -419,7 +410,7 @@ fn refused_fetches_and_gathers_leave_the_store_as_it_was() {
 #[test]
 fn tensors_the_device_tier_cannot_hold_now_are_read_on_the_host() {
     // 1000 bytes in a 1000-byte tier: the tier's extents are larger than the bytes.
-    let s = small_store(1000);
+    let s = budget_store(1000);
     let a = s.put("a", strata::DType::F32, &[250], &f32_bytes(250)).unwrap();
     let layers = Layers::new(s.clone(), [("a".to_string(), a)], &Device::Cpu).unwrap();
     let w = layers.fetch(&["a", "a"], &[]).unwrap();
@@ -429,7 +420,7 @@ fn tensors_the_device_tier_cannot_hold_now_are_read_on_the_host() {
     assert_eq!((t.tensors, t.host_copy_bytes, t.view_copy_bytes), (1, 1000, 0));
 
     // 48 KiB beside 16 KiB pinned in a 64 KiB tier fits; 60 KiB does not, for now.
-    let s = small_store(64 << 10);
+    let s = budget_store(64 << 10);
     let p = s.put("p", strata::DType::F32, &[64, 64], &f32_bytes(4096)).unwrap();
     s.move_to(p, Tier::Device).unwrap();
     s.pin(&[p]).unwrap();

@@ -14,36 +14,13 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use common::{each_backend, used_per_tier, Backend, Rng};
-use safetensors::tensor::{serialize_to_file, Dtype, SafeTensors, TensorView};
+use common::{each_backend, st_dtype, tensor, used_per_tier, Backend, Rng, T};
+use safetensors::tensor::{serialize_to_file, SafeTensors, TensorView};
 use strata::{DType, Error, LoadOptions, Loaded, Store, TensorId, Tier};
 
 // ---------------------------------------------------------------------------------------------
 // Fixtures
 // ---------------------------------------------------------------------------------------------
-
-/// One tensor of a test checkpoint.
-#[derive(Clone, Debug)]
-struct T {
-    name: String,
-    dtype: DType,
-    shape: Vec<usize>,
-    data: Vec<u8>,
-}
-
-fn st_dtype(d: DType) -> Dtype {
-    // The crate parses the names strata gives (its serde names).
-    serde_json::from_str(&format!("\"{}\"", d.safetensors_name())).expect("a safetensors dtype")
-}
-
-fn tensor(name: &str, dtype: DType, shape: &[usize], rng: &mut Rng) -> T {
-    let len = shape.iter().product::<usize>() * dtype.size_of();
-    let mut data = rng.bytes(len);
-    if dtype == DType::Bool {
-        data.iter_mut().for_each(|b| *b &= 1);
-    }
-    T { name: name.into(), dtype, shape: shape.to_vec(), data }
-}
 
 /// Writes `tensors` with the `safetensors` crate, with this `__metadata__`.
 fn write(path: &Path, tensors: &[&T], metadata: &[(&str, &str)]) {

@@ -12,8 +12,10 @@ use std::collections::{HashMap, HashSet};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::{Path, PathBuf};
 
-use common::{each_backend, used_per_tier, view_read, view_write, Backend, Rng};
-use safetensors::tensor::{serialize, serialize_to_file, Dtype, SafeTensors, TensorView};
+use common::{
+    each_backend, st_dtype, tensor, used_per_tier, view_read, view_write, Backend, Rng, T,
+};
+use safetensors::tensor::{serialize, serialize_to_file, SafeTensors, TensorView};
 use strata::{DType, Error, LoadOptions, Store, TensorId, Tier};
 
 const KIB: u64 = 1024;
@@ -22,51 +24,12 @@ const KIB: u64 = 1024;
 // Helpers
 // ---------------------------------------------------------------------------------------------
 
-fn st_dtype(d: DType) -> Dtype {
-    match d {
-        DType::F64 => Dtype::F64,
-        DType::F32 => Dtype::F32,
-        DType::F16 => Dtype::F16,
-        DType::BF16 => Dtype::BF16,
-        DType::F8E4M3 => Dtype::F8_E4M3,
-        DType::F8E5M2 => Dtype::F8_E5M2,
-        DType::I64 => Dtype::I64,
-        DType::I32 => Dtype::I32,
-        DType::I16 => Dtype::I16,
-        DType::I8 => Dtype::I8,
-        DType::U64 => Dtype::U64,
-        DType::U32 => Dtype::U32,
-        DType::U16 => Dtype::U16,
-        DType::U8 => Dtype::U8,
-        DType::Bool => Dtype::BOOL,
-    }
-}
-
 /// The dtype's name in a safetensors header.
 fn header_dtype(d: DType) -> &'static str {
     let name = d.safetensors_name();
     // The crate's own name for it (its serde name) is the same.
     assert_eq!(format!("{:?}", st_dtype(d)), name);
     name
-}
-
-/// One tensor of a test file, with the bytes the file holds for it.
-#[derive(Clone, Debug)]
-struct T {
-    name: String,
-    dtype: DType,
-    shape: Vec<usize>,
-    data: Vec<u8>,
-}
-
-/// A tensor with random contents (booleans are 0 or 1, as a valid file holds them).
-fn tensor(name: &str, dtype: DType, shape: &[usize], rng: &mut Rng) -> T {
-    let len = shape.iter().product::<usize>() * dtype.size_of();
-    let mut data = rng.bytes(len);
-    if dtype == DType::Bool {
-        data.iter_mut().for_each(|b| *b &= 1);
-    }
-    T { name: name.to_string(), dtype, shape: shape.to_vec(), data }
 }
 
 fn views(tensors: &[T]) -> Vec<(String, TensorView<'_>)> {

@@ -211,3 +211,28 @@ pub fn watch_deadlocks() {
             .expect("the deadlock watcher starts");
     });
 }
+
+/// One tensor of a test safetensors file, with the bytes the file holds for it.
+#[derive(Clone, Debug)]
+pub struct T {
+    pub name: String,
+    pub dtype: strata::DType,
+    pub shape: Vec<usize>,
+    pub data: Vec<u8>,
+}
+
+/// A tensor with random contents (booleans are 0 or 1, as a valid file holds them).
+pub fn tensor(name: &str, dtype: strata::DType, shape: &[usize], rng: &mut Rng) -> T {
+    let len = shape.iter().product::<usize>() * dtype.size_of();
+    let mut data = rng.bytes(len);
+    if dtype == strata::DType::Bool {
+        data.iter_mut().for_each(|b| *b &= 1);
+    }
+    T { name: name.to_string(), dtype, shape: shape.to_vec(), data }
+}
+
+/// The `safetensors` crate's dtype for a strata dtype (the crate parses the names strata gives:
+/// its serde names).
+pub fn st_dtype(d: strata::DType) -> safetensors::Dtype {
+    serde_json::from_str(&format!("\"{}\"", d.safetensors_name())).expect("a safetensors dtype")
+}
