@@ -8,6 +8,7 @@
 use std::collections::VecDeque;
 use std::io::Write;
 use std::path::Path;
+use std::sync::Arc;
 use std::time::Instant;
 
 use crate::backend::{Backend, RawEvent};
@@ -58,17 +59,19 @@ impl Track {
 pub(crate) struct Span {
     pub(crate) track: Track,
     pub(crate) what: &'static str,
-    pub(crate) tensor: String,
+    /// The tensor's name (shared with its metadata: a span costs no allocation for it).
+    pub(crate) tensor: Arc<str>,
     pub(crate) bytes: u64,
     pub(crate) start: TimePoint,
     pub(crate) end: TimePoint,
 }
 
 /// A span whose times are known: seconds since the store's time base.
+#[derive(Clone)]
 pub(crate) struct Done {
     track: Track,
     what: &'static str,
-    tensor: String,
+    tensor: Arc<str>,
     bytes: u64,
     start: f64,
     end: f64,
@@ -118,6 +121,12 @@ impl Timeline {
                 None => self.pending.push(s),
             }
         }
+    }
+
+    /// The resolved spans, to write without the store's lock (names are shared, so the copy
+    /// costs a reference count per span).
+    pub(crate) fn snapshot(&self) -> Vec<Done> {
+        self.done.iter().cloned().collect()
     }
 
     /// Seconds spent in copies resolved so far.
@@ -184,7 +193,7 @@ impl crate::residency::State {
                     tl.push(Span {
                         track: Track::Stall,
                         what: "wait",
-                        tensor: String::new(),
+                        tensor: Arc::from(""),
                         bytes: 0,
                         start: TimePoint::Ev(mark),
                         end: TimePoint::Ev(ready),
@@ -195,14 +204,15 @@ impl crate::residency::State {
     }
 }
 
-/// Writes the resolved spans as a Chrome trace (JSON object format, times in microseconds).
-pub(crate) fn write_chrome(path: &Path, timeline: &Timeline) -> Result<()> {
+/// Writes resolved spans as a Chrome trace (JSON object format, times in microseconds). Called
+/// without the store's lock, on a [`Timeline::snapshot`].
+pub(crate) fn write_chrome(path: &Path, spans: &[Done]) -> Result<()> {
     let io = |e| Error::io(path, e);
     let mut out = std::io::BufWriter::new(std::fs::File::create(path).map_err(io)?);
     out.write_all(b"{\"traceEvents\":[\n").map_err(io)?;
     let mut first = true;
     let mut named = std::collections::HashSet::new();
-    for s in &timeline.done {
+    for s in spans {
         let (tid, tname) = s.track.tid();
         if named.insert(tid) {
             if !std::mem::take(&mut first) {

@@ -571,3 +571,112 @@ fn a_read_in_progress_is_not_torn_by_a_later_view() {
         }
     });
 }
+
+/// Host backend: writes `pattern(len, seed)` at `ptr` after `delay`, in `stream`'s order.
+fn host_write_on(stream: &Stream, view: &DeviceView, seed: u32, delay: Duration) {
+    let (ptr, len) = (view.device_ptr() as usize, view.len_bytes());
+    stream
+        .launch_host(move || {
+            std::thread::sleep(delay);
+            let data = kernels::pattern(len, seed);
+            // SAFETY: as in `Kern::write`: the store keeps the bytes allocated and unwritten by
+            // others until this stream's recorded use completes (the rules under test).
+            unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), ptr as *mut u8, len) };
+        })
+        .unwrap();
+}
+
+/// A stream's last use never goes backwards: two live views on stream a both report a write on
+/// stream c (`record_use`), the first before the write was issued, the second after, and they
+/// drop in reverse order. A reader on stream b must still wait for c's write. (The last use was
+/// kept as "the event applied last", so the first view's early event replaced the second's and
+/// b read the old bytes.)
+#[test]
+fn record_use_events_applied_out_of_order_keep_the_latest() {
+    common::watch_deadlocks();
+    let store = store(Backend::Host);
+    let k = Kern::new(&store);
+    let (a, b, c) = (store.stream().unwrap(), store.stream().unwrap(), store.stream().unwrap());
+    let x = store.put("x", DType::U8, &[LEN], &kernels::pattern(LEN, 1)).unwrap();
+    let mut v1 = store.device_view(x, &a).unwrap();
+    let mut v2 = store.device_view(x, &a).unwrap();
+    v1.record_use(&c).unwrap();
+    c.wait_for(&a).unwrap();
+    host_write_on(&c, &v2, 2, Duration::from_millis(100));
+    v2.mark_dirty();
+    v2.record_use(&c).unwrap();
+    drop(v2);
+    drop(v1);
+    let vb = store.device_view(x, &b).unwrap();
+    let sum = k.read(&vb, &b, Duration::ZERO);
+    drop(vb);
+    assert_eq!(sum.value(&b), expected(2), "b read the bytes from before c's write");
+    store.check_err().unwrap();
+}
+
+/// Two threads drop views of one tensor made on one shared stream (as CUDA's legacy default
+/// stream is shared), one of them right after issuing a write through it: whichever drop is
+/// applied last, the stream's last use must cover the write, so a reader on another stream sees
+/// it. (With the last use kept as "the event applied last", the other thread's event, recorded
+/// before the write was issued but applied after the writer's, hid the write.)
+#[test]
+fn views_on_a_shared_stream_dropped_by_two_threads_keep_the_last_use() {
+    common::watch_deadlocks();
+    let store = Arc::new(store(Backend::Host));
+    let k = Kern::new(&store);
+    let shared = store.stream().unwrap();
+    let reader = store.stream().unwrap();
+    let x = store.put("x", DType::U8, &[LEN], &kernels::pattern(LEN, 0)).unwrap();
+    let (rounds, mut stale) = (2000u32, 0);
+    for round in 1..=rounds {
+        let barrier = Arc::new(std::sync::Barrier::new(2));
+        let (st, s, bar) = (store.clone(), shared.clone(), barrier.clone());
+        let idle = std::thread::spawn(move || {
+            let v = st.device_view(x, &s).unwrap();
+            bar.wait();
+            drop(v);
+        });
+        let mut v = store.device_view(x, &shared).unwrap();
+        barrier.wait();
+        host_write_on(&shared, &v, round, Duration::from_micros(200));
+        v.mark_dirty();
+        drop(v);
+        idle.join().unwrap();
+        let vr = store.device_view(x, &reader).unwrap();
+        let sum = k.read(&vr, &reader, Duration::ZERO);
+        drop(vr);
+        if sum.value(&reader) != expected(round) {
+            stale += 1;
+        }
+        shared.synchronize().unwrap();
+    }
+    assert_eq!(stale, 0, "{stale} reads of {rounds} missed the write before the last drop");
+    store.check_err().unwrap();
+}
+
+/// A view that holds the last handle of its host-backend stream and is dropped inside work
+/// queued on that stream: the stream's thread cannot join itself, and must not panic trying.
+#[test]
+fn a_view_holding_the_last_stream_handle_drops_inside_its_own_work() {
+    common::watch_deadlocks();
+    let store = store(Backend::Host);
+    let x = store.put("x", DType::U8, &[LEN], &[3; LEN]).unwrap();
+    let s = store.stream().unwrap();
+    let v = store.device_view(x, &s).unwrap();
+    let (tx, rx) = mpsc::channel();
+    let panicked = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let p = panicked.clone();
+    s.launch_host(move || {
+        // Unwinding out of the drop would skip the store below (the stream catches it).
+        drop(v);
+        p.store(false, std::sync::atomic::Ordering::SeqCst);
+        let _ = tx.send(());
+    })
+    .unwrap();
+    drop(s);
+    rx.recv_timeout(Duration::from_secs(10)).expect("the queued drop ran");
+    assert!(!panicked.load(std::sync::atomic::Ordering::SeqCst), "the drop panicked");
+    // The view's hold is gone: the tensor can be removed.
+    store.remove(x).unwrap();
+    store.check_err().unwrap();
+}

@@ -168,7 +168,10 @@ impl Store {
             ));
         };
         tl.resolve();
-        trace::write_chrome(path.as_ref(), tl)
+        let spans = tl.snapshot();
+        // The file is written without the lock: a large trace takes long to write.
+        drop(st);
+        trace::write_chrome(path.as_ref(), &spans)
     }
 }
 

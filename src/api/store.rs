@@ -134,7 +134,7 @@ impl Store {
     /// view); else it reads the view's memory, and ordering it against the view's writes is the
     /// caller's (see [`DeviceView`]'s ordering rules).
     pub fn read(&self, id: TensorId) -> Result<Vec<u8>> {
-        ops::read(&self.shared, id, true)
+        ops::read(&self.shared, id, ops::ReadKind::Access)
     }
 
     /// Stores a new tensor of `T`s (dtype [`Element::DTYPE`]) named `name`: the typed
@@ -162,7 +162,7 @@ impl Store {
     /// [`Error::DTypeMismatch`]; a `bool` tensor holding a byte other than 0 and 1 is
     /// [`Error::InvalidArgument`].
     pub fn read_vec<T: Element>(&self, id: TensorId) -> Result<Vec<T>> {
-        ops::read_as(&self.shared, id, true, true)
+        ops::read_as(&self.shared, id, ops::ReadKind::Access, true)
     }
 
     /// Replaces the tensor's values with `data`: the typed [`Store::write`] (a tensor of another
@@ -178,13 +178,19 @@ impl Store {
     /// `read` that never promotes: for state the caller reads, updates and writes back where
     /// it was (an optimizer's moments on disk).
     pub(crate) fn read_in_place(&self, id: TensorId) -> Result<Vec<u8>> {
-        ops::read(&self.shared, id, false)
+        ops::read(&self.shared, id, ops::ReadKind::InPlace)
+    }
+
+    /// A read that is not an access (a save): never promotes, not counted, not told to the
+    /// policy.
+    pub(crate) fn read_quiet(&self, id: TensorId) -> Result<Vec<u8>> {
+        ops::read(&self.shared, id, ops::ReadKind::Quiet)
     }
 
     /// `read_vec` that never promotes (`read_in_place` read straight into a vector of `T`s).
     #[cfg(feature = "candle")]
     pub(crate) fn read_in_place_as<T: Element>(&self, id: TensorId) -> Result<Vec<T>> {
-        ops::read_as(&self.shared, id, false, true)
+        ops::read_as(&self.shared, id, ops::ReadKind::InPlace, true)
     }
 
     /// Replaces the tensor's bytes (`data` must be as long as the tensor). The new bytes go to

@@ -5,7 +5,7 @@ use std::sync::{Arc, OnceLock};
 use cudarc::driver::{CudaSlice, CudaStream, CudaView, CudaViewMut};
 
 use crate::backend::cuda::BorrowedSlice;
-use crate::backend::{RawEvent, RawStream};
+use crate::backend::RawStream;
 use crate::element::Element;
 use crate::error::{Error, Result};
 use crate::migrate::ops;
@@ -136,8 +136,6 @@ pub struct DeviceView {
     cuda: OnceLock<BorrowedSlice>,
     /// The bytes for the CPU where it can reach them (host backend, mapped memory).
     host: Option<WriteLease>,
-    /// Other streams' uses of the memory ([`DeviceView::record_use`]).
-    others: Vec<(u64, RawEvent)>,
 }
 
 impl std::fmt::Debug for DeviceView {
@@ -178,7 +176,6 @@ impl DeviceView {
             dirty: false,
             cuda: OnceLock::new(),
             host: parts.host,
-            others: Vec::new(),
         }
     }
 
@@ -233,13 +230,7 @@ impl DeviceView {
                 "record_use with a stream of another backend".into(),
             ));
         }
-        let ev = stream.raw.record()?;
-        let key = stream.raw.key();
-        match self.others.iter_mut().find(|(k, _)| *k == key) {
-            Some(slot) => slot.1 = ev,
-            None => self.others.push((key, ev)),
-        }
-        Ok(())
+        ops::record_use(&self.shared, self.id, &stream.raw)
     }
 
     fn borrowed(&self) -> Option<&BorrowedSlice> {
@@ -363,8 +354,7 @@ impl Drop for DeviceView {
         // Leaking the borrowed cudarc slice makes our stream wait for work other streams did on
         // it (cudarc's events), so the event recorded below covers that work too.
         self.cuda.take();
-        let others = std::mem::take(&mut self.others);
-        ops::release_view(&self.shared, self.id, self.tier, Some(&self.stream), self.dirty, others);
+        ops::release_view(&self.shared, self.id, self.tier, Some(&self.stream), self.dirty);
     }
 }
 
@@ -523,6 +513,6 @@ impl HostView {
 
 impl Drop for HostView {
     fn drop(&mut self) {
-        ops::release_view(&self.shared, self.id, self.tier, None, self.dirty, Vec::new());
+        ops::release_view(&self.shared, self.id, self.tier, None, self.dirty);
     }
 }

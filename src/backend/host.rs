@@ -280,7 +280,12 @@ impl Drop for HostStream {
         // Closing the channel ends the thread after it has run what was issued.
         self.tx.take();
         if let Some(t) = self.thread.take() {
-            let _ = t.join();
+            // The last handle may go inside one of the stream's own jobs (a view dropped in
+            // queued work): the thread cannot join itself, and it ends on its own once that job
+            // returns, the channel being closed.
+            if t.thread().id() != std::thread::current().id() {
+                let _ = t.join();
+            }
         }
     }
 }

@@ -118,7 +118,7 @@ impl Copy<'_> {
             spans.push(Span {
                 track,
                 what,
-                tensor: self.name.to_string(),
+                tensor: self.name.clone(),
                 bytes: src.len() as u64,
                 start: TimePoint::Ev(start),
                 end: TimePoint::Ev(ready.clone()),
@@ -171,7 +171,7 @@ impl Copy<'_> {
             done.spans.push(Span {
                 track,
                 what,
-                tensor: name.to_string(),
+                tensor: name.clone(),
                 bytes,
                 start: TimePoint::Host(t0),
                 end,
@@ -249,7 +249,7 @@ impl Copy<'_> {
                                 spans.push(Span {
                                     track: Track::Disk(lane),
                                     what: "disk read",
-                                    tensor: name.to_string(),
+                                    tensor: name.clone(),
                                     bytes: b.len() as u64,
                                     start: TimePoint::Host(t0),
                                     end: TimePoint::Host(Instant::now()),

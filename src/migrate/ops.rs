@@ -299,9 +299,22 @@ fn read_source(
     Ok((src, waits))
 }
 
-/// `Store::read` (`promote`: a miss may promote the tensor, if the store allows).
-pub(crate) fn read(sh: &Shared, id: TensorId, promote: bool) -> Result<Vec<u8>> {
-    read_as::<u8>(sh, id, promote, false)
+/// What a read is, for the policy and the counters.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum ReadKind {
+    /// A workload's access (`Store::read`): counted, heard by the policy, and a miss may
+    /// promote the tensor if the store allows.
+    Access,
+    /// An access that never promotes (state read, updated and written back where it was).
+    InPlace,
+    /// Not an access at all (a save reading every tensor): no promotion, nothing told to the
+    /// policy, no hit or miss counted, so a save leaves the working set where it was.
+    Quiet,
+}
+
+/// `Store::read`.
+pub(crate) fn read(sh: &Shared, id: TensorId, kind: ReadKind) -> Result<Vec<u8>> {
+    read_as::<u8>(sh, id, kind, false)
 }
 
 /// `Store::read_vec`: [`read`] into a buffer of `T`s (`typed`: the tensor's dtype must be
@@ -309,7 +322,7 @@ pub(crate) fn read(sh: &Shared, id: TensorId, promote: bool) -> Result<Vec<u8>> 
 pub(crate) fn read_as<T: Element>(
     sh: &Shared,
     id: TensorId,
-    promote: bool,
+    kind: ReadKind,
     typed: bool,
 ) -> Result<Vec<T>> {
     let (mut st, _) = sh.lock_when_free(id, false)?;
@@ -360,14 +373,17 @@ pub(crate) fn read_as<T: Element>(
     });
     st.end_read(id);
     let out = res?;
+    st.counters.bytes_out += bytes;
+    if kind == ReadKind::Quiet {
+        return Ok(out);
+    }
     st.touch(id);
     if hit {
         st.counters.hits += 1;
     } else {
         st.counters.misses += 1;
     }
-    st.counters.bytes_out += bytes;
-    if !hit && promote && st.place.promote_on_read {
+    if !hit && kind == ReadKind::Access && st.place.promote_on_read {
         // Optional: a promotion that fails leaves the read as it was (and the tensor intact).
         if let Err(e) = promote_after_read(sh, &mut st, id, tier, T::as_bytes(&out)) {
             tracing::debug!(tensor = %id, error = %e, "promotion after a read failed");
@@ -665,34 +681,33 @@ pub(crate) fn host_view(
     // before the CPU touches the bytes; meanwhile the tensor is lent, so nothing new starts.
     for p in &pending {
         if let Err(err) = p.wait() {
-            release_view(sh, id, tier, None, false, Vec::new());
+            release_view(sh, id, tier, None, false);
             return Err(err);
         }
     }
     Ok((tier, lease, dtype))
 }
 
-/// A view's drop: records where its stream is (and any other streams that used it), releases
-/// the hold, and if the view wrote, keeps only the replica it wrote. Never waits: a view may be
-/// dropped inside work queued on a stream.
+/// A view's drop: records where its stream is, releases the hold, and if the view wrote, keeps
+/// only the replica it wrote. Never waits: a view may be dropped inside work queued on a stream.
+///
+/// The event is recorded under the lock, so the order in which uses are recorded is the order
+/// of the records themselves: two threads dropping views on one stream leave the later event
+/// as that stream's last use, never the earlier.
 pub(crate) fn release_view(
     sh: &Shared,
     id: TensorId,
     tier: Tier,
     stream: Option<&RawStream>,
     dirty: bool,
-    others: Vec<(u64, RawEvent)>,
 ) {
-    let ev = stream.map(|s| s.record().map(|ev| (s.key(), ev)));
     let mut st = sh.lock();
+    let ev = stream.map(|s| s.record().map(|ev| (s.key(), ev)));
     let mut failed = None;
     match st.res.get_mut(id) {
         Ok(e) => {
             if stream.is_none() {
                 e.host_lent = false;
-            }
-            for (k, ev) in others {
-                e.uses.record(k, ev);
             }
             // A use that could not be recorded (the backend failed) is reported, and the hold
             // stays until an event can be recorded on that stream (`State::settle`, at the
@@ -736,6 +751,15 @@ pub(crate) fn release_view(
     if let Some(e) = failed {
         sh.defer_err(e);
     }
+}
+
+/// `DeviceView::record_use`: records an event on `stream` now, under the lock, as that
+/// stream's last use of `id` (so a later record always wins over an earlier one).
+pub(crate) fn record_use(sh: &Shared, id: TensorId, stream: &RawStream) -> Result<()> {
+    let mut st = sh.lock();
+    let ev = stream.record()?;
+    st.res.get_mut(id)?.uses.record(stream.key(), ev);
+    Ok(())
 }
 
 /// Runs `f` (a view's CPU access to its bytes: host backend, or mapped memory) with the tensor

@@ -227,7 +227,8 @@ fn write<'a>(
     out.write_all(&(header.len() as u64).to_le_bytes()).map_err(io)?;
     out.write_all(header).map_err(io)?;
     for e in entries {
-        let bytes = store.read(e.id)?;
+        // Not an access: a save neither promotes tensors nor reorders the working set.
+        let bytes = store.read_quiet(e.id)?;
         if bytes.len() != e.bytes {
             return Err(Error::InvalidArgument(format!(
                 "tensor {} changed size while it was saved to {}",
