@@ -189,3 +189,81 @@ fn move_to_a_full_tier_demotes_the_policys_victim() {
         }
     });
 }
+
+/// Saving tensors is not an access: with LRU, saving 64 tensors that live on disk leaves the 16
+/// tensors of the working set on the device. (A save read each tensor as an access and promoted
+/// it, pushing the whole working set off the device.)
+#[test]
+fn a_save_leaves_the_working_set_on_the_device() {
+    let store = Backend::Host
+        .builder()
+        .capacity(Tier::Device, 16 * T as u64)
+        .capacity(Tier::Pinned, 0)
+        .capacity(Tier::Mapped, 0)
+        .capacity(Tier::Disk, 4 << 20)
+        .policy(PolicyKind::Lru)
+        .build()
+        .unwrap();
+    let hot: Vec<Tensor> = (0..16).map(|i| put(&store, &format!("hot{i}"), i)).collect();
+    let cold: Vec<TensorId> = (0..64)
+        .map(|i| {
+            let data = random_bytes(T, 100 + i);
+            store
+                .put_in(
+                    Tier::Disk,
+                    &format!("cold{i}"),
+                    strata::Group::Other,
+                    DType::F32,
+                    &[T / 4],
+                    &data,
+                )
+                .unwrap()
+        })
+        .collect();
+    for (id, _) in &hot {
+        assert_eq!(common::tiers(&store, *id)[0], Tier::Device);
+    }
+    let dir = tempfile::tempdir().unwrap();
+    store.save_safetensors(dir.path().join("cold.safetensors"), &cold).unwrap();
+    for (id, data) in &hot {
+        assert_eq!(common::tiers(&store, *id)[0], Tier::Device, "the save evicted a hot tensor");
+        assert_eq!(&store.read(*id).unwrap(), data);
+    }
+    let st = store.stats();
+    assert_eq!((st.promotions, st.evictions), (0, 0), "{st}");
+}
+
+/// A promotion weighs the bytes it would evict: a 4 KiB tensor read again and again is not
+/// promoted if that would push a 256 KiB tensor (the Device tier's only other tenant) down.
+/// (Admission compared access counts alone: one small promotion spilled a large tensor.)
+#[test]
+fn a_small_promotion_does_not_push_out_a_large_tensor() {
+    const BIG: usize = 256 << 10;
+    let store = Backend::Host
+        .builder()
+        .capacity(Tier::Device, BIG as u64)
+        .capacity(Tier::Pinned, 0)
+        .capacity(Tier::Mapped, 0)
+        .capacity(Tier::Disk, 4 << 20)
+        .policy(PolicyKind::Lru)
+        .build()
+        .unwrap();
+    let big = store.put("big", DType::U8, &[BIG], &vec![9; BIG]).unwrap();
+    let small =
+        store.put_in(Tier::Disk, "small", strata::Group::Other, DType::U8, &[T], &[3; T]).unwrap();
+    for _ in 0..8 {
+        assert_eq!(store.read(small).unwrap(), vec![3; T]);
+    }
+    assert_eq!(common::tiers(&store, big), [Tier::Device], "the big tensor was pushed out");
+    assert_eq!(common::tiers(&store, small), [Tier::Disk]);
+    // Where the victims are no larger than twice the copy, the promotion goes ahead.
+    store.remove(big).unwrap();
+    let mid = store.put("mid", DType::U8, &[BIG - 2 * T], &vec![1; BIG - 2 * T]).unwrap();
+    let other = store.put("other", DType::U8, &[T * 2], &[2; 2 * T]).unwrap();
+    assert_eq!(common::tiers(&store, other), [Tier::Device]);
+    store.read(mid).unwrap(); // `other` is now the least recently used
+    store.read(small).unwrap();
+    assert_eq!(common::tiers(&store, small)[0], Tier::Device, "not promoted");
+    assert_eq!(common::tiers(&store, mid), [Tier::Device]);
+    assert_eq!(store.read(other).unwrap(), vec![2; 2 * T]);
+}

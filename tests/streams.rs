@@ -680,3 +680,98 @@ fn a_view_holding_the_last_stream_handle_drops_inside_its_own_work() {
     store.remove(x).unwrap();
     store.check_err().unwrap();
 }
+
+/// Removing a tensor whose last use is a long kernel, then moving an unrelated tensor to the
+/// device into free memory: the copy does not queue behind that kernel. (Retired memory's last
+/// uses were made a wait of the one host-to-device stream at the next device allocation,
+/// wherever it landed: the move took as long as the kernel.)
+#[test]
+fn a_copy_into_free_memory_does_not_wait_for_a_removed_tensors_kernel() {
+    common::watch_deadlocks();
+    let store = store(Backend::Host);
+    let k = Kern::new(&store);
+    let s = store.stream().unwrap();
+    let x = store.put("x", DType::U8, &[LEN], &[1; LEN]).unwrap();
+    let y = store
+        .put_in(Tier::Pinned, "y", strata::Group::Other, DType::U8, &[4096], &[2; 4096])
+        .unwrap();
+    store.move_to(x, Tier::Device).unwrap();
+    let mut v = store.device_view(x, &s).unwrap();
+    k.write(&mut v, 3, Duration::from_millis(500));
+    drop(v);
+    store.remove(x).unwrap();
+    let t = Instant::now();
+    store.move_to(y, Tier::Device).unwrap();
+    let took = t.elapsed();
+    assert!(took < Duration::from_millis(200), "the move waited {took:?} for x's kernel");
+    assert_eq!(store.read(y).unwrap(), vec![2; 4096]);
+    // A prefetch of another tensor while a kernel runs on x's successor is not held up either.
+    let z = store.put_in(Tier::Pinned, "z", strata::Group::Other, DType::U8, &[4096], &[4; 4096]);
+    let z = z.unwrap();
+    let w = store.put("w", DType::U8, &[LEN], &[5; LEN]).unwrap();
+    store.move_to(w, Tier::Device).unwrap();
+    let mut vw = store.device_view(w, &s).unwrap();
+    k.write(&mut vw, 6, Duration::from_millis(500));
+    drop(vw);
+    let t = Instant::now();
+    store.prefetch(&[z]).unwrap();
+    let s2 = store.stream().unwrap();
+    let vz = store.device_view(z, &s2).unwrap();
+    drop(vz);
+    s2.synchronize().unwrap();
+    let took = t.elapsed();
+    assert!(took < Duration::from_millis(200), "the prefetch of z waited {took:?} for w's kernel");
+    s.synchronize().unwrap();
+    store.check_err().unwrap();
+}
+
+/// A second view made while an overwrite view lives: for reading it is refused (the memory
+/// holds no bytes of the tensor yet: here, a removed tensor's), and a second overwrite view's
+/// stream waits, as the first one's did, for the work still touching the memory's earlier owner.
+/// (Both were handed the memory with no wait: the second stream's writes could land before a
+/// late kernel of the earlier owner, which then overwrote them.)
+#[test]
+fn a_view_made_during_a_live_overwrite_view_is_ordered_after_the_memorys_earlier_owner() {
+    common::watch_deadlocks();
+    let store = Backend::Host
+        .builder()
+        .capacity(Tier::Device, LEN as u64)
+        .capacity(Tier::Pinned, 1 << 20)
+        .capacity(Tier::Mapped, 0)
+        .capacity(Tier::Disk, 0)
+        .build()
+        .unwrap();
+    let k = Kern::new(&store);
+    let (a, b, c) = (store.stream().unwrap(), store.stream().unwrap(), store.stream().unwrap());
+    let secret = store.put("secret", DType::U8, &[LEN], &kernels::pattern(LEN, 70)).unwrap();
+    assert_eq!(common::tiers(&store, secret), [Tier::Device]);
+    // A late kernel of the earlier owner writes its memory after 200 ms.
+    let vs = store.device_view(secret, &c).unwrap();
+    host_write_on(&c, &vs, 71, Duration::from_millis(200));
+    drop(vs);
+    store.remove(secret).unwrap();
+    let x = store
+        .put_in(
+            Tier::Pinned,
+            "x",
+            strata::Group::Other,
+            DType::U8,
+            &[LEN],
+            &kernels::pattern(LEN, 1),
+        )
+        .unwrap();
+    let v1 = store.device_view_for_overwrite(x, &a).unwrap();
+    let e = store.device_view(x, &b).unwrap_err();
+    assert!(matches!(e, strata::Error::Busy { .. }), "a view for reading: {e}");
+    let mut v2 = store.device_view_for_overwrite(x, &b).unwrap();
+    k.write(&mut v2, 2, Duration::ZERO);
+    drop(v2);
+    drop(v1);
+    b.synchronize().unwrap();
+    c.synchronize().unwrap();
+    assert!(
+        store.read(x).unwrap() == kernels::pattern(LEN, 2),
+        "the second overwrite view's bytes were overwritten by the earlier owner's kernel"
+    );
+    store.check_err().unwrap();
+}

@@ -319,7 +319,7 @@ impl StoreBuilder {
         let timeline =
             if self.timeline { Some(Timeline::new(Clock::start(&backend)?)) } else { None };
         let store_no = NEXT_STORE.fetch_add(1, Ordering::Relaxed);
-        let state = State {
+        let mut state = State {
             res: Residency::new(store_no),
             place: Placement::new(
                 policy,
@@ -331,6 +331,8 @@ impl StoreBuilder {
             timeline,
             probes: Vec::new(),
         };
+        let fits = state.books.fits();
+        state.place.victims.set_fits(fits);
         let shared = Arc::new(Shared {
             backend,
             mem: TierMem { arenas, disk, staging },

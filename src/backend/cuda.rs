@@ -232,6 +232,12 @@ impl CudaEv {
         }
     }
 
+    /// Whether two handles are the same event (a pooled handle is reused only after every
+    /// holder of it has dropped, so equal live handles are one event).
+    pub(crate) fn same(&self, other: &CudaEv) -> bool {
+        self.raw() == other.raw()
+    }
+
     fn ctx(&self) -> &Arc<CudaContext> {
         match self {
             CudaEv::Timed(e) => e.context(),

@@ -331,6 +331,15 @@ impl RawStream {
 }
 
 impl RawEvent {
+    /// Whether two handles are the same event.
+    pub(crate) fn same(&self, other: &RawEvent) -> bool {
+        match (self, other) {
+            (RawEvent::Host(a), RawEvent::Host(b)) => Arc::ptr_eq(a, b),
+            (RawEvent::Cuda(a), RawEvent::Cuda(b)) => a.same(b),
+            _ => false,
+        }
+    }
+
     /// Blocks the calling thread until the event is complete. The caller holds no store lock.
     pub(crate) fn synchronize(&self) -> Result<()> {
         crate::residency::assert_unlocked("waiting for an event");

@@ -11,6 +11,10 @@ impl State {
     /// Panics with a description of the first book that disagrees with the tensors.
     pub(crate) fn check_books(&mut self) {
         self.refresh_epoch();
+        while self.place.victims.rekey_from.is_some() {
+            self.refresh_epoch();
+        }
+        let fits = self.books.fits();
         let mut indexed = [0usize; 4];
         let mut evictable = [0u64; 4];
         let mut tensors = [0usize; 4];
@@ -18,17 +22,19 @@ impl State {
         let mut held = [0u64; 4];
         for (id, e) in self.res.slab.iter() {
             for t in Tier::ALL {
-                let want = rank_of(e, t);
-                let have = e.victim_slots[t.index()].map(|(r, _)| r);
+                let want = rank_of(e, t, &fits);
+                let have = e.victim_slots[t.index()].map(|(r, c, _)| (r, c));
                 assert_eq!(have, want, "{id} in {t}: indexed as {have:?}, should be {want:?}");
-                if let Some((_, key)) = e.victim_slots[t.index()] {
+                if let Some((_, _, key)) = e.victim_slots[t.index()] {
                     assert_eq!(
                         key,
                         self.place.policy.victim_key(t, id),
                         "{id} in {t}: a stale victim key"
                     );
                     indexed[t.index()] += 1;
-                    if want.is_some_and(|r| r != crate::placement::victims::Rank::HintPrefetched) {
+                    if want
+                        .is_some_and(|(r, _)| r != crate::placement::victims::Rank::HintPrefetched)
+                    {
                         evictable[t.index()] += e.bytes();
                     }
                 }

@@ -64,7 +64,7 @@ pub(crate) fn place_new(
     let fits = candidate_tiers(st, bytes, only)?;
     for &t in &fits {
         if let Some(ext) = st.books.try_alloc(t, bytes) {
-            return ready_for_writes(sh, st, t, ext).map(|ext| (t, ext));
+            return ready_for_writes(sh, st, t, ext, None).map(|(ext, _)| (t, ext));
         }
     }
     for &t in &fits {
@@ -72,26 +72,38 @@ pub(crate) fn place_new(
             continue;
         }
         if let Got::Ext(ext) = room::alloc(sh, st, t, bytes, id, Level::Demand, true)? {
-            return ready_for_writes(sh, st, t, ext).map(|ext| (t, ext));
+            return ready_for_writes(sh, st, t, ext, None).map(|(ext, _)| (t, ext));
         }
     }
     Err(Error::OutOfMemory { tier: *fits.last().expect("not empty"), bytes })
 }
 
-/// After allocating `ext` in `t`: a new Device extent is written only after the work still
-/// touching the memory's previous owner (the host-to-device stream waits for it). On failure
-/// the extent is given back.
-fn ready_for_writes(sh: &Shared, st: &mut State, t: Tier, ext: Ext) -> Result<Ext> {
-    if t == Tier::Device {
-        if let Err(e) = st.books.h2d_ready(&sh.backend) {
+/// After allocating `ext` in `t`: a new Device extent is written only after the device work
+/// still touching its memory's earlier owners, if any (the writer waits for those events:
+/// `writer`, or the host-to-device stream, which writes every copy into the device). Returns
+/// the events waited for. On failure the extent is given back.
+fn ready_for_writes(
+    sh: &Shared,
+    st: &mut State,
+    t: Tier,
+    ext: Ext,
+    writer: Option<&RawStream>,
+) -> Result<(Ext, smallvec::SmallVec<[RawEvent; 2]>)> {
+    if t != Tier::Device {
+        return Ok((ext, smallvec::SmallVec::new()));
+    }
+    let fences = st.books.take_fences(&ext);
+    let stream = writer.unwrap_or(sh.backend.h2d());
+    for ev in &fences {
+        if let Err(e) = stream.wait(ev) {
             st.books.free(t, ext);
             return Err(e);
         }
     }
-    Ok(ext)
+    Ok((ext, fences))
 }
 
-/// Allocates in `t` like [`room::alloc`], readying a Device extent for writes.
+/// Allocates in `t` like [`room::alloc`], readying a Device extent for copies into it.
 pub(crate) fn alloc_in(
     sh: &Shared,
     st: &mut Locked<'_>,
@@ -102,9 +114,27 @@ pub(crate) fn alloc_in(
     slow: bool,
 ) -> Result<Got> {
     match room::alloc(sh, st, t, bytes, who, level, slow)? {
-        Got::Ext(ext) => ready_for_writes(sh, st, t, ext).map(Got::Ext),
+        Got::Ext(ext) => ready_for_writes(sh, st, t, ext, None).map(|(ext, _)| Got::Ext(ext)),
         other => Ok(other),
     }
+}
+
+/// A Device extent for a view's miss (a hinted prefetch is evicted only if nothing else makes
+/// room), readied for `writer` (the view's stream for an overwrite, else the copy stream).
+/// Returns the extent and the events the writer waits for.
+fn alloc_for_view(
+    sh: &Shared,
+    st: &mut Locked<'_>,
+    id: TensorId,
+    bytes: u64,
+    writer: Option<&RawStream>,
+) -> Result<(Ext, smallvec::SmallVec<[RawEvent; 2]>)> {
+    for level in [Level::Demand, Level::Urgent] {
+        if let Got::Ext(ext) = room::alloc(sh, st, Tier::Device, bytes, id, level, true)? {
+            return ready_for_writes(sh, st, Tier::Device, ext, writer);
+        }
+    }
+    Err(Error::OutOfMemory { tier: Tier::Device, bytes })
 }
 
 /// `Store::put` and `put_in`.
@@ -407,7 +437,9 @@ fn promote_after_read(
     if e.has(top) || e.in_flight() || e.host_lent || !st.books.can_ever_fit(top, bytes) {
         return Ok(());
     }
-    if st.books.free_bytes(top) < st.books.reserved_size(top, bytes) && !st.admits(top, id, bytes) {
+    if st.books.free_bytes(top) < st.books.reserved_size(top, bytes)
+        && !st.admits_copy(top, id, bytes)
+    {
         return Ok(());
     }
     let flight = st.start_flight(id, None);
@@ -522,6 +554,12 @@ pub(crate) fn device_view(
         });
     }
     let hit = e.has(Tier::Device);
+    let filling = e.replicas[Tier::Device.index()].as_ref().is_some_and(|r| r.filling);
+    if filling && !overwrite {
+        // A live overwrite view is filling its memory: it holds no bytes of the tensor until
+        // that view drops (reading it would read whatever the memory held before).
+        return Err(Error::Busy { id, holders: e.held() });
+    }
     if hit {
         st.counters.prefetch_hits += 1;
     } else {
@@ -550,8 +588,12 @@ pub(crate) fn device_view(
         _ => None,
     };
     // The view's work starts after the copy that brought the bytes, and after every other
-    // stream's last use (writer → reader, reader → overwriter).
+    // stream's last use (writer → reader, reader → overwriter); a second overwrite view of
+    // memory a live one fills, after the work on that memory's earlier owners.
     if let Some(ev) = &ready {
+        stream.wait(ev)?;
+    }
+    for ev in r.fence.iter().filter(|_| filling) {
         stream.wait(ev)?;
     }
     e.uses.wait_others(stream)?;
@@ -582,32 +624,19 @@ fn bring_for_view(
     overwrite: bool,
     stream: &RawStream,
 ) -> Result<()> {
-    let ext = match alloc_in(sh, st, Tier::Device, bytes, id, Level::Demand, true)? {
-        Got::Ext(x) => x,
-        _ => match alloc_in(sh, st, Tier::Device, bytes, id, Level::Urgent, true)? {
-            Got::Ext(x) => x,
-            _ => return Err(Error::OutOfMemory { tier: Tier::Device, bytes }),
-        },
-    };
     if overwrite {
-        // No copy in; the view's work must still wait for work touching the memory's previous
-        // owner, which the host-to-device stream is ordered after.
-        match sh.backend.h2d().record() {
-            Ok(ev) => {
-                stream.wait(&ev)?;
-                // Its bytes are the view's to write: nothing reads them until the view drops.
-                let mut r = crate::residency::Replica::new(ext, None);
-                r.filling = true;
-                st.res.put_replica(id, Tier::Device, r);
-                st.reindex(id);
-                return Ok(());
-            }
-            Err(e) => {
-                st.books.free(Tier::Device, ext);
-                return Err(e);
-            }
-        }
+        // No copy in: the view's stream itself waits for the device work still touching the
+        // memory's earlier owners (nothing else: not the copies queued on the copy stream).
+        let (ext, fence) = alloc_for_view(sh, st, id, bytes, Some(stream))?;
+        // Its bytes are the view's to write: nothing reads them until the view drops.
+        let mut r = crate::residency::Replica::new(ext, None);
+        r.filling = true;
+        r.fence = fence;
+        st.res.put_replica(id, Tier::Device, r);
+        st.reindex(id);
+        return Ok(());
     }
+    let (ext, _) = alloc_for_view(sh, st, id, bytes, None)?;
     let src = match st.res.get(id)?.fastest_readable() {
         Some(s) => s,
         None => {
@@ -739,6 +768,7 @@ pub(crate) fn release_view(
                     st.res.get_mut(id).ok().and_then(|e| e.replicas[tier.index()].as_mut())
                 {
                     r.filling = false;
+                    r.fence.clear();
                 }
             }
             st.reindex(id);

@@ -8,12 +8,10 @@
 //! not waited for: the caller holds a flight of its own, and two threads each waiting for the
 //! other's flight would wait forever. Memory they hold counts as taken.
 
-use std::collections::HashSet;
-
 use super::copy::Copy;
 use super::{plan_copy, run_copy};
 use crate::error::Result;
-use crate::placement::victims::Level;
+use crate::placement::victims::{Cursor, Level};
 use crate::residency::{Flight, Locked, Replica, Shared};
 use crate::tiers::Ext;
 use crate::types::{TensorId, Tier};
@@ -65,8 +63,54 @@ struct Freed {
 
 /// Rounds of making room before giving up (other threads may take the room as it is made).
 const MAX_ROUNDS: usize = 64;
-/// Victims looked at per batch.
-const BATCH: usize = 64;
+
+/// What one allocation has learned of a tier it wanted to demote into.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Below {
+    /// Not asked yet, or room was found there.
+    Open,
+    /// Room there needs host work the caller does not allow.
+    NeedsHost,
+    /// No room there, and none can be made.
+    Full,
+}
+
+/// One allocation's walk over the victims, kept across its rounds: where the walk stopped in
+/// each tier (so no victim is looked at twice), which tiers below were found full or needing
+/// host work (so they are not asked again), and in which tiers sole copies cannot move now (so
+/// the walk there takes only victims a slower copy backs). The work of making room is thus
+/// O(victims looked at), whatever their state, never a restart from the front.
+struct Pass {
+    who: TensorId,
+    level: Level,
+    slow: bool,
+    cursor: [Cursor; 4],
+    below: [Below; 4],
+    sole_stuck: [bool; 4],
+}
+
+impl Pass {
+    fn new(who: TensorId, level: Level, slow: bool) -> Pass {
+        Pass {
+            who,
+            level,
+            slow,
+            cursor: Default::default(),
+            below: [Below::Open; 4],
+            sole_stuck: [false; 4],
+        }
+    }
+
+    /// The level victims of `t` are taken at: the caller's in the tier it allocates in, and a
+    /// demand's below it (making room for a demotion).
+    fn level_in(&self, t: Tier, top: Tier) -> Level {
+        if t == top {
+            self.level
+        } else {
+            Level::Demand
+        }
+    }
+}
 
 /// Allocates `bytes` in `t` for `who`, demoting victims `level` allows (never `who`). With
 /// `slow`, host work runs without the lock (the lock is released and taken again, so the caller
@@ -85,6 +129,7 @@ pub(crate) fn alloc(
         return Ok(Got::NoRoom);
     }
     let need = st.books.reserved_size(t, bytes);
+    let mut pass = Pass::new(who, level, slow);
     for _ in 0..MAX_ROUNDS {
         if let Some(ext) = st.books.try_alloc(t, bytes) {
             return Ok(Got::Ext(ext));
@@ -97,7 +142,7 @@ pub(crate) fn alloc(
             return Ok(Got::NoRoom);
         }
         let mut spills = Vec::new();
-        let freed = free_up(sh, st, t, need, who, level, slow, &mut spills)?;
+        let freed = free_up(sh, st, &mut pass, t, t, need, &mut spills)?;
         if !spills.is_empty() {
             run_spills(sh, st, spills)?;
             continue;
@@ -126,64 +171,69 @@ pub(crate) fn alloc(
     Ok(Got::NoRoom)
 }
 
-/// Frees room in `t` toward `need` bytes: drops and issued demotions now, spills planned into
-/// `spills` (when `slow`).
+/// Frees room in `t` toward `need` bytes, continuing the pass's walk there: drops and issued
+/// demotions now, spills planned into `spills` (when the pass allows host work). `top` is the
+/// tier the allocation is for.
 #[allow(clippy::too_many_arguments)]
 fn free_up(
     sh: &Shared,
     st: &mut Locked<'_>,
+    pass: &mut Pass,
+    top: Tier,
     t: Tier,
     need: u64,
-    who: TensorId,
-    level: Level,
-    slow: bool,
     spills: &mut Vec<Spill>,
 ) -> Result<Freed> {
     let mut planned = 0u64;
     let mut freed = Freed::default();
-    let mut passed: HashSet<TensorId> = HashSet::new();
+    let level = pass.level_in(t, top);
     while planned < need {
-        let batch: Vec<TensorId> = st
-            .place
-            .victims
-            .iter(t, level, who)
-            .filter(|v| !passed.contains(v))
-            .take(BATCH)
-            .collect();
-        if batch.is_empty() {
-            break;
-        }
-        for v in batch {
-            if planned >= need {
-                break;
+        let before = pass.cursor[t.index()];
+        let mut cur = before;
+        let stuck = pass.sole_stuck[t.index()];
+        let Some(v) = st.place.victims.next(t, level, &mut cur, stuck, pass.who) else { break };
+        pass.cursor[t.index()] = cur;
+        let Ok(e) = st.res.get(v) else { continue };
+        let reserved = st.books.reserved_size(t, e.bytes());
+        match demote(sh, st, pass, top, v, t, need - planned, spills)? {
+            Demoted::Now => {
+                st.counters.evictions += 1;
+                planned += reserved;
+                freed.now = true;
             }
-            passed.insert(v);
-            let Ok(e) = st.res.get(v) else { continue };
-            let reserved = st.books.reserved_size(t, e.bytes());
-            match demote(sh, st, v, t, slow, spills)? {
-                Demoted::Now => {
-                    st.counters.evictions += 1;
-                    planned += reserved;
-                    freed.now = true;
-                }
-                Demoted::Planned => planned += reserved,
-                Demoted::Later => return Ok(freed),
-                Demoted::NeedsHost => freed.needs_host = true,
-                Demoted::Cannot => {}
+            Demoted::Planned => planned += reserved,
+            Demoted::Later => {
+                // Spills below come first; this victim is taken again after them.
+                pass.cursor[t.index()] = before;
+                return Ok(freed);
             }
+            Demoted::NeedsHost => freed.needs_host = true,
+            Demoted::Cannot => {}
         }
     }
     Ok(freed)
 }
 
+/// Whether a copy from `from` to `to` is a DMA (issued with no host work).
+fn dma_between(sh: &Shared, from: Tier, to: Tier) -> bool {
+    let cpu = |t: Tier| sh.mem.arena(t).is_some_and(|a| a.cpu_reachable());
+    (from == Tier::Device) != (to == Tier::Device)
+        && (cpu(from) || from == Tier::Device)
+        && (cpu(to) || to == Tier::Device)
+}
+
 /// Takes `v`'s replica out of `from`: dropped when a slower tier has a copy, else demoted to the
-/// first slower tier with room.
+/// first slower tier with room (making room there first, in the same pass). `remaining` is what
+/// the caller still has to free: room made below is made for that much at once.
+#[allow(clippy::too_many_arguments)]
 fn demote(
     sh: &Shared,
     st: &mut Locked<'_>,
+    pass: &mut Pass,
+    top: Tier,
     v: TensorId,
     from: Tier,
-    slow: bool,
+    remaining: u64,
     spills: &mut Vec<Spill>,
 ) -> Result<Demoted> {
     let e = st.res.get(v)?;
@@ -195,34 +245,51 @@ fn demote(
         st.drop_replica(v, from);
         return Ok(Demoted::Now);
     }
+    let mut needs_host = false;
     let mut next = from.slower();
     while let Some(to) = next {
         next = to.slower();
         if !st.books.can_ever_fit(to, bytes) {
             continue;
         }
-        let dst = match st.books.try_alloc(to, bytes) {
-            Some(d) => d,
-            None if !slow => {
-                // Room below could be made by dropping or spilling there: host work.
-                if st.place.victims.evictable_bytes(to, Level::Demand) > 0 {
-                    return Ok(Demoted::NeedsHost);
-                }
+        match pass.below[to.index()] {
+            Below::Full => continue,
+            Below::NeedsHost => {
+                needs_host = true;
                 continue;
             }
+            Below::Open => {}
+        }
+        let free_move = discarded && to != Tier::Disk;
+        if !pass.slow && !dma_between(sh, from, to) && !free_move {
+            // A spill is host work: not now.
+            needs_host = true;
+            continue;
+        }
+        let dst = match st.books.try_alloc(to, bytes) {
+            Some(d) => d,
             None => {
-                // Make room below first: drops and DMA there now, spills planned.
+                // Make room below first (for what the caller still needs, not just this
+                // victim): drops and DMA there now, spills planned.
                 let before = spills.len();
-                let need = st.books.reserved_size(to, bytes);
-                free_up(sh, st, to, need, v, Level::Demand, slow, spills)?;
+                let need = st.books.reserved_size(to, bytes).max(remaining);
+                let below = free_up(sh, st, pass, top, to, need, spills)?;
                 match st.books.try_alloc(to, bytes) {
                     Some(d) => d,
                     None if spills.len() > before => return Ok(Demoted::Later),
-                    None => continue,
+                    None => {
+                        if below.needs_host {
+                            pass.below[to.index()] = Below::NeedsHost;
+                            needs_host = true;
+                        } else if !below.now {
+                            pass.below[to.index()] = Below::Full;
+                        }
+                        continue;
+                    }
                 }
             }
         };
-        if discarded && to != Tier::Disk {
+        if free_move {
             // Contents declared dead (`Store::discard`): a home without the write-back. (Disk
             // extents carry a checksum of their bytes, so those are still written.)
             st.res.put_replica(v, to, Replica::new(dst, None));
@@ -244,15 +311,32 @@ fn demote(
             st.drop_replica(v, from);
             return Ok(Demoted::Now);
         }
-        if !slow {
+        if !pass.slow {
             st.books.free(to, dst);
-            return Ok(Demoted::NeedsHost);
+            needs_host = true;
+            continue;
         }
         let flight = st.start_flight(v, None);
         spills.push(Spill { id: v, from, to, dst, copy, flight });
         return Ok(Demoted::Planned);
     }
-    Ok(Demoted::Cannot)
+    // No slower tier takes a sole copy from here in this pass: walk only victims a slower copy
+    // backs from now on (each of those is a free drop).
+    let mut t = from.slower();
+    let mut all_shut = true;
+    while let Some(to) = t {
+        t = to.slower();
+        if st.books.enabled(to)
+            && pass.below[to.index()] == Below::Open
+            && (pass.slow || dma_between(sh, from, to))
+        {
+            all_shut = false;
+        }
+    }
+    if all_shut {
+        pass.sole_stuck[from.index()] = true;
+    }
+    Ok(if needs_host { Demoted::NeedsHost } else { Demoted::Cannot })
 }
 
 /// Runs planned spills without the lock and commits them; the first error is returned after

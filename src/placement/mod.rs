@@ -16,6 +16,9 @@ use crate::types::{TensorId, Tier};
 use policy::Policy;
 use victims::{Level, VictimIndex};
 
+/// Slab slots re-keyed per call while the victim index catches up with a new policy epoch.
+pub(crate) const REKEY_SLICE: usize = 256;
+
 /// The placement state, under the store's lock.
 pub(crate) struct Placement {
     pub(crate) policy: Box<dyn Policy>,
@@ -66,21 +69,25 @@ impl State {
         place.victims.forget(id, bytes, &mut e.victim_slots);
     }
 
-    /// Rebuilds the victim index when the policy's keys changed wholesale (its epoch moved).
+    /// Brings the victim index's keys to the policy's epoch, a slice at a time: when the
+    /// policy's keys changed wholesale (its epoch moved), the tensors are re-keyed
+    /// [`REKEY_SLICE`] slab slots per call (the calls that make room), never all at once under
+    /// the lock. Until it is done the order mixes old keys with new; a tensor accessed meanwhile
+    /// gets its new key at once.
     pub(crate) fn refresh_epoch(&mut self) {
         let epoch = self.place.policy.epoch();
-        if epoch == self.place.victims.epoch {
-            return;
+        if epoch != self.place.victims.epoch {
+            self.place.victims.epoch = epoch;
+            self.place.victims.rekey_from = Some(0);
         }
-        self.place.victims.clear(epoch);
-        let State { res, place, .. } = self;
-        let ids: Vec<TensorId> = res.slab.iter().map(|(id, _)| id).collect();
-        for id in ids {
-            let e = res.slab.get_mut(id).expect("listed above");
-            let mut slots = [None; 4];
-            place.victims.place(&*place.policy, id, e, &mut slots);
-            e.victim_slots = slots;
+        let Some(from) = self.place.victims.rekey_from else { return };
+        let end = (from + REKEY_SLICE).min(self.res.slab.slots());
+        for slot in from..end {
+            if let Some(id) = self.res.slab.id_at(slot) {
+                self.reindex(id);
+            }
         }
+        self.place.victims.rekey_from = (end < self.res.slab.slots()).then_some(end);
     }
 
     /// An access of `id`: the policy hears of it and its victim key is refreshed.
@@ -117,6 +124,23 @@ impl State {
         let need = self.books.reserved_size(t, bytes).saturating_sub(self.books.free_bytes(t));
         let victims =
             if need == 0 { Vec::new() } else { self.victims_covering(t, Level::Demand, need, id) };
+        self.place.policy.admit(t, id, &victims)
+    }
+
+    /// [`State::admits`] for an optional copy (a promotion after a read, a policy's prefetch):
+    /// also refused when the victims that would make room hold more than twice the bytes the
+    /// copy brings, so a small promotion never pushes a large tensor out (and down to disk).
+    pub(crate) fn admits_copy(&mut self, t: Tier, id: TensorId, bytes: u64) -> bool {
+        let need = self.books.reserved_size(t, bytes).saturating_sub(self.books.free_bytes(t));
+        if need == 0 {
+            return self.place.policy.admit(t, id, &[]);
+        }
+        let victims = self.victims_covering(t, Level::Demand, need, id);
+        let evicted: u64 =
+            victims.iter().filter_map(|&v| self.res.get(v).ok()).map(|e| e.bytes()).sum();
+        if evicted > 2 * self.books.reserved_size(t, bytes).max(1) {
+            return false;
+        }
         self.place.policy.admit(t, id, &victims)
     }
 

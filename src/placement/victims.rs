@@ -6,8 +6,20 @@
 //! once, then everything else, then tensors prefetched by the policy's lookahead, then tensors
 //! prefetched by a hint (only a view that cannot otherwise get room evicts those). Bytes per set
 //! are summed as tensors come and go, so "could evicting make room?" is a sum of a few numbers.
+//!
+//! Each rank is split in two: *clean* victims, whose replica in the tier is a cache (a slower
+//! tier holds the bytes too, so dropping it costs nothing), and *sole* ones, which must be
+//! demoted by a copy. An eviction walks both in the policy's order, but once it knows that no
+//! slower tier can take a sole copy now (full, or room there needs host work its caller does not
+//! allow), it walks the clean ones alone: the cost of making room does not grow with the number
+//! of victims that cannot move. A sole replica that can *never* move (no slower tier is enabled
+//! that could ever hold it: a device-only store) is not a victim at all, and its bytes do not
+//! count as evictable.
+//!
+//! A walk is a [`Cursor`]: where it stopped, so one allocation never looks at a victim twice.
 
 use std::collections::BTreeSet;
+use std::ops::Bound;
 
 use crate::placement::policy::{Policy, VictimKey};
 use crate::residency::{Entry, Source};
@@ -49,14 +61,31 @@ impl Level {
     }
 }
 
-/// Where a tensor sits in one tier's index.
-pub(crate) type Slot = Option<(Rank, VictimKey)>;
+/// Whether a victim's replica is a cache of a slower copy (dropped for free) or the tensor's
+/// only copy at or below its tier (demoted by a copy).
+const CLEAN: usize = 0;
+const SOLE: usize = 1;
 
-/// The rank `e`'s replica in `t` would have as a victim, or `None` if it cannot be evicted now:
-/// no replica, held (views, pins, scopes), or in flight. A device copy of a tensor lent to the
-/// CPU or to zero-copy kernels in another tier (with no pin or scope) may go: it is clean,
-/// since the viewed replica exists.
-pub(crate) fn rank_of(e: &Entry, t: Tier) -> Option<Rank> {
+/// Where a tensor sits in one tier's index: its rank, its class (clean or sole) and its key.
+pub(crate) type Slot = Option<(Rank, usize, VictimKey)>;
+
+/// The largest tensor each tier could ever hold (0 when disabled): a sole replica is a victim
+/// only where a slower tier could take it.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Fits(pub(crate) [u64; 4]);
+
+impl Fits {
+    /// Whether a sole replica of `bytes` in `t` could ever be demoted.
+    fn movable_from(&self, t: Tier, bytes: u64) -> bool {
+        Tier::ALL.into_iter().any(|s| s > t && self.0[s.index()] >= bytes)
+    }
+}
+
+/// The rank and class `e`'s replica in `t` would have as a victim, or `None` if it cannot be
+/// evicted now (no replica, held by views, pins or scopes, or in flight) or ever (a sole copy
+/// no slower tier could hold). A device copy of a tensor lent to the CPU or to zero-copy kernels
+/// in another tier (with no pin or scope) may go: it is clean, since the viewed replica exists.
+pub(crate) fn rank_of(e: &Entry, t: Tier, fits: &Fits) -> Option<(Rank, usize)> {
     let r = e.replicas[t.index()].as_ref()?;
     let lent_elsewhere = t == Tier::Device
         && e.pins == 0
@@ -65,26 +94,54 @@ pub(crate) fn rank_of(e: &Entry, t: Tier) -> Option<Rank> {
     if r.filling || e.in_flight() || (e.held() > 0 && !lent_elsewhere) {
         return None;
     }
-    Some(match (t, e.prefetched) {
+    let clean = Tier::ALL
+        .into_iter()
+        .any(|s| s > t && e.replicas[s.index()].as_ref().is_some_and(|r| !r.filling));
+    if !clean && !fits.movable_from(t, e.bytes()) {
+        return None;
+    }
+    let rank = match (t, e.prefetched) {
         (Tier::Device, Some(Source::Hint)) => Rank::HintPrefetched,
         (Tier::Device, Some(Source::Policy)) => Rank::PolicyPrefetched,
         _ if e.released => Rank::Released,
         (Tier::Device, _) if matches!(e.group, Group::Grad | Group::OptimizerState) => Rank::Once,
         _ => Rank::Normal,
-    })
+    };
+    Some((rank, if clean { CLEAN } else { SOLE }))
+}
+
+/// A walk through one tier's victims in order: the rank it is in and the last victim it gave.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Cursor {
+    rank: usize,
+    last: Option<(VictimKey, TensorId)>,
 }
 
 /// The ranked, ordered victims of every tier.
 pub(crate) struct VictimIndex {
-    sets: [[BTreeSet<(VictimKey, TensorId)>; RANKS]; 4],
+    sets: [[[BTreeSet<(VictimKey, TensorId)>; 2]; RANKS]; 4],
     bytes: [[u64; RANKS]; 4],
-    /// The policy epoch the keys were taken in.
+    fits: Fits,
+    /// The policy epoch the keys are being brought to.
     pub(crate) epoch: u64,
+    /// While keys of an older epoch remain: the next slab slot to re-key.
+    pub(crate) rekey_from: Option<usize>,
 }
 
 impl VictimIndex {
     pub(crate) fn new(epoch: u64) -> VictimIndex {
-        VictimIndex { sets: Default::default(), bytes: [[0; RANKS]; 4], epoch }
+        VictimIndex {
+            sets: Default::default(),
+            bytes: [[0; RANKS]; 4],
+            fits: Fits::default(),
+            epoch,
+            rekey_from: None,
+        }
+    }
+
+    /// Sets what each tier could ever hold (at build, before any tensor).
+    pub(crate) fn set_fits(&mut self, fits: Fits) {
+        self.fits = fits;
     }
 
     /// Puts `id` where it belongs in every tier (`slots` is where it is now, updated).
@@ -96,18 +153,18 @@ impl VictimIndex {
         slots: &mut [Slot; 4],
     ) {
         for t in Tier::ALL {
-            let want = rank_of(e, t).map(|r| (r, policy.victim_key(t, id)));
+            let want = rank_of(e, t, &self.fits).map(|(r, c)| (r, c, policy.victim_key(t, id)));
             let have = slots[t.index()];
             if want == have {
                 continue;
             }
             let ti = t.index();
-            if let Some((r, k)) = have {
-                self.sets[ti][r as usize].remove(&(k, id));
+            if let Some((r, c, k)) = have {
+                self.sets[ti][r as usize][c].remove(&(k, id));
                 self.bytes[ti][r as usize] -= e.bytes();
             }
-            if let Some((r, k)) = want {
-                self.sets[ti][r as usize].insert((k, id));
+            if let Some((r, c, k)) = want {
+                self.sets[ti][r as usize][c].insert((k, id));
                 self.bytes[ti][r as usize] += e.bytes();
             }
             slots[ti] = want;
@@ -117,21 +174,56 @@ impl VictimIndex {
     /// Takes `id` out of every tier (it is being removed; `bytes` is its size).
     pub(crate) fn forget(&mut self, id: TensorId, bytes: u64, slots: &mut [Slot; 4]) {
         for t in Tier::ALL {
-            if let Some((r, k)) = slots[t.index()].take() {
-                self.sets[t.index()][r as usize].remove(&(k, id));
+            if let Some((r, c, k)) = slots[t.index()].take() {
+                self.sets[t.index()][r as usize][c].remove(&(k, id));
                 self.bytes[t.index()][r as usize] -= bytes;
             }
         }
     }
 
-    /// Empties the index (before rebuilding it under a new policy epoch).
-    pub(crate) fn clear(&mut self, epoch: u64) {
-        *self = VictimIndex::new(epoch);
-    }
-
     /// Bytes that `level` may evict from `t`.
     pub(crate) fn evictable_bytes(&self, t: Tier, level: Level) -> u64 {
         level.ranks().iter().map(|&r| self.bytes[t.index()][r as usize]).sum()
+    }
+
+    /// The next victim of `t` for `level` after `cur` (advanced past it), never `exclude`;
+    /// with `clean_only`, only victims whose replica a slower copy backs. O(log n) a step.
+    pub(crate) fn next(
+        &self,
+        t: Tier,
+        level: Level,
+        cur: &mut Cursor,
+        clean_only: bool,
+        exclude: TensorId,
+    ) -> Option<TensorId> {
+        let ranks = level.ranks();
+        while let Some(&r) = ranks.get(cur.rank) {
+            let sets = &self.sets[t.index()][r as usize];
+            let from = match cur.last {
+                Some(k) => Bound::Excluded(k),
+                None => Bound::Unbounded,
+            };
+            let clean = sets[CLEAN].range((from, Bound::Unbounded)).next();
+            let sole =
+                if clean_only { None } else { sets[SOLE].range((from, Bound::Unbounded)).next() };
+            let pick = match (clean, sole) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            };
+            match pick {
+                Some(&(k, id)) => {
+                    cur.last = Some((k, id));
+                    if id != exclude {
+                        return Some(id);
+                    }
+                }
+                None => {
+                    cur.rank += 1;
+                    cur.last = None;
+                }
+            }
+        }
+        None
     }
 
     /// Victims of `t` for `level` in order, never `exclude`.
@@ -141,16 +233,13 @@ impl VictimIndex {
         level: Level,
         exclude: TensorId,
     ) -> impl Iterator<Item = TensorId> + '_ {
-        level
-            .ranks()
-            .iter()
-            .flat_map(move |&r| self.sets[t.index()][r as usize].iter().map(|&(_, id)| id))
-            .filter(move |&id| id != exclude)
+        let mut cur = Cursor::default();
+        std::iter::from_fn(move || self.next(t, level, &mut cur, false, exclude))
     }
 
     /// Tensors indexed in `t` (all ranks), for consistency checks.
     #[cfg(test)]
     pub(crate) fn len(&self, t: Tier) -> usize {
-        self.sets[t.index()].iter().map(BTreeSet::len).sum()
+        self.sets[t.index()].iter().flatten().map(BTreeSet::len).sum()
     }
 }

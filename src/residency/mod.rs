@@ -21,6 +21,8 @@ use std::cell::Cell;
 use std::collections::HashMap;
 use std::sync::Arc;
 
+use smallvec::SmallVec;
+
 pub(crate) use slab::Slab;
 pub(crate) use state::{Counters, Locked, Shared, State};
 pub(crate) use uses::Uses;
@@ -71,11 +73,14 @@ pub(crate) struct Replica {
     pub(crate) ready: Option<RawEvent>,
     /// A flight is still filling it: its bytes are not valid yet, whatever `ready` says.
     pub(crate) filling: bool,
+    /// While a live overwrite view fills it: the device work on its memory's earlier owners
+    /// that any stream writing it must wait for first (the view's stream did).
+    pub(crate) fence: SmallVec<[RawEvent; 2]>,
 }
 
 impl Replica {
     pub(crate) fn new(ext: Ext, ready: Option<RawEvent>) -> Replica {
-        Replica { ext, ready, filling: false }
+        Replica { ext, ready, filling: false, fence: SmallVec::new() }
     }
 }
 

@@ -76,6 +76,17 @@ impl<T> Slab<T> {
         Some(v)
     }
 
+    /// Slots in the slab, live or free (the bound of [`Slab::id_at`]).
+    pub(crate) fn slots(&self) -> usize {
+        self.slots.len()
+    }
+
+    /// The id of the value in slot `slot`, if one lives there.
+    pub(crate) fn id_at(&self, slot: usize) -> Option<TensorId> {
+        let s = self.slots.get(slot)?;
+        s.value.as_ref().map(|_| TensorId::new(self.store, s.seq, slot as u32))
+    }
+
     /// Every live id and value, in slot order.
     pub(crate) fn iter(&self) -> impl Iterator<Item = (TensorId, &T)> {
         let store = self.store;

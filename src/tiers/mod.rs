@@ -4,8 +4,10 @@
 //!
 //! Freeing never blocks the host: an extent that work may still touch (a copy in flight, a
 //! kernel of a view, a thread reading it without the lock) is freed once that work is done.
-//! Device memory retired while device work still touches it is reused in stream order instead:
-//! the host-to-device stream, which writes every new device extent, first waits for that work.
+//! Device memory retired while device work still touches it is kept aside, and handed out again
+//! only when no other memory fits; then it is reused in stream order: the stream that writes
+//! the new extent first (the host-to-device stream, or an overwrite view's stream) waits for the
+//! work that touched *that memory* ([`Fences`]), never for anything else.
 
 pub(crate) mod alloc;
 pub(crate) mod arena;
@@ -13,12 +15,12 @@ pub(crate) mod disk;
 pub(crate) mod file;
 pub(crate) mod staging;
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use smallvec::SmallVec;
 
-use crate::backend::{Backend, Pending, RawEvent};
-use crate::error::Result;
+use crate::backend::{Pending, RawEvent};
 use crate::types::Tier;
 use alloc::ExtentAllocator;
 use arena::{Extent, MemArena};
@@ -70,21 +72,96 @@ struct Deferred {
     waits: SmallVec<[Pending; 2]>,
 }
 
+/// Device memory retired while device work still touches it: out of the allocator until that
+/// work completes, or until an allocation finds no other room.
+struct Retired {
+    ext: Extent,
+    waits: SmallVec<[RawEvent; 2]>,
+}
+
+/// Ranges of device memory handed back to the allocator while device work may still touch them,
+/// each with the events of that work: whoever writes an extent there first waits for them. The
+/// ranges never overlap (a newer fence over old memory implies the older one: the memory's next
+/// owner was written only after it).
+#[derive(Default)]
+pub(crate) struct Fences(BTreeMap<u64, (u64, SmallVec<[RawEvent; 2]>)>);
+
+impl Fences {
+    /// Fences `[start, end)` with `waits`, replacing what older fences said of that range.
+    fn insert(&mut self, start: u64, end: u64, waits: SmallVec<[RawEvent; 2]>) {
+        self.take(start, end);
+        self.0.insert(start, (end, waits));
+    }
+
+    /// The events fencing `[start, end)`, incomplete ones only, taken out of the fences (the
+    /// caller's writer waits for them; later writers of the range wait for its new owner).
+    fn take(&mut self, start: u64, end: u64) -> SmallVec<[RawEvent; 2]> {
+        let mut out = SmallVec::new();
+        if start >= end {
+            return out;
+        }
+        let hits: SmallVec<[u64; 4]> = self
+            .0
+            .range(..end)
+            .rev()
+            .take_while(|(_, (e, _))| *e > start)
+            .map(|(&s, _)| s)
+            .collect();
+        for s in hits {
+            let (e, waits) = self.0.remove(&s).expect("listed above");
+            for ev in &waits {
+                if !ev.is_complete() && !out.iter().any(|o: &RawEvent| o.same(ev)) {
+                    out.push(ev.clone());
+                }
+            }
+            if s < start {
+                self.0.insert(s, (start, waits.clone()));
+            }
+            if e > end {
+                self.0.insert(end, (e, waits));
+            }
+        }
+        out
+    }
+
+    /// Drops the fences whose work has completed.
+    fn prune(&mut self) {
+        self.0.retain(|_, (_, w)| w.iter().any(|ev| !ev.is_complete()));
+    }
+
+    fn len(&self) -> usize {
+        self.0.len()
+    }
+}
+
 /// What is allocated in each tier, and what waits to be freed: under the store's lock.
 pub(crate) struct TierBooks {
     allocs: [Option<ExtentAllocator>; 4],
     deferred: Vec<Deferred>,
     /// Bytes of each tier waiting in `deferred` (reserved sizes).
     deferred_bytes: [u64; 4],
-    /// Work still touching retired device memory: the host-to-device stream waits for it before
-    /// its next copy.
-    reuse_waits: Vec<RawEvent>,
+    /// Device memory retired while device work still touches it: free as far as the budget
+    /// goes (reusable without a host wait), out of the allocator until needed.
+    retired: Vec<Retired>,
+    retired_bytes: u64,
+    /// Device memory back in the allocator that device work may still touch.
+    fences: Fences,
 }
+
+/// Fences kept before complete ones are pruned.
+const PRUNE_FENCES_AT: usize = 64;
 
 impl TierBooks {
     /// Books over the allocators of the enabled tiers (Device, Pinned, Mapped, Disk).
     pub(crate) fn new(allocs: [Option<ExtentAllocator>; 4]) -> TierBooks {
-        TierBooks { allocs, deferred: Vec::new(), deferred_bytes: [0; 4], reuse_waits: Vec::new() }
+        TierBooks {
+            allocs,
+            deferred: Vec::new(),
+            deferred_bytes: [0; 4],
+            retired: Vec::new(),
+            retired_bytes: 0,
+            fences: Fences::default(),
+        }
     }
 
     fn alloc_of(&self, t: Tier) -> Option<&ExtentAllocator> {
@@ -111,6 +188,13 @@ impl TierBooks {
         self.alloc_of(t).is_some_and(|a| a.reserved_size(bytes) <= a.largest_span())
     }
 
+    /// The largest tensor each tier could ever hold (0 for a disabled tier).
+    pub(crate) fn fits(&self) -> crate::placement::victims::Fits {
+        crate::placement::victims::Fits(
+            Tier::ALL.map(|t| self.alloc_of(t).map_or(0, ExtentAllocator::largest_span)),
+        )
+    }
+
     /// The tier's budget as an error message names it: `pinned 8 GiB`, or with the largest
     /// piece when it was reserved in several (`pinned 8 GiB in 4 pieces, the largest 2 GiB`).
     pub(crate) fn describe(&self, t: Tier) -> String {
@@ -125,14 +209,16 @@ impl TierBooks {
         }
     }
 
-    /// Bytes taken, waiting extents included.
+    /// Bytes taken, extents waiting to be freed included; retired device memory, which is
+    /// reused without a host wait, counts as free.
     pub(crate) fn used(&self, t: Tier) -> u64 {
-        self.alloc_of(t).map_or(0, ExtentAllocator::used)
+        let retired = if t == Tier::Device { self.retired_bytes } else { 0 };
+        self.alloc_of(t).map_or(0, ExtentAllocator::used) - retired
     }
 
-    /// Free bytes now, ignoring fragmentation.
+    /// Free bytes now (retired device memory included), ignoring fragmentation.
     pub(crate) fn free_bytes(&self, t: Tier) -> u64 {
-        self.alloc_of(t).map_or(0, |a| a.len() - a.used())
+        self.alloc_of(t).map_or(0, |a| a.len() - self.used(t).min(a.len()))
     }
 
     /// Bytes of extents that wait for work before they are free.
@@ -153,11 +239,19 @@ impl TierBooks {
     /// Allocates `bytes` in `t` without evicting; `None` when there is no room now (or the tier
     /// is disabled). Extents whose work has finished are freed first.
     pub(crate) fn try_alloc(&mut self, t: Tier, bytes: u64) -> Option<Ext> {
-        if self.deferred_bytes[t.index()] > 0 {
+        if self.deferred_bytes[t.index()] > 0 || (t == Tier::Device && self.retired_bytes > 0) {
             self.reap();
         }
         let a = self.allocs[t.index()].as_mut()?;
-        let offset = a.alloc(bytes)?;
+        let offset = match a.alloc(bytes) {
+            Some(o) => o,
+            None if t == Tier::Device && !self.retired.is_empty() => {
+                // No other room: retired memory is handed out again, fenced.
+                self.reclaim_retired();
+                self.allocs[t.index()].as_mut()?.alloc(bytes)?
+            }
+            None => return None,
+        };
         let ext = Extent::new(offset, bytes);
         Some(match t {
             Tier::Disk => Ext::Disk { ext, crc: crc32fast::hash(&[]) },
@@ -191,6 +285,17 @@ impl TierBooks {
     pub(crate) fn reap(&mut self) -> bool {
         let mut freed = false;
         let mut i = 0;
+        while i < self.retired.len() {
+            if self.retired[i].waits.iter().all(RawEvent::is_complete) {
+                let r = self.retired.swap_remove(i);
+                self.retired_bytes -= self.reserved_size(Tier::Device, r.ext.bytes());
+                self.free(Tier::Device, Ext::Mem(r.ext));
+                freed = true;
+            } else {
+                i += 1;
+            }
+        }
+        let mut i = 0;
         while i < self.deferred.len() {
             if self.deferred[i].waits.iter().all(Pending::is_complete) {
                 let d = self.deferred.swap_remove(i);
@@ -216,36 +321,65 @@ impl TierBooks {
             .collect()
     }
 
-    /// Every wait of every waiting extent (for the store's drop).
+    /// Every wait of every waiting extent and of the fenced memory (for the store's drop).
     pub(crate) fn all_deferred_waits(&self) -> Vec<Pending> {
-        self.deferred.iter().flat_map(|d| d.waits.iter().cloned()).collect()
+        let retired = self.retired.iter().flat_map(|r| r.waits.iter());
+        let fenced = self.fences.0.values().flat_map(|(_, w)| w.iter());
+        self.deferred
+            .iter()
+            .flat_map(|d| d.waits.iter().cloned())
+            .chain(retired.chain(fenced).map(|ev| Pending::Ev(ev.clone())))
+            .collect()
     }
 
-    /// Retires a Device extent: free now, its reuse ordered after `waits` on the host-to-device
-    /// stream. Waits on the host (a thread still reading the memory) defer the free instead.
+    /// Retires a Device extent. Free now when nothing touches it; kept aside while device work
+    /// does (reused before that work is done only when no other memory fits, and then in
+    /// stream order: see [`TierBooks::take_fences`]); freed later when a thread still reads it
+    /// without the lock.
     pub(crate) fn retire_device(&mut self, ext: Ext, waits: SmallVec<[Pending; 2]>) {
         if waits.iter().any(|p| matches!(p, Pending::Done(_)) && !p.is_complete()) {
             return self.free_after(Tier::Device, ext, waits);
         }
-        for p in waits {
-            if let Pending::Ev(ev) = p {
-                if !ev.is_complete() {
-                    self.reuse_waits.push(ev);
-                }
+        let events: SmallVec<[RawEvent; 2]> = waits
+            .into_iter()
+            .filter_map(|p| match p {
+                Pending::Ev(ev) if !ev.is_complete() => Some(ev),
+                _ => None,
+            })
+            .collect();
+        match ext {
+            Ext::Mem(e) if !events.is_empty() => {
+                self.retired_bytes += self.reserved_size(Tier::Device, e.bytes());
+                self.retired.push(Retired { ext: e, waits: events });
             }
+            ext => self.free(Tier::Device, ext),
         }
-        self.free(Tier::Device, ext);
     }
 
-    /// Makes the host-to-device stream wait for the work still touching retired device memory;
-    /// called after allocating in the Device tier, before anything writes the new extent.
-    pub(crate) fn h2d_ready(&mut self, be: &Backend) -> Result<()> {
-        while let Some(ev) = self.reuse_waits.pop() {
-            if let Err(e) = be.h2d().wait(&ev) {
-                self.reuse_waits.push(ev);
-                return Err(e);
-            }
+    /// Hands every retired device extent back to the allocator, each fenced by its work.
+    fn reclaim_retired(&mut self) {
+        if self.fences.len() >= PRUNE_FENCES_AT {
+            self.fences.prune();
         }
-        Ok(())
+        for r in std::mem::take(&mut self.retired) {
+            let reserved = self.reserved_size(Tier::Device, r.ext.bytes());
+            self.retired_bytes -= reserved;
+            let start = r.ext.offset();
+            self.fences.insert(start, start + reserved, r.waits);
+            self.free(Tier::Device, Ext::Mem(r.ext));
+        }
+    }
+
+    /// The events a writer of the new Device extent `ext` must wait for first: the device work
+    /// still touching its memory's earlier owners (none for memory that was free). Taken: the
+    /// next writer of that memory waits for this extent's owner instead.
+    pub(crate) fn take_fences(&mut self, ext: &Ext) -> SmallVec<[RawEvent; 2]> {
+        match ext {
+            Ext::Mem(e) if self.fences.len() > 0 => {
+                let start = e.offset();
+                self.fences.take(start, start + self.reserved_size(Tier::Device, e.bytes()))
+            }
+            _ => SmallVec::new(),
+        }
     }
 }
