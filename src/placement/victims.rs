@@ -117,9 +117,12 @@ pub(crate) struct Cursor {
     last: Option<(VictimKey, TensorId)>,
 }
 
+/// One rank of one tier: its clean victims and its sole ones, each in key order.
+type RankSets = [BTreeSet<(VictimKey, TensorId)>; 2];
+
 /// The ranked, ordered victims of every tier.
 pub(crate) struct VictimIndex {
-    sets: [[[BTreeSet<(VictimKey, TensorId)>; 2]; RANKS]; 4],
+    sets: [[RankSets; RANKS]; 4],
     bytes: [[u64; RANKS]; 4],
     fits: Fits,
     /// The policy epoch the keys are being brought to.
