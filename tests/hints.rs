@@ -15,6 +15,7 @@
 mod common;
 
 use std::collections::HashMap;
+use std::time::{Duration, Instant};
 
 use common::{
     assert_budgets, env_seed, is_space_error, random_bytes, used_per_tier, view_read, view_write,
@@ -810,4 +811,57 @@ fn unpin_keeps_a_prefetch_hint_and_a_view_beats_unused_prefetches() {
         }
         store.check_err().unwrap();
     });
+}
+
+/// A prefetch queued behind a slow one does not hold up host operations on its tensor: a read
+/// of it (whose Pinned copy is valid) goes ahead at once, and a host view revokes the queued job
+/// rather than waiting for the queue. (The job took the tensor's exclusive flight when it was
+/// queued: the read waited for every job ahead of it.)
+#[test]
+fn a_queued_prefetch_does_not_block_reads_or_host_views_of_its_tensor() {
+    common::watch_deadlocks();
+    const BIG: usize = 256 << 20;
+    const X: usize = 4 << 20;
+    let store = Backend::Host
+        .builder()
+        .capacity(Tier::Device, (BIG + X) as u64)
+        .capacity(Tier::Pinned, X as u64)
+        .capacity(Tier::Mapped, 0)
+        .capacity(Tier::Disk, (2 * BIG) as u64)
+        .disk_workers(1)
+        .prefetch_budget((BIG + X) as u64)
+        .build()
+        .unwrap();
+    // d fills the Device tier's spare room: x's prefetch must spill it (host work: a job).
+    let d = store
+        .put_in(Tier::Device, "d", strata::Group::Other, DType::U8, &[X], &vec![4; X])
+        .unwrap();
+    let x = store
+        .put_in(Tier::Pinned, "x", strata::Group::Other, DType::U8, &[X], &vec![5; X])
+        .unwrap();
+    let big = store
+        .put_in(Tier::Disk, "big", strata::Group::Other, DType::U8, &[BIG], &vec![6; BIG])
+        .unwrap();
+    let t = Instant::now();
+    store.prefetch(&[big, x]).unwrap();
+    let hinted = t.elapsed();
+    let t = Instant::now();
+    assert_eq!(store.read(x).unwrap(), vec![5; X]);
+    let read = t.elapsed();
+    let t = Instant::now();
+    let v = store.host_view(x).unwrap();
+    let viewed = t.elapsed();
+    assert!(v.bytes().iter().all(|&b| b == 5));
+    drop(v);
+    // The slow job: big's fill from disk.
+    let s = store.stream().unwrap();
+    let t = Instant::now();
+    drop(store.device_view(big, &s).unwrap());
+    let filled = t.elapsed();
+    println!("hint {hinted:?}; read {read:?}, host view {viewed:?} while big filled ({filled:?})");
+    assert!(read < Duration::from_millis(50), "the read waited {read:?} for the prefetch queue");
+    assert!(viewed < Duration::from_millis(50), "the host view waited {viewed:?}");
+    assert_eq!(store.read(d).unwrap(), vec![4; X]);
+    assert_eq!(store.read(big).unwrap(), vec![6; BIG]);
+    store.check_err().unwrap();
 }

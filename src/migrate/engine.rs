@@ -160,6 +160,18 @@ impl Engine {
         jobno
     }
 
+    /// Takes a queued job out of the queue before any worker has taken it: true if it was
+    /// still queued (it will not run; the caller undoes what queuing it did).
+    pub(crate) fn revoke(&self, jobno: u64) -> bool {
+        let mut q = self.queue.0.lock();
+        if q.pending.remove(&jobno).is_some() {
+            self.queued.fetch_sub(1, Ordering::Relaxed);
+            true
+        } else {
+            false
+        }
+    }
+
     /// Moves a queued job to the front (someone is waiting for it now); on an inline engine,
     /// runs the queue on this thread until the job has run.
     pub(crate) fn expedite(&self, jobno: u64, runner: &dyn Runner) {

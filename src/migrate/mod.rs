@@ -68,6 +68,16 @@ impl Shared {
 }
 
 impl Shared {
+    /// [`Shared::lock_when_free`] for an exclusive operation that needs the tensor now: a
+    /// prefetch job of it that is still queued is revoked rather than waited for (a view, which
+    /// wants that prefetch's copy, waits for it instead).
+    pub(crate) fn lock_exclusive_now(&self, id: TensorId) -> Result<(Locked<'_>, f64)> {
+        let mut st = self.lock();
+        prefetch::revoke_queued(self, &mut st, id);
+        drop(st);
+        self.lock_when_free(id, true)
+    }
+
     /// Takes the lock once `id` is past its put: a tensor whose first copy is still being
     /// written has a name and an id but no bytes yet.
     pub(crate) fn lock_when_put(&self, id: TensorId) -> Result<Locked<'_>> {

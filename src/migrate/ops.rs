@@ -188,7 +188,7 @@ fn forget(st: &mut State, id: TensorId) {
 /// `Store::write`: the new bytes go to a new extent, and the old replicas are dropped only once
 /// they are in place, so a failed write leaves the tensor as it was.
 pub(crate) fn write(sh: &Shared, id: TensorId, data: &[u8]) -> Result<()> {
-    let (mut st, _) = sh.lock_when_free(id, true)?;
+    let (mut st, _) = sh.lock_exclusive_now(id)?;
     let e = st.res.get(id)?;
     let bytes = e.bytes();
     if bytes != data.len() as u64 {
@@ -457,7 +457,7 @@ fn promote_after_read(
 
 /// `Store::move_to`.
 pub(crate) fn move_to(sh: &Shared, id: TensorId, tier: Tier) -> Result<()> {
-    let (mut st, _) = sh.lock_when_free(id, true)?;
+    let (mut st, _) = sh.lock_exclusive_now(id)?;
     let e = st.res.get(id)?;
     let (bytes, holders, fastest) = (e.bytes(), e.held(), e.fastest());
     if !st.books.enabled(tier) {
@@ -511,7 +511,7 @@ pub(crate) fn move_to(sh: &Shared, id: TensorId, tier: Tier) -> Result<()> {
 
 /// `Store::remove`: nothing waits; memory still touched by work is freed once it is done.
 pub(crate) fn remove(sh: &Shared, id: TensorId) -> Result<()> {
-    let (mut st, _) = sh.lock_when_free(id, true)?;
+    let (mut st, _) = sh.lock_exclusive_now(id)?;
     let e = st.res.get(id)?;
     if e.held() > 0 || e.host_lent {
         return Err(Error::Busy { id, holders: e.held() });
@@ -679,7 +679,7 @@ pub(crate) fn host_view(
     id: TensorId,
     host_backend: bool,
 ) -> Result<(Tier, WriteLease, DType)> {
-    let (mut st, _) = sh.lock_when_free(id, true)?;
+    let (mut st, _) = sh.lock_exclusive_now(id)?;
     let e = st.res.get(id)?;
     if e.held() > 0 || e.host_lent {
         return Err(Error::Busy { id, holders: e.held() });

@@ -64,6 +64,16 @@ pub(crate) fn prefetch_one(
         st.reindex(id);
         return Ok(Outcome::Started);
     }
+    if e.job.is_some() {
+        // Already on its way (a job that makes room first): protect it as above.
+        let e = st.res.get_mut(id)?;
+        e.released = false;
+        if e.prefetched.is_none() || source == Source::Hint {
+            e.prefetched = Some(source);
+        }
+        st.reindex(id);
+        return Ok(Outcome::Started);
+    }
     if e.flight.is_some() {
         // Busy with something else (a move, a spill): later.
         return Ok(Outcome::Wait);
@@ -92,7 +102,7 @@ pub(crate) fn prefetch_one(
             // Room needs spills or waits: the engine does it all, without the lock.
             let Some(engine) = sh.engine.get() else { return Ok(Outcome::Wait) };
             let job = engine.submit(JobKind::Bring(id, source));
-            st.start_flight(id, Some(job));
+            st.start_job(id, job);
             st.mark_prefetched(id, source, true);
             st.counters.prefetches += 1;
             return Ok(Outcome::Started);
@@ -126,7 +136,7 @@ pub(crate) fn prefetch_one(
         r.filling = true;
         st.res.put_replica(id, Tier::Device, r);
         let job = engine.submit(JobKind::Fill(id));
-        st.start_flight(id, Some(job));
+        st.start_job(id, job);
     }
     st.mark_prefetched(id, source, true);
     st.counters.prefetches += 1;
@@ -253,16 +263,38 @@ impl Runner for Shared {
     fn cancel_job(&self, job: JobKind, jobno: u64) {
         let (JobKind::Fill(id) | JobKind::Bring(id, _)) = job;
         let mut st = self.lock();
-        let Some(f) = st.res.get(id).ok().and_then(|e| e.flight.clone()) else { return };
-        if f.job != Some(jobno) {
-            return;
+        undo_job(&mut st, id, jobno);
+    }
+}
+
+/// Undoes what queuing the prefetch job `jobno` of `id` did (a job that will not run): the
+/// device replica it reserved, the prefetch mark, its claim.
+pub(crate) fn undo_job(st: &mut Locked<'_>, id: TensorId, jobno: u64) {
+    let Some(f) = st.res.get(id).ok().and_then(|e| e.job.clone()) else { return };
+    if f.job != Some(jobno) {
+        return;
+    }
+    if st.res.get(id).is_ok_and(|e| e.replicas[0].as_ref().is_some_and(|r| r.filling)) {
+        let r = st.res.take_replica(id, Tier::Device).expect("checked");
+        st.books.free(Tier::Device, r.ext);
+    }
+    st.consume_prefetch(id);
+    st.end_job(id, &f);
+}
+
+/// Revokes `id`'s prefetch job if it is still queued (a worker has not taken it): the caller
+/// needs the tensor exclusively now and would otherwise wait behind the whole queue. True if
+/// there was one to revoke.
+pub(crate) fn revoke_queued(sh: &Shared, st: &mut Locked<'_>, id: TensorId) -> bool {
+    let Some(jobno) = st.res.get(id).ok().and_then(|e| e.job.as_ref().and_then(|f| f.job)) else {
+        return false;
+    };
+    match sh.engine.get() {
+        Some(engine) if engine.revoke(jobno) => {
+            undo_job(st, id, jobno);
+            true
         }
-        if st.res.get(id).is_ok_and(|e| e.replicas[0].as_ref().is_some_and(|r| r.filling)) {
-            let r = st.res.take_replica(id, Tier::Device).expect("checked");
-            st.books.free(Tier::Device, r.ext);
-        }
-        st.consume_prefetch(id);
-        st.end_flight(id, &f);
+        _ => false,
     }
 }
 
@@ -273,7 +305,7 @@ impl Shared {
         id: TensorId,
         jobno: u64,
     ) -> Option<std::sync::Arc<crate::residency::Flight>> {
-        st.res.get(id).ok()?.flight.clone().filter(|f| f.job == Some(jobno))
+        st.res.get(id).ok()?.job.clone().filter(|f| f.job == Some(jobno))
     }
 
     /// Fills `id`'s Device replica (reserved and marked filling when the job was queued) from
@@ -326,7 +358,7 @@ impl Shared {
         match res {
             Ok(done) => {
                 st.commit_fill(id, from, Tier::Device, done);
-                st.end_flight(id, &flight);
+                st.end_job(id, &flight);
                 Ok(())
             }
             Err(e) => {
@@ -348,7 +380,7 @@ impl Shared {
             st.books.free(Tier::Device, r.ext);
         }
         st.consume_prefetch(id);
-        st.end_flight(id, flight);
+        st.end_job(id, flight);
     }
 
     /// Brings `id` to the device for a prefetch whose room needed host work.
@@ -380,7 +412,7 @@ impl Shared {
         if !brought {
             st.consume_prefetch(id);
         }
-        st.end_flight(id, &flight);
+        st.end_job(id, &flight);
         res
     }
 }

@@ -150,6 +150,10 @@ pub(crate) struct Entry {
     /// Threads reading the tensor without the lock, and the flight they share.
     pub(crate) readers: u32,
     pub(crate) read_flight: Option<Arc<Flight>>,
+    /// A prefetch job of the engine's, queued or running, that brings the tensor to the device:
+    /// a claim shared with readers (it only reads the tensor's bytes and fills a replica nobody
+    /// reads yet), exclusive for everything else. A queued one can be revoked.
+    pub(crate) job: Option<Arc<Flight>>,
     /// Per stream, the last work that may touch the tensor's memory.
     pub(crate) uses: Uses,
     /// A view dropped, but the event after its stream's work could not be recorded (the
@@ -185,6 +189,7 @@ impl Entry {
             flight: None,
             readers: 0,
             read_flight: None,
+            job: None,
             uses: Uses::default(),
             unsettled: Vec::new(),
             loading: false,
@@ -225,15 +230,15 @@ impl Entry {
             .find(|t| self.replicas[t.index()].as_ref().is_some_and(|r| !r.filling))
     }
 
-    /// Whether a flight, exclusive or shared, has the tensor.
+    /// Whether a flight, exclusive or shared (readers, a prefetch job), has the tensor.
     pub(crate) fn in_flight(&self) -> bool {
-        self.flight.is_some() || self.readers > 0
+        self.flight.is_some() || self.readers > 0 || self.job.is_some()
     }
 
     /// The flight to wait for before an exclusive operation: the exclusive one, else the
-    /// readers'.
+    /// readers', else a prefetch job's.
     pub(crate) fn any_flight(&self) -> Option<Arc<Flight>> {
-        self.flight.clone().or_else(|| self.read_flight.clone())
+        self.flight.clone().or_else(|| self.read_flight.clone()).or_else(|| self.job.clone())
     }
 
     /// What freeing this tensor's memory must wait for: device work on it (incomplete events)
@@ -246,7 +251,7 @@ impl Entry {
             .filter(|ev| !ev.is_complete())
             .map(|ev| Pending::Ev(ev.clone()))
             .collect();
-        for f in [&self.flight, &self.read_flight].into_iter().flatten() {
+        for f in [&self.flight, &self.read_flight, &self.job].into_iter().flatten() {
             out.push(Pending::Done(f.done.clone()));
         }
         out

@@ -61,6 +61,28 @@ impl State {
         f
     }
 
+    /// Gives `id` the claim of the engine's job `jobno` (a prefetch; see [`Entry::job`]).
+    pub(crate) fn start_job(&mut self, id: TensorId, jobno: u64) -> Arc<Flight> {
+        let f = Flight::new(Some(jobno));
+        if let Ok(e) = self.res.get_mut(id) {
+            debug_assert!(e.job.is_none(), "two prefetch jobs on {id}");
+            e.job = Some(f.clone());
+        }
+        self.reindex(id);
+        f
+    }
+
+    /// Ends a prefetch job's claim on `id` and wakes whoever waits for it.
+    pub(crate) fn end_job(&mut self, id: TensorId, f: &Arc<Flight>) {
+        if let Ok(e) = self.res.get_mut(id) {
+            if e.job.as_ref().is_some_and(|x| Arc::ptr_eq(x, f)) {
+                e.job = None;
+            }
+        }
+        f.finish();
+        self.reindex(id);
+    }
+
     /// Retries the event a view's drop could not record ([`Entry::unsettled`]): once one is
     /// recorded on that stream (after the view's work), it is the stream's last use and the
     /// view's hold is released. Another failure leaves the tensor held.
