@@ -24,7 +24,9 @@ fn store_with(backend: Backend, caps: [u64; 4]) -> Store {
     for t in Tier::ALL {
         b = b.capacity(t, caps[t.index()]);
     }
-    b.build().expect("build store")
+    // Budgets here are exact arithmetic of the tensors put: no write reserve (tests/reliability.rs
+    // checks the reserve).
+    b.write_reserve(false).build().expect("build store")
 }
 
 /// Counters that a refused call must leave as they were.

@@ -470,6 +470,7 @@ fn a_budget_that_cannot_be_reserved_whole_is_reserved_in_pieces() {
             .capacity(Tier::Pinned, 256 << 20)
             .capacity(Tier::Mapped, 0)
             .capacity(Tier::Disk, 0)
+            .write_reserve(false) // each piece is filled whole
             .build()
     };
     // The first allocation (the whole 256 MiB) fails: two pieces of 128 MiB.

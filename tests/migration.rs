@@ -152,7 +152,8 @@ const BIG: usize = (20 << 20) + 3;
 #[test]
 fn tensor_larger_than_staging_buffers_moves_in_chunks() {
     common::each_backend("tensor_larger_than_staging_buffers_moves_in_chunks", |backend| {
-        let store = store(backend, 24 << 20, 24 << 20, false);
+        // The disk tier also keeps the write reserve: room for a second copy.
+        let store = store(backend, 24 << 20, 48 << 20, false);
         let data = random_bytes(BIG, 4242);
         let id = store.put("big", DType::U8, &[BIG], &data).unwrap();
         assert_eq!(store.tier_of(id).unwrap(), Tier::Device);

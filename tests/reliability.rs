@@ -132,6 +132,7 @@ fn empty_tensors_take_no_room() {
         .capacity(Tier::Pinned, 0)
         .capacity(Tier::Mapped, 0)
         .capacity(Tier::Disk, 0)
+        .write_reserve(false) // the budget is exactly one 4 KiB tensor
         .build()
         .unwrap();
     let ids: Vec<_> =
@@ -187,6 +188,7 @@ fn a_budget_reserved_in_pieces_holds_tensors_in_every_piece() {
         .capacity(Tier::Disk, 0)
         .reserve_in_pieces(64 << 20)
         .on_reserve(move |t, done, budget| r.lock().unwrap().push((t, done, budget)))
+        .write_reserve(false) // every piece is filled to its tail
         .build()
         .unwrap();
     let want: Vec<_> = (1..=4).map(|i| (Tier::Pinned, i * (64 << 20), 256 << 20)).collect();
@@ -255,4 +257,81 @@ fn a_panicking_host_kernel_does_not_hang_the_store() {
         Err(_) => panic!("a read after a panicking kernel hung"),
     }
     s.synchronize().unwrap();
+}
+
+/// A tensor the store accepted can always be overwritten, even when every tier is full: a
+/// seeded run puts tensors of random sizes until the budgets refuse them, then mixes writes,
+/// reads, moves, removes and more puts; every write of a tensor the store holds succeeds, and
+/// every read returns the last bytes written. (Since a write puts its bytes in a second copy
+/// before dropping the first, a full store refused writes: 576 `OutOfMemory` in 20,000
+/// operations. The write reserve keeps room for that copy.)
+#[test]
+fn a_full_store_can_always_overwrite_its_tensors() {
+    let mut rng = common::Rng::new(23);
+    let store = Store::builder()
+        .host_backend()
+        .capacity(Tier::Device, 64 << 10)
+        .capacity(Tier::Pinned, 64 << 10)
+        .capacity(Tier::Mapped, 0)
+        .capacity(Tier::Disk, 256 << 10)
+        .build()
+        .unwrap();
+    let mut shadow: Vec<(TensorId, Vec<u8>)> = Vec::new();
+    let mut next = 0;
+    let mut put = |store: &Store, rng: &mut common::Rng, shadow: &mut Vec<(TensorId, Vec<u8>)>| {
+        let len = rng.range(1, 16 << 10) as usize;
+        let data = rng.bytes(len);
+        next += 1;
+        match store.put(&format!("t{next}"), DType::U8, &[len], &data) {
+            Ok(id) => shadow.push((id, data)),
+            Err(e) => assert!(common::is_space_error(&e), "put: {e}"),
+        }
+    };
+    // Fill: until ten puts in a row are refused.
+    let mut refused = 0;
+    while refused < 10 {
+        let before = shadow.len();
+        put(&store, &mut rng, &mut shadow);
+        refused = if shadow.len() == before { refused + 1 } else { 0 };
+    }
+    let reserve: u64 = store.stats().tiers.iter().map(|t| t.write_reserve).sum();
+    assert!(reserve > 0, "no write reserve kept");
+    println!("full with {} tensors:\n{}", shadow.len(), store.stats());
+    let (mut writes, mut ops) = (0, 0);
+    for _ in 0..4000 {
+        ops += 1;
+        if shadow.is_empty() {
+            put(&store, &mut rng, &mut shadow);
+            continue;
+        }
+        let k = rng.below(shadow.len() as u64) as usize;
+        match rng.below(10) {
+            0..=4 => {
+                let data = rng.bytes(shadow[k].1.len());
+                store
+                    .write(shadow[k].0, &data)
+                    .unwrap_or_else(|e| panic!("op {ops}: a write in a full store failed: {e}"));
+                shadow[k].1 = data;
+                writes += 1;
+            }
+            5 | 6 => assert_eq!(store.read(shadow[k].0).unwrap(), shadow[k].1, "op {ops}"),
+            7 => {
+                let to = *rng.pick(&[Tier::Device, Tier::Pinned, Tier::Disk]);
+                if let Err(e) = store.move_to(shadow[k].0, to) {
+                    assert!(common::is_space_error(&e), "move: {e}");
+                }
+            }
+            8 => {
+                store.remove(shadow.swap_remove(k).0).unwrap();
+            }
+            _ => put(&store, &mut rng, &mut shadow),
+        }
+    }
+    for (id, data) in &shadow {
+        assert_eq!(&store.read(*id).unwrap(), data);
+    }
+    println!(
+        "{writes} writes in a full store of {} tensors, {reserve} bytes reserved",
+        shadow.len()
+    );
 }

@@ -61,6 +61,7 @@ fn full_store(n: usize, disk: u64) -> (Store, Vec<strata::TensorId>) {
         .capacity(Tier::Pinned, (n * 4096) as u64)
         .capacity(Tier::Mapped, 0)
         .capacity(Tier::Disk, disk)
+        .write_reserve(false) // the tiers are filled exactly
         .build()
         .unwrap();
     let mut ids = Vec::with_capacity(2 * n);
@@ -144,6 +145,7 @@ fn a_put_that_does_not_fit_a_device_only_store_fails_fast() {
         .capacity(Tier::Pinned, 0)
         .capacity(Tier::Mapped, 0)
         .capacity(Tier::Disk, 0)
+        .write_reserve(false) // the tier is filled exactly
         .build()
         .unwrap();
     for i in 0..N {

@@ -68,6 +68,7 @@ pub struct StoreBuilder {
     timeline: bool,
     piece: Option<u64>,
     on_reserve: Option<ReserveProgress>,
+    write_reserve: bool,
 }
 
 /// A callback told of the memory reserved while a store is built.
@@ -89,11 +90,43 @@ impl Default for StoreBuilder {
             timeline: false,
             piece: None,
             on_reserve: None,
+            write_reserve: true,
         }
     }
 }
 
 impl StoreBuilder {
+    /// Whether the store keeps a write reserve (default: yes): room for a second copy of the
+    /// largest tensor it holds, kept aside in the slowest tier that can hold it (the Disk tier,
+    /// where there is one), so that any tensor can be overwritten and a failed write keeps its
+    /// old bytes even when every tier is full. It costs that much of that tier's budget: a put
+    /// that leaves no room for it fails with [`Error::OutOfMemory`](crate::Error::OutOfMemory).
+    /// Without it, a write in a full store may fail with `OutOfMemory` (the tensor keeps its
+    /// bytes). `docs/reliability.md` has the details.
+    ///
+    /// ```
+    /// # fn main() -> strata::Result<()> {
+    /// use strata::{DType, Store, Tier};
+    /// let store = Store::builder()
+    ///     .host_backend()
+    ///     .capacity(Tier::Device, 8 << 10)
+    ///     .capacity(Tier::Pinned, 0)
+    ///     .capacity(Tier::Mapped, 0)
+    ///     .capacity(Tier::Disk, 0)
+    ///     .build()?;
+    /// let a = store.put("a", DType::U8, &[4096], &[1; 4096])?;
+    /// // The other 4 KiB are the reserve: a second tensor does not fit, ...
+    /// assert!(store.put("b", DType::U8, &[4096], &[2; 4096]).is_err());
+    /// // ... and `a` can always be overwritten.
+    /// store.write(a, &[3; 4096])?;
+    /// assert_eq!(store.stats().tiers[0].write_reserve, 4096);
+    /// # Ok(()) }
+    /// ```
+    pub fn write_reserve(mut self, on: bool) -> Self {
+        self.write_reserve = on;
+        self
+    }
+
     /// Sets the budget of `tier` in bytes; 0 disables the tier. Defaults: Device 1 GiB, Pinned
     /// 1 GiB, Mapped 256 MiB, Disk 64 GiB. Memory tiers reserve their whole budget from the
     /// backend when the store is built (pinned memory costs ~0.5 s per GiB to allocate), so no
@@ -333,6 +366,7 @@ impl StoreBuilder {
         };
         let fits = state.books.fits();
         state.place.victims.set_fits(fits);
+        state.books.reserve.enabled = self.write_reserve;
         let shared = Arc::new(Shared {
             backend,
             mem: TierMem { arenas, disk, staging },

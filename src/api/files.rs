@@ -369,6 +369,8 @@ impl Store {
                 let bytes = f.len;
                 let flight = st.start_flight(id, None);
                 let r = (|| -> Result<()> {
+                    // A copied tensor is the store's: the write reserve covers it.
+                    st.cover(id)?;
                     let level = if t == Tier::Disk { Level::Guess } else { Level::Demand };
                     let ext = match ops::alloc_in(sh, &mut st, t, bytes, id, level, true)? {
                         Got::Ext(x) => x,
@@ -414,6 +416,7 @@ impl Store {
                         st.drop_replica(*id, tier);
                     }
                 }
+                st.uncover(*id);
                 st.unindex(*id);
                 st.res.remove(*id);
                 st.place.policy.on_remove(*id);

@@ -20,6 +20,11 @@ pub struct TierStats {
     pub tensors: usize,
     /// Free ranges inside reserved memory: more than one per chunk means fragmentation.
     pub free_ranges: usize,
+    /// Bytes kept aside as the write reserve (room for a second copy of the largest tensor, so
+    /// that any tensor can be overwritten: [`StoreBuilder::write_reserve`]); not in `used`.
+    ///
+    /// [`StoreBuilder::write_reserve`]: crate::StoreBuilder::write_reserve
+    pub write_reserve: u64,
 }
 
 /// A snapshot of a store's counters ([`Store::stats`](crate::Store::stats)).
@@ -162,6 +167,12 @@ impl fmt::Display for Stats {
                 format_size(s.largest_free),
                 s.tensors
             )?;
+        }
+        for t in Tier::ALL {
+            let r = self.tiers[t.index()].write_reserve;
+            if r > 0 {
+                writeln!(f, "write reserve: {} in {} (not in used)", format_size(r), t.name())?;
+            }
         }
         writeln!(f, "bytes moved (row: from, column: to)")?;
         write!(f, "{:<8}", "")?;

@@ -293,6 +293,7 @@ impl Store {
                     largest_free: st.books.largest_free(t),
                     tensors: st.res.tensors_in(t),
                     free_ranges: st.books.free_ranges(t),
+                    write_reserve: st.books.reserve_bytes(t),
                 };
             } else {
                 tiers[t.index()].tensors = st.res.tensors_in(t);

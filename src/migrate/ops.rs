@@ -163,7 +163,10 @@ pub(crate) fn put(
     let id = st.res.insert(meta, group)?;
     st.place.policy.on_insert(id, bytes);
     let flight = st.start_flight(id, None);
-    let res = place_new(sh, &mut st, id, bytes, only)
+    // Too large for every tier is `TooLarge` before the write reserve is asked to cover it.
+    let res = candidate_tiers(&st, bytes, only)
+        .and_then(|_| st.cover(id))
+        .and_then(|()| place_new(sh, &mut st, id, bytes, only))
         .and_then(|(tier, ext)| fill_replica(sh, &mut st, id, tier, ext, data, None));
     st.end_flight(id, &flight);
     if let Err(e) = res {
@@ -180,6 +183,7 @@ fn forget(st: &mut State, id: TensorId) {
             st.drop_replica(id, t);
         }
     }
+    st.uncover(id);
     st.unindex(id);
     st.res.remove(id);
     st.place.policy.on_remove(id);
@@ -221,7 +225,15 @@ pub(crate) fn write(sh: &Shared, id: TensorId, data: &[u8]) -> Result<()> {
         let dst = match dst {
             Some(d) => Some(d),
             None if copies > 1 && !in_user_file => None,
-            None => Some(place_new(sh, &mut st, id, bytes, None)?),
+            None => match place_new(sh, &mut st, id, bytes, None) {
+                Ok(d) => Some(d),
+                // No room anywhere for a second copy of the tensor's only one: the write
+                // reserve takes it.
+                Err(Error::OutOfMemory { .. }) if !in_user_file => {
+                    return write_via_reserve(sh, &mut st, id, fastest, data, &flight);
+                }
+                Err(e) => return Err(e),
+            },
         };
         match dst {
             Some((t, ext)) => {
@@ -276,6 +288,10 @@ pub(crate) fn write(sh: &Shared, id: TensorId, data: &[u8]) -> Result<()> {
             if let Ok(e) = st.res.get_mut(id) {
                 if let Some(r) = e.replicas[t.index()].as_mut() {
                     r.ready = done.ready;
+                    // Written in place on disk: its checksum is the new bytes'.
+                    if let (Ext::Disk { crc, .. }, Some(c)) = (&mut r.ext, done.crc) {
+                        *crc = c;
+                    }
                 }
             }
             st.counters.bytes_in += bytes;
@@ -283,6 +299,13 @@ pub(crate) fn write(sh: &Shared, id: TensorId, data: &[u8]) -> Result<()> {
         }
     }
     st.res.get_mut(id)?.discarded = false;
+    if in_user_file {
+        // Its bytes are the store's now: the write reserve covers it from here on, where there
+        // is room for that (a later write in a full store otherwise fails, keeping its bytes).
+        if let Err(e) = st.cover(id) {
+            tracing::debug!(tensor = %id, error = %e, "no room to cover a written tensor");
+        }
+    }
     st.touch(id);
     if t != fastest && !in_user_file {
         // The tier could not hold two copies: the new bytes went elsewhere first. Now that the
@@ -303,6 +326,83 @@ pub(crate) fn write(sh: &Shared, id: TensorId, data: &[u8]) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// A write of `id`'s only copy (in `fastest`) when no tier has room for a second one: the new
+/// bytes go into the write reserve first, then over the old copy in place. Returns what
+/// [`write`] commits: done in place; or, when the in-place write failed half-way, the
+/// reserve's copy as the tensor's new one (the torn copy is dropped), so the write is done
+/// either way. If the first step fails the old bytes are untouched; with no reserve to lend
+/// (none kept, or owed after such a failure) it is `OutOfMemory`. `id` is in `flight`.
+fn write_via_reserve(
+    sh: &Shared,
+    st: &mut Locked<'_>,
+    id: TensorId,
+    fastest: Tier,
+    data: &[u8],
+    flight: &Arc<crate::residency::Flight>,
+) -> Result<(Tier, Option<Ext>, copy::Done)> {
+    let bytes = data.len() as u64;
+    let (rt, rext) = loop {
+        match st.books.lend_reserve(bytes, flight) {
+            Ok(Some(r)) => break r,
+            Ok(None) => return Err(Error::OutOfMemory { tier: fastest, bytes }),
+            // Another write has it: wait for that write (without the lock), then ask again.
+            Err(other) => {
+                st.unlocked(|| other.done.wait());
+            }
+        }
+    };
+    // 1. The new bytes, whole, in the reserve.
+    let first = plan_fill(sh, st, id, rt, &rext, data).and_then(|c| run_copy(sh, st, c));
+    let first = match first {
+        Ok(done) => done,
+        Err(e) => {
+            st.books.return_reserve(None);
+            return Err(e);
+        }
+    };
+    if let Some(ev) = &first.ready {
+        // The reserve's copy must be complete before the only other copy is overwritten.
+        let ev = ev.clone();
+        if let Err(e) = st.unlocked(|| ev.synchronize()) {
+            st.books.return_reserve(None);
+            return Err(e);
+        }
+    }
+    // 2. The same bytes over the old copy, once the work still touching it is done.
+    let own = flight.done.clone();
+    let pending = st.res.get(id)?.pending();
+    let second = (|| -> Result<copy::Done> {
+        st.unlocked(|| {
+            for p in pending
+                .iter()
+                .filter(|p| !matches!(p, crate::backend::Pending::Done(s) if Arc::ptr_eq(s, &own)))
+            {
+                p.wait()?;
+            }
+            Ok::<(), Error>(())
+        })?;
+        let e = st.res.get(id)?;
+        let r =
+            e.replicas[fastest.index()].as_ref().ok_or(Error::NotInTier { id, tier: fastest })?;
+        let copy = plan_fill(sh, st, id, fastest, &r.ext, data)?;
+        run_copy(sh, st, copy)
+    })();
+    match second {
+        Ok(done) => {
+            st.books.return_reserve(None);
+            Ok((fastest, None, done))
+        }
+        Err(e) => {
+            // The old copy is torn, the reserve's is whole: it becomes the tensor's.
+            tracing::warn!(tensor = %id, error = %e, "an in-place write failed; the tensor's \
+                new bytes stay where the write reserve was");
+            st.drop_replica(id, fastest);
+            st.books.return_reserve(Some(bytes));
+            Ok((rt, Some(rext), first))
+        }
+    }
 }
 
 /// The source of a read of `id`'s replica in `tier`, and what it must wait for.

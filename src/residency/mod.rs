@@ -160,6 +160,8 @@ pub(crate) struct Entry {
     /// backend failed): its hold stays, so nothing frees or reuses memory that work may touch,
     /// until an event recorded later on this stream ([`crate::residency::State::settle`]).
     pub(crate) unsettled: Vec<crate::backend::RawStream>,
+    /// Counted by the write reserve (a tensor the store owns the bytes of).
+    pub(crate) covered: bool,
     /// Registered by a load that copies and has not finished: its name is taken, but
     /// `lookup` and `ids` do not give it out, so a load that fails removes tensors nobody
     /// else can hold.
@@ -192,6 +194,7 @@ impl Entry {
             job: None,
             uses: Uses::default(),
             unsettled: Vec::new(),
+            covered: false,
             loading: false,
             victim_slots: [None; 4],
         }

@@ -83,6 +83,37 @@ impl State {
         self.reindex(id);
     }
 
+    /// Counts `id` under the write reserve and makes the reserve fit it: `OutOfMemory` (and
+    /// nothing counted) when there is no room to keep a second copy of it aside.
+    pub(crate) fn cover(&mut self, id: TensorId) -> crate::error::Result<()> {
+        let Ok(e) = self.res.get_mut(id) else { return Ok(()) };
+        if e.covered || !self.books.reserve.enabled {
+            return Ok(());
+        }
+        e.covered = true;
+        let bytes = e.bytes();
+        self.books.reserve.note(bytes);
+        if let Err((tier, _)) = self.books.fit_reserve() {
+            // No room left to keep a second copy of the largest tensor aside: the tensor does
+            // not fit (the tier named is the reserve's).
+            self.uncover(id);
+            return Err(Error::OutOfMemory { tier, bytes });
+        }
+        Ok(())
+    }
+
+    /// Stops counting `id` under the write reserve (it is being removed), shrinking the
+    /// reserve if it was the largest.
+    pub(crate) fn uncover(&mut self, id: TensorId) {
+        let Ok(e) = self.res.get_mut(id) else { return };
+        if !std::mem::take(&mut e.covered) {
+            return;
+        }
+        let bytes = e.bytes();
+        self.books.reserve.unnote(bytes);
+        let _ = self.books.fit_reserve();
+    }
+
     /// Retries the event a view's drop could not record ([`Entry::unsettled`]): once one is
     /// recorded on that stream (after the view's work), it is the stream's last use and the
     /// view's hold is released. Another failure leaves the tensor held.

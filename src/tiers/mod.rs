@@ -13,6 +13,7 @@ pub(crate) mod alloc;
 pub(crate) mod arena;
 pub(crate) mod disk;
 pub(crate) mod file;
+pub(crate) mod reserve;
 pub(crate) mod staging;
 
 use std::collections::BTreeMap;
@@ -39,6 +40,22 @@ pub(crate) enum Ext {
 }
 
 impl Ext {
+    /// The extent of an arena or slab allocation (not a user's file).
+    fn mem_extent(&self) -> &Extent {
+        match self {
+            Ext::Mem(e) | Ext::Disk { ext: e, .. } => e,
+            Ext::File { .. } => unreachable!("allocations are memory or slab extents"),
+        }
+    }
+
+    /// [`Ext::mem_extent`], by value.
+    fn into_mem_extent(self) -> Extent {
+        match self {
+            Ext::Mem(e) | Ext::Disk { ext: e, .. } => e,
+            Ext::File { .. } => unreachable!("allocations are memory or slab extents"),
+        }
+    }
+
     /// The slab range of a Disk extent.
     pub(crate) fn disk_range(&self) -> Option<DiskRange> {
         match self {
@@ -146,6 +163,8 @@ pub(crate) struct TierBooks {
     retired_bytes: u64,
     /// Device memory back in the allocator that device work may still touch.
     fences: Fences,
+    /// Room kept aside so that a tensor can always be overwritten ([`reserve`]).
+    pub(crate) reserve: reserve::WriteReserve,
 }
 
 /// Fences kept before complete ones are pruned.
@@ -161,6 +180,7 @@ impl TierBooks {
             retired: Vec::new(),
             retired_bytes: 0,
             fences: Fences::default(),
+            reserve: reserve::WriteReserve::default(),
         }
     }
 
@@ -209,16 +229,144 @@ impl TierBooks {
         }
     }
 
-    /// Bytes taken, extents waiting to be freed included; retired device memory, which is
-    /// reused without a host wait, counts as free.
+    /// Bytes taken by tensors, extents waiting to be freed included; retired device memory,
+    /// which is reused without a host wait, counts as free, and the write reserve apart
+    /// ([`TierBooks::reserve_bytes`]).
     pub(crate) fn used(&self, t: Tier) -> u64 {
         let retired = if t == Tier::Device { self.retired_bytes } else { 0 };
-        self.alloc_of(t).map_or(0, ExtentAllocator::used) - retired
+        self.alloc_of(t).map_or(0, ExtentAllocator::used) - retired - self.reserve_bytes(t)
     }
 
-    /// Free bytes now (retired device memory included), ignoring fragmentation.
+    /// Bytes of `t` kept aside as the write reserve (lent to a write or not).
+    pub(crate) fn reserve_bytes(&self, t: Tier) -> u64 {
+        let r = &self.reserve;
+        match (&r.held, &r.lent_ext) {
+            (Some((rt, e)), _) if *rt == t => self.reserved_size(t, e.bytes()),
+            (_, Some((rt, _, bytes))) if *rt == t => self.reserved_size(t, *bytes),
+            _ => 0,
+        }
+    }
+
+    /// Makes the write reserve fit the largest tensor it covers, in the slowest tier that can
+    /// hold it (a no-op when it does; it shrinks when that tensor went). Fails, naming the tier
+    /// and the bytes, when there is no room for it now. While a write has it, nothing changes
+    /// (the write fits it when it gives it back).
+    pub(crate) fn fit_reserve(&mut self) -> std::result::Result<(), (Tier, u64)> {
+        let largest = self.reserve.largest();
+        if self.reserve.lent.is_some() {
+            return Ok(());
+        }
+        if largest == 0 {
+            if let Some((t, e)) = self.reserve.held.take() {
+                self.free(t, Ext::Mem(e));
+            }
+            return Ok(());
+        }
+        let Some(tier) = Tier::ALL.into_iter().rev().find(|&t| self.can_ever_fit(t, largest))
+        else {
+            return Err((Tier::Disk, largest));
+        };
+        let want = self.reserved_size(tier, largest);
+        let old = self.reserve.held.take();
+        if let Some((t, e)) = &old {
+            let have = self.reserved_size(*t, e.bytes());
+            if *t == tier && have >= want {
+                // Shrink in place (the tail goes back to the tier), or keep it as it is.
+                let off = e.offset();
+                if have > want {
+                    if let Some(a) = self.allocs[t.index()].as_mut() {
+                        a.free(off + want, have - want);
+                    }
+                }
+                self.reserve.held = Some((tier, Extent::new(off, largest)));
+                return Ok(());
+            }
+        }
+        // A new extent. An old one in the same tier is freed first: its room may be part of
+        // the new one (if the new one does not fit, the old size is taken back: it was just
+        // freed, so it fits).
+        let mut other_tier = None;
+        if let Some((t, e)) = old {
+            if t == tier {
+                let size = e.bytes();
+                self.free(t, Ext::Mem(e));
+                let got = self.try_alloc(tier, largest).or_else(|| self.try_alloc(t, size));
+                let fitted = got.as_ref().is_some_and(|x| x.mem_extent().bytes() == largest);
+                self.reserve.held = got.map(|x| (t, x.into_mem_extent()));
+                return if fitted { Ok(()) } else { Err((tier, largest)) };
+            }
+            other_tier = Some((t, e));
+        }
+        match self.try_alloc(tier, largest) {
+            Some(x) => {
+                if let Some((t, e)) = other_tier {
+                    self.free(t, Ext::Mem(e));
+                }
+                self.reserve.held = Some((tier, x.into_mem_extent()));
+                Ok(())
+            }
+            None => {
+                self.reserve.held = other_tier;
+                Err((tier, largest))
+            }
+        }
+    }
+
+    /// Lends the write reserve to a write of `bytes` (the extent for its second copy): `Ok(None)`
+    /// when the store keeps none or it is owed or too small, `Err(flight)` when another write has
+    /// it (wait for that flight, then ask again).
+    pub(crate) fn lend_reserve(
+        &mut self,
+        bytes: u64,
+        flight: &Arc<crate::residency::Flight>,
+    ) -> std::result::Result<Option<(Tier, Ext)>, Arc<crate::residency::Flight>> {
+        if let Some(f) = &self.reserve.lent {
+            return Err(f.clone());
+        }
+        let fits = match &self.reserve.held {
+            Some((t, e)) => self.reserved_size(*t, bytes) <= self.reserved_size(*t, e.bytes()),
+            None => false,
+        };
+        if !fits {
+            return Ok(None);
+        }
+        let (t, e) = self.reserve.held.take().expect("checked");
+        self.reserve.lent_ext = Some((t, e.offset(), e.bytes()));
+        self.reserve.lent = Some(flight.clone());
+        let part = Extent::new(e.offset(), bytes);
+        Ok(Some((
+            t,
+            if t == Tier::Disk { Ext::Disk { ext: part, crc: 0 } } else { Ext::Mem(part) },
+        )))
+    }
+
+    /// The write reserve back from its write: `kept` when the write made its copy there the
+    /// tensor's (only the part past it is returned to the tier, and the reserve is made again
+    /// from free room if there is some).
+    pub(crate) fn return_reserve(&mut self, kept: Option<u64>) {
+        let Some((t, off, full)) = self.reserve.lent_ext.take() else { return };
+        if let Some(f) = self.reserve.lent.take() {
+            f.finish();
+        }
+        match kept {
+            None => self.reserve.held = Some((t, Extent::new(off, full))),
+            Some(bytes) => {
+                let (used, all) = (self.reserved_size(t, bytes), self.reserved_size(t, full));
+                if all > used {
+                    if let Some(a) = self.allocs[t.index()].as_mut() {
+                        a.free(off + used, all - used);
+                    }
+                }
+            }
+        }
+        let _ = self.fit_reserve();
+    }
+
+    /// Free bytes now (retired device memory included, the write reserve not), ignoring
+    /// fragmentation.
     pub(crate) fn free_bytes(&self, t: Tier) -> u64 {
-        self.alloc_of(t).map_or(0, |a| a.len() - self.used(t).min(a.len()))
+        let taken = self.used(t) + self.reserve_bytes(t);
+        self.alloc_of(t).map_or(0, |a| a.len() - taken.min(a.len()))
     }
 
     /// Bytes of extents that wait for work before they are free.

@@ -40,7 +40,8 @@ impl StorePaths {
     /// for one tensor of `size` bytes, its disk tier in `dir`, holding that tensor.
     pub(super) fn new(ctx: Option<&Arc<CudaContext>>, size: u64, dir: &Path) -> Result<StorePaths> {
         let room = size.div_ceil(4096) * 4096;
-        let mut b = Store::builder().disk_dir(dir).promote_on_read(false);
+        // Moves only, no overwrites: no write reserve, so one tensor's room per tier suffices.
+        let mut b = Store::builder().disk_dir(dir).promote_on_read(false).write_reserve(false);
         for t in Tier::ALL {
             b = b.capacity(t, room);
         }
