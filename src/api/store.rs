@@ -363,8 +363,12 @@ impl Store {
             return Err(d.remove(0));
         }
         drop(d);
+        // The store's own CUDA errors from drops and completion checks (never the caller's, in
+        // the context's slot: those are theirs to take).
         if let Backend::Cuda(b) = &self.shared.backend {
-            b.ctx.check_err().map_err(|e| Error::cuda("(deferred)", e))?;
+            if let Some(e) = crate::backend::cuda::take_deferred(&b.ctx) {
+                return Err(e);
+            }
         }
         Ok(())
     }
@@ -447,6 +451,18 @@ impl Store {
                 stream.raw.kind(),
                 self.backend()
             )));
+        }
+        if let (Backend::Cuda(b), Some(s)) = (&self.shared.backend, stream.cuda()) {
+            // A trainer's stream (`Stream::from_cuda`) must be of the store's context: a copy
+            // or wait across contexts is an error of the driver at best.
+            if s.context().cu_ctx() != b.ctx.cu_ctx() {
+                return Err(Error::BackendMismatch(format!(
+                    "a stream of CUDA device {} (another context) used with a store on device {}: \
+                     build the store with StoreBuilder::context(the stream's context)",
+                    s.context().ordinal(),
+                    b.ctx.ordinal()
+                )));
+            }
         }
         let mine = self.shared.backend.sim();
         match (mine, stream.raw.sim_clock()) {

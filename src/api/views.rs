@@ -128,6 +128,8 @@ pub struct DeviceView {
     id: TensorId,
     tier: Tier,
     stream: RawStream,
+    /// The stream's key on the thread that made the view (see [`RawStream::record_as`]).
+    key: u64,
     ptr: u64,
     meta: Arc<Meta>,
     dirty: bool,
@@ -170,6 +172,7 @@ impl DeviceView {
             shared,
             id,
             tier,
+            key: stream.key(),
             stream,
             ptr: parts.ptr,
             meta: parts.meta,
@@ -230,12 +233,32 @@ impl DeviceView {
                 "record_use with a stream of another backend".into(),
             ));
         }
+        if let (Some(a), RawStream::Cuda(b)) = (stream.cuda(), &self.stream) {
+            if a.context().cu_ctx() != b.context().cu_ctx() {
+                return Err(Error::BackendMismatch(
+                    "record_use with a stream of another CUDA context than the store's".into(),
+                ));
+            }
+        }
         ops::record_use(&self.shared, self.id, &stream.raw)
     }
 
+    /// The cudarc slice, made on first use. `None` on the host backend, or when it cannot be
+    /// made (the error goes to [`Store::check_err`](crate::Store::check_err)).
     fn borrowed(&self) -> Option<&BorrowedSlice> {
         let RawStream::Cuda(s) = &self.stream else { return None };
-        Some(self.cuda.get_or_init(|| BorrowedSlice::new(s, self.ptr, self.meta.bytes as usize)))
+        if self.cuda.get().is_none() {
+            match BorrowedSlice::new(s, self.ptr, self.meta.bytes as usize) {
+                Ok(b) => {
+                    let _ = self.cuda.set(b);
+                }
+                Err(e) => {
+                    self.shared.defer_err(e);
+                    return None;
+                }
+            }
+        }
+        self.cuda.get()
     }
 
     /// The memory as a cudarc slice of bytes (CUDA backend), for kernel launches and cuBLAS.
@@ -354,7 +377,8 @@ impl Drop for DeviceView {
         // Leaking the borrowed cudarc slice makes our stream wait for work other streams did on
         // it (cudarc's events), so the event recorded below covers that work too.
         self.cuda.take();
-        ops::release_view(&self.shared, self.id, self.tier, Some(&self.stream), self.dirty);
+        let stream = Some((&self.stream, self.key));
+        ops::release_view(&self.shared, self.id, self.tier, stream, self.dirty);
     }
 }
 

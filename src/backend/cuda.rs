@@ -84,6 +84,62 @@ fn cu(call: &'static str) -> impl FnOnce(DriverError) -> Error {
     move |e| Error::cuda(call, e)
 }
 
+/// The store's context made current on the calling thread for a call into the driver, and the
+/// caller's own put back when this drops: a trainer's thread keeps the context it had (on a
+/// machine with several GPUs, its next runtime call still goes to its device). Costs one
+/// `cuCtxGetCurrent` when the caller's context is the store's already.
+#[must_use = "the caller's context is put back when the guard drops"]
+pub(crate) struct Bound {
+    prev: Option<sys::CUcontext>,
+}
+
+/// Makes `ctx` current for the guard's life (see [`Bound`]).
+pub(crate) fn bind(ctx: &CudaContext) -> Result<Bound> {
+    let mut cur: sys::CUcontext = std::ptr::null_mut();
+    // SAFETY: cuCtxGetCurrent writes one handle into `cur`, a valid place for it.
+    unsafe { sys::cuCtxGetCurrent(&mut cur) }.result().map_err(cu("cuCtxGetCurrent"))?;
+    if cur == ctx.cu_ctx() {
+        return Ok(Bound { prev: None });
+    }
+    // SAFETY: `ctx` is a live context (its Arc is borrowed); setting it current affects only
+    // this thread, and the guard restores the previous one.
+    unsafe { sys::cuCtxSetCurrent(ctx.cu_ctx()) }.result().map_err(cu("cuCtxSetCurrent"))?;
+    Ok(Bound { prev: Some(cur) })
+}
+
+impl Drop for Bound {
+    fn drop(&mut self) {
+        if let Some(prev) = self.prev {
+            // SAFETY: `prev` was current on this thread when the guard was made (null: none
+            // was, and setting null unbinds); a failure leaves the store's current, no worse.
+            let _ = unsafe { sys::cuCtxSetCurrent(prev) };
+        }
+    }
+}
+
+/// Errors of the store's CUDA calls made where none can be returned (a drop, a completion
+/// check), per context, until `Store::check_err` takes them. They are kept here, not in the
+/// context's own error slot: that slot is the caller's (their next cudarc call would return
+/// our error, and cudarc's `upgrade_device_ptr` panics on one).
+static DEFERRED: parking_lot::Mutex<Vec<(usize, Error)>> = parking_lot::Mutex::new(Vec::new());
+/// Deferred errors kept per process (the oldest are kept: they say what went wrong first).
+const MAX_DEFERRED: usize = 64;
+
+/// Keeps an error of `call` in `ctx` for the next `check_err`.
+pub(crate) fn defer(ctx: &CudaContext, call: &'static str, e: DriverError) {
+    let mut d = DEFERRED.lock();
+    if d.len() < MAX_DEFERRED {
+        d.push((ctx.cu_ctx() as usize, Error::cuda(call, e)));
+    }
+}
+
+/// The oldest error deferred in `ctx`, taken.
+pub(crate) fn take_deferred(ctx: &CudaContext) -> Option<Error> {
+    let mut d = DEFERRED.lock();
+    let i = d.iter().position(|(c, _)| *c == ctx.cu_ctx() as usize)?;
+    Some(d.remove(i).1)
+}
+
 impl CudaBackend {
     /// Opens device `ordinal` (its primary context, which other libraries share).
     pub(crate) fn new(ordinal: usize) -> Result<CudaBackend> {
@@ -99,6 +155,7 @@ impl CudaBackend {
 
     /// Uses a context the caller already has (a trainer sharing its own).
     pub(crate) fn from_context(ctx: Arc<CudaContext>) -> Result<CudaBackend> {
+        let _bound = bind(&ctx)?;
         let h2d = ctx.new_stream().map_err(cu("cuStreamCreate"))?;
         let d2h = ctx.new_stream().map_err(cu("cuStreamCreate"))?;
         Ok(CudaBackend { ctx, h2d: RawStream::Cuda(h2d), d2h: RawStream::Cuda(d2h) })
@@ -106,7 +163,7 @@ impl CudaBackend {
 
     pub(crate) fn alloc(&self, kind: MemKind, len: usize) -> Result<Block> {
         let len = len.max(1);
-        self.ctx.bind_to_thread().map_err(cu("cuCtxSetCurrent"))?;
+        let _bound = bind(&self.ctx)?;
         let oom = |tier: Tier, e: DriverError, call: &'static str| {
             if e.0 == sys::cudaError_enum::CUDA_ERROR_OUT_OF_MEMORY {
                 Error::OutOfMemory { tier, bytes: len as u64 }
@@ -149,11 +206,13 @@ impl CudaBackend {
     }
 
     pub(crate) fn new_stream(&self) -> Result<RawStream> {
+        let _bound = bind(&self.ctx)?;
         let s = self.ctx.new_stream().map_err(cu("cuStreamCreate"))?;
         Ok(RawStream::Cuda(s))
     }
 
     pub(crate) fn describe(&self) -> String {
+        let _bound = bind(&self.ctx);
         let name = self.ctx.name().unwrap_or_else(|_| "unknown device".into());
         let total = self.ctx.total_mem().map(|b| b as u64).unwrap_or(0);
         format!(
@@ -167,15 +226,27 @@ impl CudaBackend {
 /// Frees a block allocated by [`CudaBackend::alloc`]. Errors are recorded in the context (cudarc's
 /// Drop-error slot) and surface through `Store::check_err`.
 pub(crate) fn free_block(ctx: &Arc<CudaContext>, b: &Block) {
-    ctx.record_err(ctx.bind_to_thread());
-    match b.kind {
+    let _bound = match bind(ctx) {
+        Ok(g) => g,
+        Err(_) => {
+            return defer(
+                ctx,
+                "cuCtxSetCurrent",
+                DriverError(sys::cudaError_enum::CUDA_ERROR_INVALID_CONTEXT),
+            )
+        }
+    };
+    let res = match b.kind {
         // SAFETY: `dev` came from cuMemAlloc in `alloc`, is freed once (Block's Drop), and the
         // store has waited for every copy and view touching it before dropping its arena.
-        MemKind::Device => ctx.record_err(unsafe { result::free_sync(b.dev) }),
+        MemKind::Device => unsafe { result::free_sync(b.dev) }.map_err(|e| ("cuMemFree", e)),
         // SAFETY: `host` came from cuMemHostAlloc in `alloc` and is freed once, after all use.
         MemKind::Pinned | MemKind::Mapped => {
-            ctx.record_err(unsafe { result::free_host(b.host as *mut c_void) })
+            unsafe { result::free_host(b.host as *mut c_void) }.map_err(|e| ("cuMemFreeHost", e))
         }
+    };
+    if let Err((call, e)) = res {
+        defer(ctx, call, e);
     }
 }
 
@@ -193,7 +264,7 @@ pub(crate) unsafe fn copy_async(
     if len == 0 {
         return Ok(());
     }
-    s.context().bind_to_thread().map_err(cu("cuCtxSetCurrent"))?;
+    let _bound = bind(s.context())?;
     let cs = s.cu_stream();
     // SAFETY (all three): the caller guarantees the ranges are valid, pinned where host, and
     // untouched until the copy completes; the stream belongs to the current context.
@@ -245,27 +316,48 @@ impl CudaEv {
         }
     }
 
-    /// Whether the work recorded has completed. An error other than "not ready" counts as
-    /// complete (it is kept for `check_err`), so nothing waits forever on a broken event.
+    /// Whether the work recorded has completed. An error is *not* completion: work that may
+    /// still run must not look finished (its memory would be reused under it). The error is kept
+    /// for `check_err`, and a host wait on the event returns it.
     pub(crate) fn is_complete(&self) -> bool {
-        // SAFETY: the event is live (owned by this value's Arc) and was created in its context.
+        let Ok(_bound) = bind(self.ctx()) else { return false };
+        // SAFETY: the event is live (owned by this value's Arc) and was created in its context,
+        // which is current.
         match unsafe { result::event::query(self.raw()) } {
             Ok(()) => true,
             Err(e) if e.0 == sys::cudaError_enum::CUDA_ERROR_NOT_READY => false,
             Err(e) => {
-                self.ctx().record_err(Err::<(), _>(e));
-                true
+                defer(self.ctx(), "cuEventQuery", e);
+                false
             }
         }
     }
 
-    /// Blocks until the work recorded has completed.
+    /// Blocks until the work recorded has completed: a short spin on the event (a copy about to
+    /// finish costs no sleep), then a blocking wait (pooled events are `BLOCKING_SYNC`: the
+    /// thread sleeps instead of burning a core the CPU optimizer needs).
     pub(crate) fn synchronize(&self) -> Result<()> {
-        self.ctx().bind_to_thread().map_err(cu("cuCtxSetCurrent"))?;
+        let _bound = bind(self.ctx())?;
+        let spin_until = std::time::Instant::now() + SPIN;
+        loop {
+            // SAFETY: as in `is_complete`.
+            match unsafe { result::event::query(self.raw()) } {
+                Ok(()) => return Ok(()),
+                Err(e) if e.0 == sys::cudaError_enum::CUDA_ERROR_NOT_READY => {}
+                Err(e) => return Err(Error::cuda("cuEventQuery", e)),
+            }
+            if std::time::Instant::now() >= spin_until {
+                break;
+            }
+            std::hint::spin_loop();
+        }
         // SAFETY: as in `is_complete`.
         unsafe { result::event::synchronize(self.raw()) }.map_err(cu("cuEventSynchronize"))
     }
 }
+
+/// How long a host wait spins on an event before it sleeps.
+const SPIN: std::time::Duration = std::time::Duration::from_micros(20);
 
 /// A pooled event's handle; `Send` because CUDA events may be used from any thread.
 struct RawCuEvent(sys::CUevent);
@@ -280,60 +372,88 @@ unsafe impl Sync for RawCuEvent {}
 pub(crate) struct PooledEvent {
     ev: RawCuEvent,
     ctx: Arc<CudaContext>,
+    pool: Arc<EventPool>,
 }
 
 impl Drop for PooledEvent {
     fn drop(&mut self) {
-        let mut pools = POOLS.lock();
-        match pools.iter_mut().find(|(c, _)| std::ptr::eq(c.as_ptr(), Arc::as_ptr(&self.ctx))) {
-            Some((_, free)) => free.push(RawCuEvent(self.ev.0)),
-            None => destroy(&self.ctx, self.ev.0),
-        }
+        // Lock-free: a view's drop that releases its last event takes no lock.
+        self.pool.free.push(RawCuEvent(self.ev.0));
     }
 }
 
-fn destroy(ctx: &Arc<CudaContext>, ev: sys::CUevent) {
-    ctx.record_err(ctx.bind_to_thread());
-    // SAFETY: the event was created in `ctx` and is destroyed once (it left the pool or was never
-    // in one); destroying an incomplete event is allowed (its resources go at completion).
-    ctx.record_err(unsafe { result::event::destroy(ev) });
+/// A context's free events (`DISABLE_TIMING | BLOCKING_SYNC`), reused rather than created per
+/// record. The events die with their context (CUDA destroys them with it).
+pub(crate) struct EventPool {
+    free: crossbeam::queue::SegQueue<RawCuEvent>,
 }
 
-/// Free pooled events per context. A context that went away leaves a dead `Weak`: its events
-/// went with it, and its slot is dropped at the next lookup.
-type Pools = Vec<(std::sync::Weak<CudaContext>, Vec<RawCuEvent>)>;
+/// Each context's pool. Looked up under a lock only when a thread records in a context other
+/// than the one it recorded in last (each thread keeps its last pool), so recording an event
+/// on the hot path takes no shared lock.
+type Pools = Vec<(std::sync::Weak<CudaContext>, Arc<EventPool>)>;
 static POOLS: parking_lot::Mutex<Pools> = parking_lot::Mutex::new(Vec::new());
 
-/// Records an event from the pool of `s`'s context after the work issued so far on `s`.
-pub(crate) fn record_pooled(s: &Arc<CudaStream>) -> Result<CudaEv> {
-    let ctx = s.context().clone();
-    let reused = {
+thread_local! {
+    /// The pool this thread used last, and its context's handle.
+    static LAST_POOL: std::cell::RefCell<Option<(usize, Arc<EventPool>)>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+/// The event pool of `ctx`.
+fn pool_of(ctx: &Arc<CudaContext>) -> Arc<EventPool> {
+    let key = ctx.cu_ctx() as usize;
+    if let Some(p) =
+        LAST_POOL.with(|l| l.borrow().as_ref().filter(|(k, _)| *k == key).map(|(_, p)| p.clone()))
+    {
+        return p;
+    }
+    let p = {
         let mut pools = POOLS.lock();
         pools.retain(|(c, _)| c.strong_count() > 0);
-        match pools.iter_mut().find(|(c, _)| std::ptr::eq(c.as_ptr(), Arc::as_ptr(&ctx))) {
-            Some((_, free)) => free.pop(),
+        match pools.iter().find(|(c, _)| std::ptr::eq(c.as_ptr(), Arc::as_ptr(ctx))) {
+            Some((_, p)) => p.clone(),
             None => {
-                pools.push((Arc::downgrade(&ctx), Vec::new()));
-                None
+                let p = Arc::new(EventPool { free: crossbeam::queue::SegQueue::new() });
+                pools.push((Arc::downgrade(ctx), p.clone()));
+                p
             }
         }
     };
-    ctx.bind_to_thread().map_err(cu("cuCtxSetCurrent"))?;
-    let ev = match reused {
+    LAST_POOL.with(|l| *l.borrow_mut() = Some((key, p.clone())));
+    p
+}
+
+/// Records an event from the pool of `s`'s context after the work issued so far on `s`.
+pub(crate) fn record_pooled(s: &Arc<CudaStream>) -> Result<CudaEv> {
+    record_pooled_on(s.context(), s.cu_stream())
+}
+
+/// Records a pooled event of `ctx` on the raw stream handle `stream` (a stream of `ctx`, or a
+/// special handle: the legacy default stream).
+pub(crate) fn record_pooled_on(ctx: &Arc<CudaContext>, stream: sys::CUstream) -> Result<CudaEv> {
+    let _bound = bind(ctx)?;
+    let pool = pool_of(ctx);
+    let ev = match pool.free.pop() {
         Some(e) => e,
-        None => RawCuEvent(
-            result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
-                .map_err(cu("cuEventCreate"))?,
-        ),
+        None => {
+            let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32
+                | sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC as u32;
+            let mut ev: sys::CUevent = std::ptr::null_mut();
+            // SAFETY: cuEventCreate writes one handle into `ev`; the context is current.
+            unsafe { sys::cuEventCreate(&mut ev, flags) }.result().map_err(cu("cuEventCreate"))?;
+            RawCuEvent(ev)
+        }
     };
-    let pooled = PooledEvent { ev, ctx };
+    let pooled = PooledEvent { ev, ctx: ctx.clone(), pool };
     // SAFETY: the event and the stream belong to the same context, which is current.
-    unsafe { result::event::record(pooled.ev.0, s.cu_stream()) }.map_err(cu("cuEventRecord"))?;
+    unsafe { result::event::record(pooled.ev.0, stream) }.map_err(cu("cuEventRecord"))?;
     Ok(CudaEv::Pooled(Arc::new(pooled)))
 }
 
 /// Records a timing-enabled event after the work issued so far on `s` (a new one each time).
 pub(crate) fn record_timed(s: &Arc<CudaStream>) -> Result<CudaEv> {
+    let _bound = bind(s.context())?;
     s.record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
         .map(|e| CudaEv::Timed(Arc::new(e)))
         .map_err(cu("cuEventRecord"))
@@ -341,7 +461,7 @@ pub(crate) fn record_timed(s: &Arc<CudaStream>) -> Result<CudaEv> {
 
 /// Makes later work on `s` wait for `ev`.
 pub(crate) fn wait(s: &Arc<CudaStream>, ev: &CudaEv) -> Result<()> {
-    s.context().bind_to_thread().map_err(cu("cuCtxSetCurrent"))?;
+    let _bound = bind(s.context())?;
     // SAFETY: the stream is live (borrowed), the event too (borrowed through its Arc).
     unsafe {
         result::stream::wait_event(
@@ -357,6 +477,7 @@ pub(crate) fn wait(s: &Arc<CudaStream>, ev: &CudaEv) -> Result<()> {
 pub(crate) fn seconds_between(earlier: &CudaEv, later: &CudaEv) -> Option<f64> {
     match (earlier, later) {
         (CudaEv::Timed(a), CudaEv::Timed(b)) if a.is_complete() && b.is_complete() => {
+            let _bound = bind(a.context()).ok()?;
             a.elapsed_ms(b).ok().map(|ms| ms as f64 / 1e3)
         }
         _ => None,
@@ -370,11 +491,31 @@ pub(crate) struct BorrowedSlice(Option<cudarc::driver::CudaSlice<u8>>);
 impl BorrowedSlice {
     /// Lends `len` bytes at `ptr`. The caller (a view) keeps that memory allocated and unmoved for
     /// as long as this value lives.
-    pub(crate) fn new(stream: &Arc<CudaStream>, ptr: u64, len: usize) -> BorrowedSlice {
-        // SAFETY: `ptr..ptr + len` is device-accessible memory of the store (a Device extent or
-        // the device mapping of a Mapped extent) that the view holding this value keeps alive;
-        // the slice is leaked, never freed by cudarc (Drop below).
-        BorrowedSlice(Some(unsafe { stream.upgrade_device_ptr::<u8>(ptr, len) }))
+    ///
+    /// cudarc's `upgrade_device_ptr` unwraps the creation of the slice's events, and creating an
+    /// event first returns (and clears) an error the context's slot holds. So a pending error
+    /// there is taken out first and put back for its owner (the slice is refused with it), and a
+    /// failure left (the driver refusing an event) is caught: an error, never a panic.
+    pub(crate) fn new(stream: &Arc<CudaStream>, ptr: u64, len: usize) -> Result<BorrowedSlice> {
+        let ctx = stream.context();
+        let _bound = bind(ctx)?;
+        if let Err(e) = ctx.check_err() {
+            ctx.record_err(Err::<(), _>(e));
+            return Err(Error::cuda("a cudarc call of the caller's (pending in the context)", e));
+        }
+        let made = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            // SAFETY: `ptr..ptr + len` is device-accessible memory of the store (a Device
+            // extent or the device mapping of a Mapped extent) that the view holding this value
+            // keeps alive; the slice is leaked, never freed by cudarc (Drop below).
+            unsafe { stream.upgrade_device_ptr::<u8>(ptr, len) }
+        }));
+        match made {
+            Ok(slice) => Ok(BorrowedSlice(Some(slice))),
+            Err(_) => Err(Error::Cuda {
+                call: "cuEventCreate",
+                message: "cudarc could not create the borrowed slice's events".into(),
+            }),
+        }
     }
 
     pub(crate) fn get(&self) -> &cudarc::driver::CudaSlice<u8> {

@@ -146,6 +146,7 @@ impl Kernels {
         let n = view.len_bytes() as u64;
         let cfg =
             LaunchConfig { grid_dim: (264, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        let _bound = super::cuda::bind(s.context())?;
         let mut b = s.launch_builder(&k.checksum);
         b.arg(slice).arg(&n).arg(&repeats).arg(out);
         // SAFETY: the kernel's parameters are (const u8*, u64, u32, u64*): a device slice of `n`
@@ -171,6 +172,7 @@ impl Kernels {
             .ok_or_else(|| Error::BackendMismatch("view without device memory".into()))?;
         let cfg =
             LaunchConfig { grid_dim: (264, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        let _bound = super::cuda::bind(s.context())?;
         let mut b = s.launch_builder(&k.fill);
         b.arg(&mut slice).arg(&n).arg(&seed);
         // SAFETY: parameters (u8*, u64, u32): the view's `n` writable bytes and two scalars.

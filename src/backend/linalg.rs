@@ -399,6 +399,7 @@ impl Linalg {
         match &self.cuda {
             Some(c) => {
                 let n = m.len() as u64;
+                let _bound = super::cuda::bind(c.stream.context())?;
                 let mut b = c.stream.launch_builder(&c.k.fill[T::INDEX]);
                 b.arg(m.dev_mut()?).arg(&v).arg(&n);
                 // SAFETY: (T*, T, u64): the matrix's `n` elements and two scalars.
@@ -547,6 +548,7 @@ impl Linalg {
             Some(c) => {
                 let n = dw.len() as u64;
                 let mut wv = w.cuda_view_mut::<bf16>().ok_or_else(|| shape_err("weight view"))?;
+                let _bound = super::cuda::bind(c.stream.context())?;
                 let mut b = c.stream.launch_builder(&c.k.sgd);
                 b.arg(&mut wv).arg(dw.dev()?).arg(&lr).arg(&n);
                 // SAFETY: (u16*, const u16*, f32, u64): the weight's and dW's `n` elements.
@@ -572,6 +574,7 @@ impl Linalg {
         match &self.cuda {
             Some(c) => {
                 let n = x.len() as u64;
+                let _bound = super::cuda::bind(c.stream.context())?;
                 let mut b = c.stream.launch_builder(&c.k.relu[T::INDEX]);
                 b.arg(x.dev_mut()?).arg(&n);
                 // SAFETY: (T*, u64): the matrix's `n` elements.
@@ -598,6 +601,7 @@ impl Linalg {
         match &self.cuda {
             Some(c) => {
                 let n = g.len() as u64;
+                let _bound = super::cuda::bind(c.stream.context())?;
                 let mut b = c.stream.launch_builder(&c.k.relu_mask[T::INDEX]);
                 b.arg(g.dev_mut()?).arg(a.dev()?).arg(&n);
                 // SAFETY: (T*, const T*, u64): two matrices of `n` elements each.
@@ -638,6 +642,7 @@ impl Linalg {
         match &self.cuda {
             Some(c) => {
                 let n = g.len() as u64;
+                let _bound = super::cuda::bind(c.stream.context())?;
                 let mut b = c.stream.launch_builder(&c.k.loss_grad[T::INDEX]);
                 b.arg(out.dev()?).arg(y.dev()?).arg(g.dev_mut()?).arg(&scale);
                 b.arg(partials.dev_mut()?).arg(&n);
@@ -693,6 +698,7 @@ impl Linalg {
                 let n = dw.len() as u64;
                 let first = i32::from(first);
                 let mut gv = grad.cuda_view_mut::<f32>().ok_or_else(|| shape_err("grad view"))?;
+                let _bound = super::cuda::bind(c.stream.context())?;
                 let mut b = c.stream.launch_builder(&c.k.accumulate[T::INDEX]);
                 b.arg(&mut gv).arg(dw.dev()?).arg(&first).arg(&n);
                 // SAFETY: (f32*, const T*, i32, u64): `n` elements of each, checked above.

@@ -114,6 +114,9 @@ impl Drop for Block {
 
 /// `CU_STREAM_PER_THREAD`: the handle of the calling thread's per-thread default stream.
 const PER_THREAD_STREAM: u64 = 0x2;
+/// `CU_STREAM_LEGACY`: the legacy default stream, ordered after the work of every blocking
+/// stream of its context (the per-thread default streams included).
+const LEGACY_STREAM: u64 = 0x1;
 
 static NEXT_THREAD_KEY: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
@@ -229,6 +232,27 @@ impl RawStream {
         }
     }
 
+    /// [`RawStream::record`] for the stream keyed `key` (a view's, keyed on the thread that
+    /// made it). Only CUDA's per-thread default stream differs: used from a thread other than
+    /// the one `key` names, its handle means this thread's stream, not that one's, so the event
+    /// goes on the legacy default stream instead, which is ordered after the work of every
+    /// blocking stream, that thread's per-thread stream included.
+    pub(crate) fn record_as(&self, key: u64) -> Result<RawEvent> {
+        match self {
+            RawStream::Cuda(s)
+                if s.cu_stream() as usize as u64 == PER_THREAD_STREAM && self.key() != key =>
+            {
+                crate::failpoint::check(
+                    crate::failpoint::Site::EventRecord,
+                    std::path::Path::new("<event>"),
+                )?;
+                let legacy = LEGACY_STREAM as usize as cudarc::driver::sys::CUstream;
+                cuda::record_pooled_on(s.context(), legacy).map(RawEvent::Cuda)
+            }
+            _ => self.record(),
+        }
+    }
+
     /// Records an event that can be timed against another ([`RawEvent::seconds_since`]): for
     /// the timeline of copies and waits, when a store keeps one.
     pub(crate) fn record_timed(&self) -> Result<RawEvent> {
@@ -284,6 +308,7 @@ impl RawStream {
                 Ok(())
             }
             RawStream::Cuda(s) => {
+                let _bound = cuda::bind(s.context())?;
                 s.synchronize().map_err(|e| crate::Error::cuda("cuStreamSynchronize", e))
             }
         }

@@ -1038,6 +1038,8 @@ impl Optimizer {
     ) -> Result<()> {
         let cs =
             self.stream.cuda().ok_or_else(|| Error::BackendMismatch("no CUDA stream".into()))?;
+        // The caller's current context is theirs again after the launch.
+        let _bound = super::cuda::bind(cs.context())?;
         let n = st.elems as u64;
         let grad_bf16 = i32::from(grad.dtype() == DType::BF16);
         let (gp, pp) = (grad.device_ptr(), p.device_ptr());

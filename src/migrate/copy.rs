@@ -12,7 +12,7 @@ use std::time::Instant;
 
 use smallvec::SmallVec;
 
-use crate::backend::RawEvent;
+use crate::backend::{RawEvent, RawStream};
 use crate::error::{Error, Result};
 use crate::residency::Shared;
 use crate::tiers::arena::{self, ReadLease, StagingBuf, WriteLease};
@@ -64,7 +64,7 @@ pub(crate) struct Done {
     /// Timeline spans, pushed under the lock at commit.
     pub(crate) spans: Vec<Span>,
     /// A copy stream that read the source (its key and event): a use of the tensor.
-    pub(crate) use_by: Option<(u64, RawEvent)>,
+    pub(crate) use_by: Option<(RawStream, RawEvent)>,
 }
 
 impl Copy<'_> {
@@ -129,7 +129,7 @@ impl Copy<'_> {
             ready: Some(ready.clone()),
             crc: None,
             spans,
-            use_by: Some((stream.key(), ready)),
+            use_by: Some((stream.clone(), ready)),
         })
     }
 

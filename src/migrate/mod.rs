@@ -218,8 +218,8 @@ impl State {
         let Done { ready, spans, use_by, .. } = done;
         if let Ok(e) = self.res.get_mut(id) {
             let bytes = e.bytes();
-            if let Some((key, ev)) = use_by {
-                e.uses.record(key, ev);
+            if let Some((stream, ev)) = use_by {
+                e.uses.record(stream.key(), &stream, ev);
             }
             if to == Tier::Device && from.is_some() {
                 e.device_loads += 1;

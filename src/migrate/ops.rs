@@ -690,13 +690,14 @@ pub(crate) fn device_view(
     // The view's work starts after the copy that brought the bytes, and after every other
     // stream's last use (writer → reader, reader → overwriter); a second overwrite view of
     // memory a live one fills, after the work on that memory's earlier owners.
-    if let Some(ev) = &ready {
+    // On a hit the copy is usually long done: a completed event costs a query, not a wait.
+    if let Some(ev) = ready.as_ref().filter(|ev| !ev.is_complete()) {
         stream.wait(ev)?;
     }
     for ev in r.fence.iter().filter(|_| filling) {
         stream.wait(ev)?;
     }
-    e.uses.wait_others(stream)?;
+    e.uses.wait_others(stream, ready.as_ref())?;
     let meta = e.meta.clone();
     if let (Some(mark), Some(ev)) = (mark, ready) {
         st.probes.push((mark, ev));
@@ -760,10 +761,10 @@ pub(crate) fn mapped_view(sh: &Shared, id: TensorId, stream: &RawStream) -> Resu
     let Ext::Mem(ext) = &r.ext else { unreachable!("mapped replicas are memory extents") };
     let arena = sh.mem.arena(Tier::Mapped).ok_or(Error::TierDisabled { tier: Tier::Mapped })?;
     let (ptr, host) = (arena.dev_ptr(ext), arena.view_lease(ext));
-    if let Some(ev) = &r.ready {
+    if let Some(ev) = r.ready.as_ref().filter(|ev| !ev.is_complete()) {
         stream.wait(ev)?;
     }
-    e.uses.wait_others(stream)?;
+    e.uses.wait_others(stream, r.ready.as_ref())?;
     let meta = e.meta.clone();
     let e = st.res.get_mut(id)?;
     e.views += 1;
@@ -827,11 +828,11 @@ pub(crate) fn release_view(
     sh: &Shared,
     id: TensorId,
     tier: Tier,
-    stream: Option<&RawStream>,
+    stream: Option<(&RawStream, u64)>,
     dirty: bool,
 ) {
     let mut st = sh.lock();
-    let ev = stream.map(|s| s.record().map(|ev| (s.key(), ev)));
+    let ev = stream.map(|(s, key)| s.record_as(key).map(|ev| (key, ev)));
     let mut failed = None;
     match st.res.get_mut(id) {
         Ok(e) => {
@@ -842,17 +843,17 @@ pub(crate) fn release_view(
             // stays until an event can be recorded on that stream (`State::settle`, at the
             // tensor's next operation): nothing may free or reuse memory the view's work may
             // still touch. The view's writes are applied all the same.
-            let keep_hold = match ev {
-                Some(Ok((k, ev))) => {
-                    e.uses.record(k, ev);
+            let keep_hold = match (ev, stream) {
+                (Some(Ok((k, ev))), Some((s, _))) => {
+                    e.uses.record(k, s, ev);
                     false
                 }
-                Some(Err(err)) => {
+                (Some(Err(err)), Some((s, key))) => {
                     failed = Some(err);
-                    e.unsettled.extend(stream.cloned());
+                    e.unsettled.push((s.clone(), key));
                     true
                 }
-                None => false,
+                _ => false,
             };
             if !keep_hold {
                 e.views = e.views.saturating_sub(1);
@@ -888,7 +889,7 @@ pub(crate) fn release_view(
 pub(crate) fn record_use(sh: &Shared, id: TensorId, stream: &RawStream) -> Result<()> {
     let mut st = sh.lock();
     let ev = stream.record()?;
-    st.res.get_mut(id)?.uses.record(stream.key(), ev);
+    st.res.get_mut(id)?.uses.record(stream.key(), stream, ev);
     Ok(())
 }
 

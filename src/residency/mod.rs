@@ -159,7 +159,7 @@ pub(crate) struct Entry {
     /// A view dropped, but the event after its stream's work could not be recorded (the
     /// backend failed): its hold stays, so nothing frees or reuses memory that work may touch,
     /// until an event recorded later on this stream ([`crate::residency::State::settle`]).
-    pub(crate) unsettled: Vec<crate::backend::RawStream>,
+    pub(crate) unsettled: Vec<(crate::backend::RawStream, u64)>,
     /// Counted by the write reserve (a tensor the store owns the bytes of).
     pub(crate) covered: bool,
     /// Registered by a load that copies and has not finished: its name is taken, but

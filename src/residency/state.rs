@@ -121,12 +121,13 @@ impl State {
         let Ok(e) = self.res.get_mut(id) else { return };
         let mut i = 0;
         while i < e.unsettled.len() {
-            let Ok(ev) = e.unsettled[i].record() else {
+            let (stream, key) = &e.unsettled[i];
+            let Ok(ev) = stream.record_as(*key) else {
                 i += 1;
                 continue;
             };
-            let stream = e.unsettled.swap_remove(i);
-            e.uses.record(stream.key(), ev);
+            let (stream, key) = e.unsettled.swap_remove(i);
+            e.uses.record(key, &stream, ev);
             e.views = e.views.saturating_sub(1);
             if e.views == 0 {
                 e.view_tier = None;

@@ -15,37 +15,45 @@ use crate::error::Result;
 /// Uses kept before complete ones are pruned.
 const PRUNE_AT: usize = 4;
 
-/// Per stream (its [`RawStream::key`]), the event after its last use of a tensor.
+/// Per stream (its [`RawStream::key`]), the event after its last use of a tensor. Each entry
+/// holds its stream: a stream destroyed while its work may still run would free its handle for
+/// a new stream, which a key made of the handle would then confuse with it. Entries are recorded
+/// under the store's lock, in the order of their records, so the latest record is a stream's
+/// last use.
 #[derive(Default)]
-pub(crate) struct Uses(SmallVec<[(u64, RawEvent); 2]>);
+pub(crate) struct Uses(SmallVec<[(u64, RawEvent, RawStream); 2]>);
 
 impl Uses {
-    /// Records `ev` as stream `key`'s last use.
-    pub(crate) fn record(&mut self, key: u64, ev: RawEvent) {
-        if let Some(slot) = self.0.iter_mut().find(|(k, _)| *k == key) {
+    /// Records `ev` (recorded on `stream`, as the stream keyed `key`) as that stream's last use.
+    pub(crate) fn record(&mut self, key: u64, stream: &RawStream, ev: RawEvent) {
+        if let Some(slot) = self.0.iter_mut().find(|(k, ..)| *k == key) {
             slot.1 = ev;
+            slot.2 = stream.clone();
             return;
         }
         if self.0.len() >= PRUNE_AT {
-            self.0.retain(|(_, e)| !e.is_complete());
+            self.0.retain(|(_, e, _)| !e.is_complete());
         }
-        self.0.push((key, ev));
+        self.0.push((key, ev, stream.clone()));
     }
 
-    /// Makes `stream` wait for the last use of every other stream.
-    pub(crate) fn wait_others(&self, stream: &RawStream) -> Result<()> {
+    /// Makes `stream` wait for the last use of every other stream that is not complete yet,
+    /// except `already` (an event it waits for anyway: the copy that brought the bytes, which
+    /// the copy stream's use of the tensor usually is).
+    pub(crate) fn wait_others(&self, stream: &RawStream, already: Option<&RawEvent>) -> Result<()> {
         let me = stream.key();
-        for (k, ev) in &self.0 {
-            if *k != me {
-                stream.wait(ev)?;
+        for (k, ev, _) in &self.0 {
+            if *k == me || already.is_some_and(|a| a.same(ev)) || ev.is_complete() {
+                continue;
             }
+            stream.wait(ev)?;
         }
         Ok(())
     }
 
     /// Every recorded use.
     pub(crate) fn pending(&self) -> impl Iterator<Item = &RawEvent> {
-        self.0.iter().map(|(_, e)| e)
+        self.0.iter().map(|(_, e, _)| e)
     }
 
     /// Number of streams with a recorded use.
@@ -66,8 +74,8 @@ mod tests {
         let (a, b) =
             (RawStream::Host(be.new_stream().unwrap()), RawStream::Host(be.new_stream().unwrap()));
         let mut u = Uses::default();
-        u.record(a.key(), a.record().unwrap());
-        u.record(a.key(), a.record().unwrap());
+        u.record(a.key(), &a, a.record().unwrap());
+        u.record(a.key(), &a, a.record().unwrap());
         assert_eq!(u.len(), 1, "a stream's later use replaces its earlier");
         // Stream a is blocked until `gate` is set: a use recorded behind it stays incomplete,
         // and b must not run past it.
@@ -75,18 +83,18 @@ mod tests {
         let g = gate.clone();
         let RawStream::Host(ah) = &a else { unreachable!() };
         ah.launch(Box::new(move || g.wait()));
-        u.record(a.key(), a.record().unwrap());
-        u.wait_others(&b).unwrap();
+        u.record(a.key(), &a, a.record().unwrap());
+        u.wait_others(&b, None).unwrap();
         let after = b.record().unwrap();
         std::thread::sleep(std::time::Duration::from_millis(20));
         assert!(!after.is_complete(), "b ran before a's last use");
         gate.set();
         after.synchronize().unwrap();
-        u.record(b.key(), b.record().unwrap());
-        u.record(9, b.record().unwrap());
-        u.record(10, b.record().unwrap());
+        u.record(b.key(), &b, b.record().unwrap());
+        u.record(9, &b, b.record().unwrap());
+        u.record(10, &b, b.record().unwrap());
         b.synchronize().unwrap();
-        u.record(11, b.record().unwrap());
+        u.record(11, &b, b.record().unwrap());
         assert!(u.len() <= 2, "complete uses are pruned");
     }
 }
