@@ -201,3 +201,156 @@ fn a_schedule_change_costs_no_read_a_rebuild_of_the_index() {
     println!("{N} tensors: worst read across schedule changes {worst:?}");
     assert!(worst < Duration::from_millis(30), "a read took {worst:?}");
 }
+
+/// A randomized stress run at 100k tensors: four threads, each owning a quarter of the tensors,
+/// mix reads, writes, device views that write, moves, prefetch hints and layer scopes over any
+/// tensor, releases, removes and puts, with the tiers full so that hints and views must spill;
+/// every byte is checked against each thread's shadow at the end. Bounded to about 25 s; prints
+/// the operations per second.
+#[test]
+fn a_100k_tensor_workload_with_hints_spills_and_threads() {
+    common::watch_deadlocks();
+    const N: usize = 100_000;
+    const B: usize = 256;
+    const THREADS: usize = 4;
+    let store = std::sync::Arc::new(
+        Store::builder()
+            .host_backend()
+            .capacity(Tier::Device, (N / 10 * B) as u64)
+            .capacity(Tier::Pinned, (N / 5 * 4096) as u64)
+            .capacity(Tier::Mapped, 0)
+            .capacity(Tier::Disk, (N * 4096 + (64 << 20)) as u64)
+            .prefetch_budget((N / 40 * B) as u64)
+            .build()
+            .unwrap(),
+    );
+    // The tensors start in a checkpoint loaded in place (a hundred thousand puts would spend
+    // most of the test writing the disk tier); writes give them homes in the store.
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("many.safetensors");
+    let data: Vec<Vec<u8>> = (0..N).map(|i| common::random_bytes(B, i as u64)).collect();
+    let views: Vec<(String, TensorView<'_>)> = (0..N)
+        .map(|i| (format!("t{i}"), TensorView::new(Dtype::U8, vec![B], &data[i]).unwrap()))
+        .collect();
+    safetensors::serialize_to_file(views, None, &path).unwrap();
+    let loaded = store.load_checkpoint(&path, LoadOptions::default()).unwrap();
+    let ids: Vec<strata::TensorId> =
+        (0..N).map(|i| loaded.get(&format!("t{i}")).unwrap()).collect();
+    let ids = std::sync::Arc::new(ids);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let threads: Vec<_> = (0..THREADS)
+        .map(|t| {
+            let (store, ids) = (store.clone(), ids.clone());
+            std::thread::spawn(move || {
+                let mut rng = common::Rng::new(1000 + t as u64);
+                let mine: Vec<usize> = (0..N).filter(|i| i % THREADS == t).collect();
+                let mut shadow: std::collections::HashMap<usize, (strata::TensorId, Vec<u8>)> =
+                    mine.iter()
+                        .map(|&i| (i, (ids[i], common::random_bytes(B, i as u64))))
+                        .collect();
+                let s = store.stream().unwrap();
+                let (mut ops, mut failed) = (0u64, 0u64);
+                let mut kinds = std::collections::BTreeMap::new();
+                let mut next_name = 0u64;
+                while Instant::now() < deadline {
+                    ops += 1;
+                    let i = *rng.pick(&mine);
+                    let Some((id, want)) = shadow.get(&i).cloned() else { continue };
+                    let any = ids[rng.below(N as u64) as usize];
+                    let op = rng.below(20);
+                    // A release names any tensor: another thread may have just removed it.
+                    let hint = op == 15;
+                    let res: strata::Result<()> = match op {
+                        0..=4 => store.read(id).map(|got| assert_eq!(got, want, "t{i}")),
+                        5..=7 => {
+                            let data = rng.bytes(B);
+                            let r = store.write(id, &data);
+                            if r.is_ok() {
+                                shadow.insert(i, (id, data));
+                            }
+                            r
+                        }
+                        8..=9 => store.device_view(id, &s).map(|mut v| {
+                            let data = rng.bytes(B);
+                            common::view_write(&mut v, &data);
+                            drop(v);
+                            shadow.insert(i, (id, data));
+                        }),
+                        10..=12 => {
+                            let batch: Vec<_> =
+                                (0..16).map(|_| shadow[rng.pick(&mine)].0).collect();
+                            store.prefetch(&batch)
+                        }
+                        13 | 14 => {
+                            let next: Vec<_> = (0..8).map(|_| shadow[rng.pick(&mine)].0).collect();
+                            store.layer(&[id], &next).map(drop)
+                        }
+                        15 => store.release(&[any]),
+                        16 => {
+                            store.move_to(id, *rng.pick(&[Tier::Device, Tier::Pinned, Tier::Disk]))
+                        }
+                        17 => {
+                            // Replace one of mine with a new tensor.
+                            let r = store.remove(id);
+                            if r.is_ok() {
+                                shadow.remove(&i);
+                                next_name += 1;
+                                let data = rng.bytes(B);
+                                let name = format!("t{t}-new{next_name}");
+                                let new = store.put(&name, strata::DType::U8, &[B], &data).unwrap();
+                                shadow.insert(i, (new, data));
+                            }
+                            r
+                        }
+                        _ => store.host_view(id).map(|mut v| {
+                            let data = rng.bytes(B);
+                            v.bytes_mut().copy_from_slice(&data);
+                            drop(v);
+                            shadow.insert(i, (id, data));
+                        }),
+                    };
+                    if let Err(e) = res {
+                        failed += 1;
+                        *kinds
+                            .entry((
+                                op,
+                                format!("{e:?}")
+                                    .split([' ', '(', '{'])
+                                    .next()
+                                    .unwrap_or("")
+                                    .to_string(),
+                            ))
+                            .or_insert(0u64) += 1;
+                        assert!(
+                            matches!(
+                                e,
+                                strata::Error::OutOfMemory { .. }
+                                    | strata::Error::Busy { .. }
+                                    | strata::Error::NotInTier { .. }
+                            ) || (hint && matches!(e, strata::Error::UnknownId(_))),
+                            "thread {t}, op {ops} ({op}): {e}"
+                        );
+                    }
+                }
+                s.synchronize().unwrap();
+                println!("thread {t}: {ops} operations, {failed} refused: {kinds:?}");
+                for (i, (id, want)) in &shadow {
+                    assert_eq!(&store.read(*id).unwrap(), want, "t{i} at the end");
+                }
+                ops
+            })
+        })
+        .collect();
+    let t0 = Instant::now();
+    let ops: u64 = threads.into_iter().map(|h| h.join().unwrap()).sum();
+    let took = t0.elapsed();
+    store.check_err().unwrap();
+    let st = store.stats();
+    println!(
+        "{N} tensors, {THREADS} threads: {ops} operations in {took:?} ({:.0}/s), {} evictions, {} prefetches",
+        ops as f64 / took.as_secs_f64(),
+        st.evictions,
+        st.prefetches
+    );
+    assert!(ops as f64 / took.as_secs_f64() > 1000.0, "{ops} operations in {took:?}");
+}
