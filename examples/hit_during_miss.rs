@@ -23,7 +23,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .capacity(Tier::Device, (big_bytes + (16 << 20)) as u64)
         .capacity(Tier::Pinned, (big_bytes + (16 << 20)) as u64)
         .capacity(Tier::Mapped, 0)
-        .capacity(Tier::Disk, (big_bytes + (16 << 20)) as u64);
+        // Twice the big tensor: the disk tier also keeps the write reserve (room for a second
+        // copy of the largest tensor).
+        .capacity(Tier::Disk, (2 * big_bytes + (16 << 20)) as u64);
     if args.iter().any(|a| a == "--host") {
         b = b.host_backend();
     }

@@ -734,12 +734,57 @@ def parse_strata_load(text, step):
                 note="; ".join(notes))]
 
 
+EVS_CASE = re.compile(r"^(\d+) tensors: (.+?): median (" + NUM + ") " + US + "$", re.M)
+EVS_WORK = re.compile(r"^workload: (\d+) tensors, (\d+) threads, (" + NUM + r") s: (\d+) operations \((\d+) "
+                      r"refused[^)]*\), (" + NUM + ") operations/s", re.M)
+# "fails within milliseconds"
+FAIL_FAST_US = 10_000.0
+# "thousands of operations a second"
+WORKLOAD_OPS = 1000.0
+
+
+def parse_eviction_scale(text, step):
+    """examples/eviction_scale.rs: with Device and Pinned full of single-copy tensors, a hint, a
+    layer scope and a device view that must spill at each count (the largest count, at least 100x
+    the smallest, within 2x of it), a view that cannot get room failing with OutOfMemory (within
+    milliseconds from 10k tensors), and a workload with hints and spills (thousands of operations
+    a second)."""
+    group = GROUPS["eviction-scale"]
+    backend = backend_of(text)
+    on = f"backend: {backend}" if backend else None
+    cases = {}
+    for m in EVS_CASE.finditer(text):
+        cases.setdefault(m.group(2), {})[int(m.group(1))] = float(m.group(3))
+    figs = []
+    for case, by_n in cases.items():
+        lo = min(by_n)
+        failing = "cannot get room" in case
+        for n, us in sorted(by_n.items()):
+            f = fig(f"{case}, {n} tensors (median)", us, "µs", group=group, note=on)
+            if failing and n >= 10_000:
+                f["target"] = target("within milliseconds (≤ 10 ms)", "<=", FAIL_FAST_US, "value")
+            elif not failing and n != lo:
+                f.update(peer=by_n[lo], peer_what=f"the same among {lo} tensors", ratio=round(us / by_n[lo], 3))
+                if n >= 100 * lo:
+                    f["target"] = target(f"within 2x of {lo} tensors", "<=", 2.0)
+            figs.append(f)
+    w = EVS_WORK.search(text)
+    if w:
+        figs.append(fig(f"workload with hints and spills: {w.group(1)} tensors, {w.group(2)} threads",
+                        float(w.group(6)), "ops/s", group=group,
+                        target=target("thousands of operations a second (≥ 1000/s)", ">=", WORKLOAD_OPS, "value"),
+                        note=f"{w.group(4)} operations in {w.group(3)} s, {w.group(5)} refused (out of memory or busy)"
+                             + (f"; {on}" if on else "")))
+    return figs
+
+
 PARSERS = {"libtest": parse_libtest, "sanitizer": parse_sanitizer, "criterion": parse_criterion,
            "store-bandwidth": parse_store_bandwidth, "layered": parse_layered, "mlp": parse_mlp,
            "train": parse_train, "offload-peers": parse_offload_peers, "optim-step": parse_optim_step,
            "optim-peers": parse_optim_peers, "strata-bench": parse_strata_bench, "anchors": parse_anchors,
            "core-bench": parse_core_bench, "hit-during-miss": parse_hit_during_miss,
-           "many-tensors": parse_many_tensors, "strata-load": parse_strata_load}
+           "many-tensors": parse_many_tensors, "strata-load": parse_strata_load,
+           "eviction-scale": parse_eviction_scale}
 NEEDS_BASE = {"strata-bench", "anchors"}
 # The table a kind's figures go to, unless the step's meta names another.
 GROUPS = {"libtest": "GPU test suite", "sanitizer": "compute-sanitizer",
@@ -753,7 +798,8 @@ GROUPS = {"libtest": "GPU test suite", "sanitizer": "compute-sanitizer",
           "core-bench": "store core: a device view hit and a read that evicts, per access (criterion)",
           "hit-during-miss": "store core: a hit during another thread's disk miss",
           "many-tensors": "store core: a checkpoint of many small tensors",
-          "strata-load": "store core: a checkpoint of many small tensors"}
+          "strata-load": "store core: a checkpoint of many small tensors",
+          "eviction-scale": "store core: making room when victims must spill, at scale"}
 
 
 # ------------------------------------------------------------------------------------------------
