@@ -11,6 +11,7 @@
 //!   device view after it;
 //! - a layer scope (`Store::layer`) whose tensor must spill to come in;
 //! - a `device_view` miss that must spill;
+//!
 //! and, with no Disk tier (nothing can move), how long a view that cannot get room takes to fail
 //! with `OutOfMemory`. Then a workload over `--workload` tensors loaded in place: `--threads`
 //! threads mixing reads, writes, writing views, hints, layer scopes and moves for `--seconds`,
