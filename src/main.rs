@@ -261,7 +261,7 @@ fn main() -> ExitCode {
         // The reader of stdout went away (`strata inspect ... | head`): nothing is wrong.
         Err(e) if e.chain().any(strata::apps::is_broken_pipe) => ExitCode::SUCCESS,
         Err(e) => {
-            let _ = writeln!(std::io::stderr(), "error: {e}");
+            let _ = writeln!(std::io::stderr(), "error: {e:#}");
             ExitCode::FAILURE
         }
     }

@@ -622,7 +622,7 @@ fn run_typed<T: Float>(
                     last = Some(out);
                 }
                 Err(e) if crate::apps::is_broken_pipe(&e) => return Err(e),
-                Err(e) => progress(&format!("engine {asked}: {e}"))?,
+                Err(e) => progress(&format!("engine {asked}: {}", e.chain()))?,
             }
         }
         last.ok_or_else(|| Error::InvalidArgument("no engine could run".into()))?

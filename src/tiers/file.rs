@@ -1,7 +1,8 @@
 //! A user's tensor file (safetensors) that the Disk tier refers to in place.
 
-use std::fs::{File, OpenOptions};
-use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::fs::{File, FileType, OpenOptions};
+use std::io::Read as _;
+use std::os::unix::fs::{FileExt, FileTypeExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
 use memmap2::Mmap;
@@ -41,20 +42,15 @@ impl std::fmt::Debug for ExternalFile {
 }
 
 impl ExternalFile {
-    /// Opens and maps `path` read-only.
+    /// Opens and maps `path` read-only; anything but a regular file is [`Error::NotAFile`]
+    /// ([`open_regular`]).
     pub(crate) fn open(path: &Path) -> Result<ExternalFile> {
-        let file = File::open(path).map_err(|e| Error::io(path, e))?;
-        // A directory opens, and mapping it fails with "No such device": say what it is.
-        if file.metadata().is_ok_and(|m| m.is_dir()) {
-            return Err(Error::io(
-                path,
-                std::io::Error::new(std::io::ErrorKind::IsADirectory, "is a directory, not a file"),
-            ));
-        }
+        let file = open_regular(path, 0)?;
         // SAFETY: a read-only private mapping of the user's file; see the type's Safety section
         // for the caller's side (the file is not truncated or rewritten while loaded).
         let map = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
-        let direct = OpenOptions::new().read(true).custom_flags(libc::O_DIRECT).open(path).ok();
+        // The same file again (the path could name another by now: then no O_DIRECT handle).
+        let direct = open_regular(path, libc::O_DIRECT).ok().filter(|d| same_file(d, &file));
         Ok(ExternalFile { path: path.to_path_buf(), map, file, direct })
     }
 
@@ -92,6 +88,80 @@ impl ExternalFile {
         debug_assert!(end <= self.map.len() as u64);
         self.file.read_exact_at(buf, offset).map_err(|e| Error::io(&self.path, e))
     }
+}
+
+/// What a file of type `t` is, in words, when it is not a regular file.
+fn irregular(t: &FileType) -> Option<&'static str> {
+    Some(if t.is_file() {
+        return None;
+    } else if t.is_dir() {
+        "a directory"
+    } else if t.is_fifo() {
+        "a FIFO"
+    } else if t.is_socket() {
+        "a socket"
+    } else if t.is_char_device() {
+        "a character device"
+    } else if t.is_block_device() {
+        "a block device"
+    } else {
+        "not a regular file"
+    })
+}
+
+/// Refuses `path` unless it names a regular file (following symlinks), without opening it:
+/// [`Error::NotAFile`] saying what it is, or [`Error::Io`] when it cannot be looked at.
+pub(crate) fn check_regular(path: &Path) -> Result<std::fs::Metadata> {
+    let md = std::fs::metadata(path).map_err(|e| Error::io(path, e))?;
+    match irregular(&md.file_type()) {
+        None => Ok(md),
+        Some(what) => Err(Error::NotAFile { path: path.to_path_buf(), what }),
+    }
+}
+
+/// Whether two open files are the same file.
+fn same_file(a: &File, b: &File) -> bool {
+    match (a.metadata(), b.metadata()) {
+        (Ok(a), Ok(b)) => (a.dev(), a.ino()) == (b.dev(), b.ino()),
+        _ => false,
+    }
+}
+
+/// Opens the regular file at `path` for reading (with `flags` added, such as `O_DIRECT`), and
+/// refuses anything else before a byte is read: a directory, a FIFO, a socket or a device is
+/// [`Error::NotAFile`].
+///
+/// The path is looked at first, and a path that is not a regular file is never opened (opening
+/// a FIFO blocks until a writer comes; a device may have side effects). The open itself is
+/// non-blocking, and the opened file must be the regular file that was looked at, so that a
+/// path swapped for a FIFO in between cannot block either. (`O_NONBLOCK` does nothing to reads
+/// of a regular file.)
+pub(crate) fn open_regular(path: &Path, flags: libc::c_int) -> Result<File> {
+    let before = check_regular(path)?;
+    let file = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY | flags)
+        .open(path)
+        .map_err(|e| Error::io(path, e))?;
+    let now = file.metadata().map_err(|e| Error::io(path, e))?;
+    if let Some(what) = irregular(&now.file_type()) {
+        return Err(Error::NotAFile { path: path.to_path_buf(), what });
+    }
+    if (now.dev(), now.ino()) != (before.dev(), before.ino()) {
+        return Err(Error::io(
+            path,
+            std::io::Error::other("the file was replaced while it was being opened"),
+        ));
+    }
+    Ok(file)
+}
+
+/// The whole of the regular file at `path` ([`open_regular`]).
+pub(crate) fn read_regular(path: &Path) -> Result<Vec<u8>> {
+    let mut file = open_regular(path, 0)?;
+    let mut out = Vec::new();
+    file.read_to_end(&mut out).map_err(|e| Error::io(path, e))?;
+    Ok(out)
 }
 
 /// Gives `file`, opened unnamed (`O_TMPFILE` without `O_EXCL`), the name `at` (which must not

@@ -417,7 +417,7 @@ impl SizeSweep<'_> {
     fn measure(&mut self, p: &PathSpec) -> std::result::Result<Timing, String> {
         let size = self.size as usize;
         let reps = self.reps;
-        let err = |e: Error| e.to_string();
+        let err = |e: Error| e.chain();
         match p.kind {
             Kind::Gpu(path) => {
                 let probe = self.probe.as_deref_mut().ok_or("needs a GPU")?;
@@ -467,7 +467,7 @@ impl SizeSweep<'_> {
     fn file(&mut self) -> std::result::Result<&disk::BenchFile, String> {
         if self.file.is_none() {
             let made = disk::BenchFile::create(self.dir, self.size as usize, 0, 0);
-            self.file = Some(made.map(|(f, _)| f).map_err(|e| e.to_string()));
+            self.file = Some(made.map(|(f, _)| f).map_err(|e| e.chain()));
         }
         match self.file.as_ref() {
             Some(Ok(f)) => Ok(f),
