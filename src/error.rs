@@ -14,7 +14,7 @@ use crate::types::{TensorId, Tier};
 pub enum Error {
     /// The tensor is larger than the capacity of every enabled tier (or of the tier asked for):
     /// it can never be stored, whatever is evicted.
-    #[error("tensor of {bytes} bytes is larger than {what}")]
+    #[error("a tensor of {} is larger than {what}", crate::types::format_size(*bytes))]
     TooLarge {
         /// Size of the tensor in bytes.
         bytes: u64,
@@ -22,7 +22,7 @@ pub enum Error {
         what: String,
     },
     /// No room in `tier` now, even after demoting every tensor that may be demoted.
-    #[error("out of memory in tier {tier}: {bytes} bytes requested")]
+    #[error("out of memory in tier {tier}: {} requested", crate::types::format_size(*bytes))]
     OutOfMemory {
         /// The tier that ran out.
         tier: Tier,

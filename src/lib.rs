@@ -82,6 +82,24 @@ pub fn cuda_device_count() -> std::result::Result<usize, String> {
     backend::cuda::device_count()
 }
 
+/// Makes a write past the process's file-size limit (`ulimit -f`, `RLIMIT_FSIZE`) fail with an
+/// error instead of killing the process: sets `SIGXFSZ`, whose default action ends the process
+/// at such a write, to ignored, for the whole process. A write that crosses the limit then
+/// fails with `EFBIG`, which strata returns as an [`Error::Io`] naming the file ("File too
+/// large"), leaving every tensor as it was, and the process goes on.
+///
+/// strata never changes signal dispositions by itself: a program embedding it that may run
+/// under a file-size limit calls this once at start, as the `strata` binary does, or handles
+/// `SIGXFSZ` its own way.
+///
+/// ```
+/// strata::ignore_file_size_signal()?;
+/// # Ok::<(), std::io::Error>(())
+/// ```
+pub fn ignore_file_size_signal() -> std::io::Result<()> {
+    tiers::file::ignore_sigxfsz()
+}
+
 /// Re-export of the cudarc version strata is built against, so embedders name the same types.
 pub use cudarc;
 pub use half;

@@ -134,7 +134,7 @@ fn load_on_the_host_ends_with_the_tier_table() {
     let (out, stdout, stderr) =
         run(&[&["load", "--host", "--copy-to", "pinned"][..], &SMALL].concat(), &file);
     assert!(out.status.success(), "stdout:\n{stdout}\nstderr:\n{stderr}");
-    assert!(stdout.contains("copied 3 tensors") && stdout.contains("into pinned"), "{stdout}");
+    assert!(stdout.contains("copied 3 of 3 tensors") && stdout.contains("into pinned"), "{stdout}");
     let pinned = stdout.lines().find(|l| l.starts_with("pinned")).unwrap();
     assert!(pinned.trim_end().ends_with(" 3"), "three tensors in pinned: {pinned}");
 }
@@ -265,7 +265,7 @@ fn inspect_and_load_give_the_same_tensors_for_a_sharded_checkpoint() {
     let args = [&["load", "--host", "--checksums", "--copy-to", "pinned"][..], &SMALL].concat();
     let (out, stdout, stderr) = run(&args, &index);
     assert!(out.status.success(), "stdout:\n{stdout}\nstderr:\n{stderr}");
-    assert!(stdout.contains("copied 9 tensors") && stdout.contains("into pinned"), "{stdout}");
+    assert!(stdout.contains("copied 9 of 9 tensors") && stdout.contains("into pinned"), "{stdout}");
     assert_eq!(&block(&stdout, "name "), sums);
 }
 

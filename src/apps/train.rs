@@ -30,7 +30,7 @@ use std::time::Instant;
 use half::bf16;
 
 use crate::apps::args::{
-    check_output, ActivationsArg, DTypeArg, EngineArg, ModeArg, OnOff, OptimizerArg, TrainDemoArgs,
+    check_output, ActivationsArg, DTypeArg, EngineArg, ModeArg, OptimizerArg, TrainDemoArgs,
 };
 use crate::linalg::{loss_value, Float, Linalg, Matrix, LOSS_PARTIALS};
 use crate::optim::{AdamW, Algorithm, Engine, Optimizer, OptimizerConfig, Sgd, StepTraffic};
@@ -220,7 +220,7 @@ impl TrainConfig {
             policy: a.policy.unwrap_or(d.policy),
             seed: a.seed.unwrap_or(d.seed),
             host: a.host,
-            compare: a.compare.is_none_or(OnOff::on),
+            compare: a.compare(),
         };
         c.check()?;
         Ok(c)

@@ -90,6 +90,38 @@ impl ExternalFile {
     }
 }
 
+/// Bytes an unprivileged process may still write on the file system holding `dir`
+/// (`statvfs`'s `f_bavail × f_frsize`).
+pub(crate) fn free_space(dir: &Path) -> std::io::Result<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(dir.as_os_str().as_bytes())?;
+    let mut st = std::mem::MaybeUninit::<libc::statvfs>::uninit();
+    // SAFETY: `c` is a NUL-terminated path that lives across the call; `st` is a properly
+    // sized and aligned buffer that statvfs fills when it returns 0.
+    let rc = unsafe { libc::statvfs(c.as_ptr(), st.as_mut_ptr()) };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: statvfs returned 0, so it initialised `st`.
+    let st = unsafe { st.assume_init() };
+    // Both are u64 on 64-bit Linux, narrower on some 32-bit targets.
+    #[allow(clippy::useless_conversion)]
+    let (avail, frsize) = (u64::from(st.f_bavail), u64::from(st.f_frsize));
+    Ok(avail.saturating_mul(frsize))
+}
+
+/// Ignores `SIGXFSZ` in the whole process ([`crate::ignore_file_size_signal`]).
+pub(crate) fn ignore_sigxfsz() -> std::io::Result<()> {
+    // SAFETY: `signal` with `SIG_IGN` installs no handler code that could run in a signal
+    // context; it only sets the process's disposition of SIGXFSZ, which is what the caller
+    // asks for.
+    let previous = unsafe { libc::signal(libc::SIGXFSZ, libc::SIG_IGN) };
+    if previous == libc::SIG_ERR {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 /// What a file of type `t` is, in words, when it is not a regular file.
 fn irregular(t: &FileType) -> Option<&'static str> {
     Some(if t.is_file() {
