@@ -919,7 +919,20 @@ fn train_once<T: Float>(
     bar.finish_and_clear();
     tracing::info!(layers, floor, seconds = bar.elapsed().as_secs_f64(), "model in the store");
     let engine_used = opt.as_ref().map_or(engine, Optimizer::engine);
-    let choice = opt.as_ref().and_then(|o| o.choice()).map(|c| c.to_string());
+    let choice = opt.as_ref().and_then(|o| o.choice()).map(|c| {
+        // Auto prices engines with a GPU's costs (a kernel over state already on the device
+        // is nearly free; PCIe is what costs). On the host backend there is no GPU: every
+        // engine's update runs on host threads, so say what ran rather than a GPU's name alone.
+        if store.backend() == crate::BackendKind::Host && c.engine != Engine::Cpu {
+            format!(
+                "{c}; on the host backend (no GPU) the {} engine's update runs on host threads \
+                 over the host memory that stands for its tier",
+                c.engine
+            )
+        } else {
+            c.to_string()
+        }
+    });
     if let Some(c) = &choice {
         progress(c)?;
     }
