@@ -91,7 +91,8 @@ impl ExternalFile {
 }
 
 /// Bytes an unprivileged process may still write on the file system holding `dir`
-/// (`statvfs`'s `f_bavail × f_frsize`).
+/// (`statvfs`'s `f_bavail × f_frsize`): what `strata bench` checks its disk paths against.
+#[cfg(feature = "cli")]
 pub(crate) fn free_space(dir: &Path) -> std::io::Result<u64> {
     use std::os::unix::ffi::OsStrExt;
     let c = std::ffi::CString::new(dir.as_os_str().as_bytes())?;
