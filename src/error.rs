@@ -14,7 +14,7 @@ use crate::types::{TensorId, Tier};
 pub enum Error {
     /// The tensor is larger than the capacity of every enabled tier (or of the tier asked for):
     /// it can never be stored, whatever is evicted.
-    #[error("tensor of {bytes} bytes is larger than {what}")]
+    #[error("a tensor of {} is larger than {what}", crate::types::format_size(*bytes))]
     TooLarge {
         /// Size of the tensor in bytes.
         bytes: u64,
@@ -22,7 +22,7 @@ pub enum Error {
         what: String,
     },
     /// No room in `tier` now, even after demoting every tensor that may be demoted.
-    #[error("out of memory in tier {tier}: {bytes} bytes requested")]
+    #[error("out of memory in tier {tier}: {} requested", crate::types::format_size(*bytes))]
     OutOfMemory {
         /// The tier that ran out.
         tier: Tier,
@@ -107,8 +107,12 @@ pub enum Error {
         /// The tier asked for.
         tier: Tier,
     },
-    /// An I/O error on a file of the store.
-    #[error("I/O error on {path}: {source}")]
+    /// An I/O error on a file: one of the store's, or a user's file it reads or writes.
+    ///
+    /// Its message names the file; the OS's reason is its [`source`](std::error::Error::source)
+    /// (so that a report of the chain, such as `anyhow`'s `{:#}`, prints it once):
+    /// [`Error::chain`] gives both in one line.
+    #[error("I/O error on {}", path.display())]
     Io {
         /// The file or directory.
         path: PathBuf,
@@ -127,6 +131,16 @@ pub enum Error {
         tensor: Option<String>,
         /// What is wrong.
         why: String,
+    },
+    /// A path where strata reads or writes a file names something else: a directory, a FIFO, a
+    /// socket or a device. Refused before anything is read from it or written to it (a FIFO
+    /// would block a read forever; a device could be read without end).
+    #[error("{} is {what}, not a regular file: give the path of a file", path.display())]
+    NotAFile {
+        /// The path given (or found in an index or a directory).
+        path: PathBuf,
+        /// What it is instead: "a directory", "a FIFO", "a socket", "a character device", ...
+        what: &'static str,
     },
     /// The file system holding the disk tier is full.
     #[error("disk full writing {path}")]
@@ -167,8 +181,54 @@ impl Error {
         }
     }
 
+    /// This error and every cause under it, joined by `": "` (what `anyhow` prints for `{:#}`):
+    /// `I/O error on model.safetensors: Permission denied (os error 13)`.
+    ///
+    /// ```
+    /// let e = strata::Error::Io {
+    ///     path: "model.safetensors".into(),
+    ///     source: std::io::Error::from_raw_os_error(13),
+    /// };
+    /// assert_eq!(e.to_string(), "I/O error on model.safetensors");
+    /// assert!(e.chain().starts_with("I/O error on model.safetensors: Permission denied"));
+    /// ```
+    pub fn chain(&self) -> String {
+        chain(self)
+    }
+
     /// An [`Error::Cuda`] from a cudarc driver error.
     pub(crate) fn cuda(call: &'static str, e: cudarc::driver::DriverError) -> Self {
         Error::Cuda { call, message: e.to_string() }
+    }
+}
+
+/// `e` and every cause under it, joined by `": "`.
+pub(crate) fn chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut out = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        out.push_str(": ");
+        out.push_str(&c.to_string());
+        cur = c.source();
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An I/O error prints its OS reason once in a report of its chain (it printed it twice:
+    /// in its own message and again as its source).
+    #[test]
+    fn an_io_error_prints_its_cause_once() {
+        let e = Error::Io {
+            path: "/x/m.safetensors".into(),
+            source: std::io::Error::from_raw_os_error(2),
+        };
+        let full = e.chain();
+        assert_eq!(full.matches("No such file or directory").count(), 1, "{full}");
+        assert!(full.starts_with("I/O error on /x/m.safetensors: "), "{full}");
+        assert!(std::error::Error::source(&e).is_some());
     }
 }

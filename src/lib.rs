@@ -2,7 +2,16 @@
 //!
 //! A tiered tensor store: tensors live across GPU HBM ([`Tier::Device`]), page-locked host memory
 //! ([`Tier::Pinned`]), zero-copy mapped host memory ([`Tier::Mapped`]) and files on NVMe
-//! ([`Tier::Disk`]), and strata moves them so the GPU finds what it needs on the device.
+//! ([`Tier::Disk`]), each tier within a byte budget, and strata moves them so the GPU finds what
+//! it needs on the device when it needs it. Without a GPU the same code runs on the host
+//! backend, which emulates the tiers in host memory ([`Store::backend`] says which runs).
+//!
+//! ## What a program does with it
+//!
+//! **Put tensors in and read them back.** [`Store::put`] (bytes and a [`DType`]) or
+//! [`Store::put_slice`] (typed) gives a [`TensorId`]; [`Store::read`] / [`Store::read_vec`] read
+//! it from wherever it is; [`Store::move_to`] moves it explicitly; [`Store::stats`] says where
+//! everything is and what moved.
 //!
 //! ```
 //! use strata::{DType, Store, Tier};
@@ -20,8 +29,32 @@
 //! # Ok(()) }
 //! ```
 //!
-//! ## Map of the crate
-//! The store is layered; each layer is a folder (`docs/architecture.md` has the whole picture):
+//! **Lend tensors to GPU work through views.** [`Store::device_view`] makes a tensor resident
+//! on the device for a [`Stream`] (the stream waits for the copy, the host thread does not) and
+//! keeps it there while the [`DeviceView`] lives; its pointer goes to your kernels or cuBLAS.
+//! [`Store::host_view`] and [`Store::mapped_view`] do the same for host code and zero-copy
+//! kernels. A trainer passes its own CUDA context and streams
+//! ([`StoreBuilder::context`], [`Stream::from_cuda`]).
+//!
+//! **Say what comes next.** Hints let strata copy ahead while your kernels run:
+//! [`Store::prefetch`], [`Store::release`], [`Store::pin`], and a layer scope,
+//! [`Store::layer`]`(uses, next)`, around each layer of a forward or backward pass; without
+//! hints, [`PolicyKind::Schedule`] learns a repeating step's order by itself.
+//!
+//! **Load and save checkpoints.** [`Store::load_checkpoint`] takes a `.safetensors` file, a
+//! sharded checkpoint's index or its directory, and leaves each tensor in its memory-mapped
+//! file until it is used (or copies it into a tier: [`LoadOptions`]); [`Loaded::save`] and
+//! [`Store::save_safetensors`] write back atomically.
+//!
+//! Every failure is an [`Error`] a caller can act on, and a failed call leaves every tensor as
+//! it was. Built on the store: [`optim`] (SGD and AdamW over store tensors), [`linalg`] and
+//! [`kernels`] (GEMMs and kernels over views), [`probe`] (raw transfer measurements), [`plan`]
+//! (memory plans of a tensor file); behind the `candle` feature (off by default),
+//! `strata::candle` serves a store's tensors to candle models (`docs/candle.md`).
+//!
+//! ## Inside
+//! The store is layered; each layer is a folder, and `docs/architecture.md` describes each
+//! layer and its files:
 //!
 //! | layer | what | where |
 //! |---|---|---|
@@ -32,26 +65,26 @@
 //! | tiers | arenas and their leases, the extent allocator, staging, the disk slab, user files | `tiers/` |
 //! | backend | host emulation (optionally in simulated time) or CUDA; events, streams | `backend/` |
 //!
-//! Built on the store, in the library: [`optim`] (SGD and AdamW over store tensors), [`linalg`]
-//! and [`kernels`] (GEMMs and kernels over views), [`probe`] (raw transfer measurements),
-//! [`plan`] (memory plans of a tensor file). Behind the `cli` feature (on by default):
-//! `strata::apps`, what the `strata` binary runs (the bench, the MLP and trainer demos), with
-//! their dependencies (clap, indicatif, plotters, csv; `docs/dependencies.md`). Everything else
-//! builds with `default-features = false`. Behind the `candle` feature (off by default):
-//! `strata::candle`, a candle-nn `VarBuilder` backend over a store and out-of-core layers for
-//! candle models (`docs/candle.md`).
+//! The `strata` binary's code (the bench, the MLP and trainer demos) sits behind the `cli`
+//! feature (on by default) with its dependencies (clap, indicatif, plotters, csv;
+//! `docs/dependencies.md`); everything else builds with `default-features = false`.
 
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]
 
 mod api;
+// What the `strata` binary runs: public so that the binary and the examples reach it, hidden
+// from the docs because it is not an API for library users.
 #[cfg(feature = "cli")]
+#[doc(hidden)]
 pub mod apps;
 mod backend;
 #[cfg(feature = "candle")]
 pub mod candle;
 mod element;
 mod error;
+// Fault injection for strata's own tests (feature `failpoints`); not an API for users.
+#[doc(hidden)]
 pub mod failpoint;
 mod migrate;
 mod placement;
@@ -80,6 +113,24 @@ pub use types::{format_size, parse_size, BackendKind, DType, Group, TensorId, Ti
 /// `cuInit` failed, no device). Never panics, also on machines without CUDA.
 pub fn cuda_device_count() -> std::result::Result<usize, String> {
     backend::cuda::device_count()
+}
+
+/// Makes a write past the process's file-size limit (`ulimit -f`, `RLIMIT_FSIZE`) fail with an
+/// error instead of killing the process: sets `SIGXFSZ`, whose default action ends the process
+/// at such a write, to ignored, for the whole process. A write that crosses the limit then
+/// fails with `EFBIG`, which strata returns as an [`Error::Io`] naming the file ("File too
+/// large"), leaving every tensor as it was, and the process goes on.
+///
+/// strata never changes signal dispositions by itself: a program embedding it that may run
+/// under a file-size limit calls this once at start, as the `strata` binary does, or handles
+/// `SIGXFSZ` its own way.
+///
+/// ```
+/// strata::ignore_file_size_signal()?;
+/// # Ok::<(), std::io::Error>(())
+/// ```
+pub fn ignore_file_size_signal() -> std::io::Result<()> {
+    tiers::file::ignore_sigxfsz()
 }
 
 /// Re-export of the cudarc version strata is built against, so embedders name the same types.

@@ -74,7 +74,7 @@ use std::collections::BTreeMap;
 use std::fmt::{self, Write as _};
 use std::fs::File;
 use std::io::Read as _;
-use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -586,7 +586,10 @@ impl Bandwidths {
     /// [`Error::InvalidArgument`] naming it.
     pub fn from_bench_json(path: impl AsRef<Path>) -> Result<Bandwidths> {
         let path = path.as_ref();
-        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+        let bytes = crate::tiers::file::read_regular(path)?;
+        let text = String::from_utf8(bytes).map_err(|_| {
+            Error::InvalidArgument(format!("{} is not a text file", path.display()))
+        })?;
         Bandwidths::from_bench_json_str(&text, &path.display().to_string())
     }
 
@@ -664,7 +667,7 @@ impl Bandwidths {
                         if direct { "O_DIRECT" } else { "buffered: may be the page cache" }
                     ));
                 }
-                Err(e) => bw.notes.push(format!("disk time not predicted: {e}")),
+                Err(e) => bw.notes.push(format!("disk time not predicted: {}", e.chain())),
             }
         }
         bw
@@ -696,7 +699,7 @@ fn measure_disk(path: &Path) -> Result<(f64, u64, bool)> {
     const MAX: u64 = 64 << 20;
     const ALIGN: usize = 4096;
     let io = |e| Error::io(path, e);
-    let len = std::fs::metadata(path).map_err(io)?.len();
+    let len = crate::tiers::file::check_regular(path)?.len();
     if len < (1 << 20) {
         return Err(Error::InvalidArgument(format!(
             "{} is under 1 MiB, too small to time (give --bench)",
@@ -710,12 +713,12 @@ fn measure_disk(path: &Path) -> Result<(f64, u64, bool)> {
         .get_mut(off..off + PIECE)
         .ok_or_else(|| Error::InvalidArgument("could not align a read buffer".into()))?;
     // O_DIRECT first; if the file system refuses it, a buffered read.
-    if let Ok(f) = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_DIRECT).open(path) {
+    if let Ok(f) = crate::tiers::file::open_regular(path, libc::O_DIRECT) {
         if let Ok(r) = timed_read(&f, piece, want) {
             return Ok((r.0, r.1, true));
         }
     }
-    let mut f = File::open(path).map_err(io)?;
+    let mut f = crate::tiers::file::open_regular(path, 0)?;
     let t = Instant::now();
     let mut done = 0u64;
     while done < want {

@@ -134,7 +134,7 @@ fn load_on_the_host_ends_with_the_tier_table() {
     let (out, stdout, stderr) =
         run(&[&["load", "--host", "--copy-to", "pinned"][..], &SMALL].concat(), &file);
     assert!(out.status.success(), "stdout:\n{stdout}\nstderr:\n{stderr}");
-    assert!(stdout.contains("copied 3 tensors") && stdout.contains("into pinned"), "{stdout}");
+    assert!(stdout.contains("copied 3 of 3 tensors") && stdout.contains("into pinned"), "{stdout}");
     let pinned = stdout.lines().find(|l| l.starts_with("pinned")).unwrap();
     assert!(pinned.trim_end().ends_with(" 3"), "three tensors in pinned: {pinned}");
 }
@@ -265,7 +265,7 @@ fn inspect_and_load_give_the_same_tensors_for_a_sharded_checkpoint() {
     let args = [&["load", "--host", "--checksums", "--copy-to", "pinned"][..], &SMALL].concat();
     let (out, stdout, stderr) = run(&args, &index);
     assert!(out.status.success(), "stdout:\n{stdout}\nstderr:\n{stderr}");
-    assert!(stdout.contains("copied 9 tensors") && stdout.contains("into pinned"), "{stdout}");
+    assert!(stdout.contains("copied 9 of 9 tensors") && stdout.contains("into pinned"), "{stdout}");
     assert_eq!(&block(&stdout, "name "), sums);
 }
 
@@ -308,4 +308,47 @@ fn a_broken_sharded_checkpoint_is_an_error_naming_the_shard() {
     assert!(stderr.starts_with("error: bad tensor file"), "{stderr}");
     assert!(stderr.contains("model-00002-of-00002.safetensors"), "{stderr}");
     assert!(stderr.contains("\"lm_head.weight\""), "{stderr}");
+}
+
+/// `strata inspect` and `strata load` of a FIFO (or through an index naming one) exit with an
+/// error saying what the path is, at once: they used to block forever reading it. Run under a
+/// deadline so that a regression fails instead of hanging.
+#[test]
+fn inspect_and_load_refuse_a_fifo_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let fifo = dir.path().join("model.safetensors");
+    let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+    // SAFETY: `c` is a NUL-terminated path that outlives the call, which only reads it.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o644) }, 0);
+    let index = dir.path().join("model.safetensors.index.json");
+    std::fs::write(&index, r#"{"weight_map": {"w": "model.safetensors"}}"#).unwrap();
+    for (cmd, path) in [("inspect", &fifo), ("load", &fifo), ("inspect", &index), ("load", &index)]
+    {
+        let host: &[&str] = if cmd == "load" { &["--host"] } else { &[] };
+        let mut child = Command::new(strata_bin())
+            .arg(cmd)
+            .arg(path)
+            .args(host)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let start = std::time::Instant::now();
+        while child.try_wait().unwrap().is_none() {
+            if start.elapsed() > std::time::Duration::from_secs(30) {
+                child.kill().unwrap();
+                panic!("strata {cmd} {}: still blocked after 30 s", path.display());
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        let out = child.wait_with_output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "strata {cmd} {}: {stderr}", path.display());
+        assert!(
+            stderr.contains("is a FIFO, not a regular file")
+                && stderr.contains("model.safetensors"),
+            "strata {cmd} {}: {stderr}",
+            path.display()
+        );
+    }
 }

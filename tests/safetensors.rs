@@ -366,11 +366,16 @@ fn save_refuses_bad_requests_and_leaves_nothing_behind() {
     // Not a regular file: a directory, a FIFO (a device alike) is refused, never replaced.
     let sub = dir.path().join("sub");
     std::fs::create_dir(&sub).unwrap();
-    assert!(matches!(store.save_safetensors(&sub, &[a]), Err(Error::InvalidArgument(_))));
+    assert!(matches!(
+        store.save_safetensors(&sub, &[a]),
+        Err(Error::NotAFile { what: "a directory", .. })
+    ));
     let fifo = dir.path().join("fifo");
     if std::process::Command::new("mkfifo").arg(&fifo).status().is_ok_and(|s| s.success()) {
         match store.save_safetensors(&fifo, &[a]) {
-            Err(Error::InvalidArgument(m)) => assert!(m.contains("not a regular file"), "{m}"),
+            Err(e @ Error::NotAFile { what: "a FIFO", .. }) => {
+                assert!(e.to_string().contains("not a regular file"), "{e}")
+            }
             other => panic!("save over a FIFO: {other:?}"),
         }
         use std::os::unix::fs::FileTypeExt;

@@ -447,11 +447,12 @@ fn a_directory_given_as_a_file_says_so() {
     let d = dir.path().to_str().unwrap();
     let cfg = TrainConfig::parse(["--init", d, "--host"]).unwrap();
     match run(&cfg, |_| Ok(())) {
-        Err(Error::Io { path, source }) => {
+        Err(e @ Error::NotAFile { what: "a directory", .. }) => {
+            let Error::NotAFile { path, .. } = &e else { unreachable!() };
             assert_eq!(path, dir.path());
-            assert!(source.to_string().contains("is a directory"), "{source}");
+            assert!(e.to_string().contains("is a directory, not a regular file"), "{e}");
         }
-        other => panic!("want an I/O error naming the directory, got {:?}", other.map(|_| ())),
+        other => panic!("want an error naming the directory, got {:?}", other.map(|_| ())),
     }
 }
 

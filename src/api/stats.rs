@@ -191,10 +191,15 @@ impl fmt::Display for Stats {
         }
         write!(
             f,
-            "hits {}  misses {}  (hit ratio {:.1}%)  evictions {}  promotions {}  in {}  out {}",
+            "hits {}  misses {}  (hit ratio {})  evictions {}  promotions {}  in {}  out {}",
             self.hits,
             self.misses,
-            100.0 * self.hit_ratio(),
+            // No access at all has no ratio (0.0% would read as every access missing).
+            if self.hits + self.misses == 0 {
+                "-".to_string()
+            } else {
+                format!("{:.1}%", 100.0 * self.hit_ratio())
+            },
             self.evictions,
             self.promotions,
             format_size(self.bytes_in),

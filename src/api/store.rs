@@ -278,6 +278,24 @@ impl Store {
         ops::move_to(&self.shared, id, tier)
     }
 
+    /// Bytes of `tier`'s budget a tensor of `bytes` takes there: its size rounded up to what
+    /// the tier's allocator hands out (256 B on the device; a page on the disk tier; a page in
+    /// host memory, small tensors sharing pages), 0 for an empty tensor, and `bytes` itself for
+    /// a disabled tier. For planning how many tensors fit before putting them.
+    ///
+    /// ```
+    /// # use strata::{Store, Tier};
+    /// # fn main() -> strata::Result<()> {
+    /// let store = Store::builder().host_backend().build()?;
+    /// assert_eq!(store.footprint(Tier::Disk, 10), 4096);
+    /// assert_eq!(store.footprint(Tier::Device, 300), 512);
+    /// assert_eq!(store.footprint(Tier::Disk, 0), 0);
+    /// # Ok(()) }
+    /// ```
+    pub fn footprint(&self, tier: Tier, bytes: u64) -> u64 {
+        self.shared.lock().books.reserved_size(tier, bytes)
+    }
+
     /// A snapshot of the counters.
     pub fn stats(&self) -> Stats {
         let mut st = self.shared.lock();

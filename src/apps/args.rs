@@ -21,14 +21,24 @@ use clap::{Args, Parser, ValueEnum};
 use crate::optim::Engine;
 use crate::{parse_size, DType, Error, LinkSharing, PolicyKind, Result, Simulation, Tier};
 
+/// Refuses a value with white space in it (`' 3'`, `'1 GiB'`): a quoting mistake in a script,
+/// better caught than guessed at.
+fn no_spaces(s: &str) -> std::result::Result<&str, String> {
+    if s.chars().any(char::is_whitespace) {
+        Err(format!("{s:?} has white space in it: write the value alone (3, 24KiB)"))
+    } else {
+        Ok(s)
+    }
+}
+
 /// A size with units (`4096`, `24KiB`, `1GiB`; 0 allowed).
 pub fn size(s: &str) -> std::result::Result<u64, String> {
-    parse_size(s).map_err(|e| e.to_string())
+    parse_size(no_spaces(s)?).map_err(|e| e.to_string())
 }
 
 /// A count of at least 1.
 pub fn count(s: &str) -> std::result::Result<usize, String> {
-    match s.trim().parse::<i128>() {
+    match no_spaces(s)?.parse::<i128>() {
         Ok(n) if n >= 1 && n <= usize::MAX as i128 => Ok(n as usize),
         Ok(_) => Err("must be a whole number of at least 1".into()),
         Err(_) => Err("not a whole number".into()),
@@ -37,7 +47,7 @@ pub fn count(s: &str) -> std::result::Result<usize, String> {
 
 /// A count that may be 0.
 pub fn count0(s: &str) -> std::result::Result<usize, String> {
-    match s.trim().parse::<i128>() {
+    match no_spaces(s)?.parse::<i128>() {
         Ok(n) if n >= 0 && n <= usize::MAX as i128 => Ok(n as usize),
         Ok(_) => Err("must be a whole number of at least 0".into()),
         Err(_) => Err("not a whole number".into()),
@@ -45,7 +55,7 @@ pub fn count0(s: &str) -> std::result::Result<usize, String> {
 }
 
 fn number(s: &str) -> std::result::Result<f64, String> {
-    let x: f64 = s.trim().parse().map_err(|_| "not a number".to_string())?;
+    let x: f64 = no_spaces(s)?.parse().map_err(|_| "not a number".to_string())?;
     if x.is_finite() {
         Ok(x)
     } else {
@@ -79,7 +89,9 @@ pub fn beta(s: &str) -> std::result::Result<f64, String> {
 
 /// A seed: any whole number from 0 to 2^64 − 1.
 pub fn seed(s: &str) -> std::result::Result<u64, String> {
-    s.trim().parse().map_err(|_| "must be a whole number from 0 to 18446744073709551615".into())
+    no_spaces(s)?
+        .parse()
+        .map_err(|_| "must be a whole number from 0 to 18446744073709551615".into())
 }
 
 /// A store policy: `frequency`, `lru` or `schedule` (listed in `--help`).
@@ -97,9 +109,10 @@ pub fn weights_tier() -> impl TypedValueParser<Value = Tier> {
     PossibleValuesParser::new(["pinned", "disk"]).try_map(|s| s.parse::<Tier>())
 }
 
-/// Checks, before any long work, that a file can be written at `path`: its directory exists
-/// and `path` is not itself a directory. (Whether the directory is writable shows when the
-/// file is written: a permission check here would be wrong for root and on some mounts.)
+/// Checks, before any long work, that a file can be written at `path`: its directory exists,
+/// a file can be created in it (tried with an unnamed file, which leaves nothing behind: a
+/// permission check would be wrong for root and on some mounts), and `path` is not a
+/// directory, a FIFO or a device.
 pub fn check_output(path: &Path) -> Result<()> {
     let bad =
         |why: String| Error::InvalidArgument(format!("cannot write {}: {why}", path.display()));
@@ -114,10 +127,19 @@ pub fn check_output(path: &Path) -> Result<()> {
         _ => Path::new("."),
     };
     match std::fs::metadata(dir) {
-        Ok(m) if m.is_dir() => Ok(()),
-        Ok(_) => Err(bad(format!("{} is not a directory", dir.display()))),
-        Err(e) => Err(bad(format!("directory {}: {e}", dir.display()))),
+        Ok(m) if m.is_dir() => {}
+        Ok(_) => return Err(bad(format!("{} is not a directory", dir.display()))),
+        Err(e) => return Err(bad(format!("directory {}: {e}", dir.display()))),
     }
+    if let Ok(m) = std::fs::metadata(path) {
+        if !m.is_file() {
+            return Err(bad("it is not a regular file".into()));
+        }
+    }
+    // Whether a file can be created there: an unnamed one, gone when dropped.
+    tempfile::tempfile_in(dir)
+        .map(drop)
+        .map_err(|e| bad(format!("cannot create a file in {}: {e}", dir.display())))
 }
 
 /// An output file ([`check_output`]).
@@ -137,7 +159,8 @@ pub fn svg_output(s: &str) -> std::result::Result<PathBuf, String> {
     }
 }
 
-/// `on` or `off` (also `true`/`false`, `1`/`0`).
+/// `on` or `off` (also `true`/`false`, `1`/`0`): the old spelling of `--hints` and
+/// `--compare`, which `--no-hints` and `--no-compare` replace.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum OnOff {
     /// On.
@@ -299,9 +322,12 @@ pub struct TrainDemoArgs {
     /// The store's policy [default: schedule].
     #[arg(long, value_parser = policy(), help_heading = BOTH)]
     pub policy: Option<PolicyKind>,
-    /// Also run with every weight resident: the compute floor (and, for the benchmark, the
-    /// bit-for-bit reference) [default: on].
-    #[arg(long, value_enum, help_heading = BOTH)]
+    /// Skip the run with every weight resident (the compute floor and, for the benchmark, the
+    /// bit-for-bit reference), which runs by default.
+    #[arg(long, help_heading = BOTH, conflicts_with = "compare")]
+    pub no_compare: bool,
+    /// The old spelling of --no-compare: `--compare off` (kept so that recorded commands run).
+    #[arg(long, value_enum, hide = true)]
     pub compare: Option<OnOff>,
     /// Use the host backend even when a GPU is present.
     #[arg(long, help_heading = BOTH)]
@@ -357,8 +383,11 @@ pub struct TrainDemoArgs {
     #[arg(long, value_name = "SIZE", value_parser = size, help_heading = TRAINER)]
     pub mapped_budget: Option<u64>,
 
-    /// Layer scopes around each layer; off: on-demand migration only [default: on].
-    #[arg(long, value_enum, help_heading = BENCH)]
+    /// No layer scopes around the layers: on-demand migration only (the policy alone).
+    #[arg(long, help_heading = BENCH, conflicts_with = "hints")]
+    pub no_hints: bool,
+    /// The old spelling of --no-hints: `--hints off` (kept so that recorded commands run).
+    #[arg(long, value_enum, hide = true)]
     pub hints: Option<OnOff>,
     /// The store's prefetch budget [default: `ahead` layers, at least one].
     #[arg(long, value_name = "SIZE", value_parser = size, help_heading = BENCH)]
@@ -394,6 +423,20 @@ pub struct TrainDemoCommand {
 }
 
 impl TrainDemoArgs {
+    /// Whether the all-resident comparison runs (`--no-compare` or `--compare off` turn it off).
+    pub fn compare(&self) -> bool {
+        !self.no_compare && self.compare.is_none_or(OnOff::on)
+    }
+
+    /// Whether `--no-hints` (or `--hints off`) was given; `None` when neither, nor `--hints on`.
+    pub fn hints(&self) -> Option<bool> {
+        if self.no_hints {
+            Some(false)
+        } else {
+            self.hints.map(OnOff::on)
+        }
+    }
+
     /// Parses flags (without a program name): clap's rules (`--flag value`, `--flag=value`),
     /// its error messages as [`Error::InvalidArgument`].
     pub fn try_parse<I, S>(args: I) -> Result<TrainDemoArgs>
@@ -438,7 +481,7 @@ impl TrainDemoArgs {
     /// The benchmark loop's own flags that were given.
     fn bench_flags(&self) -> Vec<&'static str> {
         let given = [
-            ("--hints", self.hints.is_some()),
+            ("--no-hints", self.no_hints || self.hints.is_some()),
             ("--prefetch-budget", self.prefetch_budget.is_some()),
             ("--keep", self.keep.is_some()),
             ("--weights-in", self.weights_in.is_some()),
@@ -495,6 +538,13 @@ mod tests {
         assert!(non_negative("0").is_ok() && non_negative("-0.1").is_err());
         assert!(beta("0.9").is_ok() && beta("1").is_err() && beta("-0.1").is_err());
         assert!(seed("-1").is_err() && seed("18446744073709551615").is_ok());
+        // Strict: no white space anywhere (a `' 3'` from a script is a mistake, not a 3).
+        for bad in [" 3", "3 ", "\t3", "3\n"] {
+            assert!(count(bad).unwrap_err().contains("white space"), "{bad:?}");
+            assert!(count0(bad).is_err() && seed(bad).is_err() && positive(bad).is_err());
+        }
+        assert!(size(" 1MiB").is_err() && size("1 MiB").is_err() && size("1MiB ").is_err());
+        assert_eq!(size("1MiB"), Ok(1 << 20));
     }
 
     #[test]
@@ -522,8 +572,7 @@ mod tests {
             "64KiB",
             "--policy",
             "lru",
-            "--compare",
-            "off",
+            "--no-compare",
             "--host",
         ])
         .unwrap();
@@ -531,10 +580,17 @@ mod tests {
         assert_eq!(a.lr, Some(0.01));
         assert_eq!(a.device_budget, Some(64 << 10));
         assert_eq!(a.policy, Some(PolicyKind::Lru));
-        assert_eq!(a.compare, Some(OnOff::Off));
+        assert!(!a.compare());
         assert!(a.host && a.runs_trainer());
+        let none = TrainDemoArgs::try_parse(["--mode", "forward"]).unwrap();
+        assert!(none.compare() && none.hints().is_none());
+        assert_eq!(TrainDemoArgs::try_parse(["--no-hints"]).unwrap().hints(), Some(false));
+        // The old spellings still parse (recorded commands use them); help shows the new.
+        let old = TrainDemoArgs::try_parse(["--hints", "off", "--compare", "off"]).unwrap();
+        assert_eq!((old.hints(), old.compare()), (Some(false), false));
         let on = TrainDemoArgs::try_parse(["--hints", "1", "--compare", "true"]).unwrap();
-        assert_eq!((on.hints, on.compare), (Some(OnOff::On), Some(OnOff::On)));
+        assert_eq!((on.hints(), on.compare()), (Some(true), true));
+        assert!(TrainDemoArgs::try_parse(["--no-hints", "--hints", "on"]).is_err());
         let cases = [
             (&["--lr", "nan"][..], "--lr"),
             (&["--lr", "-1"], "positive"),
@@ -553,6 +609,8 @@ mod tests {
         assert_eq!(twice.unwrap().simulate, Some(SimulateArg::H100Half));
         let help = TrainDemoArgs::try_parse(["--help"]).unwrap_err().to_string();
         assert!(help.contains("--checkpoint-every") && help.contains("--simulate"), "{help}");
+        assert!(help.contains("--no-compare") && help.contains("--no-hints"), "{help}");
+        assert!(!help.contains("--compare <") && !help.contains("--hints <"), "{help}");
     }
 
     #[test]

@@ -18,7 +18,7 @@ use std::time::Instant;
 
 use half::bf16;
 
-use crate::apps::args::{check_output, ModeArg, OnOff, OptimizerArg, SimulateArg, TrainDemoArgs};
+use crate::apps::args::{check_output, ModeArg, OptimizerArg, SimulateArg, TrainDemoArgs};
 use crate::linalg::{Linalg, Matrix};
 use crate::probe::{median, median_after_first, raw_pinned_copy, Direction};
 use crate::{format_size, DType, Error, PolicyKind, Result, Simulation, Store, TensorId, Tier};
@@ -131,7 +131,6 @@ impl MlpConfig {
             )));
         }
         let d = MlpConfig::default();
-        let on = |v: Option<OnOff>, default: bool| v.map_or(default, OnOff::on);
         let c = MlpConfig {
             layers: a.layers.unwrap_or(d.layers),
             hidden: a.hidden.unwrap_or(d.hidden),
@@ -141,7 +140,7 @@ impl MlpConfig {
                 Some(ModeArg::Train) => Mode::Train,
                 Some(ModeArg::Forward) | None => Mode::Forward,
             },
-            hints: on(a.hints, d.hints),
+            hints: a.hints().unwrap_or(d.hints),
             ahead: a.ahead.unwrap_or(d.ahead),
             prefetch_budget: a.prefetch_budget,
             keep: a.keep,
@@ -151,7 +150,7 @@ impl MlpConfig {
             seed: a.seed.unwrap_or(d.seed),
             weights_in: a.weights_in.unwrap_or(d.weights_in),
             host: a.host,
-            compare: on(a.compare, d.compare),
+            compare: a.compare(),
             simulate: a.simulate.map(SimulateArg::simulation),
             trace: a.trace.clone(),
         };

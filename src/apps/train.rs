@@ -30,7 +30,7 @@ use std::time::Instant;
 use half::bf16;
 
 use crate::apps::args::{
-    check_output, ActivationsArg, DTypeArg, EngineArg, ModeArg, OnOff, OptimizerArg, TrainDemoArgs,
+    check_output, ActivationsArg, DTypeArg, EngineArg, ModeArg, OptimizerArg, TrainDemoArgs,
 };
 use crate::linalg::{loss_value, Float, Linalg, Matrix, LOSS_PARTIALS};
 use crate::optim::{AdamW, Algorithm, Engine, Optimizer, OptimizerConfig, Sgd, StepTraffic};
@@ -220,7 +220,7 @@ impl TrainConfig {
             policy: a.policy.unwrap_or(d.policy),
             seed: a.seed.unwrap_or(d.seed),
             host: a.host,
-            compare: a.compare.is_none_or(OnOff::on),
+            compare: a.compare(),
         };
         c.check()?;
         Ok(c)
@@ -622,7 +622,7 @@ fn run_typed<T: Float>(
                     last = Some(out);
                 }
                 Err(e) if crate::apps::is_broken_pipe(&e) => return Err(e),
-                Err(e) => progress(&format!("engine {asked}: {e}"))?,
+                Err(e) => progress(&format!("engine {asked}: {}", e.chain()))?,
             }
         }
         last.ok_or_else(|| Error::InvalidArgument("no engine could run".into()))?
@@ -919,7 +919,20 @@ fn train_once<T: Float>(
     bar.finish_and_clear();
     tracing::info!(layers, floor, seconds = bar.elapsed().as_secs_f64(), "model in the store");
     let engine_used = opt.as_ref().map_or(engine, Optimizer::engine);
-    let choice = opt.as_ref().and_then(|o| o.choice()).map(|c| c.to_string());
+    let choice = opt.as_ref().and_then(|o| o.choice()).map(|c| {
+        // Auto prices engines with a GPU's costs (a kernel over state already on the device
+        // is nearly free; PCIe is what costs). On the host backend there is no GPU: every
+        // engine's update runs on host threads, so say what ran rather than a GPU's name alone.
+        if store.backend() == crate::BackendKind::Host && c.engine != Engine::Cpu {
+            format!(
+                "{c}; on the host backend (no GPU) the {} engine's update runs on host threads \
+                 over the host memory that stands for its tier",
+                c.engine
+            )
+        } else {
+            c.to_string()
+        }
+    });
     if let Some(c) = &choice {
         progress(c)?;
     }

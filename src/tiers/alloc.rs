@@ -6,8 +6,27 @@
 //! Free ranges live in two ordered sets: by offset (to find the neighbours to merge with on
 //! free) and by `(len, offset)` (to find the best fit on alloc). Both operations are O(log n) in
 //! the number of free ranges.
+//!
+//! Where small tensors may share a page ([`ExtentAllocator::with_small_slots`]: host memory,
+//! not the disk slab, whose `O_DIRECT` writes rewrite whole pages), a request of at most half
+//! the alignment takes a slot of a page cut into slots of one power-of-two size (64 B to half a
+//! page) instead of a page of its own: 100,000 tensors of 2 bytes take 6.1 MiB of pinned memory,
+//! not 391 MiB. A page goes back to the free ranges when its last slot is freed.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+
+/// The smallest slot of a shared page.
+const MIN_SLOT: u64 = 64;
+
+/// Pages cut into slots: the pages of each slot size that have a free slot, and each page's
+/// slot size and used slots.
+#[derive(Debug, Default)]
+struct Slots {
+    /// By class (slot size `MIN_SLOT << class`): pages with at least one free slot.
+    open: Vec<BTreeSet<u64>>,
+    /// Page offset -> (class, bitmap of used slots; bit i is the slot at `i × slot size`).
+    pages: HashMap<u64, (u32, u64)>,
+}
 
 /// Best-fit allocator of aligned extents over the range [0, len), with coalescing.
 ///
@@ -33,6 +52,8 @@ pub(crate) struct ExtentAllocator {
     /// Each span's `[start, usable end)`, by offset.
     spans: Vec<(u64, u64)>,
     align: u64,
+    /// Pages shared by small extents, where enabled.
+    slots: Option<Slots>,
 }
 
 impl ExtentAllocator {
@@ -55,6 +76,7 @@ impl ExtentAllocator {
             usable: 0,
             spans: Vec::with_capacity(lens.len()),
             align,
+            slots: None,
         };
         let mut starts = Vec::with_capacity(lens.len());
         let mut at = 0u64;
@@ -71,15 +93,76 @@ impl ExtentAllocator {
         (a, starts)
     }
 
-    /// Reserves round_up(size, align) bytes; returns the offset (a multiple of align), or None
-    /// when no free range is big enough. An empty request takes nothing and always succeeds. Best fit (smallest free range that fits; ties ->
-    /// lowest offset).
+    /// Lets requests of at most half the alignment share pages, each in a slot of the smallest
+    /// power of two from 64 B that holds it (see the module's docs). Only where an extent may
+    /// start anywhere a slot does: host memory, not the disk slab.
+    pub(crate) fn with_small_slots(mut self) -> Self {
+        // A page's slots fit a u64 bitmap.
+        if self.align >= 2 * MIN_SLOT && self.align / MIN_SLOT <= 64 {
+            let classes = (self.align / 2 / MIN_SLOT).trailing_zeros() as usize + 1;
+            self.slots =
+                Some(Slots { open: vec![BTreeSet::new(); classes], pages: HashMap::new() });
+        }
+        self
+    }
+
+    /// The slot class and size of a request, when it takes a slot of a shared page.
+    fn slot_of(&self, size: u64) -> Option<(u32, u64)> {
+        self.slots.as_ref()?;
+        if size == 0 || size > self.align / 2 {
+            return None;
+        }
+        let slot = size.next_power_of_two().max(MIN_SLOT);
+        Some(((slot / MIN_SLOT).trailing_zeros(), slot))
+    }
+
+    /// Reserves round_up(size, align) bytes (or a slot of a shared page: [`Self::with_small_slots`]);
+    /// returns the offset (a multiple of align, or of the slot's size), or None when no free range
+    /// is big enough. An empty request takes nothing and always succeeds. Best fit (smallest free
+    /// range that fits; ties -> lowest offset).
     pub(crate) fn alloc(&mut self, size: u64) -> Option<u64> {
         if size == 0 {
             // An empty tensor takes no room: every empty extent is offset 0, 0 bytes long.
             return Some(0);
         }
-        let need = self.round(size)?;
+        if let Some((class, slot)) = self.slot_of(size) {
+            return self.alloc_slot(class, slot);
+        }
+        let off = self.alloc_range(self.round(size)?)?;
+        Some(off)
+    }
+
+    /// A slot of `slot` bytes: in a page of its class with a free slot (the lowest), else in a
+    /// new page.
+    fn alloc_slot(&mut self, class: u32, slot: u64) -> Option<u64> {
+        let open = self.slots.as_ref()?.open[class as usize].first().copied();
+        let page = match open {
+            Some(p) => p,
+            None => {
+                let p = self.alloc_range(self.align)?;
+                // The page's bytes count as used slot by slot.
+                self.used -= self.align;
+                let slots = self.slots.as_mut()?;
+                slots.pages.insert(p, (class, 0));
+                slots.open[class as usize].insert(p);
+                p
+            }
+        };
+        let per_page = self.align / slot;
+        let slots = self.slots.as_mut()?;
+        let (_, bits) = slots.pages.get_mut(&page)?;
+        let i = u64::from(bits.trailing_ones());
+        *bits |= 1 << i;
+        let full = if per_page == 64 { *bits == u64::MAX } else { *bits == (1 << per_page) - 1 };
+        if full {
+            slots.open[class as usize].remove(&page);
+        }
+        self.used += slot;
+        Some(page + i * slot)
+    }
+
+    /// Takes `need` bytes (a multiple of the alignment) from the best-fitting free range.
+    fn alloc_range(&mut self, need: u64) -> Option<u64> {
         // (len, offset) order: the first entry at or after (need, 0) is the smallest range that
         // fits, and among equal lengths the lowest offset.
         let &(flen, off) = self.by_size.range((need, 0)..).next()?;
@@ -98,6 +181,9 @@ impl ExtentAllocator {
         if size == 0 {
             return;
         }
+        if let Some((class, slot)) = self.slot_of(size) {
+            return self.free_slot(offset, class, slot);
+        }
         let live = self.is_live(offset, size);
         debug_assert!(
             live,
@@ -108,6 +194,34 @@ impl ExtentAllocator {
         }
         let need = self.reserved_size(size);
         self.used -= need;
+        self.release_range(offset, need);
+    }
+
+    /// Frees the slot at `offset`; its page goes back to the free ranges when it was the last.
+    fn free_slot(&mut self, offset: u64, class: u32, slot: u64) {
+        let page = offset & !(self.align - 1);
+        let i = (offset - page) / slot;
+        let Some(slots) = self.slots.as_mut() else { return };
+        let live = offset % slot == 0
+            && slots.pages.get(&page).is_some_and(|&(c, bits)| c == class && bits & (1 << i) != 0);
+        debug_assert!(live, "free of a slot that is not allocated: offset {offset}, slot {slot}");
+        if !live {
+            return;
+        }
+        let Some((_, bits)) = slots.pages.get_mut(&page) else { return };
+        *bits &= !(1 << i);
+        self.used -= slot;
+        if *bits == 0 {
+            slots.pages.remove(&page);
+            slots.open[class as usize].remove(&page);
+            self.release_range(page, self.align);
+        } else {
+            slots.open[class as usize].insert(page);
+        }
+    }
+
+    /// Returns `[offset, offset + need)` to the free ranges, merged with its free neighbours.
+    fn release_range(&mut self, offset: u64, need: u64) {
         let (mut start, mut end) = (offset, offset + need);
         if let Some((&poff, &plen)) = self.free.range(..start).next_back() {
             if poff + plen == start {
@@ -127,6 +241,9 @@ impl ExtentAllocator {
     pub(crate) fn reserved_size(&self, size: u64) -> u64 {
         if size == 0 {
             return 0;
+        }
+        if let Some((_, slot)) = self.slot_of(size) {
+            return slot;
         }
         self.round(size).unwrap_or(u64::MAX)
     }
@@ -389,6 +506,84 @@ mod tests {
         assert_eq!(z, 2560);
         assert!(a.is_live(z, 2048));
         assert!(!a.is_live(1280, 1536), "crosses out of its span");
+    }
+
+    #[test]
+    fn small_requests_share_pages_and_give_them_back() {
+        let mut a = ExtentAllocator::new(1 << 20, 4096).with_small_slots();
+        assert_eq!(a.reserved_size(1), 64);
+        assert_eq!(a.reserved_size(65), 128);
+        assert_eq!(a.reserved_size(2048), 2048);
+        assert_eq!(a.reserved_size(2049), 4096, "over half a page: a page of its own");
+        // 64 tensors of 2 bytes: one page, not 64.
+        let offs: Vec<u64> = (0..64).map(|_| a.alloc(2).unwrap()).collect();
+        assert_eq!(offs, (0..64).map(|i| i * 64).collect::<Vec<_>>());
+        assert_eq!(a.used(), 64 * 64);
+        assert_eq!(a.largest_free(), (1 << 20) - 4096);
+        // The 65th opens a second page; another class takes a page of its own.
+        assert_eq!(a.alloc(2), Some(4096));
+        assert_eq!(a.alloc(1000), Some(8192));
+        assert_eq!(a.alloc(5000), Some(12288), "large requests keep taking whole pages");
+        // A freed slot is reused first (the lowest free slot of the lowest open page).
+        a.free(offs[5], 2);
+        assert_eq!(a.alloc(60), Some(offs[5]));
+        // Freeing every slot of a page gives the page back, merged with its neighbours.
+        for &o in &offs {
+            a.free(o, 2);
+        }
+        a.free(4096, 2);
+        a.free(8192, 1000);
+        a.free(12288, 5000);
+        assert_eq!(a.used(), 0);
+        assert_eq!(a.ranges(), vec![(0, 1 << 20)]);
+        // A tier of one page: small tensors fill it slot by slot.
+        let mut one = ExtentAllocator::new(4096, 4096).with_small_slots();
+        assert!((0..32).all(|_| one.alloc(100).is_some()));
+        assert_eq!(one.alloc(100), None);
+        // The disk slab's alignment rules are untouched without slots.
+        assert_eq!(ExtentAllocator::new(1 << 20, 4096).reserved_size(2), 4096);
+    }
+
+    #[test]
+    fn small_slots_never_overlap_under_random_use() {
+        let mut rng = Rng::new(9);
+        let len = 256 << 10;
+        let mut a = ExtentAllocator::new(len, 4096).with_small_slots();
+        let mut live: BTreeMap<u64, u64> = BTreeMap::new();
+        let mut fails = 0;
+        for _ in 0..20_000 {
+            if live.is_empty() || rng.below(100) < 60 {
+                let size = match rng.below(10) {
+                    0 => rng.below(5 * 4096),
+                    _ => rng.below(2100),
+                }
+                .max(1);
+                match a.alloc(size) {
+                    Some(off) => assert!(live.insert(off, size).is_none(), "{off} handed twice"),
+                    None => fails += 1,
+                }
+            } else {
+                let i = rng.below(live.len() as u64) as usize;
+                let (&off, &size) = live.iter().nth(i).unwrap();
+                live.remove(&off);
+                a.free(off, size);
+            }
+            let used: u64 = live.values().map(|&s| a.reserved_size(s)).sum();
+            assert_eq!(a.used(), used);
+        }
+        // Live extents never overlap one another, nor a free range.
+        let mut all: Vec<(u64, u64)> =
+            live.iter().map(|(&o, &s)| (o, o + a.reserved_size(s))).collect();
+        all.extend(a.ranges().into_iter().map(|(o, l)| (o, o + l)));
+        all.sort_unstable();
+        for w in all.windows(2) {
+            assert!(w[0].1 <= w[1].0, "overlap: {w:?}");
+        }
+        assert!(fails > 0, "the test never filled the allocator");
+        for (off, size) in std::mem::take(&mut live) {
+            a.free(off, size);
+        }
+        assert_eq!((a.used(), a.ranges()), (0, vec![(0, len)]));
     }
 
     #[test]

@@ -122,6 +122,9 @@ impl MemArena {
             }
         }
         let (alloc, starts) = ExtentAllocator::with_spans(&lens, align);
+        // Small host tensors share pages (a page each would put 100k tiny tensors' 200 KB in
+        // 391 MiB); device memory keeps its 256 B alignment.
+        let alloc = if tier == Tier::Device { alloc } else { alloc.with_small_slots() };
         let chunks = starts.into_iter().zip(blocks).collect();
         let views_reach_device = backend.kind() == crate::BackendKind::Host;
         Ok((MemArena { kind, chunks, views_reach_device }, alloc))

@@ -1,7 +1,8 @@
 //! A user's tensor file (safetensors) that the Disk tier refers to in place.
 
-use std::fs::{File, OpenOptions};
-use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::fs::{File, FileType, OpenOptions};
+use std::io::Read as _;
+use std::os::unix::fs::{FileExt, FileTypeExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
 use memmap2::Mmap;
@@ -41,20 +42,15 @@ impl std::fmt::Debug for ExternalFile {
 }
 
 impl ExternalFile {
-    /// Opens and maps `path` read-only.
+    /// Opens and maps `path` read-only; anything but a regular file is [`Error::NotAFile`]
+    /// ([`open_regular`]).
     pub(crate) fn open(path: &Path) -> Result<ExternalFile> {
-        let file = File::open(path).map_err(|e| Error::io(path, e))?;
-        // A directory opens, and mapping it fails with "No such device": say what it is.
-        if file.metadata().is_ok_and(|m| m.is_dir()) {
-            return Err(Error::io(
-                path,
-                std::io::Error::new(std::io::ErrorKind::IsADirectory, "is a directory, not a file"),
-            ));
-        }
+        let file = open_regular(path, 0)?;
         // SAFETY: a read-only private mapping of the user's file; see the type's Safety section
         // for the caller's side (the file is not truncated or rewritten while loaded).
         let map = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
-        let direct = OpenOptions::new().read(true).custom_flags(libc::O_DIRECT).open(path).ok();
+        // The same file again (the path could name another by now: then no O_DIRECT handle).
+        let direct = open_regular(path, libc::O_DIRECT).ok().filter(|d| same_file(d, &file));
         Ok(ExternalFile { path: path.to_path_buf(), map, file, direct })
     }
 
@@ -92,6 +88,113 @@ impl ExternalFile {
         debug_assert!(end <= self.map.len() as u64);
         self.file.read_exact_at(buf, offset).map_err(|e| Error::io(&self.path, e))
     }
+}
+
+/// Bytes an unprivileged process may still write on the file system holding `dir`
+/// (`statvfs`'s `f_bavail × f_frsize`): what `strata bench` checks its disk paths against.
+#[cfg(feature = "cli")]
+pub(crate) fn free_space(dir: &Path) -> std::io::Result<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(dir.as_os_str().as_bytes())?;
+    let mut st = std::mem::MaybeUninit::<libc::statvfs>::uninit();
+    // SAFETY: `c` is a NUL-terminated path that lives across the call; `st` is a properly
+    // sized and aligned buffer that statvfs fills when it returns 0.
+    let rc = unsafe { libc::statvfs(c.as_ptr(), st.as_mut_ptr()) };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: statvfs returned 0, so it initialised `st`.
+    let st = unsafe { st.assume_init() };
+    // Both are u64 on 64-bit Linux, narrower on some 32-bit targets.
+    #[allow(clippy::useless_conversion)]
+    let (avail, frsize) = (u64::from(st.f_bavail), u64::from(st.f_frsize));
+    Ok(avail.saturating_mul(frsize))
+}
+
+/// Ignores `SIGXFSZ` in the whole process ([`crate::ignore_file_size_signal`]).
+pub(crate) fn ignore_sigxfsz() -> std::io::Result<()> {
+    // SAFETY: `signal` with `SIG_IGN` installs no handler code that could run in a signal
+    // context; it only sets the process's disposition of SIGXFSZ, which is what the caller
+    // asks for.
+    let previous = unsafe { libc::signal(libc::SIGXFSZ, libc::SIG_IGN) };
+    if previous == libc::SIG_ERR {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// What a file of type `t` is, in words, when it is not a regular file.
+fn irregular(t: &FileType) -> Option<&'static str> {
+    Some(if t.is_file() {
+        return None;
+    } else if t.is_dir() {
+        "a directory"
+    } else if t.is_fifo() {
+        "a FIFO"
+    } else if t.is_socket() {
+        "a socket"
+    } else if t.is_char_device() {
+        "a character device"
+    } else if t.is_block_device() {
+        "a block device"
+    } else {
+        "not a regular file"
+    })
+}
+
+/// Refuses `path` unless it names a regular file (following symlinks), without opening it:
+/// [`Error::NotAFile`] saying what it is, or [`Error::Io`] when it cannot be looked at.
+pub(crate) fn check_regular(path: &Path) -> Result<std::fs::Metadata> {
+    let md = std::fs::metadata(path).map_err(|e| Error::io(path, e))?;
+    match irregular(&md.file_type()) {
+        None => Ok(md),
+        Some(what) => Err(Error::NotAFile { path: path.to_path_buf(), what }),
+    }
+}
+
+/// Whether two open files are the same file.
+fn same_file(a: &File, b: &File) -> bool {
+    match (a.metadata(), b.metadata()) {
+        (Ok(a), Ok(b)) => (a.dev(), a.ino()) == (b.dev(), b.ino()),
+        _ => false,
+    }
+}
+
+/// Opens the regular file at `path` for reading (with `flags` added, such as `O_DIRECT`), and
+/// refuses anything else before a byte is read: a directory, a FIFO, a socket or a device is
+/// [`Error::NotAFile`].
+///
+/// The path is looked at first, and a path that is not a regular file is never opened (opening
+/// a FIFO blocks until a writer comes; a device may have side effects). The open itself is
+/// non-blocking, and the opened file must be the regular file that was looked at, so that a
+/// path swapped for a FIFO in between cannot block either. (`O_NONBLOCK` does nothing to reads
+/// of a regular file.)
+pub(crate) fn open_regular(path: &Path, flags: libc::c_int) -> Result<File> {
+    let before = check_regular(path)?;
+    let file = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY | flags)
+        .open(path)
+        .map_err(|e| Error::io(path, e))?;
+    let now = file.metadata().map_err(|e| Error::io(path, e))?;
+    if let Some(what) = irregular(&now.file_type()) {
+        return Err(Error::NotAFile { path: path.to_path_buf(), what });
+    }
+    if (now.dev(), now.ino()) != (before.dev(), before.ino()) {
+        return Err(Error::io(
+            path,
+            std::io::Error::other("the file was replaced while it was being opened"),
+        ));
+    }
+    Ok(file)
+}
+
+/// The whole of the regular file at `path` ([`open_regular`]).
+pub(crate) fn read_regular(path: &Path) -> Result<Vec<u8>> {
+    let mut file = open_regular(path, 0)?;
+    let mut out = Vec::new();
+    file.read_to_end(&mut out).map_err(|e| Error::io(path, e))?;
+    Ok(out)
 }
 
 /// Gives `file`, opened unnamed (`O_TMPFILE` without `O_EXCL`), the name `at` (which must not

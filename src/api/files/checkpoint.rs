@@ -6,6 +6,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::{Component, Path, PathBuf};
 
 use crate::error::{Error, Result};
+use crate::tiers::file::{check_regular, read_regular};
 use crate::types::TensorId;
 use crate::Store;
 
@@ -34,10 +35,13 @@ const INDEX_SUFFIX: &str = ".safetensors.index.json";
 
 /// Which files `path` names: a directory (its `*.safetensors.index.json` when it has one, else
 /// every `*.safetensors` in it, in name order, hidden files left out), an index (any file whose
-/// name ends in `.json`), or one `.safetensors` file.
+/// name ends in `.json`), or one `.safetensors` file. Anything but a regular file where a file
+/// is read (the path, an index, a checkpoint's name in the directory) is [`Error::NotAFile`].
 pub(super) fn resolve(path: &Path) -> Result<Layout> {
     let md = std::fs::metadata(path).map_err(|e| Error::io(path, e))?;
     if !md.is_dir() {
+        // A FIFO, a socket or a device is refused here, before anything opens it.
+        check_regular(path)?;
         if path.extension().is_some_and(|e| e.eq_ignore_ascii_case("json")) {
             return read_index(path);
         }
@@ -52,14 +56,17 @@ pub(super) fn resolve(path: &Path) -> Result<Layout> {
         if name.starts_with('.') {
             continue;
         }
-        // Through links: a Hugging Face cache's snapshot links every file to its blob.
-        let is_file = std::fs::metadata(entry.path()).is_ok_and(|m| m.is_file());
-        if !is_file {
+        let wanted = name.ends_with(INDEX_SUFFIX) || name.ends_with(".safetensors");
+        if !wanted {
             continue;
         }
+        // Through links: a Hugging Face cache's snapshot links every file to its blob. A name
+        // of the checkpoint's that is not a regular file (a FIFO, a directory, a dangling link)
+        // is refused rather than skipped: the checkpoint would load without its tensors.
+        check_regular(&entry.path())?;
         if name.ends_with(INDEX_SUFFIX) {
             indexes.push(name.to_string());
-        } else if name.ends_with(".safetensors") {
+        } else {
             files.push(name.to_string());
         }
     }
@@ -88,7 +95,7 @@ pub(super) fn resolve(path: &Path) -> Result<Layout> {
 /// directory) and the shard files it names, in name order (Hugging Face numbers them
 /// `model-00001-of-00003.safetensors`, ...). Its `metadata` (`total_size`) is not used.
 fn read_index(path: &Path) -> Result<Layout> {
-    let text = std::fs::read(path).map_err(|e| Error::io(path, e))?;
+    let text = read_regular(path)?;
     let json: serde_json::Value = serde_json::from_slice(&text)
         .map_err(|e| bad(path, None, format!("not a checkpoint index (bad JSON: {e})")))?;
     let Some(map) = json.get("weight_map").and_then(|m| m.as_object()) else {

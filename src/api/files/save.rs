@@ -22,7 +22,7 @@ use super::{bad, to_st};
 use crate::api::Store;
 use crate::error::{Error, Result};
 use crate::failpoint::{self, Site};
-use crate::tiers::file::link_unnamed;
+use crate::tiers::file::{check_regular, link_unnamed};
 use crate::types::TensorId;
 
 /// The `safetensors` readers' limit on a header.
@@ -55,15 +55,10 @@ pub(super) fn save(
         }
         _ => path,
     };
-    match std::fs::metadata(path) {
-        Ok(m) if !m.is_file() => {
-            return Err(Error::InvalidArgument(format!(
-                "{} is not a regular file ({}): save to a file's path",
-                path.display(),
-                if m.is_dir() { "a directory" } else { "a device, FIFO or socket" }
-            )));
-        }
-        _ => {}
+    // A directory, device, FIFO or socket at `path` is refused (anything else that exists is
+    // replaced); a path that does not exist yet is the common case.
+    if path.exists() {
+        check_regular(path)?;
     }
     let file_name = path
         .file_name()

@@ -394,9 +394,61 @@ struct SizeSweep<'a> {
     direct_seen: &'a mut Option<bool>,
 }
 
+/// What a path needs of this machine at one size, beyond a few buffers: `(host memory, disk
+/// space in the bench directory)`. The store's paths build a store with room for the tensor in
+/// every tier (on the host backend all four tiers' arenas are host memory) and hold its
+/// contents and a read-back copy.
+fn needs(kind: Kind, size: u64, gpu: bool) -> (u128, u128) {
+    let size = u128::from(size);
+    let page = size.div_ceil(4096) * 4096;
+    match kind {
+        Kind::Gpu(_) => (2 * size, 0),
+        Kind::HostMemcpy => (2 * size, 0),
+        Kind::DiskWrite | Kind::DiskRead { .. } | Kind::DiskToDevice => (0, page),
+        Kind::Store { .. } => (if gpu { 4 } else { 5 } * page, page),
+    }
+}
+
 impl SizeSweep<'_> {
+    /// Why `p` cannot run at this size on this machine (host memory, disk space), if it cannot:
+    /// checked before anything is allocated, so that a size too large is a skip with the reason,
+    /// not an aborted process or a disk filled to the last byte.
+    fn lacks(&self, p: &PathSpec) -> Option<String> {
+        let (host, disk) = needs(p.kind, self.size, self.ctx.is_some());
+        if let Some(avail) = crate::host_memory_available() {
+            if host > u128::from(avail) {
+                return Some(format!(
+                    "needs {} of host memory, {} available",
+                    format_size(u64::try_from(host).unwrap_or(u64::MAX)),
+                    format_size(avail)
+                ));
+            }
+        }
+        if disk > 0 {
+            if let Ok(free) = crate::tiers::file::free_space(self.dir) {
+                if disk > u128::from(free) {
+                    return Some(format!(
+                        "needs {} free in {}, {} free",
+                        format_size(u64::try_from(disk).unwrap_or(u64::MAX)),
+                        self.dir.display(),
+                        format_size(free)
+                    ));
+                }
+            }
+        }
+        None
+    }
+
     fn one(&mut self, p: &PathSpec) {
-        self.progress.step(&p.name, self.size);
+        self.progress.step(&p.name, self.size, self.reps);
+        if let Some(why) = self.lacks(p) {
+            self.report.skipped.push(Skip {
+                path: p.name.clone(),
+                size: Some(self.size),
+                reason: why,
+            });
+            return;
+        }
         match self.measure(p) {
             Ok(t) => {
                 self.report.results.push(Measurement::new(&p.name, self.size, &t, p.kind.timer()))
@@ -417,7 +469,7 @@ impl SizeSweep<'_> {
     fn measure(&mut self, p: &PathSpec) -> std::result::Result<Timing, String> {
         let size = self.size as usize;
         let reps = self.reps;
-        let err = |e: Error| e.to_string();
+        let err = |e: Error| e.chain();
         match p.kind {
             Kind::Gpu(path) => {
                 let probe = self.probe.as_deref_mut().ok_or("needs a GPU")?;
@@ -467,7 +519,7 @@ impl SizeSweep<'_> {
     fn file(&mut self) -> std::result::Result<&disk::BenchFile, String> {
         if self.file.is_none() {
             let made = disk::BenchFile::create(self.dir, self.size as usize, 0, 0);
-            self.file = Some(made.map(|(f, _)| f).map_err(|e| e.to_string()));
+            self.file = Some(made.map(|(f, _)| f).map_err(|e| e.chain()));
         }
         match self.file.as_ref() {
             Some(Ok(f)) => Ok(f),
@@ -511,11 +563,12 @@ impl Progress {
         Progress { bar, total, done: 0 }
     }
 
-    fn step(&mut self, path: &str, size: u64) {
+    fn step(&mut self, path: &str, size: u64, reps: usize) {
         self.done += 1;
         tracing::info!(step = self.done, of = self.total, path, size, "measuring");
         if let Some(bar) = &self.bar {
-            bar.set_message(format!("{path} {}", format_size(size)));
+            // The runs a step makes, so that a large size's long step says why it is long.
+            bar.set_message(format!("{path} {}, {reps} timed runs", format_size(size)));
             bar.set_position(self.done as u64);
         }
     }
@@ -549,6 +602,13 @@ impl Command {
         crate::apps::println(&bench.banner())?;
         let report = bench.run()?;
         crate::apps::print(&report.table())?;
+        if report.results.is_empty() {
+            return Err(Error::InvalidArgument(
+                "nothing was measured: every path was skipped at every size (the reasons are \
+                 listed above); give smaller --sizes or other --paths"
+                    .into(),
+            ));
+        }
         let write = |path: &PathBuf, text: String| -> Result<()> {
             std::fs::write(path, text).map_err(|e| Error::io(path, e))?;
             crate::apps::println(&format!("wrote {}", path.display()))

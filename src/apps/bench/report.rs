@@ -385,6 +385,15 @@ impl Report {
                 s.push('\n');
             }
         }
+        if ratios.iter().any(|r| r.raw_path == "disk_write" && r.ratio > 1.0) {
+            let _ = writeln!(
+                s,
+                "store_*_to_disk above 1: disk_write ends every run with fdatasync (the bytes are \
+                 on the disk when it stops the clock); the store's disk tier is a cache that \
+                 nothing reads after the process, so its writes are not synced, and at small \
+                 sizes the sync is most of disk_write's time"
+            );
+        }
         let zc = self.zero_copy_lines();
         if !zc.is_empty() {
             let _ = writeln!(
