@@ -39,10 +39,16 @@
 mod backend;
 mod bert;
 mod layers;
+pub mod llama;
+pub mod train;
 
 pub use backend::StoreBackend;
 pub use bert::OutOfCoreBert;
 pub use layers::{LayerWeights, Layers, Transfers};
+pub use llama::LlamaConfig;
+pub use train::{
+    load_weights, put_random_weights, LlamaTwin, LrSchedule, StepReport, TrainConfig, Trainer,
+};
 
 use candle_core::{Device, Tensor};
 
@@ -138,6 +144,27 @@ pub(crate) fn unsupported_dtype(name: &str, dtype: DType) -> candle_core::Error 
         "tensor {name} is {dtype}, which candle cannot hold: convert it in the checkpoint (to \
          one of u8, u16, u32, i16, i32, i64, f8e4m3, f16, bf16, f32, f64)"
     ))
+}
+
+/// A strata error as a candle error, so that `?` works on strata calls in code returning
+/// `candle_core::Result`: the error is wrapped whole (its message, which names the tensor where
+/// strata's error does, and its source), and `downcast_ref::<strata::Error>()` on the wrapped
+/// error gives it back.
+///
+/// ```
+/// fn f(store: &strata::Store) -> candle_core::Result<Vec<u8>> {
+///     let id = store.put("w", strata::DType::F32, &[1], &[0u8; 4])?;
+///     store.put("w", strata::DType::F32, &[1], &[0u8; 4])?; // a second "w": strata's error
+///     Ok(store.read(id)?)
+/// }
+/// let store = strata::Store::builder().host_backend().build().unwrap();
+/// let e = f(&store).unwrap_err();
+/// assert!(e.to_string().contains("a tensor named \"w\" already exists"));
+/// ```
+impl From<Error> for candle_core::Error {
+    fn from(e: Error) -> Self {
+        candle_core::Error::wrap(e)
+    }
 }
 
 /// A strata error as a candle error, saying which tensor it concerns.
