@@ -110,14 +110,17 @@ fn out_of_core_training_equals_the_in_memory_twin_bit_for_bit() {
             }
             // Layer-major: every block's weights cross to the device once for the forward and
             // once for the backward whatever the micro-batches (the last block's may still be
-            // there for its backward), beside the checkpoints and the small stages.
+            // there for its backward), beside the checkpoints and the small stages (and, with
+            // GpuResident, the optimizer's state).
             let into_device: u64 = (0..4).map(|f| r.moved[f][Tier::Device.index()]).sum();
             let (block, n) = (block_bytes(&c), c.num_hidden_layers as u64);
             assert!(
                 into_device >= (2 * n - 1) * block,
                 "{what}: {into_device} bytes to the device"
             );
-            assert!(into_device < (2 * n + 1) * block, "{what}: {into_device} bytes to the device");
+            if engine == Engine::Cpu {
+                assert!(into_device < (2 * n + 1) * block, "{what}: {into_device} bytes");
+            }
         }
         if clip.is_some() {
             assert!(clipped > 0, "{what}: no step was clipped");
