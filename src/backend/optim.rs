@@ -1424,3 +1424,86 @@ pub fn update_bytes(alg: &Algorithm, elems: u64, param: DType, grad: DType) -> u
     let written_copy = if param == DType::F32 { 0 } else { p };
     elems * (2 * s + g + written_copy)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn store() -> Arc<Store> {
+        Arc::new(
+            Store::builder()
+                .host_backend()
+                .capacity(Tier::Device, 1 << 20)
+                .capacity(Tier::Pinned, 1 << 20)
+                .build()
+                .unwrap(),
+        )
+    }
+
+    /// Two steps of AdamW on one f32 parameter from `grad`: the first at lr 0.1 with the gradient
+    /// given to `update_scaled(scale)`, the second after `set_lr(0.05)`.
+    fn two_steps(engine: Engine, grad: &[f32], scale: f32) -> Vec<f32> {
+        let s = store();
+        let w = s.put_slice("w", &[grad.len()], &vec![0.5f32; grad.len()]).unwrap();
+        let alg = Algorithm::AdamW(AdamW { lr: 0.1, weight_decay: 0.01, ..AdamW::default() });
+        let mut opt = Optimizer::new(
+            s.clone(),
+            &s.stream().unwrap(),
+            &[w],
+            OptimizerConfig::new(alg, engine),
+        )
+        .unwrap();
+        for lr in [None, Some(0.05)] {
+            if let Some(lr) = lr {
+                opt.set_lr(lr);
+            }
+            s.write_slice(opt.grad(w).unwrap(), grad).unwrap();
+            opt.update_scaled(w, scale).unwrap();
+            opt.finish().unwrap();
+        }
+        s.read_vec::<f32>(w).unwrap()
+    }
+
+    #[test]
+    fn a_scaled_update_is_the_update_of_the_scaled_gradient_and_set_lr_applies_to_the_next() {
+        let g: Vec<f32> = (0..5000).map(|i| (i as f32 * 0.37).sin()).collect();
+        let scaled: Vec<f32> = g.iter().map(|x| x * 0.3).collect();
+        for engine in [Engine::Cpu, Engine::GpuResident] {
+            let a = two_steps(engine, &g, 0.3);
+            let b = two_steps(engine, &scaled, 1.0);
+            assert_eq!(a, b, "{engine}");
+            // The same two steps by hand, the second at the new learning rate.
+            let (mut p, mut m, mut v) =
+                (vec![0.5f32; g.len()], vec![0.0; g.len()], vec![0.0; g.len()]);
+            for (t, lr) in [(1, 0.1), (2, 0.05)] {
+                let alg = Algorithm::AdamW(AdamW { lr, weight_decay: 0.01, ..AdamW::default() });
+                cpu_update(&alg, t, 1, &mut p, &mut m, &mut v, GradSlice::F32(&scaled), None)
+                    .unwrap();
+            }
+            assert_eq!(a, p, "{engine}");
+        }
+    }
+
+    #[test]
+    fn wait_pending_waits_for_the_updates_queued_first_and_set_steps_resumes_the_count() {
+        let s = store();
+        let ids: Vec<TensorId> = (0..3)
+            .map(|i| s.put_slice(&format!("w{i}"), &[4096], &[1.0f32; 4096]).unwrap())
+            .collect();
+        let cfg = OptimizerConfig::new(Algorithm::AdamW(AdamW::default()), Engine::Cpu);
+        let mut opt = Optimizer::new(s.clone(), &s.stream().unwrap(), &ids, cfg).unwrap();
+        for &id in &ids {
+            s.write_slice(opt.grad(id).unwrap(), &[1.0f32; 4096]).unwrap();
+            opt.update(id).unwrap();
+        }
+        assert_eq!(opt.pending(), 3);
+        opt.wait_pending(1).unwrap();
+        assert_eq!(opt.pending(), 1);
+        assert!(opt.set_steps(5).is_err(), "an update is still queued");
+        opt.finish().unwrap();
+        assert_eq!((opt.pending(), opt.steps()), (0, 1));
+        assert!(opt.update_seconds() > 0.0);
+        opt.set_steps(5).unwrap();
+        assert_eq!(opt.steps(), 5);
+    }
+}
