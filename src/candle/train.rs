@@ -351,6 +351,13 @@ fn candle_to_store(
                 let cuda = dev.cuda_stream();
                 macro_rules! dtod {
                     ($t:ty) => {{
+                        if (end - start) * std::mem::size_of::<$t>() != view.len_bytes() {
+                            candle_core::bail!(
+                                "{name}: {} elements for a tensor of {} bytes",
+                                end - start,
+                                view.len_bytes()
+                            );
+                        }
                         let src = cs.as_cuda_slice::<$t>()?.slice(start..end);
                         let mut dst =
                             view.typed_cuda_view_mut::<$t>().map_err(|e| strata_err(name, e))?;
@@ -757,7 +764,8 @@ impl Trainer {
         let vars = self.as_vars(&w, &head_names)?;
         drop(w);
         let scale = 1.0 / (tc.micro_batch * tc.seq * tc.accum) as f64;
-        let mut loss = 0f32;
+        // The micro-batches' losses, read once the stage is issued (no host wait per micro-batch).
+        let mut losses = Vec::with_capacity(tc.accum);
         let mut acc: BTreeMap<String, Option<Tensor>> = BTreeMap::new();
         let mut grads_in: Vec<Tensor> = Vec::with_capacity(tc.accum);
         for (m, x) in xs.drain(..).enumerate() {
@@ -765,8 +773,8 @@ impl Trainer {
             let logits =
                 head_logits(&cfg, xv.as_tensor(), &vars[NORM].0, &vars[head_names[1].as_str()].0)?;
             let l = next_token_loss(&logits, &io[m].1, scale)?;
-            loss += l.to_scalar::<f32>()?;
             let grads = l.backward()?;
+            losses.push(l);
             grads_in.push(grad_of(&grads, &xv, "the head's input")?);
             for (name, (_, var)) in &vars {
                 let Some(v) = var else { continue };
@@ -783,6 +791,10 @@ impl Trainer {
             }
         }
         drop(vars);
+        let mut loss = 0f32;
+        for l in &losses {
+            loss += l.to_scalar::<f32>()?;
+        }
         let mut ss: BTreeMap<String, Tensor> = BTreeMap::new();
         // Updates of a step are queued after the previous step's have ended.
         exposed += self.close_updates()?;
