@@ -159,6 +159,9 @@ fn parse_args() -> Res<Args> {
         }
     }
     a.config = config.ok_or_else(|| format!("--config is required\n{USAGE}"))?;
+    if a.in_memory && (a.save.is_some() || a.resume.is_some()) {
+        return Err("--save and --resume go with the out-of-core trainer, not --in-memory".into());
+    }
     Ok(a)
 }
 
@@ -251,7 +254,14 @@ impl Data {
     }
 }
 
-fn main() -> Res<()> {
+fn main() {
+    if let Err(e) = run() {
+        eprintln!("candle_train: {e}");
+        std::process::exit(1);
+    }
+}
+
+fn run() -> Res<()> {
     let a = parse_args()?;
     let config = LlamaConfig::from_file(&a.config)?;
     let device = candle_device();
