@@ -295,24 +295,67 @@ impl SeededRng {
     }
 }
 
-/// Random initial weights of `config`, as Hugging Face initialises a Llama: matrices normal
-/// with deviation 0.02 (`initializer_range`), norms ones. `(name, shape, values)` in
-/// [`LlamaConfig::tensors`]' order; the same seed gives the same values everywhere.
-pub fn random_weights(config: &LlamaConfig, seed: u64) -> Vec<(String, Vec<usize>, Vec<f32>)> {
-    let mut rng = SeededRng::new(seed);
-    config
-        .tensors()
-        .into_iter()
-        .map(|(name, shape)| {
-            let n: usize = shape.iter().product();
-            let values = if shape.len() == 1 {
-                vec![1.0; n]
-            } else {
-                (0..n).map(|_| rng.normal(0.02) as f32).collect()
-            };
-            (name, shape, values)
-        })
-        .collect()
+/// Elements per chunk of a random tensor: each chunk has a generator of its own, seeded from
+/// the seed, the tensor's place and the chunk's, so chunks fill on parallel threads and the
+/// values do not depend on how many there are.
+const INIT_CHUNK: usize = 1 << 16;
+
+/// Random values of tensor number `index` of a model (its place in [`LlamaConfig::tensors`]) of
+/// `shape`, as Hugging Face initialises a Llama: a matrix normal with deviation 0.02
+/// (`initializer_range`; Box-Muller, both values of each pair used), a vector (a norm) ones.
+/// Filled on every core; the same seed gives the same values on every machine.
+pub fn random_tensor(seed: u64, index: usize, shape: &[usize]) -> Vec<f32> {
+    let n: usize = shape.iter().product();
+    if shape.len() < 2 {
+        return vec![1.0; n];
+    }
+    let mut v = vec![0f32; n];
+    let fill = |c: usize, chunk: &mut [f32]| {
+        let mixed = seed ^ (index as u64).wrapping_mul(0xA24B_AED4_963E_E407) ^ ((c as u64) << 1);
+        let mut rng = SeededRng::new(SeededRng::new(mixed).next_u64());
+        for pair in chunk.chunks_mut(2) {
+            let r = 0.02 * (-2.0 * (1.0 - rng.uniform()).ln()).sqrt();
+            let a = 2.0 * std::f64::consts::PI * rng.uniform();
+            pair[0] = (r * a.cos()) as f32;
+            if let Some(x) = pair.get_mut(1) {
+                *x = (r * a.sin()) as f32;
+            }
+        }
+    };
+    let chunks: Vec<(usize, &mut [f32])> = v.chunks_mut(INIT_CHUNK).enumerate().collect();
+    let threads = std::thread::available_parallelism().map_or(1, |t| t.get()).min(chunks.len());
+    if threads <= 1 {
+        chunks.into_iter().for_each(|(c, chunk)| fill(c, chunk));
+    } else {
+        let per = chunks.len().div_ceil(threads);
+        let mut groups: Vec<Vec<(usize, &mut [f32])>> = Vec::new();
+        for (i, ch) in chunks.into_iter().enumerate() {
+            if i % per == 0 {
+                groups.push(Vec::new());
+            }
+            groups.last_mut().expect("a group").push(ch);
+        }
+        std::thread::scope(|s| {
+            for g in groups {
+                let fill = &fill;
+                s.spawn(move || g.into_iter().for_each(|(c, chunk)| fill(c, chunk)));
+            }
+        });
+    }
+    v
+}
+
+/// Random initial weights of `config` ([`random_tensor`] of each), `(name, shape, values)` in
+/// [`LlamaConfig::tensors`]' order, one tensor at a time (a 7B model's f32 values are never all
+/// in memory at once).
+pub fn random_weights(
+    config: &LlamaConfig,
+    seed: u64,
+) -> impl Iterator<Item = (String, Vec<usize>, Vec<f32>)> {
+    config.tensors().into_iter().enumerate().map(move |(i, (name, shape))| {
+        let values = random_tensor(seed, i, &shape);
+        (name, shape, values)
+    })
 }
 
 /// The rotary tables, `cos` and `sin` of `[positions, head_dim]` in f32 (Hugging Face's
@@ -599,80 +642,4 @@ pub fn inputs_and_targets(tokens: &Tensor) -> candle_core::Result<(Tensor, Tenso
     let ids = tokens.narrow(1, 0, n - 1)?.contiguous()?;
     let targets = tokens.narrow(1, 1, n - 1)?.flatten_all()?.contiguous()?;
     Ok((ids, targets))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn tiny() -> LlamaConfig {
-        LlamaConfig::from_json(
-            r#"{"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1,
-                "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 40,
-                "max_position_embeddings": 16}"#,
-        )
-        .unwrap()
-    }
-
-    #[test]
-    fn configs_are_read_with_defaults_and_refused_with_reasons() {
-        let c = tiny();
-        assert_eq!((c.head_dim, c.rope_theta, c.tie_word_embeddings), (8, 10000.0, false));
-        assert_eq!(LlamaConfig::from_json(&c.to_json()).unwrap(), c);
-        for (json, says) in [
-            (r#"{"hidden_size": 32}"#, "intermediate_size is missing"),
-            (
-                r#"{"hidden_size": 30, "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 4, "vocab_size": 5}"#,
-                "not a multiple",
-            ),
-            (
-                r#"{"hidden_size": 32, "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 3, "vocab_size": 5}"#,
-                "key/value heads",
-            ),
-            (
-                r#"{"hidden_size": 32, "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 4, "vocab_size": 5, "rope_scaling": {"rope_type": "llama3"}}"#,
-                "rope_scaling",
-            ),
-            ("[", "not JSON"),
-        ] {
-            let e = LlamaConfig::from_json(json).unwrap_err().to_string();
-            assert!(e.contains(says), "{json}: {e}");
-        }
-    }
-
-    #[test]
-    fn a_cached_forward_one_token_at_a_time_matches_the_whole_sequence() {
-        let c = tiny();
-        let dev = Device::Cpu;
-        let w = random_weights(&c, 7);
-        let get = |n: &str| {
-            let (_, s, v) = w.iter().find(|(name, _, _)| name == n).unwrap();
-            Tensor::from_vec(v.clone(), s.as_slice(), &dev)
-        };
-        let p = LlamaConfig::block_prefix(0);
-        let bw = BlockWeights::from_fn(|s| get(&format!("{p}{s}"))).unwrap();
-        let rope = Rope::new(&c, 16, &dev).unwrap();
-        let mut rng = SeededRng::new(3);
-        let xs: Vec<f32> = (0..5 * 32).map(|_| rng.normal(1.0) as f32).collect();
-        let x = Tensor::from_vec(xs, (1, 5, 32), &dev).unwrap();
-        let whole = block_forward(&c, &bw, &x, &rope, 0, None).unwrap();
-        let mut cache = KvCache::new();
-        let mut parts = Vec::new();
-        for t in 0..5 {
-            let xt = x.narrow(1, t, 1).unwrap();
-            parts.push(block_forward(&c, &bw, &xt, &rope, t, Some(&mut cache)).unwrap());
-        }
-        assert_eq!(cache.len(), 5);
-        let stepped = Tensor::cat(&parts, 1).unwrap();
-        let diff = (whole - stepped).unwrap().abs().unwrap().max_all().unwrap();
-        assert!(diff.to_scalar::<f32>().unwrap() < 1e-5);
-    }
-
-    #[test]
-    fn the_loss_of_uniform_logits_is_log_vocab() {
-        let logits = Tensor::zeros((3, 8), CDType::F32, &Device::Cpu).unwrap();
-        let targets = Tensor::new(&[1u32, 5, 7], &Device::Cpu).unwrap();
-        let l = next_token_loss(&logits, &targets, 1.0 / 3.0).unwrap().to_scalar::<f32>().unwrap();
-        assert!((l - 8f32.ln()).abs() < 1e-6);
-    }
 }
