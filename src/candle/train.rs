@@ -211,7 +211,6 @@ pub fn put_random_weights(
     dtype: DType,
 ) -> candle_core::Result<Vec<(String, TensorId)>> {
     super::llama::random_weights(config, seed)
-        .into_iter()
         .map(|(name, shape, values)| {
             let bytes = match dtype {
                 DType::F32 => bytemuck::cast_slice::<f32, u8>(&values).to_vec(),
