@@ -467,3 +467,10 @@ fn out_of_core_on_cuda_equals_in_memory() {
     let tr = bert.layers().transfers().unwrap();
     assert!(tr.view_copy_bytes > 0 && tr.view_copy_seconds > 0.0);
 }
+
+/// Out-of-core training of a Llama-style decoder, and the decoder itself (in this binary, so
+/// that candle's tests build once).
+#[path = "candle/llama.rs"]
+mod llama;
+#[path = "candle/train.rs"]
+mod train;

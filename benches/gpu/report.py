@@ -778,13 +778,56 @@ def parse_eviction_scale(text, step):
     return figs
 
 
+def parse_candle_train(text, step):
+    """examples/candle_train.rs (strata::candle's Llama trainer, out of core or --in-memory): the
+    median over the steps after the first of tokens/s and model TFLOPS, and the optimizer time
+    hidden behind candle's compute (out of core)."""
+    meta = step.get("meta", {})
+    label = meta.get("label", step["name"])
+    group = meta.get("group", GROUPS["candle-train"])
+    rows = []
+    for m in re.finditer(r"^step (\d+)/\d+: loss (" + NUM + r").*?(" + NUM + r") tokens/s\s+(" + NUM
+                         + r") TFLOPS\s+\((" + NUM + r") ms\)(.*)$", text, re.M):
+        opt = re.search(r"optimizer (" + NUM + r") ms \(hidden (" + NUM + r"), exposed (" + NUM + r")\)",
+                        m.group(6))
+        rows.append((float(m.group(3)), float(m.group(4)), float(m.group(5)),
+                     tuple(float(x) for x in opt.groups()) if opt else None))
+    if not rows:
+        return []
+    later = rows[1:] if len(rows) > 1 else rows
+    tps = later_median([r[0] for r in rows])
+    tflops = later_median([r[1] for r in rows])
+    ms = later_median([r[2] for r in rows])
+    loss = first(r"^(" + NUM + r")\s*$", text.rstrip().splitlines()[-1])
+    note = f"median of steps 2-{len(rows)}: {ms:.1f} ms a step" + (
+        f"; final loss {float(loss.group(1)):.6g}" if loss else "")
+    figs = [fig(f"{label}: tokens/s", tps, "tokens/s", group=group, note=note),
+            fig(f"{label}: model TFLOPS", tflops, "TFLOPS", group=group, key=meta.get("key"),
+                target=parse_target(meta.get("target"), meta.get("target_text"), of="value"),
+                note="6 · parameters · tokens plus attention over the step time (the recomputed "
+                     "forward not counted)")]
+    if meta.get("peer_key"):
+        figs.append(fig(f"{label}: TFLOPS against the resident blocks", tflops, "TFLOPS", group=group,
+                        peer_key=meta.get("peer_key"),
+                        target=parse_target(meta.get("peer_target"), of="peer_ratio")))
+    opts = [r[3] for r in later if r[3]]
+    if opts:
+        busy = sum(o[0] for o in opts)
+        exposed = sum(o[2] for o in opts)
+        figs.append(fig(f"{label}: optimizer time exposed", round(exposed / busy, 3) if busy else 0.0,
+                        "of the optimizer's time", group=group,
+                        target=target("the optimizer hidden (≤ 5% exposed)", "<=", 0.05, "value"),
+                        note=f"{busy:.0f} ms of updates over steps 2-{len(rows)}, {exposed:.0f} ms waited for"))
+    return figs
+
+
 PARSERS = {"libtest": parse_libtest, "sanitizer": parse_sanitizer, "criterion": parse_criterion,
            "store-bandwidth": parse_store_bandwidth, "layered": parse_layered, "mlp": parse_mlp,
            "train": parse_train, "offload-peers": parse_offload_peers, "optim-step": parse_optim_step,
            "optim-peers": parse_optim_peers, "strata-bench": parse_strata_bench, "anchors": parse_anchors,
            "core-bench": parse_core_bench, "hit-during-miss": parse_hit_during_miss,
            "many-tensors": parse_many_tensors, "strata-load": parse_strata_load,
-           "eviction-scale": parse_eviction_scale}
+           "eviction-scale": parse_eviction_scale, "candle-train": parse_candle_train}
 NEEDS_BASE = {"strata-bench", "anchors"}
 # The table a kind's figures go to, unless the step's meta names another.
 GROUPS = {"libtest": "GPU test suite", "sanitizer": "compute-sanitizer",
@@ -799,7 +842,8 @@ GROUPS = {"libtest": "GPU test suite", "sanitizer": "compute-sanitizer",
           "hit-during-miss": "store core: a hit during another thread's disk miss",
           "many-tensors": "store core: a checkpoint of many small tensors",
           "strata-load": "store core: a checkpoint of many small tensors",
-          "eviction-scale": "store core: making room when victims must spill, at scale"}
+          "eviction-scale": "store core: making room when victims must spill, at scale",
+          "candle-train": "training inside candle (a Llama-style decoder)"}
 
 
 # ------------------------------------------------------------------------------------------------

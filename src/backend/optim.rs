@@ -471,9 +471,17 @@ impl AdamScalars {
 /// the block is in L1.
 const BLOCK: usize = 4096;
 
-fn adamw_block<G: Float>(k: &AdamScalars, p: &mut [f32], m: &mut [f32], v: &mut [f32], g: &[G]) {
+fn adamw_block<G: Float>(
+    k: &AdamScalars,
+    p: &mut [f32],
+    m: &mut [f32],
+    v: &mut [f32],
+    g: &[G],
+    scale: f32,
+) {
     for (((p, m), v), g) in p.iter_mut().zip(m.iter_mut()).zip(v.iter_mut()).zip(g) {
-        let gi = g.to_f32();
+        // `scale` is 1 but where a gradient is clipped: x · 1 is x, so unscaled bits stay.
+        let gi = g.to_f32() * scale;
         let pi = *p * k.decay;
         let mi = k.lerp(*m, gi);
         let vi = *v * k.b2 + k.one_minus_b2 * gi * gi;
@@ -484,10 +492,10 @@ fn adamw_block<G: Float>(k: &AdamScalars, p: &mut [f32], m: &mut [f32], v: &mut 
     }
 }
 
-fn sgd_block<G: Float>(h: &Sgd, p: &mut [f32], g: &[G]) {
+fn sgd_block<G: Float>(h: &Sgd, p: &mut [f32], g: &[G], scale: f32) {
     let (lr, wd) = (h.lr as f32, h.weight_decay as f32);
     for (p, g) in p.iter_mut().zip(g) {
-        let mut gi = g.to_f32();
+        let mut gi = g.to_f32() * scale;
         if wd != 0.0 {
             gi += wd * *p;
         }
@@ -516,6 +524,24 @@ pub fn cpu_update(
     m: &mut [f32],
     v: &mut [f32],
     g: GradSlice<'_>,
+    out: Option<&mut [bf16]>,
+) -> Result<()> {
+    cpu_update_scaled(alg, t, threads, p, m, v, g, 1.0, out)
+}
+
+/// [`cpu_update`] with each gradient value multiplied by `grad_scale` (in f32) as it is read, as
+/// `torch.nn.utils.clip_grad_norm_` multiplies the gradients in place before the step: the
+/// clipped update without a pass over the gradient. A scale of 1 gives [`cpu_update`]'s bits.
+#[allow(clippy::too_many_arguments)]
+pub fn cpu_update_scaled(
+    alg: &Algorithm,
+    t: u64,
+    threads: usize,
+    p: &mut [f32],
+    m: &mut [f32],
+    v: &mut [f32],
+    g: GradSlice<'_>,
+    grad_scale: f32,
     out: Option<&mut [bf16]>,
 ) -> Result<()> {
     let n = p.len();
@@ -568,13 +594,13 @@ pub fn cpu_update(
                         &mut v.as_deref_mut().expect("moments")[b * BLOCK..b * BLOCK + len],
                     );
                     match g {
-                        GradSlice::F32(s) => adamw_block(&k, pb, mb, vb, &s[r]),
-                        GradSlice::Bf16(s) => adamw_block(&k, pb, mb, vb, &s[r]),
+                        GradSlice::F32(s) => adamw_block(&k, pb, mb, vb, &s[r], grad_scale),
+                        GradSlice::Bf16(s) => adamw_block(&k, pb, mb, vb, &s[r], grad_scale),
                     }
                 }
                 Algorithm::Sgd(h) => match g {
-                    GradSlice::F32(s) => sgd_block(h, pb, &s[r]),
-                    GradSlice::Bf16(s) => sgd_block(h, pb, &s[r]),
+                    GradSlice::F32(s) => sgd_block(h, pb, &s[r], grad_scale),
+                    GradSlice::Bf16(s) => sgd_block(h, pb, &s[r], grad_scale),
                 },
             }
             round_block(pb, o.as_deref_mut().map(|o| &mut o[b * BLOCK..b * BLOCK + len]));
@@ -623,11 +649,15 @@ struct GpuKernels {
 struct CpuJob {
     st: ParamState,
     t: u64,
+    /// The rule as it stands when the update is queued (its learning rate may change by step).
+    alg: Algorithm,
+    grad_scale: f32,
 }
 
 struct CpuWorker {
     tx: Option<Sender<CpuJob>>,
-    done: Receiver<Result<()>>,
+    /// Each job's result and the seconds it ran, in the order the jobs were queued.
+    done: Receiver<(Result<()>, f64)>,
     pending: usize,
     handle: Option<std::thread::JoinHandle<()>>,
 }
@@ -645,6 +675,8 @@ pub struct Optimizer {
     t: u64,
     gpu: Option<GpuKernels>,
     worker: Option<CpuWorker>,
+    /// Seconds the updates ran (the Cpu worker's jobs; the GPU engines' host time to issue).
+    busy: f64,
 }
 
 impl std::fmt::Debug for Optimizer {
@@ -734,6 +766,7 @@ impl Optimizer {
             t: 0,
             gpu,
             worker: None,
+            busy: 0.0,
         };
         for info in infos {
             if opt.index.contains_key(&info.id) {
@@ -753,7 +786,7 @@ impl Optimizer {
             }
         }
         if engine == Engine::Cpu {
-            opt.worker = Some(spawn_worker(opt.store.clone(), opt.cfg.algorithm, opt.cfg.threads));
+            opt.worker = Some(spawn_worker(opt.store.clone(), opt.cfg.threads));
         }
         Ok(opt)
     }
@@ -947,47 +980,137 @@ impl Optimizer {
     /// stream. The parameter's compute copy is refreshed. Call [`Optimizer::finish`] once every
     /// parameter of the step was updated.
     pub fn update(&mut self, param: TensorId) -> Result<()> {
+        self.update_scaled(param, 1.0)
+    }
+
+    /// [`Optimizer::update`] with the gradient multiplied by `grad_scale` (global gradient-norm
+    /// clipping's coefficient, as `torch.nn.utils.clip_grad_norm_` applies it): the Cpu engine
+    /// and the GPU engines on the host backend scale each value as they read it; the GPU
+    /// kernels, which take no scale, get the gradient scaled through the store first (a read and
+    /// a write of it: only when `grad_scale` is not 1). A scale of 1 is [`Optimizer::update`].
+    pub fn update_scaled(&mut self, param: TensorId, grad_scale: f32) -> Result<()> {
         let st = self.state_of(param)?;
         let t = self.t + 1;
+        let alg = self.cfg.algorithm;
         match self.engine {
             Engine::Cpu => {
                 // Start the write-back of a gradient made on the device now.
                 self.store.release(&[st.grad])?;
                 let w = self.worker.as_mut().expect("Cpu engine has a worker");
-                w.tx.as_ref().expect("open").send(CpuJob { st, t }).map_err(|_| {
-                    Error::InvalidArgument("the optimizer's worker thread has stopped".into())
-                })?;
+                w.tx.as_ref().expect("open").send(CpuJob { st, t, alg, grad_scale }).map_err(
+                    |_| Error::InvalidArgument("the optimizer's worker thread has stopped".into()),
+                )?;
                 w.pending += 1;
                 Ok(())
             }
-            _ => self.gpu_update(&st, t),
+            _ => {
+                let t0 = Instant::now();
+                let r = self.gpu_update(&st, t, grad_scale);
+                self.busy += t0.elapsed().as_secs_f64();
+                r
+            }
         }
     }
 
-    /// Ends the step: waits for queued updates (Cpu) and returns the first error.
-    pub fn finish(&mut self) -> Result<()> {
+    /// Sets the learning rate of the updates queued from now on (a schedule's value for the
+    /// coming step); updates already queued keep theirs.
+    pub fn set_lr(&mut self, lr: f64) {
+        match &mut self.cfg.algorithm {
+            Algorithm::AdamW(h) => h.lr = lr,
+            Algorithm::Sgd(h) => h.lr = lr,
+        }
+    }
+
+    /// The update rule as it stands (its learning rate the last [`Optimizer::set_lr`]'s).
+    pub fn algorithm(&self) -> Algorithm {
+        self.cfg.algorithm
+    }
+
+    /// Sets the number of steps completed (what [`Optimizer::steps`] returns, and AdamW's bias
+    /// correction counts from): for resuming from a checkpoint saved after that many steps,
+    /// with the state tensors written back. Between steps only (no update queued).
+    pub fn set_steps(&mut self, steps: u64) -> Result<()> {
+        if self.pending() > 0 {
+            return Err(Error::InvalidArgument(
+                "set_steps with updates still queued: call finish first".into(),
+            ));
+        }
+        self.t = steps;
+        Ok(())
+    }
+
+    /// Updates queued on the Cpu engine's worker and not yet done (0 on the GPU engines).
+    pub fn pending(&self) -> usize {
+        self.worker.as_ref().map_or(0, |w| w.pending)
+    }
+
+    /// Waits until at most `left` queued updates are still pending. The Cpu engine's worker
+    /// runs the updates in the order they were queued, so this waits for all but the last
+    /// `left` queued: a trainer that queued layer after layer waits for one layer's update
+    /// without waiting for the layers queued after it. The step still ends with
+    /// [`Optimizer::finish`]. Returns the first error of the updates waited for.
+    pub fn wait_pending(&mut self, left: usize) -> Result<()> {
         let mut first = None;
         if let Some(w) = self.worker.as_mut() {
-            while w.pending > 0 {
-                let r = w.done.recv().unwrap_or_else(|_| {
-                    Err(Error::InvalidArgument("the optimizer's worker thread has stopped".into()))
+            while w.pending > left {
+                let (r, secs) = w.done.recv().unwrap_or_else(|_| {
+                    (
+                        Err(Error::InvalidArgument(
+                            "the optimizer's worker thread has stopped".into(),
+                        )),
+                        0.0,
+                    )
                 });
                 w.pending -= 1;
+                self.busy += secs;
                 if let (Err(e), None) = (r, &first) {
                     first = Some(e);
                 }
             }
         }
-        if let Some(e) = first {
-            return Err(e);
-        }
+        first.map_or(Ok(()), Err)
+    }
+
+    /// Seconds the updates have run so far, summed: the Cpu engine's worker, from each job's
+    /// start to its end (counted once [`Optimizer::wait_pending`] or [`Optimizer::finish`] has
+    /// seen the job done), and the GPU engines' host time to issue theirs. Beside the time a
+    /// caller spent waiting for them, it says how much of the optimizer ran hidden.
+    pub fn update_seconds(&self) -> f64 {
+        self.busy
+    }
+
+    /// Ends the step: waits for queued updates (Cpu) and returns the first error.
+    pub fn finish(&mut self) -> Result<()> {
+        self.wait_pending(0)?;
         self.t += 1;
         Ok(())
     }
 
-    fn gpu_update(&self, st: &ParamState, t: u64) -> Result<()> {
+    fn gpu_update(&self, st: &ParamState, t: u64, grad_scale: f32) -> Result<()> {
         let s = &self.store;
         let stream = &self.stream;
+        if grad_scale != 1.0 && self.gpu.is_some() {
+            // The kernels take no scale: scale the gradient where it is, through the store.
+            let scaled: Vec<u8> = match s.info(st.grad)?.dtype {
+                DType::F32 => f32_bytes(
+                    &<f32 as Float>::from_ne_bytes(&s.read(st.grad)?)
+                        .iter()
+                        .map(|g| g * grad_scale)
+                        .collect::<Vec<f32>>(),
+                ),
+                _ => {
+                    let g: Vec<bf16> = <bf16 as Float>::from_ne_bytes(&s.read(st.grad)?)
+                        .iter()
+                        .map(|g| <bf16 as Float>::from_f32(g.to_f32() * grad_scale))
+                        .collect();
+                    let mut b = vec![0u8; g.len() * 2];
+                    bf16::write_ne_bytes(&g, &mut b);
+                    b
+                }
+            };
+            s.write(st.grad, &scaled)?;
+        }
+        let emulated_scale = if self.gpu.is_some() { 1.0 } else { grad_scale };
         let state_view = |id: TensorId| -> Result<DeviceView> {
             match self.engine {
                 Engine::GpuMapped => s.mapped_view(id, stream).map(|v| v.into_inner()),
@@ -1017,7 +1140,7 @@ impl Optimizer {
         }
         let r = match &self.gpu {
             Some(k) => self.launch(k, st, t, &grad, &p, out.as_ref(), mv.as_ref()),
-            None => self.emulate(st, t, &grad, &mut p, out.as_mut(), mv.as_mut()),
+            None => self.emulate(st, t, emulated_scale, &grad, &mut p, out.as_mut(), mv.as_mut()),
         };
         drop((grad, p, out, mv));
         r?;
@@ -1077,10 +1200,12 @@ impl Optimizer {
     }
 
     /// The GPU engines on the host backend: the same arithmetic over the views' bytes.
+    #[allow(clippy::too_many_arguments)]
     fn emulate(
         &self,
         st: &ParamState,
         t: u64,
+        grad_scale: f32,
         grad: &DeviceView,
         p: &mut DeviceView,
         out: Option<&mut DeviceView>,
@@ -1102,7 +1227,8 @@ impl Optimizer {
             None => (Vec::new(), Vec::new()),
         };
         let mut o = out.as_ref().map(|_| vec![bf16::ZERO; st.elems]);
-        cpu_update(&self.cfg.algorithm, t, 1, &mut pv, &mut m, &mut v, g, o.as_deref_mut())?;
+        let alg = &self.cfg.algorithm;
+        cpu_update_scaled(alg, t, 1, &mut pv, &mut m, &mut v, g, grad_scale, o.as_deref_mut())?;
         p.with_host_bytes_mut(|b| f32::write_ne_bytes(&pv, b))?;
         if let Some((mview, vview)) = mv {
             mview.with_host_bytes_mut(|b| f32::write_ne_bytes(&m, b))?;
@@ -1125,8 +1251,8 @@ impl Drop for Optimizer {
             w.tx.take();
             while w.pending > 0 {
                 match w.done.recv() {
-                    Ok(Err(e)) => self.store.shared.deferred.lock().push(e),
-                    Ok(Ok(())) => {}
+                    Ok((Err(e), _)) => self.store.shared.deferred.lock().push(e),
+                    Ok((Ok(()), _)) => {}
                     Err(_) => break,
                 }
                 w.pending -= 1;
@@ -1139,21 +1265,22 @@ impl Drop for Optimizer {
     }
 }
 
-fn spawn_worker(store: Arc<Store>, alg: Algorithm, threads: usize) -> CpuWorker {
+fn spawn_worker(store: Arc<Store>, threads: usize) -> CpuWorker {
     let (tx, rx) = unbounded::<CpuJob>();
     let (done_tx, done) = unbounded();
     let handle = std::thread::Builder::new()
         .name("strata-optim".into())
         .spawn(move || {
             for job in rx {
+                let t0 = Instant::now();
                 // A panic in a job (a bug) is reported as an error; the worker lives on.
                 let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                    cpu_job(&store, &alg, threads, &job)
+                    cpu_job(&store, &job.alg, threads, &job)
                 }))
                 .unwrap_or_else(|_| {
                     Err(Error::InvalidArgument("the optimizer's update panicked".into()))
                 });
-                if done_tx.send(r).is_err() {
+                if done_tx.send((r, t0.elapsed().as_secs_f64())).is_err() {
                     break;
                 }
             }
@@ -1278,7 +1405,7 @@ fn cpu_job(store: &Store, alg: &Algorithm, threads: usize, job: &CpuJob) -> Resu
             Some(o) => Some(o.bf16s()?),
             None => None,
         };
-        cpu_update(alg, job.t, threads, p.f32s()?, m, v, g, o)?;
+        cpu_update_scaled(alg, job.t, threads, p.f32s()?, m, v, g, job.grad_scale, o)?;
     }
     drop(grad);
     p.close(store)?;
@@ -1298,4 +1425,87 @@ pub fn update_bytes(alg: &Algorithm, elems: u64, param: DType, grad: DType) -> u
     let (s, g, p) = per_elem(alg, param, grad);
     let written_copy = if param == DType::F32 { 0 } else { p };
     elems * (2 * s + g + written_copy)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn store() -> Arc<Store> {
+        Arc::new(
+            Store::builder()
+                .host_backend()
+                .capacity(Tier::Device, 1 << 20)
+                .capacity(Tier::Pinned, 1 << 20)
+                .build()
+                .unwrap(),
+        )
+    }
+
+    /// Two steps of AdamW on one f32 parameter from `grad`: the first at lr 0.1 with the gradient
+    /// given to `update_scaled(scale)`, the second after `set_lr(0.05)`.
+    fn two_steps(engine: Engine, grad: &[f32], scale: f32) -> Vec<f32> {
+        let s = store();
+        let w = s.put_slice("w", &[grad.len()], &vec![0.5f32; grad.len()]).unwrap();
+        let alg = Algorithm::AdamW(AdamW { lr: 0.1, weight_decay: 0.01, ..AdamW::default() });
+        let mut opt = Optimizer::new(
+            s.clone(),
+            &s.stream().unwrap(),
+            &[w],
+            OptimizerConfig::new(alg, engine),
+        )
+        .unwrap();
+        for lr in [None, Some(0.05)] {
+            if let Some(lr) = lr {
+                opt.set_lr(lr);
+            }
+            s.write_slice(opt.grad(w).unwrap(), grad).unwrap();
+            opt.update_scaled(w, scale).unwrap();
+            opt.finish().unwrap();
+        }
+        s.read_vec::<f32>(w).unwrap()
+    }
+
+    #[test]
+    fn a_scaled_update_is_the_update_of_the_scaled_gradient_and_set_lr_applies_to_the_next() {
+        let g: Vec<f32> = (0..5000).map(|i| (i as f32 * 0.37).sin()).collect();
+        let scaled: Vec<f32> = g.iter().map(|x| x * 0.3).collect();
+        for engine in [Engine::Cpu, Engine::GpuResident] {
+            let a = two_steps(engine, &g, 0.3);
+            let b = two_steps(engine, &scaled, 1.0);
+            assert_eq!(a, b, "{engine}");
+            // The same two steps by hand, the second at the new learning rate.
+            let (mut p, mut m, mut v) =
+                (vec![0.5f32; g.len()], vec![0.0; g.len()], vec![0.0; g.len()]);
+            for (t, lr) in [(1, 0.1), (2, 0.05)] {
+                let alg = Algorithm::AdamW(AdamW { lr, weight_decay: 0.01, ..AdamW::default() });
+                cpu_update(&alg, t, 1, &mut p, &mut m, &mut v, GradSlice::F32(&scaled), None)
+                    .unwrap();
+            }
+            assert_eq!(a, p, "{engine}");
+        }
+    }
+
+    #[test]
+    fn wait_pending_waits_for_the_updates_queued_first_and_set_steps_resumes_the_count() {
+        let s = store();
+        let ids: Vec<TensorId> = (0..3)
+            .map(|i| s.put_slice(&format!("w{i}"), &[4096], &[1.0f32; 4096]).unwrap())
+            .collect();
+        let cfg = OptimizerConfig::new(Algorithm::AdamW(AdamW::default()), Engine::Cpu);
+        let mut opt = Optimizer::new(s.clone(), &s.stream().unwrap(), &ids, cfg).unwrap();
+        for &id in &ids {
+            s.write_slice(opt.grad(id).unwrap(), &[1.0f32; 4096]).unwrap();
+            opt.update(id).unwrap();
+        }
+        assert_eq!(opt.pending(), 3);
+        opt.wait_pending(1).unwrap();
+        assert_eq!(opt.pending(), 1);
+        assert!(opt.set_steps(5).is_err(), "an update is still queued");
+        opt.finish().unwrap();
+        assert_eq!((opt.pending(), opt.steps()), (0, 1));
+        assert!(opt.update_seconds() > 0.0);
+        opt.set_steps(5).unwrap();
+        assert_eq!(opt.steps(), 5);
+    }
 }

@@ -145,6 +145,11 @@ impl Layers {
         &self.store
     }
 
+    /// The store stream the views are taken on (candle's own stream on CUDA).
+    pub(crate) fn stream(&self) -> &Stream {
+        &self.stream
+    }
+
     /// The candle device the tensors are handed to.
     pub fn device(&self) -> &Device {
         &self.device

@@ -6,6 +6,7 @@
 //! | a candle-nn `VarBuilder` over a store | [`StoreBackend`] | each tensor, once, from its fastest replica (in place in the checkpoint file, or a memory tier) into a candle-owned buffer on the candle device; the store keeps no extra copy |
 //! | one layer's weights at a time | [`Layers`], [`LayerWeights`] | the layer's tensors through device views: on the CPU from the host memory of the store's Device tier (host backend), on CUDA device to device from the store's Device tier into candle-owned memory, on candle's stream; the next layer is prefetched meanwhile |
 //! | candle-transformers' BERT run layer by layer | [`OutOfCoreBert`] | as [`Layers`]; the word-embedding rows the input uses are gathered from a host replica |
+//! | a Llama-style decoder trained out of core | [`Trainer`] (model: [`llama`]; in-memory reference: [`LlamaTwin`]) | each stage's weights as [`Layers`] hands them, twice a step (forward, backward); activation checkpoints and f32 gradients from candle into store tensors; the optimizer's state never leaves the store |
 //!
 //! A model built from [`StoreBackend`] computes what the same model built with candle's own
 //! `VarBuilder::from_mmaped_safetensors` computes, bit for bit: the same dtype conversions
@@ -39,10 +40,16 @@
 mod backend;
 mod bert;
 mod layers;
+pub mod llama;
+pub mod train;
 
 pub use backend::StoreBackend;
 pub use bert::OutOfCoreBert;
 pub use layers::{LayerWeights, Layers, Transfers};
+pub use llama::LlamaConfig;
+pub use train::{
+    load_weights, put_random_weights, LlamaTwin, LrSchedule, StepReport, TrainConfig, Trainer,
+};
 
 use candle_core::{Device, Tensor};
 
@@ -138,6 +145,27 @@ pub(crate) fn unsupported_dtype(name: &str, dtype: DType) -> candle_core::Error 
         "tensor {name} is {dtype}, which candle cannot hold: convert it in the checkpoint (to \
          one of u8, u16, u32, i16, i32, i64, f8e4m3, f16, bf16, f32, f64)"
     ))
+}
+
+/// A strata error as a candle error, so that `?` works on strata calls in code returning
+/// `candle_core::Result`: the error is wrapped whole (its message, which names the tensor where
+/// strata's error does, and its source), and `downcast_ref::<strata::Error>()` on the wrapped
+/// error gives it back.
+///
+/// ```
+/// fn f(store: &strata::Store) -> candle_core::Result<Vec<u8>> {
+///     let id = store.put("w", strata::DType::F32, &[1], &[0u8; 4])?;
+///     store.put("w", strata::DType::F32, &[1], &[0u8; 4])?; // a second "w": strata's error
+///     Ok(store.read(id)?)
+/// }
+/// let store = strata::Store::builder().host_backend().build().unwrap();
+/// let e = f(&store).unwrap_err();
+/// assert!(e.to_string().contains("a tensor named \"w\" already exists"));
+/// ```
+impl From<Error> for candle_core::Error {
+    fn from(e: Error) -> Self {
+        candle_core::Error::wrap(e)
+    }
 }
 
 /// A strata error as a candle error, saying which tensor it concerns.

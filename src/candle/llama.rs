@@ -1,0 +1,645 @@
+//! A Llama-architecture decoder (RMSNorm, rotary embeddings, grouped-query attention, SwiGLU MLP,
+//! tied or untied embeddings) written with candle ops that all have gradients, so that candle's
+//! autograd can train it: candle-nn's fused `softmax_last_dim`, `rms_norm` and `rotary_emb`
+//! have no backward, so the softmax, the norm and the rotation here are made of plain ops.
+//!
+//! The model is cut in stages that a trainer runs one at a time: the embedding
+//! ([`embed`]), each block ([`block_forward`]), and the head ([`head_logits`] then
+//! [`next_token_loss`]). Each stage is a function of its input and its weights only, so the
+//! same code runs a whole model in memory ([`LlamaTwin`](super::train::LlamaTwin)), stage by
+//! stage out of core ([`Trainer`](super::train::Trainer)), and, with a [`KvCache`], one new
+//! token at a time for generation.
+//!
+//! Tensor names are Hugging Face's (`model.layers.3.self_attn.q_proj.weight`, ...):
+//! [`LlamaConfig::tensors`] lists them with their shapes.
+
+use std::path::Path;
+
+use candle_core::{DType as CDType, Device, Tensor, D};
+
+/// The embedding table's name.
+pub const EMBED: &str = "model.embed_tokens.weight";
+/// The final norm's weight.
+pub const NORM: &str = "model.norm.weight";
+/// The output projection (absent when the embeddings are tied).
+pub const LM_HEAD: &str = "lm_head.weight";
+/// Each block's tensors, after its prefix `model.layers.N.`.
+pub const BLOCK_TENSORS: [&str; 9] = [
+    "input_layernorm.weight",
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight",
+    "post_attention_layernorm.weight",
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+    "mlp.down_proj.weight",
+];
+
+/// A Llama model's shape, read from a Hugging Face `config.json` ([`LlamaConfig::from_json`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct LlamaConfig {
+    /// Width of the residual stream.
+    pub hidden_size: usize,
+    /// Width of the MLP.
+    pub intermediate_size: usize,
+    /// Decoder blocks.
+    pub num_hidden_layers: usize,
+    /// Query heads.
+    pub num_attention_heads: usize,
+    /// Key and value heads (grouped-query attention when fewer than the query heads).
+    pub num_key_value_heads: usize,
+    /// Width of a head (`hidden_size / num_attention_heads` unless the config says otherwise).
+    pub head_dim: usize,
+    /// Tokens.
+    pub vocab_size: usize,
+    /// RMSNorm's epsilon.
+    pub rms_norm_eps: f64,
+    /// RoPE's base.
+    pub rope_theta: f64,
+    /// Longest sequence the rotary tables are made for.
+    pub max_position_embeddings: usize,
+    /// The output projection is the embedding table (no `lm_head.weight`).
+    pub tie_word_embeddings: bool,
+}
+
+fn bad_config(why: String) -> candle_core::Error {
+    candle_core::Error::Msg(format!("Llama config: {why}")).bt()
+}
+
+impl LlamaConfig {
+    /// Reads a Hugging Face Llama `config.json` (Mistral's and Qwen2's have the same fields;
+    /// a Qwen2 model's attention biases are not supported). `num_key_value_heads` defaults to
+    /// the query heads, `head_dim` to `hidden_size / num_attention_heads`, `rope_theta` to
+    /// 10000, `rms_norm_eps` to 1e-6, `tie_word_embeddings` to false. A `rope_scaling` other
+    /// than none, or `attention_bias` / `mlp_bias` true, is refused with an error naming it.
+    ///
+    /// ```
+    /// let c = strata::candle::LlamaConfig::from_json(r#"{"hidden_size": 64,
+    ///     "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+    ///     "num_key_value_heads": 2, "vocab_size": 100}"#).unwrap();
+    /// assert_eq!((c.head_dim, c.tensors().len()), (16, 2 * 9 + 3));
+    /// ```
+    pub fn from_json(text: &str) -> candle_core::Result<LlamaConfig> {
+        let v: serde_json::Value =
+            serde_json::from_str(text).map_err(|e| bad_config(format!("not JSON ({e})")))?;
+        let get = |k: &str| v.get(k).filter(|x| !x.is_null());
+        let int = |k: &str| -> candle_core::Result<Option<usize>> {
+            match get(k) {
+                None => Ok(None),
+                Some(x) => x
+                    .as_u64()
+                    .and_then(|n| usize::try_from(n).ok())
+                    .map(Some)
+                    .ok_or_else(|| bad_config(format!("{k} is {x}, not a count"))),
+            }
+        };
+        let need = |k: &str| -> candle_core::Result<usize> {
+            int(k)?.filter(|&n| n > 0).ok_or_else(|| bad_config(format!("{k} is missing or 0")))
+        };
+        let float = |k: &str, default: f64| -> candle_core::Result<f64> {
+            match get(k) {
+                None => Ok(default),
+                Some(x) => {
+                    x.as_f64().ok_or_else(|| bad_config(format!("{k} is {x}, not a number")))
+                }
+            }
+        };
+        for k in ["attention_bias", "mlp_bias"] {
+            if get(k).and_then(|x| x.as_bool()) == Some(true) {
+                return Err(bad_config(format!("{k}: biases are not supported")));
+            }
+        }
+        if let Some(s) = get("rope_scaling") {
+            return Err(bad_config(format!(
+                "rope_scaling {s} is not supported (plain RoPE only): remove it for a model \
+                 trained without it"
+            )));
+        }
+        let hidden_size = need("hidden_size")?;
+        let num_attention_heads = need("num_attention_heads")?;
+        let num_key_value_heads = int("num_key_value_heads")?.unwrap_or(num_attention_heads);
+        if num_key_value_heads == 0 || num_attention_heads % num_key_value_heads != 0 {
+            return Err(bad_config(format!(
+                "{num_attention_heads} query heads are not a multiple of {num_key_value_heads} \
+                 key/value heads"
+            )));
+        }
+        let head_dim = match int("head_dim")? {
+            Some(d) => d,
+            None if hidden_size % num_attention_heads == 0 => hidden_size / num_attention_heads,
+            None => {
+                return Err(bad_config(format!(
+                    "hidden_size {hidden_size} is not a multiple of {num_attention_heads} heads"
+                )))
+            }
+        };
+        if head_dim == 0 || head_dim % 2 != 0 {
+            return Err(bad_config(format!("head_dim {head_dim}: RoPE needs an even width")));
+        }
+        Ok(LlamaConfig {
+            hidden_size,
+            intermediate_size: need("intermediate_size")?,
+            num_hidden_layers: need("num_hidden_layers")?,
+            num_attention_heads,
+            num_key_value_heads,
+            head_dim,
+            vocab_size: need("vocab_size")?,
+            rms_norm_eps: float("rms_norm_eps", 1e-6)?,
+            rope_theta: float("rope_theta", 10000.0)?,
+            max_position_embeddings: int("max_position_embeddings")?.unwrap_or(2048),
+            tie_word_embeddings: get("tie_word_embeddings").and_then(|x| x.as_bool()) == Some(true),
+        })
+    }
+
+    /// [`LlamaConfig::from_json`] of a file.
+    pub fn from_file(path: impl AsRef<Path>) -> candle_core::Result<LlamaConfig> {
+        let path = path.as_ref();
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| bad_config(format!("reading {}: {e}", path.display())))?;
+        Self::from_json(&text).map_err(|e| e.context(format!("in {}", path.display())))
+    }
+
+    /// The config as Hugging Face writes it (the fields above, `model_type` "llama").
+    pub fn to_json(&self) -> String {
+        serde_json::json!({
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "vocab_size": self.vocab_size,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "hidden_act": "silu",
+            "attention_bias": false,
+            "mlp_bias": false,
+        })
+        .to_string()
+    }
+
+    /// Block `l`'s name prefix, `model.layers.{l}.`.
+    pub fn block_prefix(l: usize) -> String {
+        format!("model.layers.{l}.")
+    }
+
+    /// Block `l`'s tensors' names, in [`BLOCK_TENSORS`]' order.
+    pub fn block_names(l: usize) -> Vec<String> {
+        let p = Self::block_prefix(l);
+        BLOCK_TENSORS.iter().map(|n| format!("{p}{n}")).collect()
+    }
+
+    /// The head's tensors: the final norm, and the output projection (the embedding table when
+    /// tied).
+    pub fn head_names(&self) -> [&'static str; 2] {
+        [NORM, if self.tie_word_embeddings { EMBED } else { LM_HEAD }]
+    }
+
+    /// Every tensor of the model, Hugging Face's names and shapes, in stage order: the
+    /// embedding table, the blocks, the final norm, `lm_head.weight` (untied only).
+    pub fn tensors(&self) -> Vec<(String, Vec<usize>)> {
+        let (h, i) = (self.hidden_size, self.intermediate_size);
+        let (q, kv) =
+            (self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim);
+        let mut v = vec![(EMBED.to_string(), vec![self.vocab_size, h])];
+        for l in 0..self.num_hidden_layers {
+            let shapes = [
+                vec![h],
+                vec![q, h],
+                vec![kv, h],
+                vec![kv, h],
+                vec![h, q],
+                vec![h],
+                vec![i, h],
+                vec![i, h],
+                vec![h, i],
+            ];
+            v.extend(Self::block_names(l).into_iter().zip(shapes));
+        }
+        v.push((NORM.to_string(), vec![h]));
+        if !self.tie_word_embeddings {
+            v.push((LM_HEAD.to_string(), vec![self.vocab_size, h]));
+        }
+        v
+    }
+
+    /// Parameters in all.
+    pub fn parameters(&self) -> u64 {
+        self.tensors().iter().map(|(_, s)| s.iter().product::<usize>() as u64).sum()
+    }
+
+    /// Parameters one block holds.
+    pub fn block_parameters(&self) -> u64 {
+        self.tensors()[1..1 + BLOCK_TENSORS.len()]
+            .iter()
+            .map(|(_, s)| s.iter().product::<usize>() as u64)
+            .sum()
+    }
+
+    /// Model FLOPs of a training step over `tokens` tokens in sequences of `seq`: 6 per
+    /// parameter of a matrix product per token (the blocks and the output projection; the
+    /// embedding lookup is not a product), plus attention's `12 · layers · hidden · seq` per
+    /// token (PaLM's count, the causal mask not halving it). The recomputed forward is not
+    /// counted (as model FLOPs utilisation counts).
+    pub fn training_flops(&self, tokens: u64, seq: usize) -> f64 {
+        let matmul = self.block_parameters() * self.num_hidden_layers as u64
+            + (self.vocab_size * self.hidden_size) as u64;
+        let attention = 12.0
+            * self.num_hidden_layers as f64
+            * (self.num_attention_heads * self.head_dim) as f64
+            * seq as f64;
+        tokens as f64 * (6.0 * matmul as f64 + attention)
+    }
+}
+
+/// A seeded generator (SplitMix64) for initial weights and synthetic tokens: the same seed gives
+/// the same numbers on every machine.
+#[derive(Clone, Debug)]
+pub struct SeededRng(u64);
+
+impl SeededRng {
+    /// A generator from `seed`.
+    pub fn new(seed: u64) -> SeededRng {
+        SeededRng(seed)
+    }
+
+    /// The next 64 random bits.
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in [0, 1).
+    pub fn uniform(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+
+    /// Uniform in `0..n`.
+    pub fn below(&mut self, n: u64) -> u64 {
+        ((u128::from(self.next_u64()) * u128::from(n)) >> 64) as u64
+    }
+
+    /// Normal with mean 0 and deviation `std` (Box-Muller).
+    pub fn normal(&mut self, std: f64) -> f64 {
+        let u1 = 1.0 - self.uniform();
+        let u2 = self.uniform();
+        std * (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()
+    }
+}
+
+/// Elements per chunk of a random tensor: each chunk has a generator of its own, seeded from
+/// the seed, the tensor's place and the chunk's, so chunks fill on parallel threads and the
+/// values do not depend on how many there are.
+const INIT_CHUNK: usize = 1 << 16;
+
+/// Random values of tensor number `index` of a model (its place in [`LlamaConfig::tensors`]) of
+/// `shape`, as Hugging Face initialises a Llama: a matrix normal with deviation 0.02
+/// (`initializer_range`; Box-Muller, both values of each pair used), a vector (a norm) ones.
+/// Filled on every core; the same seed gives the same values on every machine.
+pub fn random_tensor(seed: u64, index: usize, shape: &[usize]) -> Vec<f32> {
+    let n: usize = shape.iter().product();
+    if shape.len() < 2 {
+        return vec![1.0; n];
+    }
+    let mut v = vec![0f32; n];
+    let fill = |c: usize, chunk: &mut [f32]| {
+        let mixed = seed ^ (index as u64).wrapping_mul(0xA24B_AED4_963E_E407) ^ ((c as u64) << 1);
+        let mut rng = SeededRng::new(SeededRng::new(mixed).next_u64());
+        for pair in chunk.chunks_mut(2) {
+            let r = 0.02 * (-2.0 * (1.0 - rng.uniform()).ln()).sqrt();
+            let a = 2.0 * std::f64::consts::PI * rng.uniform();
+            pair[0] = (r * a.cos()) as f32;
+            if let Some(x) = pair.get_mut(1) {
+                *x = (r * a.sin()) as f32;
+            }
+        }
+    };
+    let chunks: Vec<(usize, &mut [f32])> = v.chunks_mut(INIT_CHUNK).enumerate().collect();
+    let threads = std::thread::available_parallelism().map_or(1, |t| t.get()).min(chunks.len());
+    if threads <= 1 {
+        chunks.into_iter().for_each(|(c, chunk)| fill(c, chunk));
+    } else {
+        let per = chunks.len().div_ceil(threads);
+        let mut groups: Vec<Vec<(usize, &mut [f32])>> = Vec::new();
+        for (i, ch) in chunks.into_iter().enumerate() {
+            if i % per == 0 {
+                groups.push(Vec::new());
+            }
+            groups.last_mut().expect("a group").push(ch);
+        }
+        std::thread::scope(|s| {
+            for g in groups {
+                let fill = &fill;
+                s.spawn(move || g.into_iter().for_each(|(c, chunk)| fill(c, chunk)));
+            }
+        });
+    }
+    v
+}
+
+/// Random initial weights of `config` ([`random_tensor`] of each), `(name, shape, values)` in
+/// [`LlamaConfig::tensors`]' order, one tensor at a time (a 7B model's f32 values are never all
+/// in memory at once).
+pub fn random_weights(
+    config: &LlamaConfig,
+    seed: u64,
+) -> impl Iterator<Item = (String, Vec<usize>, Vec<f32>)> {
+    config.tensors().into_iter().enumerate().map(move |(i, (name, shape))| {
+        let values = random_tensor(seed, i, &shape);
+        (name, shape, values)
+    })
+}
+
+/// The rotary tables, `cos` and `sin` of `[positions, head_dim]` in f32 (Hugging Face's
+/// layout: the frequencies twice over, for `rotate_half`), computed as Hugging Face computes
+/// them in f32.
+#[derive(Clone, Debug)]
+pub struct Rope {
+    cos: Tensor,
+    sin: Tensor,
+}
+
+impl Rope {
+    /// Tables for positions `0..positions` on `device`.
+    pub fn new(
+        config: &LlamaConfig,
+        positions: usize,
+        device: &Device,
+    ) -> candle_core::Result<Rope> {
+        let d = config.head_dim;
+        let base = config.rope_theta as f32;
+        let inv: Vec<f32> =
+            (0..d / 2).map(|i| 1.0 / base.powf((2 * i) as f32 / d as f32)).collect();
+        let mut cos = Vec::with_capacity(positions * d);
+        let mut sin = Vec::with_capacity(positions * d);
+        for p in 0..positions {
+            for _ in 0..2 {
+                for &f in &inv {
+                    let a = p as f32 * f;
+                    cos.push(a.cos());
+                    sin.push(a.sin());
+                }
+            }
+        }
+        Ok(Rope {
+            cos: Tensor::from_vec(cos, (positions, d), device)?,
+            sin: Tensor::from_vec(sin, (positions, d), device)?,
+        })
+    }
+
+    /// Positions the tables cover.
+    pub fn positions(&self) -> usize {
+        self.cos.dims()[0]
+    }
+
+    /// `x` (`[batch, heads, seq, head_dim]`) rotated for positions `offset..offset + seq`:
+    /// `x · cos + rotate_half(x) · sin`, the tables cast to `x`'s dtype.
+    pub fn apply(&self, x: &Tensor, offset: usize) -> candle_core::Result<Tensor> {
+        let (_, _, s, d) = x.dims4()?;
+        if offset + s > self.positions() {
+            candle_core::bail!(
+                "positions {offset}..{} past the rotary tables' {} (max_position_embeddings)",
+                offset + s,
+                self.positions()
+            );
+        }
+        let cos = self.cos.narrow(0, offset, s)?.to_dtype(x.dtype())?;
+        let sin = self.sin.narrow(0, offset, s)?.to_dtype(x.dtype())?;
+        let x1 = x.narrow(D::Minus1, 0, d / 2)?;
+        let x2 = x.narrow(D::Minus1, d / 2, d / 2)?;
+        let rotated = Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)?;
+        x.broadcast_mul(&cos)?.add(&rotated.broadcast_mul(&sin)?)
+    }
+}
+
+/// One block's weights (candle tensors, or `Var`s' tensors for training), in the order of
+/// [`BLOCK_TENSORS`].
+#[derive(Clone, Debug)]
+pub struct BlockWeights {
+    /// `input_layernorm.weight`.
+    pub input_norm: Tensor,
+    /// `self_attn.q_proj.weight`.
+    pub q: Tensor,
+    /// `self_attn.k_proj.weight`.
+    pub k: Tensor,
+    /// `self_attn.v_proj.weight`.
+    pub v: Tensor,
+    /// `self_attn.o_proj.weight`.
+    pub o: Tensor,
+    /// `post_attention_layernorm.weight`.
+    pub post_norm: Tensor,
+    /// `mlp.gate_proj.weight`.
+    pub gate: Tensor,
+    /// `mlp.up_proj.weight`.
+    pub up: Tensor,
+    /// `mlp.down_proj.weight`.
+    pub down: Tensor,
+}
+
+impl BlockWeights {
+    /// The weights from `get(suffix)` for each suffix of [`BLOCK_TENSORS`].
+    pub fn from_fn(
+        mut get: impl FnMut(&str) -> candle_core::Result<Tensor>,
+    ) -> candle_core::Result<BlockWeights> {
+        let [input_norm, q, k, v, o, post_norm, gate, up, down] = BLOCK_TENSORS;
+        Ok(BlockWeights {
+            input_norm: get(input_norm)?,
+            q: get(q)?,
+            k: get(k)?,
+            v: get(v)?,
+            o: get(o)?,
+            post_norm: get(post_norm)?,
+            gate: get(gate)?,
+            up: get(up)?,
+            down: get(down)?,
+        })
+    }
+}
+
+/// The keys and values of the positions a block has seen (after RoPE, before the heads are
+/// repeated), for generating one token at a time: [`block_forward`] appends the new positions'
+/// and attends over all of them.
+#[derive(Clone, Debug, Default)]
+pub struct KvCache {
+    k: Option<Tensor>,
+    v: Option<Tensor>,
+}
+
+impl KvCache {
+    /// An empty cache.
+    pub fn new() -> KvCache {
+        KvCache::default()
+    }
+
+    /// Positions held.
+    pub fn len(&self) -> usize {
+        self.k.as_ref().map_or(0, |k| k.dims()[2])
+    }
+
+    /// Whether it holds none.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The keys and values, `[batch, kv_heads, positions, head_dim]` each.
+    pub fn tensors(&self) -> Option<(&Tensor, &Tensor)> {
+        Some((self.k.as_ref()?, self.v.as_ref()?))
+    }
+}
+
+/// RMSNorm as Hugging Face's `LlamaRMSNorm`: in f32, `x / sqrt(mean(x²) + eps)`, cast back to
+/// `x`'s dtype, times the weight.
+pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> candle_core::Result<Tensor> {
+    let dtype = x.dtype();
+    let xf = x.to_dtype(CDType::F32)?;
+    let inv = (xf.sqr()?.mean_keepdim(D::Minus1)? + eps)?.sqrt()?.recip()?;
+    xf.broadcast_mul(&inv)?.to_dtype(dtype)?.broadcast_mul(weight)
+}
+
+/// `x · wᵀ` for `x` of `[batch, seq, in]` and a weight of `[out, in]`.
+pub fn linear(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
+    let (b, s, i) = x.dims3()?;
+    let out = w.dims2()?.0;
+    x.reshape((b * s, i))?.matmul(&w.t()?)?.reshape((b, s, out))
+}
+
+/// Softmax over the last dimension in f32, with the row maximum taken out first (detached: the
+/// softmax does not depend on it, so no gradient flows through it).
+pub fn softmax_last_dim(x: &Tensor) -> candle_core::Result<Tensor> {
+    let dtype = x.dtype();
+    let xf = x.to_dtype(CDType::F32)?;
+    let max = xf.max_keepdim(D::Minus1)?.detach();
+    let e = xf.broadcast_sub(&max)?.exp()?;
+    e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?.to_dtype(dtype)
+}
+
+/// `[batch, heads, seq, d]` with each key/value head repeated `n` times, as Hugging Face's
+/// `repeat_kv` orders them.
+fn repeat_kv(x: &Tensor, n: usize) -> candle_core::Result<Tensor> {
+    if n == 1 {
+        return Ok(x.clone());
+    }
+    let (b, h, s, d) = x.dims4()?;
+    Tensor::cat(&vec![x; n], 2)?.reshape((b, h * n, s, d))
+}
+
+/// The additive causal mask of `seq` queries at positions `offset..offset + seq` over
+/// `offset + seq` keys: 0 where a query may look, -inf after it.
+fn causal_mask(seq: usize, offset: usize, device: &Device) -> candle_core::Result<Tensor> {
+    let keys = offset + seq;
+    let m: Vec<f32> = (0..seq)
+        .flat_map(|i| (0..keys).map(move |j| if j > offset + i { f32::NEG_INFINITY } else { 0.0 }))
+        .collect();
+    Tensor::from_vec(m, (seq, keys), device)
+}
+
+/// One decoder block: `h = x + attention(rms_norm(x))`, `y = h + mlp(rms_norm(h))`, for `x` of
+/// `[batch, seq, hidden]` at positions `offset..offset + seq`. With a cache, the block attends
+/// over the cached positions too and appends these (`offset` must then be the cache's length);
+/// without, over these positions only (training: `offset` 0). Every op has a gradient.
+pub fn block_forward(
+    config: &LlamaConfig,
+    w: &BlockWeights,
+    x: &Tensor,
+    rope: &Rope,
+    offset: usize,
+    cache: Option<&mut KvCache>,
+) -> candle_core::Result<Tensor> {
+    let (b, s, _) = x.dims3()?;
+    let (nh, nkv, hd) = (config.num_attention_heads, config.num_key_value_heads, config.head_dim);
+    let eps = config.rms_norm_eps;
+
+    let n = rms_norm(x, &w.input_norm, eps)?;
+    let heads = |t: Tensor, count: usize| -> candle_core::Result<Tensor> {
+        t.reshape((b, s, count, hd))?.transpose(1, 2)?.contiguous()
+    };
+    let q = rope.apply(&heads(linear(&n, &w.q)?, nh)?, offset)?;
+    let mut k = rope.apply(&heads(linear(&n, &w.k)?, nkv)?, offset)?;
+    let mut v = heads(linear(&n, &w.v)?, nkv)?;
+    if let Some(c) = cache {
+        if c.len() != offset {
+            candle_core::bail!(
+                "a KV cache of {} positions for a forward at position {offset}",
+                c.len()
+            );
+        }
+        if let (Some(pk), Some(pv)) = (&c.k, &c.v) {
+            k = Tensor::cat(&[pk, &k], 2)?;
+            v = Tensor::cat(&[pv, &v], 2)?;
+        }
+        c.k = Some(k.clone());
+        c.v = Some(v.clone());
+    }
+    let k = repeat_kv(&k, nh / nkv)?;
+    let v = repeat_kv(&v, nh / nkv)?;
+    let scores = (q.matmul(&k.t()?)? * (1.0 / (hd as f64).sqrt()))?;
+    let scores = if s > 1 {
+        let mask = causal_mask(s, offset, x.device())?.to_dtype(scores.dtype())?;
+        scores.broadcast_add(&mask)?
+    } else {
+        scores // one query at the newest position sees every key
+    };
+    let attn = softmax_last_dim(&scores)?.matmul(&v)?;
+    let attn = attn.transpose(1, 2)?.reshape((b, s, nh * hd))?;
+    let h = x.add(&linear(&attn, &w.o)?)?;
+
+    let n = rms_norm(&h, &w.post_norm, eps)?;
+    let mlp = linear(&linear(&n, &w.gate)?.silu()?.mul(&linear(&n, &w.up)?)?, &w.down)?;
+    h.add(&mlp)
+}
+
+/// The embedding of `ids` (`[batch, seq]`, u32): rows of `table`, `[batch, seq, hidden]`.
+pub fn embed(table: &Tensor, ids: &Tensor) -> candle_core::Result<Tensor> {
+    let (b, s) = ids.dims2()?;
+    let h = table.dims2()?.1;
+    table.index_select(&ids.flatten_all()?, 0)?.reshape((b, s, h))
+}
+
+/// The head: the final norm and the output projection (`head`: `lm_head.weight`, or the
+/// embedding table when tied), giving f32 logits of `[batch · seq, vocab]`.
+pub fn head_logits(
+    config: &LlamaConfig,
+    x: &Tensor,
+    norm: &Tensor,
+    head: &Tensor,
+) -> candle_core::Result<Tensor> {
+    let (b, s, _) = x.dims3()?;
+    let n = rms_norm(x, norm, config.rms_norm_eps)?;
+    linear(&n, head)?.reshape((b * s, head.dims2()?.0))?.to_dtype(CDType::F32)
+}
+
+/// Cross-entropy of `logits` (`[n, vocab]`, f32) against `targets` (`[n]`, u32), summed over
+/// the rows and multiplied by `scale` (`1 / (n · micro-batches)`: the mean over a step's
+/// tokens when the micro-batches' losses are added). A scalar with a gradient.
+pub fn next_token_loss(
+    logits: &Tensor,
+    targets: &Tensor,
+    scale: f64,
+) -> candle_core::Result<Tensor> {
+    let max = logits.max_keepdim(D::Minus1)?.detach();
+    let shifted = logits.broadcast_sub(&max)?;
+    let lse = shifted.exp()?.sum_keepdim(D::Minus1)?.log()?;
+    let logp = shifted.broadcast_sub(&lse)?;
+    let picked = logp.gather(&targets.unsqueeze(1)?.contiguous()?, 1)?;
+    picked.sum_all()?.neg()?.affine(scale, 0.0)
+}
+
+/// A micro-batch's inputs and next-token targets from `tokens` (`[batch, seq + 1]`, u32):
+/// `tokens[:, :seq]` and `tokens[:, 1:]` flattened.
+pub fn inputs_and_targets(tokens: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
+    let (_, n) = tokens.dims2()?;
+    if n < 2 {
+        candle_core::bail!("a micro-batch of {n} tokens per row: at least 2 are needed");
+    }
+    let ids = tokens.narrow(1, 0, n - 1)?.contiguous()?;
+    let targets = tokens.narrow(1, 1, n - 1)?.flatten_all()?.contiguous()?;
+    Ok((ids, targets))
+}

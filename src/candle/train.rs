@@ -1,0 +1,1321 @@
+//! Out-of-core training of a Llama-style decoder inside candle: [`Trainer`] runs the model stage
+//! by stage with every byte of its state in a strata store, and [`LlamaTwin`] is the same model
+//! trained in memory with candle's plain `backward`, its reference.
+//!
+//! A step of [`Trainer::step`] over `accum` micro-batches, **layer-major** (all micro-batches
+//! pass a stage before the next stage's weights are fetched, so each block's weights cross to
+//! the device once per forward and once per backward per step):
+//!
+//! 1. *forward*: the embedding, then each block, its weights fetched through device views
+//!    ([`Layers::fetch`], the next stage prefetched), each block's input written to the store
+//!    as an activation checkpoint (group `Activation`, homed in host memory);
+//! 2. *head*: the final norm, the output projection and the cross-entropy over next tokens,
+//!    forward and backward at once (candle's autograd, the head's weights as `Var`s);
+//! 3. *backward*, from the last block down: each block recomputed from its checkpoint with its
+//!    weights as `Var`s, its weight and input gradients from the backward of
+//!    `sum(output · grad_output)`; the weight gradients summed over the micro-batches in f32 and
+//!    handed to the store (group `Grad`), where the optimizer takes them;
+//! 4. *update*: [`strata::optim`](crate::optim)'s AdamW (fp32 masters and moments in the store,
+//!    group `OptimizerState`; the Cpu engine by default). Without gradient clipping a stage's
+//!    update is queued as soon as its gradients are in the store, and runs while candle goes on
+//!    with the stages below (ZeRO-Offload's overlap). With clipping the updates wait for the
+//!    global norm, then run while the next step's forward goes on with the stages already
+//!    updated. Either way a stage's weights are fetched only after its update has run.
+//!
+//! Frozen parameters (by name pattern) get no gradient and no state. The learning rate follows
+//! [`LrSchedule`] (linear warmup, cosine decay). [`Trainer::save`] writes the parameters (a
+//! Hugging Face checkpoint: `model-*.safetensors` and its index), the fp32 masters and moments
+//! (`optimizer-*.safetensors` and its index) and the step; [`Trainer::resume`] continues from
+//! them as if the run had not stopped.
+//!
+//! On candle's CPU device the trainer and [`LlamaTwin`] do the same f32 operations in the same
+//! order, so their losses and weights are equal bit for bit (`tests/candle/train.rs`).
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Instant;
+
+use candle_core::{DType as CDType, Device, Tensor, Var};
+
+use super::llama::{
+    block_forward, embed, head_logits, inputs_and_targets, next_token_loss, BlockWeights,
+    LlamaConfig, Rope, EMBED, LM_HEAD, NORM,
+};
+use super::{strata_err, Layers};
+use crate::optim::{
+    cpu_update_scaled, AdamW, Algorithm, Engine, GradSlice, Optimizer, OptimizerConfig,
+};
+use crate::types::{DType, Group, TensorId, Tier};
+use crate::{LoadOptions, Store, Stream};
+
+/// The learning rate of each step: linear warmup from `peak / warmup` to `peak` over the first
+/// `warmup` steps, then a cosine from `peak` down to `min` at step `total` (and `min` after).
+///
+/// ```
+/// let s = strata::candle::LrSchedule { peak: 1e-3, min: 1e-4, warmup: 2, total: 10 };
+/// assert_eq!(s.lr(0), 5e-4);                   // warming up
+/// assert_eq!(s.lr(2), 1e-3);                   // the peak, where the cosine starts
+/// assert!((s.lr(10) - 1e-4).abs() < 1e-12);    // the floor
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LrSchedule {
+    /// The learning rate after warmup.
+    pub peak: f64,
+    /// The learning rate at the end of the cosine.
+    pub min: f64,
+    /// Steps of linear warmup.
+    pub warmup: u64,
+    /// The step at which the cosine reaches `min`.
+    pub total: u64,
+}
+
+impl LrSchedule {
+    /// A constant learning rate.
+    pub fn constant(lr: f64) -> LrSchedule {
+        LrSchedule { peak: lr, min: lr, warmup: 0, total: 0 }
+    }
+
+    /// The learning rate of step `step` (0-based).
+    pub fn lr(&self, step: u64) -> f64 {
+        if step < self.warmup {
+            return self.peak * (step + 1) as f64 / self.warmup as f64;
+        }
+        let span = self.total.saturating_sub(self.warmup);
+        if span == 0 {
+            return self.peak;
+        }
+        let progress = ((step - self.warmup) as f64 / span as f64).min(1.0);
+        self.min + 0.5 * (self.peak - self.min) * (1.0 + (std::f64::consts::PI * progress).cos())
+    }
+}
+
+/// How [`Trainer`] (and [`LlamaTwin`]) train.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TrainConfig {
+    /// Sequences per micro-batch.
+    pub micro_batch: usize,
+    /// Tokens per sequence (a micro-batch's tokens are `[micro_batch, seq + 1]`: the inputs and,
+    /// shifted by one, the targets).
+    pub seq: usize,
+    /// Micro-batches per step (gradient accumulation).
+    pub accum: usize,
+    /// AdamW's hyperparameters (its `lr` is replaced by the schedule's).
+    pub adamw: AdamW,
+    /// The learning rate by step.
+    pub schedule: LrSchedule,
+    /// Global gradient-norm clipping (`torch.nn.utils.clip_grad_norm_`'s `max_norm`); `None`
+    /// for none.
+    pub clip: Option<f64>,
+    /// Where the optimizer runs ([`Engine::Cpu`] by default).
+    pub engine: Engine,
+    /// Threads of the Cpu engine (0: every core).
+    pub optimizer_threads: usize,
+    /// Name patterns of frozen parameters (`*` matches any run of characters): no gradient,
+    /// no optimizer state, never changed.
+    pub frozen: Vec<String>,
+}
+
+impl Default for TrainConfig {
+    fn default() -> Self {
+        TrainConfig {
+            micro_batch: 1,
+            seq: 16,
+            accum: 1,
+            adamw: AdamW { lr: 1e-3, weight_decay: 0.0, ..AdamW::default() },
+            schedule: LrSchedule::constant(1e-3),
+            clip: None,
+            engine: Engine::Cpu,
+            optimizer_threads: 0,
+            frozen: Vec::new(),
+        }
+    }
+}
+
+impl TrainConfig {
+    /// Whether `name` matches a frozen pattern.
+    pub fn is_frozen(&self, name: &str) -> bool {
+        self.frozen.iter().any(|p| glob(p, name))
+    }
+
+    fn check(&self, config: &LlamaConfig) -> candle_core::Result<()> {
+        if self.micro_batch == 0 || self.seq == 0 || self.accum == 0 {
+            candle_core::bail!("micro_batch, seq and accum must be at least 1");
+        }
+        if self.seq > config.max_position_embeddings {
+            candle_core::bail!(
+                "seq {} is past the model's max_position_embeddings {}",
+                self.seq,
+                config.max_position_embeddings
+            );
+        }
+        Ok(())
+    }
+}
+
+/// `*` matches any run of characters, everything else itself.
+fn glob(pattern: &str, name: &str) -> bool {
+    match pattern.split_once('*') {
+        None => pattern == name,
+        Some((head, rest)) => {
+            let Some(tail) = name.strip_prefix(head) else { return false };
+            (0..=tail.len()).any(|i| tail.is_char_boundary(i) && glob(rest, &tail[i..]))
+        }
+    }
+}
+
+/// What one training step did.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct StepReport {
+    /// The step (0-based).
+    pub step: u64,
+    /// The mean next-token cross-entropy over the step's tokens (the micro-batches' losses
+    /// added in f32).
+    pub loss: f32,
+    /// The learning rate the step's update used.
+    pub lr: f64,
+    /// The global gradient norm before clipping.
+    pub grad_norm: f64,
+    /// The factor the gradients were multiplied by (1 unless clipped).
+    pub clip_scale: f32,
+    /// Tokens trained on (inputs).
+    pub tokens: u64,
+    /// Wall-clock seconds of the step.
+    pub seconds: f64,
+    /// Bytes moved between the store's tiers during the step, `moved[from][to]` by
+    /// [`Tier::index`].
+    pub moved: [[u64; 4]; 4],
+    /// Seconds consumers waited for the store's copies during the step ([`crate::Stats`]).
+    pub stall_seconds: f64,
+    /// Seconds of optimizer updates that completed during the step.
+    pub optimizer_seconds: f64,
+    /// Seconds the step waited for updates (the part of the optimizer not hidden behind
+    /// candle's compute).
+    pub optimizer_exposed_seconds: f64,
+}
+
+impl StepReport {
+    /// Optimizer seconds that ran while candle computed.
+    pub fn optimizer_hidden_seconds(&self) -> f64 {
+        (self.optimizer_seconds - self.optimizer_exposed_seconds).max(0.0)
+    }
+}
+
+/// Puts random initial weights of `config` ([`super::llama::random_weights`]) into `store`
+/// as `Param` tensors of `dtype` (`F32` or `BF16`) under Hugging Face's names, in host memory
+/// (Pinned, else wherever there is room).
+pub fn put_random_weights(
+    store: &Store,
+    config: &LlamaConfig,
+    seed: u64,
+    dtype: DType,
+) -> candle_core::Result<Vec<(String, TensorId)>> {
+    super::llama::random_weights(config, seed)
+        .map(|(name, shape, values)| {
+            let bytes = match dtype {
+                DType::F32 => bytemuck::cast_slice::<f32, u8>(&values).to_vec(),
+                DType::BF16 => {
+                    let b: Vec<half::bf16> =
+                        values.iter().map(|&x| half::bf16::from_f32(x)).collect();
+                    bytemuck::cast_slice::<half::bf16, u8>(&b).to_vec()
+                }
+                other => candle_core::bail!("weights in {other}: f32 or bf16 are trained"),
+            };
+            let id = put_host(store, &name, Group::Param, dtype, &shape, &bytes)
+                .map_err(|e| strata_err(&name, e))?;
+            Ok((name, id))
+        })
+        .collect()
+}
+
+/// Loads a Hugging Face Llama checkpoint of `config` into `store` (a `.safetensors` file, a
+/// sharded checkpoint's `*.index.json` or a directory; in place, group `Param`), and checks
+/// that it has every tensor `config` names, in the shape it says, in f32 or bf16. Tensors the
+/// model does not use are left out (and removed from the store).
+pub fn load_weights(
+    store: &Store,
+    config: &LlamaConfig,
+    path: impl AsRef<Path>,
+) -> candle_core::Result<Vec<(String, TensorId)>> {
+    let opts = LoadOptions { group: Group::Param, ..LoadOptions::default() };
+    let loaded = store.load_checkpoint(path.as_ref(), opts).map_err(candle_core::Error::from)?;
+    let mut out = Vec::new();
+    for (name, shape) in config.tensors() {
+        let id = loaded
+            .get(&name)
+            .ok_or_else(|| candle_core::Error::CannotFindTensor { path: name.clone() }.bt())?;
+        let info = store.info(id).map_err(|e| strata_err(&name, e))?;
+        if info.shape != shape {
+            return Err(candle_core::Error::UnexpectedShape {
+                msg: format!("shape mismatch for {name}"),
+                expected: shape.into(),
+                got: info.shape.into(),
+            }
+            .bt());
+        }
+        if !matches!(info.dtype, DType::F32 | DType::BF16) {
+            candle_core::bail!("{name} is {}: f32 or bf16 weights are trained", info.dtype);
+        }
+        out.push((name, id));
+    }
+    for t in loaded.iter() {
+        if !out.iter().any(|(n, _)| *n == t.name) {
+            store.remove(t.id).map_err(|e| strata_err(&t.name, e))?;
+        }
+    }
+    Ok(out)
+}
+
+/// A tensor homed in host memory: Pinned when it has room, else wherever `put` places it.
+fn put_host(
+    store: &Store,
+    name: &str,
+    group: Group,
+    dtype: DType,
+    shape: &[usize],
+    bytes: &[u8],
+) -> crate::Result<TensorId> {
+    match store.put_in(Tier::Pinned, name, group, dtype, shape, bytes) {
+        Ok(id) => Ok(id),
+        Err(
+            crate::Error::OutOfMemory { .. }
+            | crate::Error::TooLarge { .. }
+            | crate::Error::TierDisabled { .. },
+        ) => store.put_group(name, group, dtype, shape, bytes),
+        Err(e) => Err(e),
+    }
+}
+
+/// The candle dtype of a trained parameter's store dtype.
+fn compute_dtype(d: DType) -> candle_core::Result<CDType> {
+    match d {
+        DType::F32 => Ok(CDType::F32),
+        DType::BF16 => Ok(CDType::BF16),
+        other => candle_core::bail!("{other} parameters: f32 or bf16 are trained"),
+    }
+}
+
+/// `acc + g` in f32 (`g` converted), or `g` for the first micro-batch.
+fn accumulate(acc: &mut Option<Tensor>, g: &Tensor) -> candle_core::Result<()> {
+    let g = g.to_dtype(CDType::F32)?;
+    *acc = Some(match acc.take() {
+        None => g,
+        Some(a) => a.add(&g)?,
+    });
+    Ok(())
+}
+
+/// The global norm of gradients whose sums of squares are `ss` (f32 scalars, in the model's
+/// tensor order), added in f64, and clipping's factor for `clip` (torch's
+/// `min(1, max_norm / (norm + 1e-6))`, in f32).
+fn clip_scale(ss: &[Tensor], clip: Option<f64>) -> candle_core::Result<(f64, f32)> {
+    let mut total = 0.0f64;
+    for s in ss {
+        total += f64::from(s.to_scalar::<f32>()?);
+    }
+    let norm = total.sqrt();
+    let scale = match clip {
+        Some(max) => (max / (norm + 1e-6)).min(1.0) as f32,
+        None => 1.0,
+    };
+    Ok((norm, scale))
+}
+
+/// A candle tensor's values written into the store tensor `id` (same dtype and element count).
+/// CPU: through the host (`Store::write`). CUDA: device to device into a
+/// `device_view_for_overwrite` on candle's stream, then released (written back to host memory
+/// when the Device tier needs the room).
+fn candle_to_store(
+    store: &Store,
+    stream: &Stream,
+    name: &str,
+    id: TensorId,
+    t: &Tensor,
+) -> candle_core::Result<()> {
+    let t = t.flatten_all()?.contiguous()?;
+    match t.device() {
+        #[cfg(feature = "candle-cuda")]
+        Device::Cuda(dev) => {
+            use candle_core::Storage;
+            let mut view =
+                store.device_view_for_overwrite(id, stream).map_err(|e| strata_err(name, e))?;
+            {
+                let (storage, layout) = t.storage_and_layout();
+                let Storage::Cuda(cs) = &*storage else {
+                    candle_core::bail!("{name}: a CUDA tensor without CUDA storage")
+                };
+                let (start, end) = layout
+                    .contiguous_offsets()
+                    .ok_or_else(|| candle_core::Error::Msg(format!("{name}: not contiguous")))?;
+                let cuda = dev.cuda_stream();
+                macro_rules! dtod {
+                    ($t:ty) => {{
+                        if (end - start) * std::mem::size_of::<$t>() != view.len_bytes() {
+                            candle_core::bail!(
+                                "{name}: {} elements for a tensor of {} bytes",
+                                end - start,
+                                view.len_bytes()
+                            );
+                        }
+                        let src = cs.as_cuda_slice::<$t>()?.slice(start..end);
+                        let mut dst =
+                            view.typed_cuda_view_mut::<$t>().map_err(|e| strata_err(name, e))?;
+                        cuda.memcpy_dtod(&src, &mut dst).map_err(candle_core::Error::wrap)?;
+                    }};
+                }
+                match t.dtype() {
+                    CDType::F32 => dtod!(f32),
+                    CDType::BF16 => dtod!(half::bf16),
+                    other => candle_core::bail!("{name}: no copy into the store for {other:?}"),
+                }
+            }
+            drop(view);
+            store.release(&[id]).map_err(|e| strata_err(name, e))
+        }
+        _ => {
+            let _ = stream;
+            let bytes: Vec<u8> = match t.dtype() {
+                CDType::F32 => bytemuck::cast_slice(&t.to_vec1::<f32>()?).to_vec(),
+                CDType::BF16 => bytemuck::cast_slice(&t.to_vec1::<half::bf16>()?).to_vec(),
+                other => candle_core::bail!("{name}: no copy into the store for {other:?}"),
+            };
+            store.write(id, &bytes).map_err(|e| strata_err(name, e))
+        }
+    }
+}
+
+/// A parameter of the model, where it is and who updates it.
+#[derive(Clone, Debug)]
+struct Param {
+    name: String,
+    id: TensorId,
+    /// The stage whose update writes it (embedding 0, block `l` at `l + 1`, head last).
+    stage: usize,
+    trainable: bool,
+}
+
+/// Trains a Llama-style decoder out of core: parameters, gradients, fp32 masters, AdamW moments
+/// and activation checkpoints all in a strata store, one stage's weights on the device at a
+/// time (see the [module docs](self)).
+///
+/// ```
+/// # fn main() -> candle_core::Result<()> {
+/// use std::sync::Arc;
+/// use candle_core::{Device, Tensor};
+/// use strata::candle::{put_random_weights, LlamaConfig, TrainConfig, Trainer};
+/// use strata::{Store, Tier};
+///
+/// let config = LlamaConfig::from_json(r#"{"hidden_size": 32, "intermediate_size": 64,
+///     "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 50}"#)?;
+/// let device = Device::Cpu;
+/// // A Device tier smaller than one block's weights and the next.
+/// let store = Arc::new(strata::candle::store_for(&device,
+///     Store::builder().capacity(Tier::Device, 64 << 10).prefetch_budget(64 << 10))?);
+/// let weights = put_random_weights(&store, &config, 1, strata::DType::F32)?;
+/// let train = TrainConfig { micro_batch: 2, seq: 8, accum: 2, ..TrainConfig::default() };
+/// let mut trainer = Trainer::new(store, &device, config, train, weights)?;
+/// let tokens = Tensor::new(&[[1u32, 2, 3, 4, 5, 6, 7, 8, 9]; 2], &device)?;
+/// let report = trainer.step(&[tokens.clone(), tokens])?;
+/// assert!(report.loss > 3.0 && report.loss < 5.0); // about ln(50) at random init
+/// # Ok(()) }
+/// ```
+pub struct Trainer {
+    config: LlamaConfig,
+    train: TrainConfig,
+    store: Arc<Store>,
+    layers: Layers,
+    rope: Rope,
+    dtype: CDType,
+    params: Vec<Param>,
+    /// The trainable parameters' ids, for the optimizer (`None` when all are frozen).
+    opt: Option<Optimizer>,
+    /// Activation checkpoints: `[block][micro-batch]` names.
+    checkpoints: Vec<Vec<String>>,
+    /// Tied embeddings being trained: the head's share of the table's gradient, per
+    /// micro-batch, kept in the store until the embedding's backward adds its own.
+    head_shares: Vec<String>,
+    step: u64,
+    /// The stage of each update queued since the last `Optimizer::finish`, in order.
+    queued: Vec<usize>,
+}
+
+impl std::fmt::Debug for Trainer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Trainer")
+            .field("layers", &self.config.num_hidden_layers)
+            .field("hidden", &self.config.hidden_size)
+            .field("step", &self.step)
+            .finish()
+    }
+}
+
+/// Stages: 0 the embedding, `1..=layers` the blocks, `layers + 1` the head.
+fn block_stage(l: usize) -> usize {
+    l + 1
+}
+
+impl Trainer {
+    /// A trainer for a model of `config` whose parameters are the store tensors `weights`
+    /// (Hugging Face's names: [`load_weights`] or [`put_random_weights`] make them), on candle
+    /// device `device` (the store must go with it: [`store_for`](super::store_for)). Moves the
+    /// parameters to host memory (Pinned, where there is room), creates the optimizer's state
+    /// for the trainable ones (gradients in f32) and the activation checkpoints.
+    pub fn new(
+        store: Arc<Store>,
+        device: &Device,
+        config: LlamaConfig,
+        train: TrainConfig,
+        weights: Vec<(String, TensorId)>,
+    ) -> candle_core::Result<Trainer> {
+        train.check(&config)?;
+        let by_name: HashMap<String, TensorId> = weights.into_iter().collect();
+        let layers_n = config.num_hidden_layers;
+        let mut params = Vec::new();
+        let mut dtype = None;
+        for (name, shape) in config.tensors() {
+            let id = *by_name
+                .get(&name)
+                .ok_or_else(|| candle_core::Error::CannotFindTensor { path: name.clone() }.bt())?;
+            let info = store.info(id).map_err(|e| strata_err(&name, e))?;
+            if info.shape != shape {
+                candle_core::bail!("{name} has shape {:?}, the config says {shape:?}", info.shape);
+            }
+            let d = compute_dtype(info.dtype)?;
+            if *dtype.get_or_insert(d) != d {
+                candle_core::bail!("{name} is {:?}: every parameter must have one dtype", d);
+            }
+            let stage = if name == EMBED {
+                0
+            } else if name == NORM || name == LM_HEAD {
+                layers_n + 1
+            } else {
+                let l: usize = name
+                    .strip_prefix("model.layers.")
+                    .and_then(|r| r.split('.').next())
+                    .and_then(|n| n.parse().ok())
+                    .unwrap_or(0);
+                block_stage(l)
+            };
+            // Home in host memory: the Cpu engine updates it there, and the device tier only
+            // caches what a stage uses.
+            if !info.tiers.iter().any(|t| matches!(t, Tier::Pinned | Tier::Mapped)) {
+                match store.move_to(id, Tier::Pinned) {
+                    Ok(())
+                    | Err(
+                        crate::Error::OutOfMemory { .. }
+                        | crate::Error::TooLarge { .. }
+                        | crate::Error::TierDisabled { .. },
+                    ) => {}
+                    Err(e) => return Err(strata_err(&name, e)),
+                }
+            }
+            store.set_group(id, Group::Param).map_err(|e| strata_err(&name, e))?;
+            params.push(Param { trainable: !train.is_frozen(&name), name, id, stage });
+        }
+        let dtype = dtype.unwrap_or(CDType::F32);
+        let sd = if dtype == CDType::BF16 { DType::BF16 } else { DType::F32 };
+
+        let mut names: Vec<(String, TensorId)> =
+            params.iter().map(|p| (p.name.clone(), p.id)).collect();
+        let act = [train.micro_batch, train.seq, config.hidden_size];
+        let act_bytes = vec![0u8; act.iter().product::<usize>() * sd.size_of()];
+        let mut checkpoints = Vec::with_capacity(layers_n);
+        for l in 0..layers_n {
+            let mut per = Vec::with_capacity(train.accum);
+            for m in 0..train.accum {
+                let name = format!("checkpoint.layers.{l}.micro_batch.{m}");
+                let id = put_host(&store, &name, Group::Activation, sd, &act, &act_bytes)
+                    .map_err(|e| strata_err(&name, e))?;
+                names.push((name.clone(), id));
+                per.push(name);
+            }
+            checkpoints.push(per);
+        }
+        let mut head_shares = Vec::new();
+        let embed_trainable = params.iter().any(|p| p.name == EMBED && p.trainable);
+        if config.tie_word_embeddings && embed_trainable {
+            let shape = [config.vocab_size, config.hidden_size];
+            let zeros = vec![0u8; shape.iter().product::<usize>() * sd.size_of()];
+            for m in 0..train.accum {
+                let name = format!("{EMBED}.head_grad.micro_batch.{m}");
+                let id = put_host(&store, &name, Group::Grad, sd, &shape, &zeros)
+                    .map_err(|e| strata_err(&name, e))?;
+                names.push((name.clone(), id));
+                head_shares.push(name);
+            }
+        }
+        let layers = Layers::new(store.clone(), names, device).map_err(candle_core::Error::from)?;
+        let trainable: Vec<TensorId> =
+            params.iter().filter(|p| p.trainable).map(|p| p.id).collect();
+        let opt = if trainable.is_empty() {
+            None
+        } else {
+            let alg = Algorithm::AdamW(AdamW { lr: train.schedule.lr(0), ..train.adamw });
+            let mut cfg = OptimizerConfig::new(alg, train.engine);
+            cfg.threads = train.optimizer_threads;
+            cfg.grad_dtype = Some(DType::F32);
+            Some(
+                Optimizer::new(store.clone(), layers.stream(), &trainable, cfg)
+                    .map_err(candle_core::Error::from)?,
+            )
+        };
+        let rope = Rope::new(&config, train.seq, device)?;
+        Ok(Trainer {
+            config,
+            train,
+            store,
+            layers,
+            rope,
+            dtype,
+            params,
+            opt,
+            checkpoints,
+            head_shares,
+            step: 0,
+            queued: Vec::new(),
+        })
+    }
+
+    /// The store.
+    pub fn store(&self) -> &Arc<Store> {
+        &self.store
+    }
+
+    /// The model's config.
+    pub fn config(&self) -> &LlamaConfig {
+        &self.config
+    }
+
+    /// The training config.
+    pub fn train_config(&self) -> &TrainConfig {
+        &self.train
+    }
+
+    /// Steps done (the next step's number).
+    pub fn steps(&self) -> u64 {
+        self.step
+    }
+
+    /// The optimizer (`None` when every parameter is frozen): its engine, its state tensors.
+    pub fn optimizer(&self) -> Option<&Optimizer> {
+        self.opt.as_ref()
+    }
+
+    /// The [`Layers`] the stages are fetched through (its transfers into candle).
+    pub fn layers(&self) -> &Layers {
+        &self.layers
+    }
+
+    /// The parameters, `(name, tensor)`, in the model's order.
+    pub fn params(&self) -> Vec<(String, TensorId)> {
+        self.params.iter().map(|p| (p.name.clone(), p.id)).collect()
+    }
+
+    fn stage_names(&self, stage: usize) -> Vec<String> {
+        let n = self.config.num_hidden_layers;
+        match stage {
+            0 => vec![EMBED.to_string()],
+            s if s <= n => LlamaConfig::block_names(s - 1),
+            _ => self.config.head_names().iter().map(|s| s.to_string()).collect(),
+        }
+    }
+
+    /// Waits until the updates writing what stages `stages` read have run; returns the seconds
+    /// waited.
+    fn wait_for(&mut self, stages: &[usize]) -> candle_core::Result<f64> {
+        let Some(opt) = self.opt.as_mut() else { return Ok(0.0) };
+        let mut writers = Vec::new();
+        for &s in stages {
+            let names = match s {
+                0 => vec![EMBED.to_string()],
+                s if s <= self.config.num_hidden_layers => LlamaConfig::block_names(s - 1),
+                _ => self.config.head_names().iter().map(|s| s.to_string()).collect(),
+            };
+            writers.extend(self.params.iter().filter(|p| names.contains(&p.name)).map(|p| p.stage));
+        }
+        let Some(last) = self.queued.iter().rposition(|s| writers.contains(s)) else {
+            return Ok(0.0);
+        };
+        let left = self.queued.len() - (last + 1);
+        if opt.pending() <= left {
+            return Ok(0.0);
+        }
+        let t = Instant::now();
+        opt.wait_pending(left).map_err(candle_core::Error::from)?;
+        Ok(t.elapsed().as_secs_f64())
+    }
+
+    /// Ends the optimizer's step whose updates were queued last (they have all been waited
+    /// for, or are now), so that the next updates count the next step.
+    fn close_updates(&mut self) -> candle_core::Result<f64> {
+        let Some(opt) = self.opt.as_mut() else { return Ok(0.0) };
+        if self.queued.is_empty() {
+            return Ok(0.0);
+        }
+        let t = Instant::now();
+        let waited = opt.pending() > 0;
+        opt.finish().map_err(candle_core::Error::from)?;
+        self.queued.clear();
+        Ok(if waited { t.elapsed().as_secs_f64() } else { 0.0 })
+    }
+
+    /// Waits for every queued update (the last step's, which run behind the next step's
+    /// forward) and ends the optimizer's step; returns the seconds waited. [`Trainer::save`]
+    /// calls it; call it after the last step before reading the weights.
+    pub fn finish(&mut self) -> candle_core::Result<f64> {
+        self.close_updates()
+    }
+
+    /// Queues the updates of the trainable parameters of `stage`.
+    fn queue(&mut self, stage: usize, scale: f32) -> candle_core::Result<()> {
+        let Some(opt) = self.opt.as_mut() else { return Ok(()) };
+        for p in self.params.iter().filter(|p| p.stage == stage && p.trainable) {
+            opt.update_scaled(p.id, scale).map_err(|e| strata_err(&p.name, e))?;
+            self.queued.push(stage);
+        }
+        Ok(())
+    }
+
+    /// Candle `Var`s of the trainable tensors among `w` (frozen ones stay plain tensors).
+    fn as_vars(
+        &self,
+        w: &HashMap<String, Tensor>,
+        names: &[String],
+    ) -> candle_core::Result<HashMap<String, (Tensor, Option<Var>)>> {
+        let mut out = HashMap::new();
+        for n in names {
+            let t = w
+                .get(n)
+                .ok_or_else(|| candle_core::Error::CannotFindTensor { path: n.clone() }.bt())?;
+            let trainable = self.params.iter().any(|p| p.name == *n && p.trainable);
+            let entry = if trainable {
+                let v = Var::from_tensor(t)?;
+                (v.as_tensor().clone(), Some(v))
+            } else {
+                (t.clone(), None)
+            };
+            out.insert(n.clone(), entry);
+        }
+        Ok(out)
+    }
+
+    /// Hands a parameter's accumulated gradient (f32) to the store, and returns its sum of
+    /// squares.
+    fn hand_over(&self, name: &str, grad: &Tensor) -> candle_core::Result<Tensor> {
+        let p = self.params.iter().find(|p| p.name == name).expect("a parameter");
+        let opt = self.opt.as_ref().expect("trainable parameters have an optimizer");
+        let gid = opt.grad(p.id).map_err(|e| strata_err(name, e))?;
+        candle_to_store(&self.store, self.layers.stream(), &format!("{name}.grad"), gid, grad)?;
+        grad.sqr()?.sum_all()
+    }
+
+    /// One training step over `batches`: `accum` micro-batches of `[micro_batch, seq + 1]`
+    /// token ids (u32) on the trainer's device. See the [module docs](self).
+    pub fn step(&mut self, batches: &[Tensor]) -> candle_core::Result<StepReport> {
+        let t0 = Instant::now();
+        let stats0 = self.store.stats();
+        let busy0 = self.opt.as_ref().map_or(0.0, |o| o.update_seconds());
+        let (tc, cfg) = (self.train.clone(), self.config.clone());
+        check_batches(&tc, &cfg, batches)?;
+        let n_layers = cfg.num_hidden_layers;
+        let head = n_layers + 1;
+        let mut exposed = 0.0;
+        let io: Vec<(Tensor, Tensor)> =
+            batches.iter().map(inputs_and_targets).collect::<candle_core::Result<_>>()?;
+        let names = |s: &Self, stage: usize| s.stage_names(stage);
+
+        // Forward, stage by stage, every micro-batch through a stage before the next.
+        exposed += self.wait_for(&[0, 1])?;
+        let next = names(self, 1);
+        let w = self.layers.fetch(&[EMBED], &refs(&next))?;
+        let table = w.get(EMBED).expect("fetched").clone();
+        drop(w);
+        let mut xs: Vec<Tensor> =
+            io.iter().map(|(ids, _)| embed(&table, ids)).collect::<candle_core::Result<_>>()?;
+        drop(table);
+        for l in 0..n_layers {
+            let stage = block_stage(l);
+            exposed += self.wait_for(&[stage, stage + 1])?;
+            let (this, next) = (names(self, stage), names(self, stage + 1));
+            let w = self.layers.fetch(&refs(&this), &refs(&next))?;
+            let prefix = LlamaConfig::block_prefix(l);
+            let bw = BlockWeights::from_fn(|s| {
+                w.get(&format!("{prefix}{s}")).cloned().ok_or_else(|| {
+                    candle_core::Error::CannotFindTensor { path: format!("{prefix}{s}") }.bt()
+                })
+            })?;
+            for (m, x) in xs.iter_mut().enumerate() {
+                let ck = &self.checkpoints[l][m];
+                let id = self.layers.id(ck).expect("checkpoint");
+                candle_to_store(&self.store, self.layers.stream(), ck, id, x)?;
+                *x = block_forward(&cfg, &bw, x, &self.rope, 0, None)?;
+            }
+        }
+
+        // The head: forward and backward at once; its loss is the step's.
+        exposed += self.wait_for(&[head])?;
+        let head_names: Vec<String> = cfg.head_names().iter().map(|s| s.to_string()).collect();
+        let mut next = if n_layers > 0 { names(self, n_layers) } else { Vec::new() };
+        if let Some(last) = self.checkpoints.last() {
+            next.extend(last.iter().cloned());
+        }
+        let w = self.layers.fetch(&refs(&head_names), &refs(&next))?.into_tensors();
+        let vars = self.as_vars(&w, &head_names)?;
+        drop(w);
+        let scale = 1.0 / (tc.micro_batch * tc.seq * tc.accum) as f64;
+        // The micro-batches' losses, read once the stage is issued (no host wait per micro-batch).
+        let mut losses = Vec::with_capacity(tc.accum);
+        let mut acc: BTreeMap<String, Option<Tensor>> = BTreeMap::new();
+        let mut grads_in: Vec<Tensor> = Vec::with_capacity(tc.accum);
+        for (m, x) in xs.drain(..).enumerate() {
+            let xv = Var::from_tensor(&x)?;
+            let logits =
+                head_logits(&cfg, xv.as_tensor(), &vars[NORM].0, &vars[head_names[1].as_str()].0)?;
+            let l = next_token_loss(&logits, &io[m].1, scale)?;
+            let grads = l.backward()?;
+            losses.push(l);
+            grads_in.push(grad_of(&grads, &xv, "the head's input")?);
+            for (name, (_, var)) in &vars {
+                let Some(v) = var else { continue };
+                let g = grad_of(&grads, v, name)?;
+                if name == EMBED {
+                    // Tied: the head's share of the table's gradient, until the embedding's
+                    // backward adds its own (as candle's backward adds them).
+                    let share = &self.head_shares[m];
+                    let id = self.layers.id(share).expect("head share");
+                    candle_to_store(&self.store, self.layers.stream(), share, id, &g)?;
+                } else {
+                    accumulate(acc.entry(name.clone()).or_default(), &g)?;
+                }
+            }
+        }
+        drop(vars);
+        let mut loss = 0f32;
+        for l in &losses {
+            loss += l.to_scalar::<f32>()?;
+        }
+        let mut ss: BTreeMap<String, Tensor> = BTreeMap::new();
+        // Updates of a step are queued after the previous step's have ended.
+        exposed += self.close_updates()?;
+        let lr = tc.schedule.lr(self.step);
+        if let Some(o) = self.opt.as_mut() {
+            o.set_lr(lr);
+        }
+        self.hand_over_all(&mut acc, &mut ss)?;
+        if tc.clip.is_none() {
+            self.queue(head, 1.0)?;
+        }
+
+        // Backward, from the last block down.
+        for l in (0..n_layers).rev() {
+            let stage = block_stage(l);
+            let mut this = names(self, stage);
+            let weights_n = this.len();
+            this.extend(self.checkpoints[l].iter().cloned());
+            let next: Vec<String> = if l > 0 {
+                let mut v = names(self, stage - 1);
+                v.extend(self.checkpoints[l - 1].iter().cloned());
+                v
+            } else {
+                self.head_shares.clone()
+            };
+            let w = self.layers.fetch(&refs(&this), &refs(&next))?.into_tensors();
+            let vars = self.as_vars(&w, &this[..weights_n])?;
+            let prefix = LlamaConfig::block_prefix(l);
+            let bw = BlockWeights::from_fn(|s| Ok(vars[&format!("{prefix}{s}")].0.clone()))?;
+            for (m, gy) in grads_in.iter_mut().enumerate() {
+                let xv = Var::from_tensor(&w[&self.checkpoints[l][m]])?;
+                let y = block_forward(&cfg, &bw, xv.as_tensor(), &self.rope, 0, None)?;
+                let grads = y.mul(gy)?.sum_all()?.backward()?;
+                for (name, (_, var)) in &vars {
+                    if let Some(v) = var {
+                        accumulate(
+                            acc.entry(name.clone()).or_default(),
+                            &grad_of(&grads, v, name)?,
+                        )?;
+                    }
+                }
+                *gy = grad_of(&grads, &xv, "a block's input")?;
+            }
+            drop((w, vars, bw));
+            self.hand_over_all(&mut acc, &mut ss)?;
+            if tc.clip.is_none() {
+                self.queue(stage, 1.0)?;
+            }
+        }
+
+        // The embedding's backward: the rows each token picked get its gradient (candle's
+        // index_select backward), after the head's share when tied.
+        if self.params.iter().any(|p| p.name == EMBED && p.trainable) {
+            let shares = if self.head_shares.is_empty() {
+                None
+            } else {
+                Some(self.layers.fetch(&refs(&self.head_shares), &[])?.into_tensors())
+            };
+            let mut g_acc = None;
+            for (m, gy) in grads_in.iter().enumerate() {
+                let base = match &shares {
+                    Some(s) => s[&self.head_shares[m]].clone(),
+                    None => {
+                        Tensor::zeros((cfg.vocab_size, cfg.hidden_size), self.dtype, gy.device())?
+                    }
+                };
+                let ids = io[m].0.flatten_all()?.contiguous()?;
+                let g = base.index_add(&ids, &gy.reshape((ids.dims1()?, cfg.hidden_size))?, 0)?;
+                accumulate(&mut g_acc, &g)?;
+            }
+            acc.insert(EMBED.to_string(), g_acc);
+            self.hand_over_all(&mut acc, &mut ss)?;
+            if tc.clip.is_none() {
+                self.queue(0, 1.0)?;
+            }
+        }
+        drop(grads_in);
+
+        // The global norm (in the model's tensor order), and with clipping the updates, in the
+        // order the next forward needs them.
+        let ordered: Vec<Tensor> =
+            self.params.iter().filter_map(|p| ss.get(&p.name).cloned()).collect();
+        let (grad_norm, clip) = clip_scale(&ordered, tc.clip)?;
+        if tc.clip.is_some() {
+            for stage in 0..=head {
+                self.queue(stage, clip)?;
+            }
+        }
+        self.step += 1;
+        let stats = self.store.stats();
+        let mut moved = [[0u64; 4]; 4];
+        for (f, row) in moved.iter_mut().enumerate() {
+            for (t, v) in row.iter_mut().enumerate() {
+                *v = stats.moved[f][t] - stats0.moved[f][t];
+            }
+        }
+        Ok(StepReport {
+            step: self.step - 1,
+            loss,
+            lr,
+            grad_norm,
+            clip_scale: clip,
+            tokens: (tc.micro_batch * tc.seq * tc.accum) as u64,
+            seconds: t0.elapsed().as_secs_f64(),
+            moved,
+            stall_seconds: stats.stall_seconds - stats0.stall_seconds,
+            optimizer_seconds: self.opt.as_ref().map_or(0.0, |o| o.update_seconds()) - busy0,
+            optimizer_exposed_seconds: exposed,
+        })
+    }
+
+    /// Hands every gradient in `acc` to the store (emptying it), their sums of squares into
+    /// `ss`.
+    fn hand_over_all(
+        &self,
+        acc: &mut BTreeMap<String, Option<Tensor>>,
+        ss: &mut BTreeMap<String, Tensor>,
+    ) -> candle_core::Result<()> {
+        for (name, g) in std::mem::take(acc) {
+            if let Some(g) = g {
+                ss.insert(name.clone(), self.hand_over(&name, &g)?);
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads a parameter's values (f32), from wherever the store has it.
+    pub fn read_param(&self, name: &str) -> candle_core::Result<Vec<f32>> {
+        let p =
+            self.params.iter().find(|p| p.name == name).ok_or_else(|| {
+                candle_core::Error::CannotFindTensor { path: name.to_string() }.bt()
+            })?;
+        read_f32(&self.store, name, p.id)
+    }
+
+    /// Writes the parameters to `dir` as a Hugging Face checkpoint (`model-*.safetensors`, one
+    /// file a stage, and `model.safetensors.index.json`, plus `config.json`), and the
+    /// optimizer's state (`NAME.master` for bf16 parameters, `NAME.exp_avg`,
+    /// `NAME.exp_avg_sq`) beside it as `optimizer-*.safetensors` and
+    /// `optimizer.safetensors.index.json`; the step and the schedule go in both indexes'
+    /// metadata and every file's `__metadata__`. Waits for the queued updates first. Each file
+    /// is written atomically (`Store::save_safetensors_with`), the indexes last.
+    pub fn save(&mut self, dir: impl AsRef<Path>) -> candle_core::Result<()> {
+        self.finish()?;
+        let dir = dir.as_ref();
+        std::fs::create_dir_all(dir)
+            .map_err(|e| candle_core::Error::Msg(format!("creating {}: {e}", dir.display())))?;
+        let meta = self.metadata();
+        let stages = self.config.num_hidden_layers + 2;
+        let mut model_map = serde_json::Map::new();
+        let mut opt_map = serde_json::Map::new();
+        for stage in 0..stages {
+            let mine: Vec<&Param> = self.params.iter().filter(|p| p.stage == stage).collect();
+            let file = format!("model-{:05}-of-{stages:05}.safetensors", stage + 1);
+            let tensors: Vec<(TensorId, String)> =
+                mine.iter().map(|p| (p.id, p.name.clone())).collect();
+            self.store
+                .save_safetensors_with(dir.join(&file), &tensors, &meta)
+                .map_err(candle_core::Error::from)?;
+            for p in &mine {
+                model_map.insert(p.name.clone(), file.clone().into());
+            }
+            let mut state = Vec::new();
+            for p in mine.iter().filter(|p| p.trainable) {
+                for suffix in ["master", "exp_avg", "exp_avg_sq"] {
+                    let name = format!("{}.{suffix}", p.name);
+                    if let Some(id) = self.store.lookup(&name) {
+                        state.push((id, name));
+                    }
+                }
+            }
+            if !state.is_empty() {
+                let file = format!("optimizer-{:05}-of-{stages:05}.safetensors", stage + 1);
+                self.store
+                    .save_safetensors_with(dir.join(&file), &state, &meta)
+                    .map_err(candle_core::Error::from)?;
+                for (_, name) in state {
+                    opt_map.insert(name, file.clone().into());
+                }
+            }
+        }
+        write_atomic(&dir.join("config.json"), self.config.to_json().as_bytes())?;
+        for (index, map) in [
+            ("model.safetensors.index.json", model_map),
+            ("optimizer.safetensors.index.json", opt_map),
+        ] {
+            let json = serde_json::json!({ "metadata": meta, "weight_map": map });
+            write_atomic(&dir.join(index), json.to_string().as_bytes())?;
+        }
+        Ok(())
+    }
+
+    fn metadata(&self) -> BTreeMap<String, String> {
+        let s = &self.train.schedule;
+        BTreeMap::from([
+            ("format".to_string(), "pt".to_string()),
+            ("step".to_string(), self.step.to_string()),
+            ("optimizer_steps".to_string(), self.opt.as_ref().map_or(0, |o| o.steps()).to_string()),
+            ("lr_peak".to_string(), s.peak.to_string()),
+            ("lr_min".to_string(), s.min.to_string()),
+            ("lr_warmup".to_string(), s.warmup.to_string()),
+            ("lr_total".to_string(), s.total.to_string()),
+        ])
+    }
+
+    /// Continues from a checkpoint [`Trainer::save`] wrote: the parameters, the optimizer's
+    /// state and the step are set from `dir`, so the next [`Trainer::step`] does what the saved
+    /// run's next step would have done (bit for bit on the CPU). The trainer must be of the same
+    /// model, dtype, frozen parameters and schedule; anything else is an error naming what
+    /// differs, and leaves the trainer as it was only up to the first tensor written.
+    pub fn resume(&mut self, dir: impl AsRef<Path>) -> candle_core::Result<()> {
+        self.finish()?;
+        let dir = dir.as_ref();
+        let index = dir.join("optimizer.safetensors.index.json");
+        let text = std::fs::read_to_string(&index)
+            .map_err(|e| candle_core::Error::Msg(format!("reading {}: {e}", index.display())))?;
+        let v: serde_json::Value = serde_json::from_str(&text)
+            .map_err(|e| candle_core::Error::Msg(format!("{}: {e}", index.display())))?;
+        let meta = |k: &str| -> candle_core::Result<String> {
+            v["metadata"][k].as_str().map(str::to_string).ok_or_else(|| {
+                candle_core::Error::Msg(format!("{}: no metadata {k}", index.display()))
+            })
+        };
+        let mine = self.metadata();
+        for k in ["lr_peak", "lr_min", "lr_warmup", "lr_total"] {
+            if meta(k)? != mine[k] {
+                candle_core::bail!(
+                    "{}: the saved run's {k} is {}, this trainer's {}",
+                    index.display(),
+                    meta(k)?,
+                    mine[k]
+                );
+            }
+        }
+        let step: u64 = meta("step")?
+            .parse()
+            .map_err(|_| candle_core::Error::Msg(format!("{}: a bad step", index.display())))?;
+        let opt_steps: u64 = meta("optimizer_steps")?.parse().map_err(|_| {
+            candle_core::Error::Msg(format!("{}: bad optimizer_steps", index.display()))
+        })?;
+        let opts = LoadOptions { name_prefix: "resume/".into(), ..LoadOptions::default() };
+        let mut loaded = Vec::new();
+        for f in ["model.safetensors.index.json", "optimizer.safetensors.index.json"] {
+            let l = self
+                .store
+                .load_checkpoint(dir.join(f), opts.clone())
+                .map_err(candle_core::Error::from)?;
+            loaded.push(l);
+        }
+        let r = (|| -> candle_core::Result<()> {
+            let find = |name: &str| loaded.iter().find_map(|l| l.get(name));
+            let mut targets: Vec<(String, TensorId)> =
+                self.params.iter().map(|p| (p.name.clone(), p.id)).collect();
+            for p in self.params.iter().filter(|p| p.trainable) {
+                for suffix in ["master", "exp_avg", "exp_avg_sq"] {
+                    let name = format!("{}.{suffix}", p.name);
+                    if let Some(id) = self.store.lookup(&name) {
+                        targets.push((name, id));
+                    }
+                }
+            }
+            for (name, id) in &targets {
+                let src = find(name).ok_or_else(|| {
+                    candle_core::Error::Msg(format!("{}: no tensor {name}", dir.display()))
+                })?;
+                let (a, b) = (
+                    self.store.info(src).map_err(|e| strata_err(name, e))?,
+                    self.store.info(*id).map_err(|e| strata_err(name, e))?,
+                );
+                if (a.dtype, &a.shape) != (b.dtype, &b.shape) {
+                    candle_core::bail!(
+                        "{name} is {} {:?} in {}, {} {:?} here",
+                        a.dtype,
+                        a.shape,
+                        dir.display(),
+                        b.dtype,
+                        b.shape
+                    );
+                }
+                let bytes = self.store.read(src).map_err(|e| strata_err(name, e))?;
+                self.store.write(*id, &bytes).map_err(|e| strata_err(name, e))?;
+            }
+            Ok(())
+        })();
+        for l in &loaded {
+            for t in l.iter() {
+                let _ = self.store.remove(t.id);
+            }
+        }
+        r?;
+        if let Some(o) = self.opt.as_mut() {
+            o.set_steps(opt_steps).map_err(candle_core::Error::from)?;
+        }
+        self.step = step;
+        Ok(())
+    }
+}
+
+fn refs(v: &[String]) -> Vec<&str> {
+    v.iter().map(String::as_str).collect()
+}
+
+fn grad_of(
+    grads: &candle_core::backprop::GradStore,
+    t: &Tensor,
+    what: &str,
+) -> candle_core::Result<Tensor> {
+    grads
+        .get(t)
+        .cloned()
+        .ok_or_else(|| candle_core::Error::Msg(format!("no gradient reached {what}")).bt())
+}
+
+fn check_batches(
+    tc: &TrainConfig,
+    cfg: &LlamaConfig,
+    batches: &[Tensor],
+) -> candle_core::Result<()> {
+    if batches.len() != tc.accum {
+        candle_core::bail!("{} micro-batches for a step of {}", batches.len(), tc.accum);
+    }
+    for b in batches {
+        if b.dims() != [tc.micro_batch, tc.seq + 1] || b.dtype() != CDType::U32 {
+            candle_core::bail!(
+                "a micro-batch of {:?} {:?}: [{}, {}] u32 token ids are needed",
+                b.dims(),
+                b.dtype(),
+                tc.micro_batch,
+                tc.seq + 1
+            );
+        }
+        let max = b.max_all()?.to_scalar::<u32>()?;
+        if max as usize >= cfg.vocab_size {
+            candle_core::bail!("token id {max} in a vocabulary of {}", cfg.vocab_size);
+        }
+    }
+    Ok(())
+}
+
+fn read_f32(store: &Store, name: &str, id: TensorId) -> candle_core::Result<Vec<f32>> {
+    let info = store.info(id).map_err(|e| strata_err(name, e))?;
+    Ok(match info.dtype {
+        DType::F32 => store.read_vec::<f32>(id).map_err(|e| strata_err(name, e))?,
+        DType::BF16 => store
+            .read_vec::<half::bf16>(id)
+            .map_err(|e| strata_err(name, e))?
+            .into_iter()
+            .map(f32::from)
+            .collect(),
+        other => candle_core::bail!("{name} is {other}"),
+    })
+}
+
+/// Writes `bytes` to `path` through a temporary file in the same directory, renamed over it.
+fn write_atomic(path: &Path, bytes: &[u8]) -> candle_core::Result<()> {
+    let tmp = path.with_extension(format!("tmp-{}", std::process::id()));
+    let r = std::fs::write(&tmp, bytes)
+        .and_then(|()| std::fs::File::open(&tmp)?.sync_all())
+        .and_then(|()| std::fs::rename(&tmp, path));
+    if let Err(e) = r {
+        let _ = std::fs::remove_file(&tmp);
+        candle_core::bail!("writing {}: {e}", path.display());
+    }
+    Ok(())
+}
+
+/// One parameter of [`LlamaTwin`].
+struct TwinParam {
+    name: String,
+    shape: Vec<usize>,
+    /// The candle tensor the model computes with, a `Var` when trainable.
+    var: Option<Var>,
+    tensor: Tensor,
+    master: Vec<f32>,
+    m: Vec<f32>,
+    v: Vec<f32>,
+}
+
+/// The in-memory twin of [`Trainer`]: the same model code with every weight a resident candle
+/// tensor (`Var`s for the trainable ones), each micro-batch's loss run through candle's plain
+/// `backward`, the gradients summed over micro-batches in f32, and AdamW with fp32 masters and
+/// moments in host vectors, updated by the same arithmetic as strata's optimizer
+/// ([`cpu_update_scaled`]). On the CPU its losses and weights are the trainer's, bit for bit.
+pub struct LlamaTwin {
+    config: LlamaConfig,
+    train: TrainConfig,
+    params: Vec<TwinParam>,
+    rope: Rope,
+    dtype: CDType,
+    step: u64,
+}
+
+impl std::fmt::Debug for LlamaTwin {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LlamaTwin").field("step", &self.step).finish()
+    }
+}
+
+impl LlamaTwin {
+    /// A twin of a model of `config` from its weights (every tensor [`LlamaConfig::tensors`]
+    /// names, f32 or bf16, on `device`).
+    pub fn new(
+        config: LlamaConfig,
+        train: TrainConfig,
+        weights: HashMap<String, Tensor>,
+        device: &Device,
+    ) -> candle_core::Result<LlamaTwin> {
+        train.check(&config)?;
+        let mut params = Vec::new();
+        let mut dtype = None;
+        for (name, shape) in config.tensors() {
+            let t = weights
+                .get(&name)
+                .ok_or_else(|| candle_core::Error::CannotFindTensor { path: name.clone() }.bt())?
+                .to_device(device)?;
+            if t.dims() != shape.as_slice() {
+                candle_core::bail!("{name} has shape {:?}, the config says {shape:?}", t.dims());
+            }
+            let d = t.dtype();
+            if *dtype.get_or_insert(d) != d || !matches!(d, CDType::F32 | CDType::BF16) {
+                candle_core::bail!("{name} is {d:?}: one dtype, f32 or bf16, for every parameter");
+            }
+            let trainable = !train.is_frozen(&name);
+            let master = t.flatten_all()?.to_dtype(CDType::F32)?.to_vec1::<f32>()?;
+            let n = master.len();
+            let (var, tensor) = if trainable {
+                let v = Var::from_tensor(&t)?;
+                let tensor = v.as_tensor().clone();
+                (Some(v), tensor)
+            } else {
+                (None, t)
+            };
+            let zeros = if trainable { vec![0.0; n] } else { Vec::new() };
+            params.push(TwinParam {
+                name,
+                shape,
+                var,
+                tensor,
+                master: if trainable { master } else { Vec::new() },
+                m: zeros.clone(),
+                v: zeros,
+            });
+        }
+        let rope = Rope::new(&config, train.seq, device)?;
+        Ok(LlamaTwin { config, train, params, rope, dtype: dtype.unwrap_or(CDType::F32), step: 0 })
+    }
+
+    fn tensor(&self, name: &str) -> &Tensor {
+        &self.params.iter().find(|p| p.name == name).expect("a parameter").tensor
+    }
+
+    /// The loss of one micro-batch (`[micro_batch, seq + 1]` tokens), scaled as a step's share.
+    fn loss(&self, tokens: &Tensor) -> candle_core::Result<Tensor> {
+        let cfg = &self.config;
+        let (ids, targets) = inputs_and_targets(tokens)?;
+        let mut x = embed(self.tensor(EMBED), &ids)?;
+        for l in 0..cfg.num_hidden_layers {
+            let prefix = LlamaConfig::block_prefix(l);
+            let bw = BlockWeights::from_fn(|s| Ok(self.tensor(&format!("{prefix}{s}")).clone()))?;
+            x = block_forward(cfg, &bw, &x, &self.rope, 0, None)?;
+        }
+        let [norm, head] = cfg.head_names();
+        let logits = head_logits(cfg, &x, self.tensor(norm), self.tensor(head))?;
+        let t = &self.train;
+        next_token_loss(&logits, &targets, 1.0 / (t.micro_batch * t.seq * t.accum) as f64)
+    }
+
+    /// One step over `batches`, as [`Trainer::step`]; returns the loss.
+    pub fn step(&mut self, batches: &[Tensor]) -> candle_core::Result<f32> {
+        check_batches(&self.train, &self.config, batches)?;
+        let mut acc: Vec<Option<Tensor>> = self.params.iter().map(|_| None).collect();
+        let mut loss = 0f32;
+        for b in batches {
+            let l = self.loss(b)?;
+            loss += l.to_scalar::<f32>()?;
+            let grads = l.backward()?;
+            for (p, a) in self.params.iter().zip(acc.iter_mut()) {
+                if let Some(v) = &p.var {
+                    accumulate(a, &grad_of(&grads, v, &p.name)?)?;
+                }
+            }
+        }
+        let ss: Vec<Tensor> =
+            acc.iter().flatten().map(|g| g.sqr()?.sum_all()).collect::<candle_core::Result<_>>()?;
+        let (_, scale) = clip_scale(&ss, self.train.clip)?;
+        let lr = self.train.schedule.lr(self.step);
+        let alg = Algorithm::AdamW(AdamW { lr, ..self.train.adamw });
+        let t = self.step + 1;
+        for (p, a) in self.params.iter_mut().zip(acc) {
+            let (Some(var), Some(g)) = (&p.var, a) else { continue };
+            let g = g.flatten_all()?.to_vec1::<f32>()?;
+            let mut out = (self.dtype == CDType::BF16).then(|| vec![half::bf16::ZERO; g.len()]);
+            cpu_update_scaled(
+                &alg,
+                t,
+                1,
+                &mut p.master,
+                &mut p.m,
+                &mut p.v,
+                GradSlice::F32(&g),
+                scale,
+                out.as_deref_mut(),
+            )
+            .map_err(candle_core::Error::from)?;
+            let dev = p.tensor.device().clone();
+            let new = match out {
+                Some(o) => Tensor::from_vec(o, p.shape.as_slice(), &dev)?,
+                None => Tensor::from_vec(p.master.clone(), p.shape.as_slice(), &dev)?,
+            };
+            var.set(&new)?;
+        }
+        self.step += 1;
+        Ok(loss)
+    }
+
+    /// A parameter's values (f32).
+    pub fn param(&self, name: &str) -> candle_core::Result<Vec<f32>> {
+        self.tensor(name).flatten_all()?.to_dtype(CDType::F32)?.to_vec1::<f32>()
+    }
+
+    /// A trainable parameter's fp32 master weights.
+    pub fn master(&self, name: &str) -> Option<&[f32]> {
+        self.params.iter().find(|p| p.name == name && p.var.is_some()).map(|p| p.master.as_slice())
+    }
+}

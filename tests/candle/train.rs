@@ -1,0 +1,267 @@
+//! Out-of-core training inside candle (CPU candle, host backend): a tiny random Llama (3 blocks,
+//! hidden 64, grouped-query attention) trained 5 steps by `strata::candle::Trainer` under a
+//! Device budget smaller than two blocks, against its in-memory twin (candle's plain backward
+//! over the whole model), bit for bit; save and resume; frozen parameters.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use candle_core::{Device, Tensor};
+use strata::candle::llama::SeededRng;
+use strata::candle::{
+    put_random_weights, LlamaConfig, LlamaTwin, LrSchedule, TrainConfig, Trainer,
+};
+use strata::optim::{AdamW, Engine};
+use strata::{Store, Tier};
+
+fn tiny(tied: bool) -> LlamaConfig {
+    LlamaConfig::from_json(&format!(
+        r#"{{"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 97,
+            "max_position_embeddings": 32, "tie_word_embeddings": {tied}}}"#
+    ))
+    .unwrap()
+}
+
+fn train_config(clip: Option<f64>, engine: Engine, frozen: &[&str]) -> TrainConfig {
+    TrainConfig {
+        micro_batch: 2,
+        seq: 16,
+        accum: 2,
+        adamw: AdamW { weight_decay: 0.1, ..AdamW::default() },
+        schedule: LrSchedule { peak: 3e-3, min: 3e-4, warmup: 2, total: 5 },
+        clip,
+        engine,
+        optimizer_threads: 2,
+        frozen: frozen.iter().map(|s| s.to_string()).collect(),
+    }
+}
+
+/// Step `step`'s micro-batches of seeded random tokens.
+fn batches(step: u64, c: &LlamaConfig, t: &TrainConfig) -> Vec<Tensor> {
+    let mut rng = SeededRng::new(1000 + step);
+    (0..t.accum)
+        .map(|_| {
+            let v: Vec<u32> = (0..t.micro_batch * (t.seq + 1))
+                .map(|_| rng.below(c.vocab_size as u64) as u32)
+                .collect();
+            Tensor::from_vec(v, (t.micro_batch, t.seq + 1), &Device::Cpu).unwrap()
+        })
+        .collect()
+}
+
+fn block_bytes(c: &LlamaConfig) -> u64 {
+    4 * c.block_parameters()
+}
+
+/// A store whose Device tier holds less than two blocks' weights.
+fn store(c: &LlamaConfig) -> Arc<Store> {
+    let budget = block_bytes(c) * 3 / 2;
+    let builder = Store::builder()
+        .capacity(Tier::Device, budget)
+        .prefetch_budget(budget)
+        .capacity(Tier::Pinned, 16 << 20)
+        .capacity(Tier::Mapped, 0)
+        .staging(2, 64 << 10)
+        .disk_workers(2);
+    Arc::new(strata::candle::store_for(&Device::Cpu, builder).unwrap())
+}
+
+fn trainer(c: &LlamaConfig, t: &TrainConfig, seed: u64) -> (Trainer, HashMap<String, Tensor>) {
+    let s = store(c);
+    let weights = put_random_weights(&s, c, seed, strata::DType::F32).unwrap();
+    let init = weights
+        .iter()
+        .map(|(n, id)| {
+            let shape = s.info(*id).unwrap().shape;
+            let v = s.read_vec::<f32>(*id).unwrap();
+            (n.clone(), Tensor::from_vec(v, shape.as_slice(), &Device::Cpu).unwrap())
+        })
+        .collect();
+    (Trainer::new(s, &Device::Cpu, c.clone(), t.clone(), weights).unwrap(), init)
+}
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+#[test]
+fn out_of_core_training_equals_the_in_memory_twin_bit_for_bit() {
+    for (tied, clip, engine) in [
+        (false, Some(0.5), Engine::Cpu),
+        (true, None, Engine::Cpu),
+        (false, None, Engine::GpuResident),
+    ] {
+        let what = format!("tied {tied}, clip {clip:?}, engine {engine}");
+        let c = tiny(tied);
+        let t = train_config(clip, engine, &[]);
+        let (mut tr, init) = trainer(&c, &t, 1);
+        let mut twin = LlamaTwin::new(c.clone(), t.clone(), init, &Device::Cpu).unwrap();
+        assert!(block_bytes(&c) * 2 > tr.store().stats().capacity(Tier::Device));
+        let mut clipped = 0;
+        for step in 0..5 {
+            let b = batches(step, &c, &t);
+            let r = tr.step(&b).unwrap();
+            let want = twin.step(&b).unwrap();
+            assert_eq!(r.loss.to_bits(), want.to_bits(), "{what}: loss of step {step}");
+            assert!(r.loss.is_finite() && r.loss > 3.0, "{what}: {}", r.loss);
+            if r.clip_scale < 1.0 {
+                clipped += 1;
+            }
+            // Layer-major: every block's weights cross to the device once for the forward and
+            // once for the backward whatever the micro-batches (the last block's may still be
+            // there for its backward), beside the checkpoints and the small stages (and, with
+            // GpuResident, the optimizer's state).
+            let into_device: u64 = (0..4).map(|f| r.moved[f][Tier::Device.index()]).sum();
+            let (block, n) = (block_bytes(&c), c.num_hidden_layers as u64);
+            assert!(
+                into_device >= (2 * n - 1) * block,
+                "{what}: {into_device} bytes to the device"
+            );
+            if engine == Engine::Cpu {
+                assert!(into_device < (2 * n + 1) * block, "{what}: {into_device} bytes");
+            }
+        }
+        if clip.is_some() {
+            assert!(clipped > 0, "{what}: no step was clipped");
+        }
+        tr.finish().unwrap();
+        for (name, _) in c.tensors() {
+            let got = tr.read_param(&name).unwrap();
+            let want = twin.param(&name).unwrap();
+            assert_eq!(bits(&got), bits(&want), "{what}: {name}");
+        }
+        let s = tr.store().stats();
+        assert!(s.group_bytes(strata::Group::Activation, Tier::Pinned) > 0);
+        assert!(s.group_bytes(strata::Group::OptimizerState, Tier::Pinned) > 0);
+    }
+}
+
+#[test]
+fn bf16_parameters_train_with_fp32_masters_as_the_twin_does() {
+    let c = tiny(false);
+    let t = train_config(Some(1.0), Engine::Cpu, &[]);
+    let s = store(&c);
+    let weights = put_random_weights(&s, &c, 2, strata::DType::BF16).unwrap();
+    let init = weights
+        .iter()
+        .map(|(n, id)| {
+            let shape = s.info(*id).unwrap().shape;
+            let v = s.read_vec::<half::bf16>(*id).unwrap();
+            (n.clone(), Tensor::from_vec(v, shape.as_slice(), &Device::Cpu).unwrap())
+        })
+        .collect();
+    let mut tr = Trainer::new(s, &Device::Cpu, c.clone(), t.clone(), weights).unwrap();
+    let mut twin = LlamaTwin::new(c.clone(), t.clone(), init, &Device::Cpu).unwrap();
+    for step in 0..3 {
+        let b = batches(step, &c, &t);
+        assert_eq!(tr.step(&b).unwrap().loss.to_bits(), twin.step(&b).unwrap().to_bits());
+    }
+    tr.finish().unwrap();
+    for (name, _) in c.tensors() {
+        assert_eq!(bits(&tr.read_param(&name).unwrap()), bits(&twin.param(&name).unwrap()));
+        let master = tr.store().lookup(&format!("{name}.master")).expect("a master");
+        let got = tr.store().read_vec::<f32>(master).unwrap();
+        assert_eq!(bits(&got), bits(twin.master(&name).unwrap()), "{name}.master");
+    }
+}
+
+#[test]
+fn a_run_saved_after_step_3_and_resumed_equals_the_uninterrupted_run() {
+    let c = tiny(true);
+    let t = train_config(Some(1.0), Engine::Cpu, &["*.post_attention_layernorm.weight"]);
+    let (mut whole, _) = trainer(&c, &t, 3);
+    let mut losses = Vec::new();
+    for step in 0..5 {
+        losses.push(whole.step(&batches(step, &c, &t)).unwrap().loss);
+    }
+    whole.finish().unwrap();
+
+    let dir = tempfile::tempdir().unwrap();
+    let (mut first, _) = trainer(&c, &t, 3);
+    for step in 0..3 {
+        assert_eq!(first.step(&batches(step, &c, &t)).unwrap().loss, losses[step as usize]);
+    }
+    first.save(dir.path()).unwrap();
+    drop(first);
+    for f in ["model.safetensors.index.json", "optimizer.safetensors.index.json", "config.json"] {
+        assert!(dir.path().join(f).is_file(), "{f}");
+    }
+    // Another initialisation: resuming replaces every value.
+    let (mut resumed, _) = trainer(&c, &t, 99);
+    resumed.resume(dir.path()).unwrap();
+    assert_eq!(resumed.steps(), 3);
+    for step in 3..5 {
+        let l = resumed.step(&batches(step, &c, &t)).unwrap().loss;
+        assert_eq!(l.to_bits(), losses[step as usize].to_bits(), "step {step}");
+    }
+    resumed.finish().unwrap();
+    for (name, _) in c.tensors() {
+        assert_eq!(
+            bits(&whole.read_param(&name).unwrap()),
+            bits(&resumed.read_param(&name).unwrap()),
+            "{name}"
+        );
+        for suffix in ["exp_avg", "exp_avg_sq"] {
+            let n = format!("{name}.{suffix}");
+            let (a, b) = (whole.store().lookup(&n), resumed.store().lookup(&n));
+            assert_eq!(a.is_some(), b.is_some(), "{n}");
+            if let (Some(a), Some(b)) = (a, b) {
+                let a = whole.store().read_vec::<f32>(a).unwrap();
+                let b = resumed.store().read_vec::<f32>(b).unwrap();
+                assert_eq!(bits(&a), bits(&b), "{n}");
+            }
+        }
+    }
+
+    // A trainer of another schedule refuses the checkpoint, naming what differs.
+    let mut other = train_config(Some(1.0), Engine::Cpu, &["*.post_attention_layernorm.weight"]);
+    other.schedule.total = 50;
+    let (mut tr, _) = trainer(&c, &other, 3);
+    let e = tr.resume(dir.path()).unwrap_err().to_string();
+    assert!(e.contains("lr_total"), "{e}");
+}
+
+#[test]
+fn frozen_parameters_stay_unchanged_and_have_no_state() {
+    let c = tiny(false);
+    let frozen = ["model.embed_tokens.weight", "*.input_layernorm.weight"];
+    let t = train_config(None, Engine::Cpu, &frozen);
+    let (mut tr, init) = trainer(&c, &t, 4);
+    let mut twin = LlamaTwin::new(c.clone(), t.clone(), init.clone(), &Device::Cpu).unwrap();
+    for step in 0..2 {
+        let b = batches(step, &c, &t);
+        assert_eq!(tr.step(&b).unwrap().loss.to_bits(), twin.step(&b).unwrap().to_bits());
+    }
+    tr.finish().unwrap();
+    let store = tr.store().clone();
+    for (name, _) in c.tensors() {
+        let got = tr.read_param(&name).unwrap();
+        let before = init[&name].flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        assert_eq!(bits(&got), bits(&twin.param(&name).unwrap()), "{name}");
+        let is_frozen = t.is_frozen(&name);
+        assert_eq!(bits(&got) == bits(&before), is_frozen, "{name} changed: {}", !is_frozen);
+        for suffix in ["grad", "exp_avg", "exp_avg_sq"] {
+            let n = format!("{name}.{suffix}");
+            assert_eq!(store.lookup(&n).is_some(), !is_frozen, "{n}");
+        }
+    }
+}
+
+#[test]
+fn bad_batches_and_configs_are_errors_that_say_what_is_wrong() {
+    let c = tiny(false);
+    let t = train_config(None, Engine::Cpu, &[]);
+    let (mut tr, _) = trainer(&c, &t, 5);
+    let mut b = batches(0, &c, &t);
+    b.pop();
+    assert!(tr.step(&b).unwrap_err().to_string().contains("1 micro-batches for a step of 2"));
+    let big = Tensor::from_vec(vec![500u32; 2 * 17], (2, 17), &Device::Cpu).unwrap();
+    let e = tr.step(&[big.clone(), big]).unwrap_err().to_string();
+    assert!(e.contains("token id 500 in a vocabulary of 97"), "{e}");
+    let long = TrainConfig { seq: 64, ..t.clone() };
+    let s = store(&c);
+    let w = put_random_weights(&s, &c, 1, strata::DType::F32).unwrap();
+    let e = Trainer::new(s, &Device::Cpu, c.clone(), long, w).unwrap_err().to_string();
+    assert!(e.contains("max_position_embeddings"), "{e}");
+}
