@@ -81,7 +81,7 @@ fn full_store(
 ) -> strata::Result<(Store, Vec<TensorId>)> {
     let store = builder(host)
         .capacity(Tier::Device, (n * B) as u64)
-        .capacity(Tier::Pinned, (n * 4096) as u64)
+        .capacity(Tier::Pinned, (n * B) as u64)
         .capacity(Tier::Mapped, 0)
         .capacity(Tier::Disk, disk)
         .prefetch_budget((n * B) as u64)

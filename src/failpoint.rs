@@ -128,6 +128,13 @@ mod imp {
                         s.armed = None;
                     }
                     s.fired = true;
+                    if std::env::var_os("STRATA_FAILPOINT_BACKTRACE").is_some() {
+                        // Where a fault fired, for debugging a test that found a loss.
+                        eprintln!(
+                            "{site:?} fails here:\n{}",
+                            std::backtrace::Backtrace::force_capture()
+                        );
+                    }
                     return Some(f);
                 }
                 None
@@ -189,6 +196,32 @@ pub fn disarm() {
     imp::ARMED.store(false, std::sync::atomic::Ordering::Relaxed);
     let mut s = imp::STATE.lock();
     s.armed = None;
+}
+
+#[cfg(feature = "failpoints")]
+static COPY_DELAY_US: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Makes every copy the host backend's streams run take `delay` first (zero: none). A GPU's
+/// copies take time; on the host they take microseconds, which hides races between a copy in
+/// flight and the reuse of the memory it touches: tests widen that window with this. With the
+/// `failpoints` feature only.
+#[cfg(feature = "failpoints")]
+pub fn slow_copies(delay: std::time::Duration) {
+    let us = u64::try_from(delay.as_micros()).unwrap_or(u64::MAX);
+    COPY_DELAY_US.store(us, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// The delay [`slow_copies`] set, if any (never without the `failpoints` feature).
+#[inline(always)]
+pub(crate) fn copy_delay() -> Option<std::time::Duration> {
+    #[cfg(feature = "failpoints")]
+    {
+        let us = COPY_DELAY_US.load(std::sync::atomic::Ordering::Relaxed);
+        if us > 0 {
+            return Some(std::time::Duration::from_micros(us));
+        }
+    }
+    None
 }
 
 /// Fails if a fault is armed at `site` and this is its pass. `what` names the file or object the

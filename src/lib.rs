@@ -100,8 +100,8 @@ pub mod plan;
 pub use placement::policy;
 
 pub use api::{
-    host_memory_available, DeviceView, HostView, LayerScope, LoadOptions, MappedView, Stats, Store,
-    StoreBuilder, Stream, TensorInfo, TierStats,
+    host_memory_available, DeviceView, HostRead, HostView, LayerScope, LoadOptions, MappedView,
+    Stats, Store, StoreBuilder, Stream, TensorInfo, TierStats,
 };
 pub use api::{Loaded, LoadedFile, LoadedTensor};
 pub use element::Element;

@@ -43,6 +43,8 @@ struct Run {
     /// Tensors checked after the fault, and those that did not read back their bytes.
     checked: usize,
     lost: Vec<String>,
+    /// Reads refused with an error while a sticky fault was armed.
+    refused: usize,
 }
 
 fn bytes(n: usize, seed: u8) -> Vec<u8> {
@@ -69,8 +71,10 @@ fn build(dir: &Path) -> strata::Result<Arc<Store>> {
     ))
 }
 
-/// Checks every tensor of the shadow against the store (nothing armed); returns the names lost.
-fn verify(store: &Store, sh: &Shadow, dir: &Path, run: &mut Run, ctx: &str) {
+/// Checks every tensor of the shadow against the store; returns the names lost. With
+/// `may_fail` (a fault still armed, or a backend declared failed), a read may fail with an
+/// error, but one that succeeds must give the last bytes written.
+fn verify(store: &Store, sh: &Shadow, dir: &Path, run: &mut Run, ctx: &str, may_fail: bool) {
     let path = dir.join("saved.safetensors");
     match (&sh.file, std::fs::read(&path)) {
         (None, Err(_)) => {}
@@ -93,6 +97,7 @@ fn verify(store: &Store, sh: &Shadow, dir: &Path, run: &mut Run, ctx: &str) {
         match store.read(*id) {
             Ok(got) if &got == want => {}
             Ok(_) => run.lost.push(format!("{ctx}: {name} holds other bytes")),
+            Err(_) if may_fail => run.refused += 1,
             Err(e) => run.lost.push(format!("{ctx}: {name} does not read: {e}")),
         }
     }
@@ -217,7 +222,7 @@ fn step(
                     let v = st.device_view(id(sh, n)?, &s)?;
                     if v.with_host_bytes(|b| b.to_vec())? != sh.tensors[n].1 {
                         return Err(Error::InvalidArgument(format!(
-                            "a view of {n} saw other bytes"
+                            "{WRONG} a view of {n} saw other bytes"
                         )));
                     }
                 }
@@ -313,9 +318,24 @@ fn step(
     })
 }
 
+/// How an armed fault behaves.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Mode {
+    /// Its site fails once (`failpoint::arm`): afterwards nothing is armed, and every tensor
+    /// must read back its last written bytes.
+    Once,
+    /// Its site fails from the k-th pass on (`failpoint::arm_from`: a GPU gone bad, memory
+    /// that stays short): the rest of the workload runs with it armed. A read, a view or a save
+    /// that succeeds must give the right bytes; one that fails must fail with an error.
+    Sticky,
+}
+
+/// A wrong-bytes finding a step reports as its error (views compare what they see).
+const WRONG: &str = "wrong bytes:";
+
 /// One run of the workload on a fresh store; the shadow changes only when a step succeeds.
 /// `after` runs after each step (the count run reads the sites' passes there).
-fn workload(dir: &Path, mut after: impl FnMut(usize)) -> Run {
+fn workload(dir: &Path, mode: Mode, mut after: impl FnMut(usize)) -> Run {
     let mut run = Run::default();
     let store = match build(dir) {
         Ok(s) => s,
@@ -350,7 +370,13 @@ fn workload(dir: &Path, mut after: impl FnMut(usize)) -> Run {
                     };
                 }
             }
-            Err(e) => run.errors.push(format!("{name}: {e}")),
+            Err(e) => {
+                let e = e.to_string();
+                if e.starts_with(WRONG) {
+                    run.lost.push(format!("{name}: {e}"));
+                }
+                run.errors.push(format!("{name}: {e}"));
+            }
         }
         // Errors of work that ran elsewhere (workers, drops) are the same fault's.
         while let Err(e) = store.check_err() {
@@ -358,16 +384,38 @@ fn workload(dir: &Path, mut after: impl FnMut(usize)) -> Run {
         }
         after(i);
         if failpoint::fired() {
-            // The fault has fired: nothing is armed now. Every tensor must be intact.
-            failpoint::disarm();
-            drain(&store);
-            verify(&store, &sh, dir, &mut run, name);
+            if mode == Mode::Once {
+                // The fault has fired: nothing is armed now. Every tensor must be intact.
+                failpoint::disarm();
+                drain(&store);
+                verify(&store, &sh, dir, &mut run, name, false);
+            } else {
+                // Still armed: what reads must be right, what fails is a typed error.
+                verify(&store, &sh, dir, &mut run, name, true);
+            }
         }
         i += 1;
     }
+    if mode == Mode::Sticky {
+        let fired = failpoint::fired();
+        verify(&store, &sh, dir, &mut run, "end, still armed", true);
+        failpoint::disarm();
+        drain(&store);
+        // With the fault gone, nothing read may be wrong; a store that declared its backend
+        // failed may refuse device work. It must drop cleanly (no hang, no panic).
+        verify(&store, &sh, dir, &mut run, "end, disarmed", fired);
+        let dropped = std::thread::spawn(move || drop(store));
+        let t = std::time::Instant::now();
+        while !dropped.is_finished() {
+            assert!(t.elapsed() < std::time::Duration::from_secs(20), "the store's drop hangs");
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        assert!(dropped.join().is_ok(), "the store's drop panicked");
+        return run;
+    }
     failpoint::disarm();
     drain(&store);
-    verify(&store, &sh, dir, &mut run, "end");
+    verify(&store, &sh, dir, &mut run, "end", false);
     for (name, (id, _)) in std::mem::take(&mut sh.tensors) {
         store.remove(id).unwrap_or_else(|e| panic!("remove {name}: {e}"));
     }
@@ -380,6 +428,32 @@ fn workload(dir: &Path, mut after: impl FnMut(usize)) -> Run {
             store.ids().iter().map(|&i| store.info(i).map(|x| x.name)).collect::<Vec<_>>(),
             run.errors
         );
+    }
+    run
+}
+
+/// A run of the workload on its own thread, under a deadline: a store that hangs after a fault
+/// (a flight never ended, a wait for work that cannot finish) fails the test, naming the run,
+/// instead of hanging the suite.
+fn watched(dir: &Path, mode: Mode, what: &str) -> Run {
+    if std::env::var_os("STRATA_FAULTS_VERBOSE").is_some() {
+        eprintln!("run: {what}");
+    }
+    let dir = dir.to_path_buf();
+    let h = std::thread::spawn(move || workload(&dir, mode, |_| {}));
+    let t = std::time::Instant::now();
+    while !h.is_finished() {
+        if t.elapsed() > std::time::Duration::from_secs(60) {
+            failpoint::disarm();
+            panic!("{what}: the run hangs (60 s)");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+    let run = h.join().unwrap_or_else(|_| panic!("{what}: the run panicked"));
+    if std::env::var_os("STRATA_FAULTS_VERBOSE").is_some() {
+        for e in &run.errors {
+            eprintln!("  error: {e}");
+        }
     }
     run
 }
@@ -412,29 +486,51 @@ fn every_fault_at_every_site_loses_nothing() {
     let _turn = ARMED.lock().unwrap_or_else(|e| e.into_inner());
     let dir = tempfile::tempdir().unwrap();
     // Count the passes through each site.
+    if let Ok(us) = std::env::var("STRATA_FAULTS_SLOW_US") {
+        failpoint::slow_copies(std::time::Duration::from_micros(us.parse().unwrap_or(0)));
+    }
     failpoint::count();
-    let clean = workload(dir.path(), |_| {});
+    let clean = workload(dir.path(), Mode::Once, |_| {});
     let passes: Vec<(Site, u64)> = Site::ALL.iter().map(|&s| (s, failpoint::hits(s))).collect();
     failpoint::disarm();
     assert!(clean.errors.is_empty() && clean.lost.is_empty(), "the clean run failed: {clean:?}");
     let (mut tried, mut injected, mut checked, mut lost) = (0u64, 0u64, 0usize, Vec::new());
+    let (mut sticky_runs, mut refused) = (0u64, 0usize);
     let mut never = Vec::new();
     for &(site, n) in &passes {
         if n == 0 {
             never.push(site);
             continue;
         }
-        for &fault in faults(site) {
+        for (&fault, mode) in faults(site).iter().flat_map(|f| [(f, Mode::Once), (f, Mode::Sticky)])
+        {
             for k in 1..=n {
+                // STRATA_FAULTS_ONLY="Site:k:Mode" reruns one run (as a hang or a loss names it); a prefix
+                // ("Site:") reruns several.
+                if let Ok(only) = std::env::var("STRATA_FAULTS_ONLY") {
+                    if !format!("{site:?}:{k}:{mode:?}").starts_with(&only) {
+                        continue;
+                    }
+                }
                 tried += 1;
                 let d = tempfile::tempdir().unwrap();
-                failpoint::arm(site, k, fault);
-                let run = workload(d.path(), |_| {});
+                match mode {
+                    Mode::Once => failpoint::arm(site, k, fault),
+                    Mode::Sticky => {
+                        sticky_runs += 1;
+                        failpoint::arm_from(site, k, fault)
+                    }
+                }
+                let run = watched(d.path(), mode, &format!("{site:?} #{k} {fault:?} {mode:?}"));
+                failpoint::disarm();
                 if !run.errors.is_empty() {
                     injected += 1;
                 }
                 checked += run.checked;
-                lost.extend(run.lost.iter().map(|l| format!("{site:?} #{k} {fault:?}: {l}")));
+                refused += run.refused;
+                lost.extend(
+                    run.lost.iter().map(|l| format!("{site:?} #{k} {fault:?} {mode:?}: {l}")),
+                );
                 // Nothing of the run is left in its directory but the saved file.
                 let left: Vec<String> = std::fs::read_dir(d.path())
                     .unwrap()
@@ -449,9 +545,10 @@ fn every_fault_at_every_site_loses_nothing() {
     }
     let sites = passes.iter().filter(|p| p.1 > 0).count();
     println!(
-        "fault injection: {sites} sites reached ({} passes), {tried} runs with one fault armed, \
-         {injected} faults injected, {checked} tensors checked, {} tensors lost; sites the \
-         workload does not reach: {never:?}",
+        "fault injection: {sites} sites reached ({} passes), {tried} runs with one fault armed \
+         ({sticky_runs} of them sticky), {injected} faults injected, {checked} tensors checked \
+         ({refused} reads refused with an error while a sticky fault was armed), {} tensors lost \
+         or wrong; sites the workload does not reach: {never:?}",
         passes.iter().map(|p| p.1).sum::<u64>(),
         lost.len()
     );
@@ -544,4 +641,348 @@ fn a_view_drop_that_cannot_record_its_event_keeps_the_memory_from_reuse() {
     s2.synchronize().unwrap();
     assert_eq!(st.read(c).unwrap(), vec![2u8; N], "c was overwritten by b's kernel");
     assert_eq!(st.read(b).unwrap(), vec![3u8; N]);
+}
+
+/// What one thread of the concurrent workload expects: its tensors' last bytes, and the bytes
+/// its file holds after its last successful save.
+#[derive(Default)]
+struct Mine {
+    tensors: BTreeMap<String, (TensorId, Vec<u8>)>,
+    file: Option<BTreeMap<String, Vec<u8>>>,
+    wrong: Vec<String>,
+}
+
+/// Thread `t`'s part of the concurrent workload: 120 random operations on its own tensors
+/// (puts, writes, reads, moves, views that read or write, prefetches, scopes, saves, removes),
+/// checking every byte it reads against what it wrote.
+fn thread_ops(store: &Store, dir: &Path, t: usize, seed: u64) -> Mine {
+    let mut rng = common::Rng::new(seed);
+    let mut me = Mine::default();
+    let s = match store.stream() {
+        Ok(s) => s,
+        Err(_) => return me,
+    };
+    let file = dir.join(format!("t{t}.safetensors"));
+    for op in 0..120 {
+        let names: Vec<String> = me.tensors.keys().cloned().collect();
+        let pick = |rng: &mut common::Rng| {
+            names.get(rng.below(names.len().max(1) as u64) as usize).cloned()
+        };
+        match rng.below(12) {
+            0 | 1 => {
+                let name = format!("t{t}-{op}");
+                let len = rng.range(1, 12 << 10) as usize;
+                let d = rng.bytes(len);
+                if let Ok(id) = store.put(&name, DType::U8, &[d.len()], &d) {
+                    me.tensors.insert(name, (id, d));
+                }
+            }
+            2 | 3 => {
+                let Some(n) = pick(&mut rng) else { continue };
+                let (id, old) = me.tensors[&n].clone();
+                let d = rng.bytes(old.len());
+                if store.write(id, &d).is_ok() {
+                    me.tensors.insert(n, (id, d));
+                }
+            }
+            4 | 5 => {
+                let Some(n) = pick(&mut rng) else { continue };
+                let (id, want) = &me.tensors[&n];
+                if let Ok(got) = store.read(*id) {
+                    if &got != want {
+                        me.wrong.push(format!("a read of {n} returned other bytes"));
+                    }
+                }
+            }
+            6 => {
+                let Some(n) = pick(&mut rng) else { continue };
+                let to = *rng.pick(&[Tier::Device, Tier::Pinned, Tier::Mapped, Tier::Disk]);
+                let _ = store.move_to(me.tensors[&n].0, to);
+            }
+            7 => {
+                let Some(n) = pick(&mut rng) else { continue };
+                let (id, want) = me.tensors[&n].clone();
+                let write = rng.chance(1, 2);
+                let d = rng.bytes(want.len());
+                let Ok(mut v) = store.device_view(id, &s) else { continue };
+                if write {
+                    if v.with_host_bytes_mut(|b| b.copy_from_slice(&d)).is_ok() {
+                        drop(v);
+                        me.tensors.insert(n, (id, d));
+                    }
+                } else if let Ok(seen) = v.with_host_bytes(|b| b.to_vec()) {
+                    if seen != want {
+                        me.wrong.push(format!("a view of {n} showed other bytes"));
+                    }
+                }
+            }
+            8 => {
+                let ids: Vec<TensorId> = me.tensors.values().map(|x| x.0).take(4).collect();
+                let _ = store.prefetch(&ids);
+            }
+            9 => {
+                let Some(n) = pick(&mut rng) else { continue };
+                if let Ok(scope) = store.layer(&[me.tensors[&n].0], &[]) {
+                    let _ = store.device_view(me.tensors[&n].0, &s).map(drop);
+                    drop(scope);
+                }
+            }
+            10 => {
+                let ids: Vec<TensorId> = me.tensors.values().map(|x| x.0).collect();
+                if ids.is_empty() {
+                    continue;
+                }
+                if store.save_safetensors(&file, &ids).is_ok() {
+                    me.file =
+                        Some(me.tensors.iter().map(|(n, (_, b))| (n.clone(), b.clone())).collect());
+                }
+            }
+            _ => {
+                let Some(n) = pick(&mut rng) else { continue };
+                if store.remove(me.tensors[&n].0).is_ok() {
+                    me.tensors.remove(&n);
+                }
+            }
+        }
+    }
+    let _ = s.synchronize();
+    me
+}
+
+/// Four threads run [`thread_ops`] on one store (`None` when the store cannot be built: the
+/// fault hit the build).
+fn concurrent_run(dir: &Path, seed: u64) -> Option<(Arc<Store>, Vec<Mine>)> {
+    let store = build(dir).ok()?;
+    let handles: Vec<_> = (0..4)
+        .map(|t| {
+            let (st, d) = (store.clone(), dir.to_path_buf());
+            std::thread::spawn(move || thread_ops(&st, &d, t, seed * 16 + t as u64))
+        })
+        .collect();
+    let mine = handles.into_iter().map(|h| h.join().expect("a worker panicked")).collect();
+    Some((store, mine))
+}
+
+/// Every site fails once while four threads share the store: whatever the interleaving, no
+/// read, view or save returns or writes other bytes, and once the fault is gone every tensor
+/// reads back its last written bytes and every file holds its thread's last successful save.
+#[test]
+fn a_fault_under_four_threads_returns_no_wrong_bytes() {
+    let _turn = ARMED.lock().unwrap_or_else(|e| e.into_inner());
+    const ROUNDS: u64 = 20;
+    let (mut runs, mut fired, mut checked, mut wrong) = (0u64, 0u64, 0usize, Vec::new());
+    // Copies that take a while, as on a GPU: memory reused under a copy in flight shows.
+    failpoint::slow_copies(std::time::Duration::from_micros(300));
+    for (si, &site) in Site::ALL.iter().enumerate() {
+        // How often a clean run passes the site (it varies with the threads' interleaving).
+        let d = tempfile::tempdir().unwrap();
+        failpoint::count();
+        let _ = concurrent_run(d.path(), 1);
+        let passes = failpoint::hits(site);
+        failpoint::disarm();
+        if passes == 0 {
+            continue;
+        }
+        for round in 0..ROUNDS {
+            runs += 1;
+            let seed = 1000 + si as u64 * 100 + round;
+            let k = 1 + common::Rng::new(seed).below(passes);
+            let d = tempfile::tempdir().unwrap();
+            failpoint::arm(site, k, faults(site)[0]);
+            let Some((store, mine)) = concurrent_run(d.path(), seed) else {
+                failpoint::disarm();
+                continue;
+            };
+            if failpoint::fired() {
+                fired += 1;
+            }
+            failpoint::disarm();
+            drain(&store);
+            let ctx = format!("{site:?} #{k} (round {round})");
+            for (t, m) in mine.iter().enumerate() {
+                wrong.extend(m.wrong.iter().map(|w| format!("{ctx}, thread {t}: {w}")));
+                for (n, (id, want)) in &m.tensors {
+                    checked += 1;
+                    match store.read(*id) {
+                        Ok(got) if &got == want => {}
+                        Ok(_) => wrong.push(format!("{ctx}: {n} holds other bytes")),
+                        Err(e) => wrong.push(format!("{ctx}: {n} does not read: {e}")),
+                    }
+                }
+                let path = d.path().join(format!("t{t}.safetensors"));
+                if let (Some(want), Ok(bytes)) = (&m.file, std::fs::read(&path)) {
+                    checked += 1;
+                    let got: Option<BTreeMap<String, Vec<u8>>> =
+                        safetensors::SafeTensors::deserialize(&bytes).ok().map(|f| {
+                            f.iter().map(|(n, v)| (n.to_string(), v.data().to_vec())).collect()
+                        });
+                    if got.as_ref() != Some(want) {
+                        wrong.push(format!("{ctx}: thread {t}'s saved file holds other bytes"));
+                    }
+                }
+            }
+        }
+    }
+    failpoint::slow_copies(std::time::Duration::ZERO);
+    println!(
+        "concurrent faults: {runs} runs of 4 threads x 120 operations, one fault armed each \
+         ({fired} fired), {checked} tensors and files checked, {} wrong or lost",
+        wrong.len()
+    );
+    assert!(wrong.is_empty(), "wrong bytes:\n{}", wrong.join("\n"));
+}
+
+/// One optimizer run for [`a_failed_update_can_be_retried_to_the_clean_result`]: two f32
+/// parameters, two steps; the second step's updates are made under `arm` (which arms a fault,
+/// or nothing) and retried until the step finishes. Returns every parameter's and state
+/// tensor's bytes, and whether the fault fired.
+fn optim_run(
+    engine: strata::optim::Engine,
+    alg: Algorithm,
+    state_tier: Option<Tier>,
+    arm: &dyn Fn(),
+) -> strata::Result<(Vec<Vec<u8>>, bool)> {
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    let st = build(dir.path())?;
+    let s = st.stream()?;
+    let ws: Vec<TensorId> = (0..2)
+        .map(|i| {
+            let w = f32s(&(0..512).map(|k| (k as f32 * 0.01) - i as f32).collect::<Vec<_>>());
+            st.put_group(&format!("w{i}"), strata::Group::Param, DType::F32, &[512], &w)
+        })
+        .collect::<strata::Result<_>>()?;
+    let mut opt = Optimizer::new(st.clone(), &s, &ws, OptimizerConfig::new(alg, engine))?;
+    if let Some(t) = state_tier {
+        for id in opt.state_tensors() {
+            st.move_to(id, t)?;
+        }
+    }
+    let mut fired = false;
+    for step in 0..2u8 {
+        for (i, &w) in ws.iter().enumerate() {
+            let g = f32s(
+                &(0..512).map(|k| ((k + i) as f32).sin() * (step + 1) as f32).collect::<Vec<_>>(),
+            );
+            st.write(opt.grad(w)?, &g)?;
+        }
+        if step == 1 {
+            arm();
+        }
+        let mut tries = 0;
+        loop {
+            tries += 1;
+            for w in opt.unstepped() {
+                let r = opt.update(w);
+                if std::env::var_os("STRATA_FAULTS_VERBOSE").is_some() {
+                    eprintln!("  update {w} (try {tries}): {r:?}");
+                }
+            }
+            let done = opt.finish();
+            if std::env::var_os("STRATA_FAULTS_VERBOSE").is_some() {
+                eprintln!("  finish (try {tries}): {done:?}");
+            }
+            if failpoint::fired() {
+                fired = true;
+                failpoint::disarm();
+            }
+            match done {
+                Ok(()) => break,
+                Err(_) if tries < 5 => continue,
+                Err(e) => return Err(e),
+            }
+        }
+    }
+    // The step is over: nothing fails the reads below (and a count stops here).
+    failpoint::disarm();
+    let mut out = Vec::new();
+    for &w in &ws {
+        out.push(st.read(w)?);
+    }
+    for id in opt.state_tensors() {
+        out.push(st.read(id)?);
+    }
+    Ok((out, fired))
+}
+
+/// A failed optimizer update can be retried: for every engine (the GPU ones emulated on the host
+/// backend) with its state in every tier it can use, AdamW and SGD, a fault at each pass of each
+/// site the second step's updates go through; the parameters left are updated again until the
+/// step finishes, and every parameter and state tensor then equals a clean run's, bit for bit.
+/// (A failure after the arithmetic, while the results were written back, left a parameter
+/// half-stepped, and its retry stepped it again.)
+#[test]
+fn a_failed_update_can_be_retried_to_the_clean_result() {
+    use strata::optim::{AdamW, Engine as E};
+    let _turn = ARMED.lock().unwrap_or_else(|e| e.into_inner());
+    let adamw =
+        Algorithm::AdamW(AdamW { lr: 0.01, beta1: 0.9, beta2: 0.99, eps: 1e-8, weight_decay: 0.1 });
+    let sgd = Algorithm::Sgd(Sgd { lr: 0.5, weight_decay: 0.01 });
+    let cases: Vec<(E, Option<Tier>)> = vec![
+        (E::Cpu, None),
+        (E::Cpu, Some(Tier::Device)),
+        (E::Cpu, Some(Tier::Mapped)),
+        (E::Cpu, Some(Tier::Disk)),
+        (E::GpuResident, None),
+        (E::GpuResident, Some(Tier::Pinned)),
+        (E::GpuResident, Some(Tier::Disk)),
+        (E::GpuMapped, None),
+    ];
+    let sites = [
+        Site::Copy,
+        Site::HostCopy,
+        Site::EventRecord,
+        Site::StreamWait,
+        Site::Synchronize,
+        Site::DiskRead,
+        Site::DiskWrite,
+    ];
+    let (mut runs, mut fired, mut differ) = (0u64, 0u64, Vec::new());
+    for (engine, tier) in cases {
+        for alg in [adamw, sgd] {
+            let clean = optim_run(engine, alg, tier, &|| {})
+                .unwrap_or_else(|e| panic!("{engine:?} {tier:?}: the clean run failed: {e}"));
+            // How often the second step passes each site.
+            let mut passes = Vec::new();
+            let _ = optim_run(engine, alg, tier, &|| failpoint::count());
+            for &site in &sites {
+                passes.push((site, failpoint::hits(site)));
+            }
+            for (site, n) in passes {
+                for k in 1..=n.min(12) {
+                    runs += 1;
+                    let fault = faults(site)[0];
+                    let ctx = format!("{engine:?}, state {tier:?}, {alg:?}, {site:?} #{k}");
+                    if let Ok(only) = std::env::var("STRATA_FAULTS_ONLY") {
+                        if !ctx.starts_with(&only) {
+                            continue;
+                        }
+                        eprintln!("run: {ctx}");
+                    }
+                    match optim_run(engine, alg, tier, &|| failpoint::arm(site, k, fault)) {
+                        Ok((state, f)) => {
+                            fired += u64::from(f);
+                            if state != clean.0 {
+                                let which: Vec<usize> =
+                                    (0..state.len()).filter(|&i| state[i] != clean.0[i]).collect();
+                                differ.push(format!(
+                                    "{ctx}: the retried step differs from a clean one (tensors \
+                                     {which:?}: the parameters, then the state)"
+                                ));
+                            }
+                        }
+                        Err(e) => {
+                            differ.push(format!("{ctx}: the step could not be finished: {e}"))
+                        }
+                    }
+                    failpoint::disarm();
+                }
+            }
+        }
+    }
+    println!(
+        "optimizer retries: {runs} runs with a fault in the second step's updates ({fired} fired), \
+         {} ended other than a clean step",
+        differ.len()
+    );
+    assert!(differ.is_empty(), "{}", differ.join("\n"));
 }

@@ -58,7 +58,7 @@ fn full_store(n: usize, disk: u64) -> (Store, Vec<strata::TensorId>) {
     let store = Store::builder()
         .host_backend()
         .capacity(Tier::Device, (n * B) as u64)
-        .capacity(Tier::Pinned, (n * 4096) as u64)
+        .capacity(Tier::Pinned, (n * B) as u64)
         .capacity(Tier::Mapped, 0)
         .capacity(Tier::Disk, disk)
         .write_reserve(false) // the tiers are filled exactly
@@ -74,7 +74,7 @@ fn full_store(n: usize, disk: u64) -> (Store, Vec<strata::TensorId>) {
             ids.push(id);
         }
     }
-    assert_eq!(store.stats().tiers.iter().map(|t| t.used).sum::<u64>(), (n * (B + 4096)) as u64);
+    assert_eq!(store.stats().tiers.iter().map(|t| t.used).sum::<u64>(), (2 * n * B) as u64);
     (store, ids)
 }
 

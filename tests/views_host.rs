@@ -225,3 +225,82 @@ fn host_kernels_run_in_stream_order() {
     let got: Vec<i32> = rx.try_iter().collect();
     assert_eq!(got, (0..16).collect::<Vec<_>>());
 }
+
+/// A host view of a tensor another thread keeps moving between the Device, Pinned and Disk
+/// tiers always finds it: the view waits for a move in progress and brings the tensor into host
+/// memory when the move left it elsewhere. (It failed with `NotInTier` when it lost the race:
+/// an error meant for a caller's own mistake.)
+#[test]
+fn a_host_view_absorbs_another_threads_moves() {
+    common::watch_deadlocks();
+    let store = std::sync::Arc::new(store());
+    let x = store.put("x", DType::U32, &[1024], &[0u8; 4096]).unwrap();
+    let moves = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(0));
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let (st, stp, mv) = (store.clone(), stop.clone(), moves.clone());
+    let mover = std::thread::spawn(move || {
+        let mut k = 0usize;
+        while !stp.load(std::sync::atomic::Ordering::Relaxed) {
+            k += 1;
+            match st.move_to(x, [Tier::Device, Tier::Pinned, Tier::Disk][k % 3]) {
+                Ok(()) => drop(mv.fetch_add(1, std::sync::atomic::Ordering::Relaxed)),
+                Err(Error::Busy { .. }) => {}
+                Err(e) => panic!("move: {e}"),
+            }
+        }
+    });
+    // Views until the other thread has moved the tensor 300 times meanwhile.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    let mut n = 0u32;
+    while moves.load(std::sync::atomic::Ordering::Relaxed) < 300 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the other thread moved the tensor too rarely"
+        );
+        n += 1;
+        let mut v = store.host_view(x).unwrap_or_else(|e| panic!("host view {n}: {e}"));
+        let vals = v.values_mut::<u32>().unwrap();
+        assert!(vals.iter().all(|&c| c == n - 1), "view {n} saw another count");
+        vals.iter_mut().for_each(|c| *c = n);
+        drop(v);
+        std::thread::yield_now();
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    mover.join().unwrap();
+    assert!(store.read_vec::<u32>(x).unwrap().iter().all(|&c| c == n));
+}
+
+/// Shared host views: eight threads read one tensor at once, each through its own view, and a
+/// write waits until they have all dropped theirs (a host view was exclusive: a second reader
+/// failed with `Busy`).
+#[test]
+fn shared_host_views_read_together_and_a_write_waits_for_them() {
+    common::watch_deadlocks();
+    let store = std::sync::Arc::new(store());
+    let x = store.put_slice("x", &[1024], &[7u32; 1024]).unwrap();
+    store.move_to(x, Tier::Disk).unwrap();
+    let all_in = std::sync::Arc::new(std::sync::Barrier::new(9));
+    let readers: Vec<_> = (0..8)
+        .map(|_| {
+            let (st, b) = (store.clone(), all_in.clone());
+            std::thread::spawn(move || {
+                let v = st.host_view_shared(x).unwrap();
+                // Every reader holds its view at once.
+                b.wait();
+                std::thread::sleep(std::time::Duration::from_millis(50));
+                let sum: u64 = v.values::<u32>().unwrap().iter().map(|&c| u64::from(c)).sum();
+                drop(v);
+                sum
+            })
+        })
+        .collect();
+    all_in.wait();
+    let t = std::time::Instant::now();
+    store.write_slice(x, &[9u32; 1024]).unwrap();
+    let waited = t.elapsed();
+    for r in readers {
+        assert_eq!(r.join().unwrap(), 7 * 1024, "a reader saw the write");
+    }
+    assert!(waited >= std::time::Duration::from_millis(30), "the write did not wait: {waited:?}");
+    assert_eq!(store.read_vec::<u32>(x).unwrap(), vec![9u32; 1024]);
+}

@@ -379,7 +379,7 @@ impl Store {
                     let copy = match plan_copy(sh, &st, id, Tier::Disk, t, &ext) {
                         Ok(c) => c,
                         Err(e) => {
-                            st.books.free(t, ext);
+                            crate::migrate::release_failed(sh, &mut st, t, ext);
                             return Err(e);
                         }
                     };
@@ -395,7 +395,7 @@ impl Store {
                             Ok(())
                         }
                         Err(e) => {
-                            st.books.free(t, ext);
+                            crate::migrate::release_failed(sh, &mut st, t, ext);
                             Err(e)
                         }
                     }

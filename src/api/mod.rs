@@ -13,4 +13,4 @@ pub use files::{LoadOptions, Loaded, LoadedFile, LoadedTensor};
 pub use hints::LayerScope;
 pub use stats::{Stats, TierStats};
 pub use store::{Store, TensorInfo};
-pub use views::{DeviceView, HostView, MappedView, Stream};
+pub use views::{DeviceView, HostRead, HostView, MappedView, Stream};

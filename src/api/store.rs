@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use super::{DeviceView, HostView, MappedView, Stats, Stream, TierStats};
+use super::{DeviceView, HostRead, HostView, MappedView, Stats, Stream, TierStats};
 use crate::backend::sim::Simulation;
 use crate::backend::Backend;
 use crate::element::Element;
@@ -437,10 +437,13 @@ impl Store {
     }
 
     /// Exclusive CPU access, in place, to the tensor's copy in host memory: its Pinned or
-    /// Mapped replica (on the host backend, its fastest memory replica), without the store's
-    /// lock. Waits (without the lock) for copies and device work still touching the tensor.
-    /// Fails with [`Error::Busy`] if the tensor has another view, a pin or a scope, and with
-    /// [`Error::NotInTier`] if no such copy exists (`move_to(id, Tier::Pinned)` first).
+    /// Mapped replica (on the host backend, any memory replica), without the store's lock.
+    /// A tensor with no copy in host memory (on disk, or on the device only, or moved out of
+    /// host memory by another thread meanwhile) first gets one in Pinned (else Mapped), made
+    /// room for like any move. Waits (without the lock) for copies and device work still
+    /// touching the tensor. Fails with [`Error::Busy`] if the tensor has another view, a pin or
+    /// a scope, and with `OutOfMemory` / `TierDisabled` when no host tier can take it. For
+    /// reading from several threads at once, take [`Store::host_view_shared`].
     ///
     /// ```
     /// use strata::{DType, Store, Tier};
@@ -457,8 +460,49 @@ impl Store {
     /// ```
     pub fn host_view(&self, id: TensorId) -> Result<HostView> {
         let host_backend = self.backend() == BackendKind::Host;
-        let (tier, lease, dtype) = ops::host_view(&self.shared, id, host_backend)?;
+        let (tier, lease, dtype) = ops::host_view(&self.shared, id, host_backend, true)?;
         Ok(HostView::new(self.shared.clone(), id, tier, lease, dtype))
+    }
+
+    /// [`Store::host_view`] without bringing the tensor into host memory: [`Error::NotInTier`]
+    /// when it has no copy there (the optimizer's state kept on disk is read out instead).
+    pub(crate) fn host_view_in_place(&self, id: TensorId) -> Result<HostView> {
+        let host_backend = self.backend() == BackendKind::Host;
+        let (tier, lease, dtype) = ops::host_view(&self.shared, id, host_backend, false)?;
+        Ok(HostView::new(self.shared.clone(), id, tier, lease, dtype))
+    }
+
+    /// Shared CPU access for reading, in place, to the tensor's copy in host memory: any number
+    /// of threads may hold one of the same tensor at once (each reads the same bytes), while
+    /// what may write the tensor (`write`, `move_to`, `remove`, device views, an exclusive
+    /// [`Store::host_view`]) waits until they drop, and they wait only for such a writer. A
+    /// tensor with no copy in host memory first gets one, as for `host_view`. A thread holding
+    /// a shared view must drop it before it writes the tensor itself (the write would wait for
+    /// that view).
+    ///
+    /// ```
+    /// use strata::{Store, Tier};
+    /// # fn main() -> strata::Result<()> {
+    /// let store = std::sync::Arc::new(Store::builder().host_backend().build()?);
+    /// let table = store.put_slice("embeddings", &[4, 2], &[0.5f32; 8])?;
+    /// let readers: Vec<_> = (0..4)
+    ///     .map(|_| {
+    ///         let store = store.clone();
+    ///         std::thread::spawn(move || -> strata::Result<f32> {
+    ///             let v = store.host_view_shared(table)?;
+    ///             Ok(v.values::<f32>()?.iter().sum())
+    ///         })
+    ///     })
+    ///     .collect();
+    /// for r in readers {
+    ///     assert_eq!(r.join().unwrap()?, 4.0);
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub fn host_view_shared(&self, id: TensorId) -> Result<HostRead> {
+        let host_backend = self.backend() == BackendKind::Host;
+        let (tier, lease, dtype) = ops::host_view_shared(&self.shared, id, host_backend)?;
+        Ok(HostRead::new(self.shared.clone(), id, tier, lease, dtype))
     }
 
     /// Refuses a stream of another backend, or of another simulated clock.

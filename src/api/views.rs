@@ -540,3 +540,66 @@ impl Drop for HostView {
         ops::release_view(&self.shared, self.id, self.tier, None, self.dirty);
     }
 }
+
+/// Shared CPU access for reading, in place, to a tensor's copy in host memory, made by
+/// [`Store::host_view_shared`](crate::Store::host_view_shared): any number of threads may hold
+/// one of the same tensor at once. While any lives, nothing writes, moves, evicts or removes the
+/// tensor (those wait for the readers). Dropping it ends the read.
+#[must_use = "the tensor is held for reading only while the view lives"]
+pub struct HostRead {
+    shared: Arc<Shared>,
+    id: TensorId,
+    tier: Tier,
+    lease: WriteLease,
+    dtype: DType,
+}
+
+impl std::fmt::Debug for HostRead {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HostRead")
+            .field("id", &self.id)
+            .field("tier", &self.tier)
+            .field("bytes", &self.lease.len())
+            .finish()
+    }
+}
+
+impl HostRead {
+    pub(crate) fn new(
+        shared: Arc<Shared>,
+        id: TensorId,
+        tier: Tier,
+        lease: WriteLease,
+        dtype: DType,
+    ) -> HostRead {
+        HostRead { shared, id, tier, lease, dtype }
+    }
+
+    /// The tensor viewed.
+    pub fn id(&self) -> TensorId {
+        self.id
+    }
+
+    /// The tier of the memory viewed.
+    pub fn tier(&self) -> Tier {
+        self.tier
+    }
+
+    /// The bytes.
+    pub fn bytes(&self) -> &[u8] {
+        self.lease.bytes().unwrap_or_default()
+    }
+
+    /// The tensor's values, `T` being its dtype's Rust type (another `T` is
+    /// [`Error::DTypeMismatch`]).
+    pub fn values<T: Element>(&self) -> Result<&[T]> {
+        dtype_is::<T>(self.id, self.dtype)?;
+        T::from_bytes(self.bytes()).ok_or_else(misaligned)
+    }
+}
+
+impl Drop for HostRead {
+    fn drop(&mut self) {
+        ops::release_shared(&self.shared, self.id);
+    }
+}

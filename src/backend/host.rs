@@ -211,7 +211,12 @@ impl HostStream {
                 job.run();
                 Self::sim_issue(lane, 0.0, Some(len));
             }
-            None => self.submit(Box::new(move || job.run())),
+            None => self.submit(Box::new(move || {
+                if let Some(d) = crate::failpoint::copy_delay() {
+                    std::thread::sleep(d);
+                }
+                job.run()
+            })),
         }
         Ok(())
     }

@@ -73,6 +73,9 @@ pub(crate) enum BlockOwner {
     Host(usize),
     /// The CUDA driver, in this context.
     Cuda(Arc<cudarc::driver::CudaContext>),
+    /// No one: the memory was given up (a copy that may still use it could not be waited for),
+    /// and is never freed.
+    Leaked,
 }
 
 // SAFETY: a Block is an owned allocation; the raw pointer is only an address. Access to the bytes
@@ -108,6 +111,7 @@ impl Drop for Block {
                 unsafe { libc::munmap(self.host as *mut libc::c_void, *map_len) };
             }
             BlockOwner::Cuda(ctx) => cuda::free_block(ctx, self),
+            BlockOwner::Leaked => {}
         }
     }
 }
@@ -175,6 +179,10 @@ impl Signal {
 pub(crate) enum Pending {
     Ev(RawEvent),
     Done(Arc<Signal>),
+    /// Everything issued so far on a stream: a copy was issued there but the event after it
+    /// could not be recorded. Never complete by itself; a later record on the stream replaces
+    /// it with an event ([`Pending::settle`]), and a host wait synchronizes the stream.
+    Stream(RawStream),
 }
 
 impl Pending {
@@ -183,6 +191,7 @@ impl Pending {
         match self {
             Pending::Ev(e) => e.is_complete(),
             Pending::Done(s) => s.is_set(),
+            Pending::Stream(_) => false,
         }
     }
 
@@ -193,6 +202,17 @@ impl Pending {
             Pending::Done(s) => {
                 s.wait();
                 Ok(())
+            }
+            Pending::Stream(s) => s.synchronize(),
+        }
+    }
+
+    /// A [`Pending::Stream`] becomes the event of a record on its stream, when one can be made
+    /// now (that event follows the copy it stands for).
+    pub(crate) fn settle(&mut self) {
+        if let Pending::Stream(s) = self {
+            if let Ok(ev) = s.record() {
+                *self = Pending::Ev(ev);
             }
         }
     }
@@ -311,6 +331,27 @@ impl RawStream {
                 let _bound = cuda::bind(s.context())?;
                 s.synchronize().map_err(|e| crate::Error::cuda("cuStreamSynchronize", e))
             }
+        }
+    }
+
+    /// [`RawStream::synchronize`] for the stream keyed `key` (see [`RawStream::record_as`]): on
+    /// another thread than the one `key` names, CUDA's per-thread default stream is waited for
+    /// through the legacy default stream, which is ordered after it.
+    pub(crate) fn synchronize_as(&self, key: u64) -> Result<()> {
+        match self {
+            RawStream::Cuda(s)
+                if s.cu_stream() as usize as u64 == PER_THREAD_STREAM && self.key() != key =>
+            {
+                crate::residency::assert_unlocked("synchronizing a stream");
+                let _bound = cuda::bind(s.context())?;
+                let legacy = LEGACY_STREAM as usize as cudarc::driver::sys::CUstream;
+                // SAFETY: the legacy default stream's handle is valid in every context; the
+                // store's context is current.
+                unsafe { cudarc::driver::sys::cuStreamSynchronize(legacy) }
+                    .result()
+                    .map_err(|e| crate::Error::cuda("cuStreamSynchronize", e))
+            }
+            _ => self.synchronize(),
         }
     }
 

@@ -656,10 +656,35 @@ struct CpuJob {
 
 struct CpuWorker {
     tx: Option<Sender<CpuJob>>,
-    /// Each job's result and the seconds it ran, in the order the jobs were queued.
-    done: Receiver<(Result<()>, f64)>,
+    /// Each job's outcome and the seconds it ran, in the order the jobs were queued.
+    done: Receiver<(Outcome, f64)>,
     pending: usize,
     handle: Option<std::thread::JoinHandle<()>>,
+}
+
+/// How one parameter's update went: done, or failed, with the writes left when the update's
+/// arithmetic had been done (so a retry finishes those writes rather than stepping again).
+struct Outcome {
+    param: TensorId,
+    result: Result<()>,
+    left: Option<Commit>,
+}
+
+/// The writes that finish an update whose arithmetic is done: each state tensor read out of
+/// the store (state on disk) and its new bytes, in order. Writes that succeeded are gone from
+/// it; the rest are applied again by a retry, which thus ends in the same state as a clean step.
+#[derive(Default)]
+struct Commit(Vec<(TensorId, Vec<u8>)>);
+
+impl Commit {
+    /// Applies the writes in order; on a failure keeps the ones not done and returns the error.
+    fn apply(&mut self, store: &Store) -> Result<()> {
+        while let Some((id, bytes)) = self.0.first() {
+            retry_busy(|| store.write(*id, bytes))?;
+            self.0.remove(0);
+        }
+        Ok(())
+    }
 }
 
 /// SGD or AdamW over parameters in a store (see the module docs).
@@ -677,6 +702,20 @@ pub struct Optimizer {
     worker: Option<CpuWorker>,
     /// Seconds the updates ran (the Cpu worker's jobs; the GPU engines' host time to issue).
     busy: f64,
+    /// This step's bookkeeping, so that a step can be retried after a failure.
+    step: StepBook,
+}
+
+/// What the current step has done, per parameter: updated (never twice), queued on the Cpu
+/// worker, failed after its arithmetic with writes left, or with its gradient already scaled.
+#[derive(Default)]
+struct StepBook {
+    stepped: std::collections::HashSet<TensorId>,
+    queued: std::collections::HashSet<TensorId>,
+    /// Updates that failed and were not redone yet (with the writes left, where the
+    /// arithmetic was done): the step cannot finish while there are any.
+    failed: std::collections::HashMap<TensorId, Commit>,
+    scaled: std::collections::HashMap<TensorId, f32>,
 }
 
 impl std::fmt::Debug for Optimizer {
@@ -766,6 +805,7 @@ impl Optimizer {
             t: 0,
             gpu,
             worker: None,
+            step: StepBook::default(),
             busy: 0.0,
         };
         for info in infos {
@@ -988,8 +1028,33 @@ impl Optimizer {
     /// and the GPU engines on the host backend scale each value as they read it; the GPU
     /// kernels, which take no scale, get the gradient scaled through the store first (a read and
     /// a write of it: only when `grad_scale` is not 1). A scale of 1 is [`Optimizer::update`].
+    ///
+    /// A step can be retried after a failure: a parameter whose update failed is not stepped,
+    /// and updating it again gives what a clean update gives (where the failure came after the
+    /// arithmetic, the retry finishes its writes instead of stepping twice). A parameter already
+    /// updated (or queued) in this step is refused with [`Error::InvalidArgument`];
+    /// [`Optimizer::unstepped`] lists the parameters left to update.
     pub fn update_scaled(&mut self, param: TensorId, grad_scale: f32) -> Result<()> {
         let st = self.state_of(param)?;
+        if self.step.stepped.contains(&param) || self.step.queued.contains(&param) {
+            return Err(Error::InvalidArgument(format!(
+                "{param} was updated in this step already: retry only the parameters \
+                 Optimizer::unstepped lists, then call finish"
+            )));
+        }
+        // A failed update is redone; where its arithmetic was done, only its writes are left.
+        if let Some(mut left) = self.step.failed.remove(&param).filter(|c| !c.0.is_empty()) {
+            return match left.apply(&self.store) {
+                Ok(()) => {
+                    self.step.stepped.insert(param);
+                    Ok(())
+                }
+                Err(e) => {
+                    self.step.failed.insert(param, left);
+                    Err(e)
+                }
+            };
+        }
         let t = self.t + 1;
         let alg = self.cfg.algorithm;
         match self.engine {
@@ -1001,15 +1066,35 @@ impl Optimizer {
                     |_| Error::InvalidArgument("the optimizer's worker thread has stopped".into()),
                 )?;
                 w.pending += 1;
+                self.step.queued.insert(param);
                 Ok(())
             }
             _ => {
                 let t0 = Instant::now();
-                let r = self.gpu_update(&st, t, grad_scale);
+                let mut left = Commit::default();
+                let r = self.gpu_update(&st, t, grad_scale, &mut left);
                 self.busy += t0.elapsed().as_secs_f64();
+                match r {
+                    Ok(()) => {
+                        self.step.stepped.insert(param);
+                    }
+                    Err(_) => {
+                        self.step.failed.insert(param, left);
+                    }
+                }
                 r
             }
         }
+    }
+
+    /// The parameters not updated yet in this step (neither done nor queued): after a failed
+    /// step, the ones to update again before [`Optimizer::finish`].
+    pub fn unstepped(&self) -> Vec<TensorId> {
+        self.params
+            .iter()
+            .map(|st| st.param)
+            .filter(|p| !self.step.stepped.contains(p) && !self.step.queued.contains(p))
+            .collect()
     }
 
     /// Sets the learning rate of the updates queued from now on (a schedule's value for the
@@ -1053,18 +1138,25 @@ impl Optimizer {
         let mut first = None;
         if let Some(w) = self.worker.as_mut() {
             while w.pending > left {
-                let (r, secs) = w.done.recv().unwrap_or_else(|_| {
-                    (
-                        Err(Error::InvalidArgument(
-                            "the optimizer's worker thread has stopped".into(),
-                        )),
-                        0.0,
-                    )
-                });
+                let Ok((out, secs)) = w.done.recv() else {
+                    w.pending = 0;
+                    first.get_or_insert(Error::InvalidArgument(
+                        "the optimizer's worker thread has stopped".into(),
+                    ));
+                    self.step.queued.clear();
+                    break;
+                };
                 w.pending -= 1;
                 self.busy += secs;
-                if let (Err(e), None) = (r, &first) {
-                    first = Some(e);
+                self.step.queued.remove(&out.param);
+                match out.result {
+                    Ok(()) => {
+                        self.step.stepped.insert(out.param);
+                    }
+                    Err(e) => {
+                        self.step.failed.insert(out.param, out.left.unwrap_or_default());
+                        first.get_or_insert(e);
+                    }
                 }
             }
         }
@@ -1079,17 +1171,34 @@ impl Optimizer {
         self.busy
     }
 
-    /// Ends the step: waits for queued updates (Cpu) and returns the first error.
+    /// Ends the step: waits for queued updates (Cpu) and returns the first error. A step with
+    /// a failed update does not end: update the parameters [`Optimizer::unstepped`] lists again
+    /// (a transient fault), then call `finish` again.
     pub fn finish(&mut self) -> Result<()> {
         self.wait_pending(0)?;
+        if !self.step.failed.is_empty() {
+            return Err(Error::InvalidArgument(
+                "an update failed in this step: update the parameters Optimizer::unstepped \
+                 lists again before finish"
+                    .into(),
+            ));
+        }
+        self.step = StepBook::default();
         self.t += 1;
         Ok(())
     }
 
-    fn gpu_update(&self, st: &ParamState, t: u64, grad_scale: f32) -> Result<()> {
+    fn gpu_update(
+        &mut self,
+        st: &ParamState,
+        t: u64,
+        grad_scale: f32,
+        left: &mut Commit,
+    ) -> Result<()> {
         let s = &self.store;
         let stream = &self.stream;
-        if grad_scale != 1.0 && self.gpu.is_some() {
+        // Scaled once per step: a retry after a failure below must not scale it again.
+        if grad_scale != 1.0 && self.gpu.is_some() && !self.step.scaled.contains_key(&st.param) {
             // The kernels take no scale: scale the gradient where it is, through the store.
             let scaled: Vec<u8> = match s.info(st.grad)?.dtype {
                 DType::F32 => f32_bytes(
@@ -1109,6 +1218,7 @@ impl Optimizer {
                 }
             };
             s.write(st.grad, &scaled)?;
+            self.step.scaled.insert(st.param, grad_scale);
         }
         let emulated_scale = if self.gpu.is_some() { 1.0 } else { grad_scale };
         let state_view = |id: TensorId| -> Result<DeviceView> {
@@ -1140,12 +1250,18 @@ impl Optimizer {
         }
         let r = match &self.gpu {
             Some(k) => self.launch(k, st, t, &grad, &p, out.as_ref(), mv.as_ref()),
-            None => self.emulate(st, t, emulated_scale, &grad, &mut p, out.as_mut(), mv.as_mut()),
+            None => {
+                self.emulate(st, t, emulated_scale, &grad, &mut p, out.as_mut(), mv.as_mut(), left)
+            }
         };
         drop((grad, p, out, mv));
         r?;
-        // The gradient is consumed: evicting it later must not write it back.
-        s.discard(st.grad)
+        // The gradient is consumed: evicting it later must not write it back. (Only a hint: the
+        // update is done, so a failure here must not make it look failed, and retried.)
+        if let Err(e) = s.discard(st.grad) {
+            s.shared.defer_err(e);
+        }
+        Ok(())
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -1210,6 +1326,7 @@ impl Optimizer {
         p: &mut DeviceView,
         out: Option<&mut DeviceView>,
         mv: Option<&mut (DeviceView, DeviceView)>,
+        left: &mut Commit,
     ) -> Result<()> {
         let f32s = |b: &[u8]| <f32 as Float>::from_ne_bytes(b);
         let g_f32;
@@ -1229,15 +1346,29 @@ impl Optimizer {
         let mut o = out.as_ref().map(|_| vec![bf16::ZERO; st.elems]);
         let alg = &self.cfg.algorithm;
         cpu_update_scaled(alg, t, 1, &mut pv, &mut m, &mut v, g, grad_scale, o.as_deref_mut())?;
-        p.with_host_bytes_mut(|b| f32::write_ne_bytes(&pv, b))?;
+        // The arithmetic is done: its results are written through the views, and whatever a
+        // failure leaves unwritten is kept for a retry to write (never to step again).
+        let mut writes: Vec<(&mut DeviceView, Vec<u8>)> = vec![(p, f32_bytes(&pv))];
         if let Some((mview, vview)) = mv {
-            mview.with_host_bytes_mut(|b| f32::write_ne_bytes(&m, b))?;
-            vview.with_host_bytes_mut(|b| f32::write_ne_bytes(&v, b))?;
+            writes.push((mview, f32_bytes(&m)));
+            writes.push((vview, f32_bytes(&v)));
         }
         if let (Some(view), Some(o)) = (out, o) {
-            view.with_host_bytes_mut(|b| bf16::write_ne_bytes(&o, b))?;
+            let mut b = vec![0u8; o.len() * 2];
+            bf16::write_ne_bytes(&o, &mut b);
+            writes.push((view, b));
         }
-        Ok(())
+        let mut failed = None;
+        for (view, bytes) in writes {
+            if failed.is_none() {
+                match view.with_host_bytes_mut(|b| b.copy_from_slice(&bytes)) {
+                    Ok(()) => continue,
+                    Err(e) => failed = Some(e),
+                }
+            }
+            left.0.push((view.id(), bytes));
+        }
+        failed.map_or(Ok(()), Err)
     }
 }
 
@@ -1251,8 +1382,10 @@ impl Drop for Optimizer {
             w.tx.take();
             while w.pending > 0 {
                 match w.done.recv() {
-                    Ok((Err(e), _)) => self.store.shared.deferred.lock().push(e),
-                    Ok((Ok(()), _)) => {}
+                    Ok((Outcome { result: Err(e), .. }, _)) => {
+                        self.store.shared.deferred.lock().push(e)
+                    }
+                    Ok(_) => {}
                     Err(_) => break,
                 }
                 w.pending -= 1;
@@ -1274,13 +1407,16 @@ fn spawn_worker(store: Arc<Store>, threads: usize) -> CpuWorker {
             for job in rx {
                 let t0 = Instant::now();
                 // A panic in a job (a bug) is reported as an error; the worker lives on.
+                let mut left = Commit::default();
                 let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                    cpu_job(&store, &job.alg, threads, &job)
+                    cpu_job(&store, &job.alg, threads, &job, &mut left)
                 }))
                 .unwrap_or_else(|_| {
                     Err(Error::InvalidArgument("the optimizer's update panicked".into()))
                 });
-                if done_tx.send((r, t0.elapsed().as_secs_f64())).is_err() {
+                let out =
+                    Outcome { param: job.st.param, left: r.is_err().then_some(left), result: r };
+                if done_tx.send((out, t0.elapsed().as_secs_f64())).is_err() {
                     break;
                 }
             }
@@ -1299,7 +1435,7 @@ enum Slot {
 
 impl Slot {
     fn open(store: &Store, id: TensorId, dtype: DType) -> Result<Slot> {
-        match retry_busy(|| store.host_view(id)) {
+        match retry_busy(|| store.host_view_in_place(id)) {
             Ok(v) => return Ok(Slot::View(v)),
             Err(Error::NotInTier { .. }) => {}
             Err(e) => return Err(e),
@@ -1345,18 +1481,16 @@ impl Slot {
         })
     }
 
-    /// Writes values read out back into the store (views wrote in place).
-    fn close(self, store: &Store) -> Result<()> {
+    /// What writing values read out back into the store takes (`None` for a view, which wrote
+    /// in place and commits as it drops).
+    fn into_write(self) -> Option<(TensorId, Vec<u8>)> {
         match self {
-            Slot::View(_) => Ok(()),
-            Slot::F32(id, v) => {
-                let b = f32_bytes(&v);
-                retry_busy(|| store.write(id, &b))
-            }
+            Slot::View(_) => None,
+            Slot::F32(id, v) => Some((id, f32_bytes(&v))),
             Slot::Bf16(id, v) => {
                 let mut b = vec![0u8; v.len() * 2];
                 bf16::write_ne_bytes(&v, &mut b);
-                retry_busy(|| store.write(id, &b))
+                Some((id, b))
             }
         }
     }
@@ -1381,7 +1515,16 @@ fn dtype_err(id: TensorId) -> Error {
     Error::InvalidArgument(format!("optimizer tensor {id:?} has an unexpected dtype"))
 }
 
-fn cpu_job(store: &Store, alg: &Algorithm, threads: usize, job: &CpuJob) -> Result<()> {
+/// A Cpu update: the arithmetic over host views (in place) and over state read out of the store
+/// (state on disk), then the writes of what was read out. A failure after the arithmetic leaves
+/// the writes not done in `left`, for a retry to finish.
+fn cpu_job(
+    store: &Store,
+    alg: &Algorithm,
+    threads: usize,
+    job: &CpuJob,
+    left: &mut Commit,
+) -> Result<()> {
     let st = &job.st;
     let grad = Slot::open(store, st.grad, store.info(st.grad)?.dtype)?;
     let mut p = Slot::open(store, st.master.unwrap_or(st.param), DType::F32)?;
@@ -1408,15 +1551,15 @@ fn cpu_job(store: &Store, alg: &Algorithm, threads: usize, job: &CpuJob) -> Resu
         cpu_update_scaled(alg, job.t, threads, p.f32s()?, m, v, g, job.grad_scale, o)?;
     }
     drop(grad);
-    p.close(store)?;
+    let mut slots = vec![p];
     if let Some((m, v)) = mv {
-        m.close(store)?;
-        v.close(store)?;
+        slots.push(m);
+        slots.push(v);
     }
-    if let Some(o) = out {
-        o.close(store)?;
-    }
-    Ok(())
+    slots.extend(out);
+    // Host views wrote in place (they commit as they drop); read-out state is written back.
+    left.0 = slots.into_iter().filter_map(Slot::into_write).collect();
+    left.apply(store)
 }
 
 /// The bytes an update must read and write per step, for bandwidth bounds: state read and

@@ -25,7 +25,7 @@ use std::time::Instant;
 
 use smallvec::SmallVec;
 
-use crate::backend::RawEvent;
+use crate::backend::{Pending, RawEvent};
 use crate::error::{Error, Result};
 use crate::residency::{Flight, Locked, Replica, Shared, State};
 use crate::tiers::Ext;
@@ -57,6 +57,19 @@ impl Shared {
             let mut st = self.lock();
             if !st.res.get(id)?.unsettled.is_empty() {
                 st.settle(id);
+                // An event still cannot be recorded after a view's work (the backend keeps
+                // failing): wait for that work on the host instead, without the lock, so that
+                // nothing reads, frees or overwrites the tensor under it. If the backend cannot
+                // even do that, the operation fails with its error (never a wrong byte).
+                let left = st.res.get(id)?.unsettled.clone();
+                if !left.is_empty() {
+                    drop(st);
+                    for (stream, key) in &left {
+                        stream.synchronize_as(*key)?;
+                    }
+                    self.lock().settled_by_sync(id, &left);
+                    continue;
+                }
             }
             let e = st.res.get(id)?;
             let f = if exclusive { e.any_flight() } else { e.flight.clone() };
@@ -187,8 +200,12 @@ impl State {
         }
         if !self.res.get(id).is_ok_and(|e| !e.has(to)) {
             // Removed meanwhile, or already there (neither can happen to a tensor in flight):
-            // give the memory back rather than lose it.
-            self.books.free(to, ext);
+            // give the memory back rather than lose it, once the copy into it is done.
+            let waits = done.ready.into_iter().map(Pending::Ev).collect();
+            match to {
+                Tier::Device => self.books.retire_device(ext, waits),
+                t => self.books.free_after(t, ext, waits),
+            }
             return;
         }
         let ready = self.note_copy(id, from, to, done);
@@ -287,10 +304,61 @@ fn finish_copy(
             Ok(ready)
         }
         Err(e) => {
-            st.books.free(to, ext);
+            release_failed(sh, st, to, ext);
             Err(e)
         }
     }
+}
+
+/// Gives back `ext`, an extent of `t` allocated for a copy that failed or was given up. A DMA
+/// into it may have been issued before the failure (its event never recorded), and a Device
+/// extent's writer waited for its memory's earlier owners: so the memory is freed only after
+/// the copy stream that writes `t` has run what it was given (an event recorded now, which
+/// follows both), or, if even that event cannot be recorded, once that stream is known to be
+/// done ([`Pending::Stream`]). Disk extents are written by the host alone: freed now.
+pub(crate) fn release_failed(sh: &Shared, st: &mut State, t: Tier, ext: Ext) {
+    let stream = match t {
+        Tier::Device => sh.backend.h2d(),
+        Tier::Pinned | Tier::Mapped => sh.backend.d2h(),
+        Tier::Disk => return st.books.free(t, ext),
+    };
+    let pending = match stream.record() {
+        Ok(ev) => Pending::Ev(ev),
+        Err(_) => Pending::Stream(stream.clone()),
+    };
+    let waits = smallvec::smallvec![pending];
+    match t {
+        Tier::Device => st.books.retire_device(ext, waits),
+        t => st.books.free_after(t, ext, waits),
+    }
+}
+
+/// Drops `id`'s replica in `t` after a write into it failed half-way: like
+/// [`State::drop_replica`], but its memory also waits for the copy stream that may still be
+/// writing it (see [`release_failed`]).
+pub(crate) fn drop_torn(sh: &Shared, st: &mut State, id: TensorId, t: Tier) {
+    let Ok(e) = st.res.get(id) else { return };
+    let mut pending = e.pending();
+    let stream = match t {
+        Tier::Device => Some(sh.backend.h2d()),
+        Tier::Pinned | Tier::Mapped => Some(sh.backend.d2h()),
+        Tier::Disk => None,
+    };
+    if let Some(s) = stream {
+        pending.push(match s.record() {
+            Ok(ev) => Pending::Ev(ev),
+            Err(_) => Pending::Stream(s.clone()),
+        });
+    }
+    if t == Tier::Device {
+        st.consume_prefetch(id);
+    }
+    let Some(r) = st.res.take_replica(id, t) else { return };
+    match t {
+        Tier::Device => st.books.retire_device(r.ext, pending),
+        t => st.books.free_after(t, r.ext, pending),
+    }
+    st.reindex(id);
 }
 
 /// Runs a planned copy: issued at once when it is a DMA (under the lock), else carried out

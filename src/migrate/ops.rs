@@ -96,7 +96,9 @@ fn ready_for_writes(
     let stream = writer.unwrap_or(sh.backend.h2d());
     for ev in &fences {
         if let Err(e) = stream.wait(ev) {
-            st.books.free(t, ext);
+            // Back to the books with its fence: the next writer must still wait for it.
+            let waits = fences.iter().cloned().map(crate::backend::Pending::Ev).collect();
+            st.books.retire_device(ext, waits);
             return Err(e);
         }
     }
@@ -241,7 +243,7 @@ pub(crate) fn write(sh: &Shared, id: TensorId, data: &[u8]) -> Result<()> {
                 match run_copy(sh, &mut st, copy) {
                     Ok(done) => Ok((t, Some(ext), done)),
                     Err(e) => {
-                        st.books.free(t, ext);
+                        super::release_failed(sh, &mut st, t, ext);
                         Err(e)
                     }
                 }
@@ -265,8 +267,7 @@ pub(crate) fn write(sh: &Shared, id: TensorId, data: &[u8]) -> Result<()> {
                     Ok(done) => Ok((fastest, None, done)),
                     Err(e) => {
                         // Half the new bytes: drop this copy; the others keep the old bytes.
-                        st.end_flight(id, &flight);
-                        st.drop_replica(id, fastest);
+                        super::drop_torn(sh, &mut st, id, fastest);
                         Err(e)
                     }
                 }
@@ -398,7 +399,7 @@ fn write_via_reserve(
             // The old copy is torn, the reserve's is whole: it becomes the tensor's.
             tracing::warn!(tensor = %id, error = %e, "an in-place write failed; the tensor's \
                 new bytes stay where the write reserve was");
-            st.drop_replica(id, fastest);
+            super::drop_torn(sh, st, id, fastest);
             st.books.return_reserve(Some(bytes));
             Ok((rt, Some(rext), first))
         }
@@ -588,7 +589,7 @@ pub(crate) fn move_to(sh: &Shared, id: TensorId, tier: Tier) -> Result<()> {
         let src = match st.res.get(id)?.fastest_readable() {
             Some(s) => s,
             None => {
-                st.books.free(tier, ext);
+                super::release_failed(sh, &mut st, tier, ext);
                 return Err(Error::UnknownId(id));
             }
         };
@@ -741,7 +742,7 @@ fn bring_for_view(
     let src = match st.res.get(id)?.fastest_readable() {
         Some(s) => s,
         None => {
-            st.books.free(Tier::Device, ext);
+            super::release_failed(sh, st, Tier::Device, ext);
             return Err(Error::UnknownId(id));
         }
     };
@@ -773,49 +774,164 @@ pub(crate) fn mapped_view(sh: &Shared, id: TensorId, stream: &RawStream) -> Resu
     Ok(ViewParts { meta, ptr, host })
 }
 
+/// The tiers a host view may lend, in the order they are tried: Pinned and Mapped, and on the
+/// host backend the Device tier too (emulated in host memory).
+fn host_tiers(host_backend: bool) -> &'static [Tier] {
+    if host_backend {
+        &[Tier::Pinned, Tier::Mapped, Tier::Device]
+    } else {
+        &[Tier::Pinned, Tier::Mapped]
+    }
+}
+
+/// The tier of `id`'s replica a host view can lend (in host memory, not being filled).
+fn host_replica(e: &crate::residency::Entry, host_backend: bool) -> Option<Tier> {
+    host_tiers(host_backend).iter().copied().find(|t| {
+        e.replicas[t.index()].as_ref().is_some_and(|r| matches!(r.ext, Ext::Mem(_)) && !r.filling)
+    })
+}
+
+/// A lease on the bytes of `r`, a replica in host memory found by [`host_replica`].
+fn host_lease(sh: &Shared, r: &crate::residency::Replica, tier: Tier) -> Result<WriteLease> {
+    let Ext::Mem(ext) = &r.ext else { unreachable!("host_replica finds replicas in memory") };
+    sh.mem
+        .arena(tier)
+        .and_then(|a| a.view_lease(ext))
+        .ok_or_else(|| Error::BackendMismatch(format!("the {tier} tier is not host memory here")))
+}
+
+/// Gives `id` a copy in host memory (Pinned, else Mapped) when it has none, making room there
+/// like any move: how a host view absorbs a move of the tensor by another thread, or a tensor
+/// on disk or (on CUDA) on the device only. The copy's bytes are valid once its `ready` event
+/// completes (the view waits for it).
+fn ensure_host(sh: &Shared, id: TensorId, host_backend: bool) -> Result<()> {
+    let (mut st, _) = sh.lock_exclusive_now(id)?;
+    let e = st.res.get(id)?;
+    if host_replica(e, host_backend).is_some() {
+        return Ok(());
+    }
+    if e.held() > 0 || e.host_lent {
+        return Err(Error::Busy { id, holders: e.held() });
+    }
+    let bytes = e.bytes();
+    let flight = st.start_flight(id, None);
+    let res = (|| -> Result<()> {
+        for t in [Tier::Pinned, Tier::Mapped] {
+            if !st.books.enabled(t) || !st.books.can_ever_fit(t, bytes) {
+                continue;
+            }
+            let Got::Ext(ext) = alloc_in(sh, &mut st, t, bytes, id, Level::Demand, true)? else {
+                continue;
+            };
+            let Some(src) = st.res.get(id)?.fastest_readable() else {
+                super::release_failed(sh, &mut st, t, ext);
+                return Err(Error::UnknownId(id));
+            };
+            return copy_replica(sh, &mut st, id, src, t, ext).map(drop);
+        }
+        Err(match Tier::ALL[1..3].iter().any(|&t| st.books.enabled(t)) {
+            true => Error::OutOfMemory { tier: Tier::Pinned, bytes },
+            false => Error::TierDisabled { tier: Tier::Pinned },
+        })
+    })();
+    st.end_flight(id, &flight);
+    res
+}
+
 /// `Store::host_view`: lends the tensor's host replica to the CPU once the work touching the
-/// tensor is done (waited for without the lock). Returns the tier and the lease.
+/// tensor is done (waited for without the lock). Returns the tier and the lease. With `bring`,
+/// a tensor with no copy in host memory gets one first ([`ensure_host`]); without, that is
+/// `NotInTier`.
 pub(crate) fn host_view(
     sh: &Shared,
     id: TensorId,
     host_backend: bool,
+    bring: bool,
 ) -> Result<(Tier, WriteLease, DType)> {
-    let (mut st, _) = sh.lock_exclusive_now(id)?;
-    let e = st.res.get(id)?;
-    if e.held() > 0 || e.host_lent {
-        return Err(Error::Busy { id, holders: e.held() });
-    }
-    let candidates: &[Tier] = if host_backend {
-        &[Tier::Pinned, Tier::Mapped, Tier::Device]
-    } else {
-        &[Tier::Pinned, Tier::Mapped]
-    };
-    let tier = candidates
-        .iter()
-        .copied()
-        .find(|t| matches!(e.replicas[t.index()].as_ref().map(|r| &r.ext), Some(Ext::Mem(_))))
-        .ok_or(Error::NotInTier { id, tier: Tier::Pinned })?;
-    let r = e.replicas[tier.index()].as_ref().expect("found above");
-    let Ext::Mem(ext) = &r.ext else { unreachable!("checked above") };
-    let lease = sh.mem.arena(tier).and_then(|a| a.view_lease(ext)).ok_or_else(|| {
-        Error::BackendMismatch(format!("the {tier} tier is not host memory here"))
-    })?;
-    let (dtype, pending) = (e.meta.dtype, e.pending());
-    let e = st.res.get_mut(id)?;
-    e.views += 1;
-    e.view_tier = Some(tier);
-    e.host_lent = true;
-    st.touch(id);
-    drop(st);
-    // Copies into or out of the tensor's replicas and device work through earlier views finish
-    // before the CPU touches the bytes; meanwhile the tensor is lent, so nothing new starts.
-    for p in &pending {
-        if let Err(err) = p.wait() {
-            release_view(sh, id, tier, None, false);
-            return Err(err);
+    loop {
+        let (mut st, _) = sh.lock_exclusive_now(id)?;
+        let e = st.res.get(id)?;
+        if e.held() > 0 || e.host_lent {
+            return Err(Error::Busy { id, holders: e.held() });
         }
+        let Some(tier) = host_replica(e, host_backend) else {
+            if !bring {
+                return Err(Error::NotInTier { id, tier: Tier::Pinned });
+            }
+            drop(st);
+            ensure_host(sh, id, host_backend)?;
+            continue;
+        };
+        let r = e.replicas[tier.index()].as_ref().expect("found above");
+        let lease = host_lease(sh, r, tier)?;
+        let (dtype, pending) = (e.meta.dtype, e.pending());
+        let e = st.res.get_mut(id)?;
+        e.views += 1;
+        e.view_tier = Some(tier);
+        e.host_lent = true;
+        st.touch(id);
+        drop(st);
+        // Copies into or out of the tensor's replicas and device work through earlier views
+        // finish before the CPU touches the bytes; meanwhile the tensor is lent, so nothing new
+        // starts.
+        for p in &pending {
+            if let Err(err) = p.wait() {
+                release_view(sh, id, tier, None, false);
+                return Err(err);
+            }
+        }
+        return Ok((tier, lease, dtype));
     }
-    Ok((tier, lease, dtype))
+}
+
+/// `Store::host_view_shared`: lends the tensor's host replica to the CPU for reading, shared
+/// with every other reader (a read claim held for the view's life, as a `read` holds one while
+/// it copies): writes, moves, removes and views that may write wait for the readers, and
+/// readers wait only for a writer. A tensor with no copy in host memory gets one first.
+pub(crate) fn host_view_shared(
+    sh: &Shared,
+    id: TensorId,
+    host_backend: bool,
+) -> Result<(Tier, WriteLease, DType)> {
+    loop {
+        let (mut st, _) = sh.lock_when_free(id, false)?;
+        let e = st.res.get(id)?;
+        if e.host_lent {
+            return Err(Error::Busy { id, holders: e.held() });
+        }
+        let Some(tier) = host_replica(e, host_backend) else {
+            drop(st);
+            ensure_host(sh, id, host_backend)?;
+            continue;
+        };
+        let r = e.replicas[tier.index()].as_ref().expect("found above");
+        let lease = host_lease(sh, r, tier)?;
+        // What may still write the replica: the copy that filled it, and device work on the
+        // tensor (kernels through a mapped view write it in place). Other readers are no wait.
+        let waits: Vec<RawEvent> = r
+            .ready
+            .iter()
+            .chain(e.uses.pending())
+            .filter(|ev| !ev.is_complete())
+            .cloned()
+            .collect();
+        let dtype = e.meta.dtype;
+        st.start_read(id);
+        st.touch(id);
+        drop(st);
+        for ev in &waits {
+            if let Err(err) = ev.synchronize() {
+                sh.lock().end_read(id);
+                return Err(err);
+            }
+        }
+        return Ok((tier, lease, dtype));
+    }
+}
+
+/// The end of a shared host view: its read claim.
+pub(crate) fn release_shared(sh: &Shared, id: TensorId) {
+    sh.lock().end_read(id);
 }
 
 /// A view's drop: records where its stream is, releases the hold, and if the view wrote, keeps

@@ -112,7 +112,7 @@ pub(crate) fn prefetch_one(
     let copy = match plan_copy(sh, st, id, src, Tier::Device, &ext) {
         Ok(c) => c,
         Err(e) => {
-            st.books.free(Tier::Device, ext);
+            super::release_failed(sh, st, Tier::Device, ext);
             return Err(e);
         }
     };
@@ -120,7 +120,7 @@ pub(crate) fn prefetch_one(
         match run_copy(sh, st, copy) {
             Ok(done) => st.commit_copy(id, Some(src), Tier::Device, ext, done),
             Err(e) => {
-                st.books.free(Tier::Device, ext);
+                super::release_failed(sh, st, Tier::Device, ext);
                 return Err(e);
             }
         }
@@ -128,7 +128,7 @@ pub(crate) fn prefetch_one(
         // From disk: the replica is reserved now and filled by a worker without the lock;
         // views wait for its job.
         let Some(engine) = sh.engine.get() else {
-            st.books.free(Tier::Device, ext);
+            super::release_failed(sh, st, Tier::Device, ext);
             return Ok(Outcome::Wait);
         };
         drop(copy);
@@ -240,7 +240,7 @@ pub(crate) fn release_one(sh: &Shared, st: &mut Locked<'_>, id: TensorId) -> Res
         match run_copy(sh, st, copy) {
             Ok(done) => st.commit_copy(id, Some(Tier::Device), t, ext, done),
             Err(e) => {
-                st.books.free(t, ext);
+                super::release_failed(sh, st, t, ext);
                 return Err(e);
             }
         }
@@ -263,20 +263,20 @@ impl Runner for Shared {
     fn cancel_job(&self, job: JobKind, jobno: u64) {
         let (JobKind::Fill(id) | JobKind::Bring(id, _)) = job;
         let mut st = self.lock();
-        undo_job(&mut st, id, jobno);
+        undo_job(self, &mut st, id, jobno);
     }
 }
 
 /// Undoes what queuing the prefetch job `jobno` of `id` did (a job that will not run): the
 /// device replica it reserved, the prefetch mark, its claim.
-pub(crate) fn undo_job(st: &mut Locked<'_>, id: TensorId, jobno: u64) {
+pub(crate) fn undo_job(sh: &Shared, st: &mut Locked<'_>, id: TensorId, jobno: u64) {
     let Some(f) = st.res.get(id).ok().and_then(|e| e.job.clone()) else { return };
     if f.job != Some(jobno) {
         return;
     }
     if st.res.get(id).is_ok_and(|e| e.replicas[0].as_ref().is_some_and(|r| r.filling)) {
         let r = st.res.take_replica(id, Tier::Device).expect("checked");
-        st.books.free(Tier::Device, r.ext);
+        super::release_failed(sh, st, Tier::Device, r.ext);
     }
     st.consume_prefetch(id);
     st.end_job(id, &f);
@@ -291,7 +291,7 @@ pub(crate) fn revoke_queued(sh: &Shared, st: &mut Locked<'_>, id: TensorId) -> b
     };
     match sh.engine.get() {
         Some(engine) if engine.revoke(jobno) => {
-            undo_job(st, id, jobno);
+            undo_job(sh, st, id, jobno);
             true
         }
         _ => false,
@@ -377,7 +377,7 @@ impl Shared {
         flight: &std::sync::Arc<crate::residency::Flight>,
     ) {
         if let Some(r) = st.res.take_replica(id, Tier::Device) {
-            st.books.free(Tier::Device, r.ext);
+            super::release_failed(self, st, Tier::Device, r.ext);
         }
         st.consume_prefetch(id);
         st.end_job(id, flight);
@@ -403,7 +403,7 @@ impl Shared {
             match st.res.get(id)?.fastest_readable() {
                 Some(src) => copy_replica(self, &mut st, id, src, Tier::Device, ext).map(drop),
                 None => {
-                    st.books.free(Tier::Device, ext);
+                    super::release_failed(self, &mut st, Tier::Device, ext);
                     Err(Error::UnknownId(id))
                 }
             }

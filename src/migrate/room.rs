@@ -142,7 +142,17 @@ pub(crate) fn alloc(
             return Ok(Got::NoRoom);
         }
         let mut spills = Vec::new();
-        let freed = free_up(sh, st, &mut pass, t, t, need, &mut spills)?;
+        let freed = match free_up(sh, st, &mut pass, t, t, need, &mut spills) {
+            Ok(f) => f,
+            Err(e) => {
+                // Spills planned before the failure never ran: their victims stay as they were.
+                for s in spills {
+                    st.books.free(s.to, s.dst);
+                    st.end_flight(s.id, &s.flight);
+                }
+                return Err(e);
+            }
+        };
         if !spills.is_empty() {
             run_spills(sh, st, spills)?;
             continue;
@@ -303,7 +313,7 @@ fn demote(
             let done = match run_copy(sh, st, copy) {
                 Ok(d) => d,
                 Err(e) => {
-                    st.books.free(to, dst);
+                    super::release_failed(sh, st, to, dst);
                     return Err(e);
                 }
             };
@@ -356,7 +366,7 @@ fn run_spills(sh: &Shared, st: &mut Locked<'_>, spills: Vec<Spill>) -> Result<()
                 st.drop_replica(id, from);
             }
             Err(e) => {
-                st.books.free(to, dst);
+                super::release_failed(sh, st, to, dst);
                 st.end_flight(id, &flight);
                 first_err.get_or_insert(e);
             }

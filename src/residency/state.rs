@@ -136,6 +136,27 @@ impl State {
         self.reindex(id);
     }
 
+    /// Releases the holds of `id`'s views whose drop could not record an event, on `streams`
+    /// (stream, key): their streams have since been synchronized, so the work they named is done
+    /// and needs no event.
+    pub(crate) fn settled_by_sync(
+        &mut self,
+        id: TensorId,
+        streams: &[(crate::backend::RawStream, u64)],
+    ) {
+        let Ok(e) = self.res.get_mut(id) else { return };
+        for (_, key) in streams {
+            if let Some(i) = e.unsettled.iter().position(|(_, k)| k == key) {
+                e.unsettled.swap_remove(i);
+                e.views = e.views.saturating_sub(1);
+                if e.views == 0 {
+                    e.view_tier = None;
+                }
+            }
+        }
+        self.reindex(id);
+    }
+
     /// Ends `id`'s exclusive flight and wakes whoever waits for it.
     pub(crate) fn end_flight(&mut self, id: TensorId, f: &Arc<Flight>) {
         if let Ok(e) = self.res.get_mut(id) {

@@ -318,7 +318,16 @@ pub(crate) fn dma_copy(stream: &RawStream, dst: &WriteLease, src: &ReadLease) ->
 /// that copy before handing its bytes to the CPU again (and before it is freed).
 pub(crate) struct StagingBuf {
     block: Block,
-    busy: Option<RawEvent>,
+    busy: Option<Busy>,
+}
+
+/// What a staging buffer's last copy is known by.
+enum Busy {
+    /// The event recorded after it.
+    Event(RawEvent),
+    /// Its stream only: the copy was issued, but the event after it could not be recorded. The
+    /// buffer is the CPU's again only once that stream has been waited for whole.
+    Stream(RawStream),
 }
 
 impl StagingBuf {
@@ -334,10 +343,30 @@ impl StagingBuf {
 
     /// Waits for the copy using the buffer, if any. The caller holds no store lock.
     pub(crate) fn wait(&mut self) -> Result<()> {
-        if let Some(ev) = self.busy.take() {
-            ev.synchronize()?;
+        // The buffer is free only once the wait has succeeded: a failed wait leaves it busy (a
+        // copy may still be reading or writing it).
+        match &self.busy {
+            None => {}
+            Some(Busy::Event(ev)) => ev.synchronize()?,
+            Some(Busy::Stream(s)) => s.synchronize()?,
         }
+        self.busy = None;
         Ok(())
+    }
+
+    /// Marks the buffer used by the copy just issued on `stream`, known by the event `recorded`
+    /// after it, or by the stream alone when that event could not be recorded.
+    fn used_by(&mut self, stream: &RawStream, recorded: Result<RawEvent>) -> Result<RawEvent> {
+        match recorded {
+            Ok(ev) => {
+                self.busy = Some(Busy::Event(ev.clone()));
+                Ok(ev)
+            }
+            Err(e) => {
+                self.busy = Some(Busy::Stream(stream.clone()));
+                Err(e)
+            }
+        }
     }
 
     /// The buffer for the CPU, once the copy that last used it is complete.
@@ -351,9 +380,10 @@ impl StagingBuf {
 
 impl Drop for StagingBuf {
     fn drop(&mut self) {
-        // The block must outlive the DMA reading or writing it.
-        if let Some(ev) = self.busy.take() {
-            let _ = ev.synchronize();
+        // The block must outlive the DMA reading or writing it (if even that wait fails, the
+        // block is leaked rather than freed under the copy).
+        if self.wait().is_err() {
+            self.block.owner = crate::backend::BlockOwner::Leaked;
         }
     }
 }
@@ -373,9 +403,7 @@ pub(crate) fn upload_piece(
     // recorded below completes (`busy`); the destination lies inside the lease (checked above),
     // which the store keeps allocated until the copy's event completes (module Safety).
     unsafe { h2d.copy(dst.0.dma.offset(offset), buf.block.copy_addr(0), n)? };
-    let ev = h2d.record()?;
-    buf.busy = Some(ev.clone());
-    Ok(ev)
+    buf.used_by(h2d, h2d.record())
 }
 
 /// Issues a copy of `n` bytes of `src` at `offset` into `buf` on `d2h`; `buf.bytes_mut()` waits
@@ -391,9 +419,7 @@ pub(crate) fn download_piece(
     buf.wait()?;
     // SAFETY: as in upload_piece, with the roles of buffer and lease swapped.
     unsafe { d2h.copy(buf.block.copy_addr(0), src.0.dma.offset(offset), n)? };
-    let ev = d2h.record()?;
-    buf.busy = Some(ev.clone());
-    Ok(ev)
+    buf.used_by(d2h, d2h.record())
 }
 
 fn check_range(len: usize, offset: u64, n: usize, buf_len: usize) -> Result<()> {

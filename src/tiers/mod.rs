@@ -445,6 +445,7 @@ impl TierBooks {
         }
         let mut i = 0;
         while i < self.deferred.len() {
+            self.deferred[i].waits.iter_mut().for_each(Pending::settle);
             if self.deferred[i].waits.iter().all(Pending::is_complete) {
                 let d = self.deferred.swap_remove(i);
                 if let Ext::Mem(e) | Ext::Disk { ext: e, .. } = &d.ext {
@@ -485,7 +486,7 @@ impl TierBooks {
     /// stream order: see [`TierBooks::take_fences`]); freed later when a thread still reads it
     /// without the lock.
     pub(crate) fn retire_device(&mut self, ext: Ext, waits: SmallVec<[Pending; 2]>) {
-        if waits.iter().any(|p| matches!(p, Pending::Done(_)) && !p.is_complete()) {
+        if waits.iter().any(|p| !matches!(p, Pending::Ev(_)) && !p.is_complete()) {
             return self.free_after(Tier::Device, ext, waits);
         }
         let events: SmallVec<[RawEvent; 2]> = waits
