@@ -159,6 +159,19 @@ pub enum Error {
         /// The driver's description of the error.
         message: String,
     },
+    /// The backend has failed for good (a CUDA error that leaves the context unusable, or
+    /// driver calls failing again and again): the store refuses device work from then on with
+    /// the error that failed it. What host memory and disk hold can still be read and saved;
+    /// device-only tensors are lost with the device. Save what you need and build a new store
+    /// (on CUDA, in a new process: the driver keeps the failure until the process ends).
+    #[error(
+        "the backend has failed ({first}); device work is refused: save what the store still \
+         reads and start a new store"
+    )]
+    BackendFailed {
+        /// The error that failed it, with its causes.
+        first: String,
+    },
     /// The operation needs the other backend (for example a cudarc stream handed to a host
     /// store).
     #[error("backend mismatch: {0}")]

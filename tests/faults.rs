@@ -495,7 +495,7 @@ fn every_fault_at_every_site_loses_nothing() {
     failpoint::disarm();
     assert!(clean.errors.is_empty() && clean.lost.is_empty(), "the clean run failed: {clean:?}");
     let (mut tried, mut injected, mut checked, mut lost) = (0u64, 0u64, 0usize, Vec::new());
-    let (mut sticky_runs, mut refused) = (0u64, 0usize);
+    let (mut sticky_runs, mut refused, mut declared) = (0u64, 0usize, 0usize);
     let mut never = Vec::new();
     for &(site, n) in &passes {
         if n == 0 {
@@ -528,6 +528,8 @@ fn every_fault_at_every_site_loses_nothing() {
                 }
                 checked += run.checked;
                 refused += run.refused;
+                declared +=
+                    run.errors.iter().any(|e| e.contains("the backend has failed")) as usize;
                 lost.extend(
                     run.lost.iter().map(|l| format!("{site:?} #{k} {fault:?} {mode:?}: {l}")),
                 );
@@ -547,8 +549,9 @@ fn every_fault_at_every_site_loses_nothing() {
     println!(
         "fault injection: {sites} sites reached ({} passes), {tried} runs with one fault armed \
          ({sticky_runs} of them sticky), {injected} faults injected, {checked} tensors checked \
-         ({refused} reads refused with an error while a sticky fault was armed), {} tensors lost \
-         or wrong; sites the workload does not reach: {never:?}",
+         ({refused} reads refused with an error while a sticky fault was armed; {declared} runs \
+         where the store declared its backend failed), {} tensors lost or wrong; sites the \
+         workload does not reach: {never:?}",
         passes.iter().map(|p| p.1).sum::<u64>(),
         lost.len()
     );
@@ -985,4 +988,70 @@ fn a_failed_update_can_be_retried_to_the_clean_result() {
         differ.len()
     );
     assert!(differ.is_empty(), "{}", differ.join("\n"));
+}
+
+/// A backend whose driver calls keep failing (a GPU gone bad) is declared failed after a few
+/// failures in a row: device work is then refused at once with the first error, without
+/// another call into the driver, and stays refused after the fault is gone; what host memory
+/// holds still reads and saves.
+#[test]
+fn a_backend_that_keeps_failing_refuses_device_work_at_once() {
+    let _turn = ARMED.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = tempfile::tempdir().unwrap();
+    let st = Store::builder()
+        .host_backend()
+        .capacity(Tier::Device, 1 << 20)
+        .capacity(Tier::Pinned, 1 << 20)
+        .capacity(Tier::Mapped, 0)
+        .capacity(Tier::Disk, 0)
+        .build()
+        .unwrap();
+    let s = st.stream().unwrap();
+    let ids: Vec<_> = (0..6u8)
+        .map(|i| {
+            let name = format!("t{i}");
+            st.put_in(Tier::Pinned, &name, strata::Group::Other, DType::U8, &[4096], &[i; 4096])
+                .unwrap()
+        })
+        .collect();
+    failpoint::arm_from(Site::Copy, 1, Fault::Backend);
+    for &id in &ids[..3] {
+        let e = st.move_to(id, Tier::Device).unwrap_err();
+        assert!(matches!(e, Error::Cuda { .. }), "{e}");
+    }
+    let tried = failpoint::hits(Site::Copy);
+    let refused = |e: Error| {
+        assert!(
+            matches!(&e, Error::BackendFailed { first } if first.contains("injected backend failure")),
+            "{e}"
+        )
+    };
+    refused(st.move_to(ids[3], Tier::Device).unwrap_err());
+    refused(st.device_view(ids[3], &s).map(drop).unwrap_err());
+    refused(st.device_view_for_overwrite(ids[4], &s).map(drop).unwrap_err());
+    refused(st.prefetch(&ids[3..5]).unwrap_err());
+    refused(st.layer(&ids[3..4], &ids[4..5]).map(drop).unwrap_err());
+    refused(st.pin(&ids[5..]).unwrap_err());
+    refused(
+        st.put_in(Tier::Device, "new", strata::Group::Other, DType::U8, &[16], &[9; 16])
+            .unwrap_err(),
+    );
+    assert_eq!(failpoint::hits(Site::Copy), tried, "a refused operation called the driver");
+    failpoint::disarm();
+    // Failed for good: the fault going away does not bring the device back.
+    refused(st.move_to(ids[3], Tier::Device).unwrap_err());
+    // Host memory still serves every tensor, and saves.
+    for (i, &id) in ids.iter().enumerate() {
+        assert_eq!(st.read(id).unwrap(), vec![i as u8; 4096]);
+    }
+    let path = dir.path().join("rescued.safetensors");
+    st.save_safetensors(&path, &ids).unwrap();
+    drop(st);
+    let back = Store::builder().host_backend().build().unwrap();
+    let loaded = back.load_safetensors(&path, LoadOptions::default()).unwrap();
+    assert_eq!(loaded.len(), 6);
+    for (name, id) in loaded {
+        let i: u8 = name[1..].parse().unwrap();
+        assert_eq!(back.read(id).unwrap(), vec![i; 4096]);
+    }
 }

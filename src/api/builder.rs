@@ -376,6 +376,7 @@ impl StoreBuilder {
             engine: OnceLock::new(),
             worker_staging,
             timing: self.timeline,
+            health: Default::default(),
         });
         let engine = if threads {
             Engine::start(self.disk_workers, Arc::downgrade(&shared))?

@@ -16,15 +16,17 @@ impl Store {
     /// prefetches beyond the [prefetch budget](crate::StoreBuilder::prefetch_budget) start once
     /// earlier ones are used. An unknown id is an error and nothing is prefetched.
     pub fn prefetch(&self, ids: &[TensorId]) -> Result<()> {
-        let sh = &*self.shared;
-        let mut st = sh.lock();
-        check_ids(&st, ids)?;
-        for &id in ids {
-            if prefetch::prefetch_one(sh, &mut st, id, Source::Hint, false)? == Outcome::Wait {
-                prefetch::queue_waiting(&mut st, id);
+        self.shared.device_work(|| {
+            let sh = &*self.shared;
+            let mut st = sh.lock();
+            check_ids(&st, ids)?;
+            for &id in ids {
+                if prefetch::prefetch_one(sh, &mut st, id, Source::Hint, false)? == Outcome::Wait {
+                    prefetch::queue_waiting(&mut st, id);
+                }
             }
-        }
-        Ok(())
+            Ok(())
+        })
     }
 
     /// Says these tensors are done with for now: they are the first demoted when room is needed,
@@ -47,30 +49,32 @@ impl Store {
     /// pin holds the memory, so its copy does not count against the prefetch budget (which
     /// limits what prefetches bring ahead of use) and does not hold back other prefetches.
     pub fn pin(&self, ids: &[TensorId]) -> Result<()> {
-        let sh = &*self.shared;
-        let mut st = sh.lock();
-        check_ids(&st, ids)?;
-        for (k, &id) in ids.iter().enumerate() {
-            let unprotected = st.res.get(id)?.prefetched.is_none();
-            if let Err(e) = prefetch::prefetch_one(sh, &mut st, id, Source::Hint, true) {
-                // All or nothing: undo the pins this call made.
-                for &done in &ids[..k] {
-                    unpin_one(&mut st, done);
+        self.shared.device_work(|| {
+            let sh = &*self.shared;
+            let mut st = sh.lock();
+            check_ids(&st, ids)?;
+            for (k, &id) in ids.iter().enumerate() {
+                let unprotected = st.res.get(id)?.prefetched.is_none();
+                if let Err(e) = prefetch::prefetch_one(sh, &mut st, id, Source::Hint, true) {
+                    // All or nothing: undo the pins this call made.
+                    for &done in &ids[..k] {
+                        unpin_one(&mut st, done);
+                    }
+                    return Err(e);
                 }
-                return Err(e);
+                let e = st.res.get_mut(id)?;
+                e.pins += 1;
+                if unprotected && e.prefetched.is_some() {
+                    e.pin_prefetch = true;
+                }
+                if std::mem::take(&mut e.prefetch_charged) {
+                    let bytes = e.bytes();
+                    st.place.inflight = st.place.inflight.saturating_sub(bytes);
+                }
+                st.reindex(id);
             }
-            let e = st.res.get_mut(id)?;
-            e.pins += 1;
-            if unprotected && e.prefetched.is_some() {
-                e.pin_prefetch = true;
-            }
-            if std::mem::take(&mut e.prefetch_charged) {
-                let bytes = e.bytes();
-                st.place.inflight = st.place.inflight.saturating_sub(bytes);
-            }
-            st.reindex(id);
-        }
-        Ok(())
+            Ok(())
+        })
     }
 
     /// Undoes one [`pin`](Store::pin) of each tensor. Unpinning a tensor that is not pinned is
@@ -117,34 +121,36 @@ impl Store {
     /// What a scope says outranks the policy's own lookahead: scoped and hinted tensors are
     /// never evicted to make room for a guess.
     pub fn layer(&self, uses: &[TensorId], next: &[TensorId]) -> Result<LayerScope> {
-        let sh = &*self.shared;
-        let mut st = sh.lock();
-        check_ids(&st, uses)?;
-        check_ids(&st, next)?;
-        for (k, &id) in uses.iter().enumerate() {
-            if let Err(e) = prefetch::prefetch_one(sh, &mut st, id, Source::Hint, true) {
-                // No scope is returned, so nothing would undo these: undo them here.
-                for &done in &uses[..k] {
-                    if let Ok(e) = st.res.get_mut(done) {
-                        e.scopes -= 1;
+        self.shared.device_work(|| {
+            let sh = &*self.shared;
+            let mut st = sh.lock();
+            check_ids(&st, uses)?;
+            check_ids(&st, next)?;
+            for (k, &id) in uses.iter().enumerate() {
+                if let Err(e) = prefetch::prefetch_one(sh, &mut st, id, Source::Hint, true) {
+                    // No scope is returned, so nothing would undo these: undo them here.
+                    for &done in &uses[..k] {
+                        if let Ok(e) = st.res.get_mut(done) {
+                            e.scopes -= 1;
+                        }
+                        st.reindex(done);
                     }
-                    st.reindex(done);
+                    return Err(e);
                 }
-                return Err(e);
+                st.res.get_mut(id)?.scopes += 1;
+                st.reindex(id);
             }
-            st.res.get_mut(id)?.scopes += 1;
-            st.reindex(id);
-        }
-        for &id in next {
-            // What comes next is a hint: its copy failing is not this call's error (the scope
-            // is made; the tensor stays where it is, and a view will try, and report, again).
-            match prefetch::prefetch_one(sh, &mut st, id, Source::Hint, false) {
-                Ok(Outcome::Wait) => prefetch::queue_waiting(&mut st, id),
-                Ok(_) => {}
-                Err(e) => sh.defer_err(e),
+            for &id in next {
+                // What comes next is a hint: its copy failing is not this call's error (the scope
+                // is made; the tensor stays where it is, and a view will try, and report, again).
+                match prefetch::prefetch_one(sh, &mut st, id, Source::Hint, false) {
+                    Ok(Outcome::Wait) => prefetch::queue_waiting(&mut st, id),
+                    Ok(_) => {}
+                    Err(e) => sh.defer_err(e),
+                }
             }
-        }
-        Ok(LayerScope { shared: self.shared.clone(), uses: uses.to_vec() })
+            Ok(LayerScope { shared: self.shared.clone(), uses: uses.to_vec() })
+        })
     }
 
     /// Marks the start of a training step, for the schedule-learning policy (which can also

@@ -124,7 +124,11 @@ impl Store {
         shape: &[usize],
         data: &[u8],
     ) -> Result<TensorId> {
-        ops::put(&self.shared, Some(tier), name, group, dtype, shape, data)
+        let put = || ops::put(&self.shared, Some(tier), name, group, dtype, shape, data);
+        match tier {
+            Tier::Device => self.shared.device_work(put),
+            _ => put(),
+        }
     }
 
     /// The tensor's bytes, from its fastest replica. Counts as an access; on a miss the policy
@@ -275,7 +279,11 @@ impl Store {
     /// other tensors if needed. A tensor held by a view, pin or layer scope can only be "moved"
     /// where it already is.
     pub fn move_to(&self, id: TensorId, tier: Tier) -> Result<()> {
-        ops::move_to(&self.shared, id, tier)
+        let moved = || ops::move_to(&self.shared, id, tier);
+        match tier {
+            Tier::Device | Tier::Mapped => self.shared.device_work(moved),
+            _ => moved(),
+        }
     }
 
     /// Bytes of `tier`'s budget a tensor of `bytes` takes there: its size rounded up to what
@@ -378,13 +386,16 @@ impl Store {
     pub fn check_err(&self) -> Result<()> {
         let mut d = self.shared.deferred.lock();
         if !d.is_empty() {
-            return Err(d.remove(0));
+            let e = d.remove(0);
+            self.shared.health.note_err(&e);
+            return Err(e);
         }
         drop(d);
         // The store's own CUDA errors from drops and completion checks (never the caller's, in
         // the context's slot: those are theirs to take).
         if let Backend::Cuda(b) = &self.shared.backend {
             if let Some(e) = crate::backend::cuda::take_deferred(&b.ctx) {
+                self.shared.health.note_err(&e);
                 return Err(e);
             }
         }
@@ -402,7 +413,8 @@ impl Store {
     /// writing through it.
     pub fn device_view(&self, id: TensorId, stream: &Stream) -> Result<DeviceView> {
         self.check_stream(stream)?;
-        let parts = ops::device_view(&self.shared, id, &stream.raw, false)?;
+        let parts =
+            self.shared.device_work(|| ops::device_view(&self.shared, id, &stream.raw, false))?;
         Ok(DeviceView::new(self.shared.clone(), id, Tier::Device, stream.raw.clone(), parts))
     }
 
@@ -413,7 +425,8 @@ impl Store {
     /// The stream still waits for every other stream's last use of the tensor before it writes.
     pub fn device_view_for_overwrite(&self, id: TensorId, stream: &Stream) -> Result<DeviceView> {
         self.check_stream(stream)?;
-        let parts = ops::device_view(&self.shared, id, &stream.raw, true)?;
+        let parts =
+            self.shared.device_work(|| ops::device_view(&self.shared, id, &stream.raw, true))?;
         let mut view =
             DeviceView::new(self.shared.clone(), id, Tier::Device, stream.raw.clone(), parts);
         view.mark_dirty();
@@ -426,7 +439,7 @@ impl Store {
     /// filling the replica and for other streams' last uses.
     pub fn mapped_view(&self, id: TensorId, stream: &Stream) -> Result<MappedView> {
         self.check_stream(stream)?;
-        let parts = ops::mapped_view(&self.shared, id, &stream.raw)?;
+        let parts = self.shared.device_work(|| ops::mapped_view(&self.shared, id, &stream.raw))?;
         Ok(MappedView::new(DeviceView::new(
             self.shared.clone(),
             id,

@@ -12,6 +12,7 @@
 #[cfg(feature = "candle-cuda")]
 pub(crate) mod candle_cuda;
 pub(crate) mod cuda;
+pub(crate) mod health;
 pub(crate) mod host;
 pub mod kernels;
 pub mod linalg;

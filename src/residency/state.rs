@@ -252,6 +252,8 @@ pub(crate) struct Shared {
     pub(crate) worker_staging: Vec<Mutex<Vec<StagingBuf>>>,
     /// Whether copies and waits are timed (the store keeps a timeline).
     pub(crate) timing: bool,
+    /// Whether the backend still works (device work is refused once it has failed for good).
+    pub(crate) health: crate::backend::health::Health,
 }
 
 impl Shared {
@@ -266,6 +268,18 @@ impl Shared {
     /// Defers an error to the next `check_err`.
     pub(crate) fn defer_err(&self, e: Error) {
         self.deferred.lock().push(e);
+    }
+
+    /// Runs a device operation: refused at once with [`Error::BackendFailed`] once the backend
+    /// has failed for good; its outcome is noted in the backend's health otherwise.
+    pub(crate) fn device_work<T>(
+        &self,
+        f: impl FnOnce() -> crate::error::Result<T>,
+    ) -> crate::error::Result<T> {
+        self.health.check()?;
+        let r = f();
+        self.health.note(&r);
+        r
     }
 }
 
