@@ -304,3 +304,24 @@ fn shared_host_views_read_together_and_a_write_waits_for_them() {
     assert!(waited >= std::time::Duration::from_millis(30), "the write did not wait: {waited:?}");
     assert_eq!(store.read_vec::<u32>(x).unwrap(), vec![9u32; 1024]);
 }
+
+/// A shared host view may outlive its store, as other views may: dropping the store does not
+/// wait for it (it waited for ever), and the view still reads the tensor's bytes.
+#[test]
+fn a_shared_host_view_may_outlive_its_store() {
+    let store = store();
+    let x = store.put("x", DType::U8, &[4096], &[7u8; 4096]).unwrap();
+    let v = store.host_view_shared(x).unwrap();
+    let dropped = std::thread::spawn(move || drop(store));
+    let t = std::time::Instant::now();
+    while !dropped.is_finished() {
+        assert!(
+            t.elapsed() < std::time::Duration::from_secs(10),
+            "the store's drop waits for the view"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+    dropped.join().unwrap();
+    assert_eq!(v.bytes(), &[7u8; 4096][..]);
+    drop(v);
+}

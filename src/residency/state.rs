@@ -227,10 +227,17 @@ impl State {
     }
 
     /// Everything pending on every tensor and waiting extent (for the store's drop).
+    /// Not the readers' flights: when the store drops, those are shared host views that
+    /// outlive it (nothing else reads without a `&Store`), which write nothing, and whose
+    /// memory their hold on the shared state keeps.
     pub(crate) fn all_pending(&self) -> Vec<Pending> {
         let mut out = self.books.all_deferred_waits();
         for (_, e) in self.res.slab.iter() {
-            out.extend(e.pending());
+            let readers = e.read_flight.as_ref().map(|f| f.done.clone());
+            out.extend(e.pending().into_iter().filter(|p| match (p, &readers) {
+                (Pending::Done(d), Some(r)) => !Arc::ptr_eq(d, r),
+                _ => true,
+            }));
         }
         out
     }
