@@ -843,6 +843,7 @@ fn optim_run(
     engine: strata::optim::Engine,
     alg: Algorithm,
     state_tier: Option<Tier>,
+    grads_on_device: bool,
     arm: &dyn Fn(),
 ) -> strata::Result<(Vec<Vec<u8>>, bool)> {
     let dir = tempfile::tempdir().expect("a temporary directory");
@@ -866,7 +867,14 @@ fn optim_run(
             let g = f32s(
                 &(0..512).map(|k| ((k + i) as f32).sin() * (step + 1) as f32).collect::<Vec<_>>(),
             );
-            st.write(opt.grad(w)?, &g)?;
+            if grads_on_device {
+                // As a trainer's backward writes them: the Cpu engine's update starts their
+                // write-back.
+                let mut v = st.device_view_for_overwrite(opt.grad(w)?, &s)?;
+                common::view_write(&mut v, &g);
+            } else {
+                st.write(opt.grad(w)?, &g)?;
+            }
         }
         if step == 1 {
             arm();
@@ -920,15 +928,17 @@ fn a_failed_update_can_be_retried_to_the_clean_result() {
     let adamw =
         Algorithm::AdamW(AdamW { lr: 0.01, beta1: 0.9, beta2: 0.99, eps: 1e-8, weight_decay: 0.1 });
     let sgd = Algorithm::Sgd(Sgd { lr: 0.5, weight_decay: 0.01 });
-    let cases: Vec<(E, Option<Tier>)> = vec![
-        (E::Cpu, None),
-        (E::Cpu, Some(Tier::Device)),
-        (E::Cpu, Some(Tier::Mapped)),
-        (E::Cpu, Some(Tier::Disk)),
-        (E::GpuResident, None),
-        (E::GpuResident, Some(Tier::Pinned)),
-        (E::GpuResident, Some(Tier::Disk)),
-        (E::GpuMapped, None),
+    // (engine, where its state is moved, gradients written on the device)
+    let cases: Vec<(E, Option<Tier>, bool)> = vec![
+        (E::Cpu, None, false),
+        (E::Cpu, None, true),
+        (E::Cpu, Some(Tier::Device), false),
+        (E::Cpu, Some(Tier::Mapped), false),
+        (E::Cpu, Some(Tier::Disk), true),
+        (E::GpuResident, None, false),
+        (E::GpuResident, Some(Tier::Pinned), false),
+        (E::GpuResident, Some(Tier::Disk), true),
+        (E::GpuMapped, None, false),
     ];
     let sites = [
         Site::Copy,
@@ -940,13 +950,13 @@ fn a_failed_update_can_be_retried_to_the_clean_result() {
         Site::DiskWrite,
     ];
     let (mut runs, mut fired, mut differ) = (0u64, 0u64, Vec::new());
-    for (engine, tier) in cases {
+    for (engine, tier, on_dev) in cases {
         for alg in [adamw, sgd] {
-            let clean = optim_run(engine, alg, tier, &|| {})
+            let clean = optim_run(engine, alg, tier, on_dev, &|| {})
                 .unwrap_or_else(|e| panic!("{engine:?} {tier:?}: the clean run failed: {e}"));
             // How often the second step passes each site.
             let mut passes = Vec::new();
-            let _ = optim_run(engine, alg, tier, &|| failpoint::count());
+            let _ = optim_run(engine, alg, tier, on_dev, &|| failpoint::count());
             for &site in &sites {
                 passes.push((site, failpoint::hits(site)));
             }
@@ -954,14 +964,14 @@ fn a_failed_update_can_be_retried_to_the_clean_result() {
                 for k in 1..=n.min(12) {
                     runs += 1;
                     let fault = faults(site)[0];
-                    let ctx = format!("{engine:?}, state {tier:?}, {alg:?}, {site:?} #{k}");
+                    let ctx = format!("{engine:?}, state {tier:?}, grads on device {on_dev}, {alg:?}, {site:?} #{k}");
                     if let Ok(only) = std::env::var("STRATA_FAULTS_ONLY") {
                         if !ctx.starts_with(&only) {
                             continue;
                         }
                         eprintln!("run: {ctx}");
                     }
-                    match optim_run(engine, alg, tier, &|| failpoint::arm(site, k, fault)) {
+                    match optim_run(engine, alg, tier, on_dev, &|| failpoint::arm(site, k, fault)) {
                         Ok((state, f)) => {
                             fired += u64::from(f);
                             if state != clean.0 {

@@ -1060,14 +1060,24 @@ impl Optimizer {
         match self.engine {
             Engine::Cpu => {
                 // Start the write-back of a gradient made on the device now.
-                self.store.release(&[st.grad])?;
-                let w = self.worker.as_mut().expect("Cpu engine has a worker");
-                w.tx.as_ref().expect("open").send(CpuJob { st, t, alg, grad_scale }).map_err(
-                    |_| Error::InvalidArgument("the optimizer's worker thread has stopped".into()),
-                )?;
-                w.pending += 1;
-                self.step.queued.insert(param);
-                Ok(())
+                let queued = self.store.release(&[st.grad]).and_then(|()| {
+                    let w = self.worker.as_mut().expect("Cpu engine has a worker");
+                    w.tx.as_ref().expect("open").send(CpuJob { st, t, alg, grad_scale }).map_err(
+                        |_| {
+                            Error::InvalidArgument(
+                                "the optimizer's worker thread has stopped".into(),
+                            )
+                        },
+                    )?;
+                    w.pending += 1;
+                    Ok(())
+                });
+                match queued {
+                    Ok(()) => drop(self.step.queued.insert(param)),
+                    // Not queued: the step cannot finish until it is retried.
+                    Err(_) => drop(self.step.failed.insert(param, Commit::default())),
+                }
+                queued
             }
             _ => {
                 let t0 = Instant::now();
@@ -1143,7 +1153,10 @@ impl Optimizer {
                     first.get_or_insert(Error::InvalidArgument(
                         "the optimizer's worker thread has stopped".into(),
                     ));
-                    self.step.queued.clear();
+                    // Their outcomes are unknown: failed, so the step cannot finish.
+                    for p in std::mem::take(&mut self.step.queued) {
+                        self.step.failed.entry(p).or_default();
+                    }
                     break;
                 };
                 w.pending -= 1;
