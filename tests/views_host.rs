@@ -4,7 +4,7 @@ mod common;
 
 use common::{random_bytes, tiers};
 use strata::kernels::{self, Kernels};
-use strata::{BackendKind, DType, Error, Store, Tier};
+use strata::{BackendKind, DType, Error, Group, Store, Tier};
 
 fn store() -> Store {
     Store::builder()
@@ -324,4 +324,62 @@ fn a_shared_host_view_may_outlive_its_store() {
     dropped.join().unwrap();
     assert_eq!(v.bytes(), &[7u8; 4096][..]);
     drop(v);
+}
+
+/// Readers whose shared views overlap do not keep a writer waiting for ever: once a writer
+/// waits, new shared views wait for it.
+#[test]
+fn overlapping_shared_views_do_not_starve_a_writer() {
+    common::watch_deadlocks();
+    let store = std::sync::Arc::new(store());
+    let x = store.put("x", DType::U8, &[4096], &[1u8; 4096]).unwrap();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let readers: Vec<_> = (0..4)
+        .map(|_| {
+            let (store, stop) = (store.clone(), stop.clone());
+            std::thread::spawn(move || {
+                let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+                while !stop.load(std::sync::atomic::Ordering::Relaxed)
+                    && std::time::Instant::now() < deadline
+                {
+                    let v = store.host_view_shared(x).unwrap();
+                    let b = v.bytes()[0];
+                    assert!(v.bytes().iter().all(|&c| c == b), "a torn view");
+                    std::thread::sleep(std::time::Duration::from_millis(2));
+                    drop(v);
+                }
+            })
+        })
+        .collect();
+    std::thread::sleep(std::time::Duration::from_millis(50));
+    let t = std::time::Instant::now();
+    store.write(x, &[2u8; 4096]).unwrap();
+    let took = t.elapsed();
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    for r in readers {
+        r.join().unwrap();
+    }
+    assert!(took < std::time::Duration::from_secs(2), "the write waited {took:?}");
+    assert_eq!(store.read(x).unwrap(), vec![2u8; 4096]);
+}
+
+/// A shared view is not lent the bytes a live mapped view's kernels may be writing: it takes
+/// another host copy, or is `Busy` when there is none.
+#[test]
+fn a_shared_view_avoids_the_replica_a_mapped_view_may_write() {
+    let store = store();
+    let s = store.stream().unwrap();
+    let x = store.put_in(Tier::Mapped, "x", Group::Other, DType::U8, &[4096], &[3; 4096]).unwrap();
+    let mv = store.mapped_view(x, &s).unwrap();
+    assert!(matches!(store.host_view_shared(x), Err(Error::Busy { .. })));
+    drop(mv);
+    // A second copy in host memory (on the host backend the Device tier is host memory too).
+    drop(store.device_view(x, &s).unwrap());
+    assert_eq!(tiers(&store, x), [Tier::Device, Tier::Mapped]);
+    let mv = store.mapped_view(x, &s).unwrap();
+    let v = store.host_view_shared(x).unwrap();
+    assert_eq!(v.tier(), Tier::Device);
+    assert_eq!(v.bytes(), &[3u8; 4096][..]);
+    drop(v);
+    drop(mv);
 }

@@ -488,10 +488,17 @@ impl Store {
     /// Shared CPU access for reading, in place, to the tensor's copy in host memory: any number
     /// of threads may hold one of the same tensor at once (each reads the same bytes), while
     /// what may write the tensor (`write`, `move_to`, `remove`, device views, an exclusive
-    /// [`Store::host_view`]) waits until they drop, and they wait only for such a writer. A
-    /// tensor with no copy in host memory first gets one, as for `host_view`. A thread holding
-    /// a shared view must drop it before it writes the tensor itself (the write would wait for
-    /// that view).
+    /// [`Store::host_view`]) waits until they drop; a new shared view waits for a writer in
+    /// progress or already waiting for the readers (so overlapping readers cannot keep a writer
+    /// out for ever). A tensor with no copy in host memory first gets one, as for `host_view`.
+    /// Fails with [`Error::Busy`] while an exclusive `host_view` of the tensor lives, and when
+    /// its only host copy is the memory of a live mapped view (whose kernels may write it; on
+    /// the host backend, of a live device view too).
+    ///
+    /// Like a read-write lock's read guard, a shared view must be dropped before its thread
+    /// does anything that writes the tensor (`write`, `move_to`, `remove`, a device view, an
+    /// exclusive host view: each would wait for that view), or takes another shared view of it
+    /// while a writer may be waiting.
     ///
     /// ```
     /// use strata::{Store, Tier};

@@ -53,8 +53,18 @@ impl Shared {
         exclusive: bool,
     ) -> Result<(Locked<'_>, f64)> {
         let mut waited = 0.0;
+        // Whether this thread counts among the tensor's writers waiting for its readers.
+        let mut counted = false;
+        let uncount = |st: &mut Locked<'_>, counted: bool| {
+            if counted {
+                if let Ok(e) = st.res.get_mut(id) {
+                    e.writers_waiting -= 1;
+                }
+            }
+        };
         loop {
             let mut st = self.lock();
+            // (A tensor removed meanwhile is an error here; its count went with it.)
             if !st.res.get(id)?.unsettled.is_empty() {
                 st.settle(id);
                 // An event still cannot be recorded after a view's work (the backend keeps
@@ -65,7 +75,10 @@ impl Shared {
                 if !left.is_empty() {
                     drop(st);
                     for (stream, key) in &left {
-                        stream.synchronize_as(*key)?;
+                        if let Err(e) = stream.synchronize_as(*key) {
+                            uncount(&mut self.lock(), counted);
+                            return Err(e);
+                        }
                     }
                     self.lock().settled_by_sync(id, &left);
                     continue;
@@ -73,9 +86,43 @@ impl Shared {
             }
             let e = st.res.get(id)?;
             let f = if exclusive { e.any_flight() } else { e.flight.clone() };
-            let Some(f) = f else { return Ok((st, waited)) };
+            let Some(f) = f else {
+                uncount(&mut st, counted);
+                return Ok((st, waited));
+            };
+            let readers =
+                e.flight.is_none() && e.read_flight.as_ref().is_some_and(|r| Arc::ptr_eq(r, &f));
+            if exclusive && readers && !counted {
+                st.res.get_mut(id)?.writers_waiting += 1;
+                counted = true;
+            }
             drop(st);
             waited += self.wait_flight(&f);
+        }
+    }
+
+    /// [`Shared::lock_when_free`] for a new shared host view, a read claim held for long: it
+    /// also waits while a writer waits for the readers before it (without that, readers whose
+    /// views overlap would keep a writer waiting for ever).
+    pub(crate) fn lock_for_shared_view(&self, id: TensorId) -> Result<Locked<'_>> {
+        loop {
+            let (st, _) = self.lock_when_free(id, false)?;
+            let e = st.res.get(id)?;
+            if e.writers_waiting == 0 {
+                return Ok(st);
+            }
+            match e.read_flight.clone() {
+                // The readers before this one finish, then the writer takes its flight.
+                Some(f) => {
+                    drop(st);
+                    self.wait_flight(&f);
+                }
+                // The readers are done and the writer is about to take the tensor.
+                None => {
+                    drop(st);
+                    std::thread::yield_now();
+                }
+            }
         }
     }
 }

@@ -25,15 +25,18 @@ pub(crate) fn tensor_bytes(dtype: DType, shape: &[usize]) -> Result<u64> {
 
 /// The tiers a new tensor of `bytes` could ever go to (`only` restricts to one), fastest first;
 /// `TooLarge` / `TierDisabled` when none.
-fn candidate_tiers(st: &State, bytes: u64, only: Option<Tier>) -> Result<Vec<Tier>> {
+/// A backend that has failed ([`Error::BackendFailed`]) leaves the Device tier out.
+fn candidate_tiers(sh: &Shared, st: &State, bytes: u64, only: Option<Tier>) -> Result<Vec<Tier>> {
     if let Some(t) = only {
         if !st.books.enabled(t) {
             return Err(Error::TierDisabled { tier: t });
         }
     }
+    let device_failed = only.is_none() && sh.health.check().is_err();
     let fits: Vec<Tier> = Tier::ALL
         .into_iter()
         .filter(|&t| only.is_none_or(|o| o == t))
+        .filter(|&t| !(device_failed && t == Tier::Device))
         .filter(|&t| st.books.can_ever_fit(t, bytes))
         .collect();
     if fits.is_empty() {
@@ -61,7 +64,7 @@ pub(crate) fn place_new(
     bytes: u64,
     only: Option<Tier>,
 ) -> Result<(Tier, Ext)> {
-    let fits = candidate_tiers(st, bytes, only)?;
+    let fits = candidate_tiers(sh, st, bytes, only)?;
     for &t in &fits {
         if let Some(ext) = st.books.try_alloc(t, bytes) {
             return ready_for_writes(sh, st, t, ext, None).map(|(ext, _)| (t, ext));
@@ -166,7 +169,7 @@ pub(crate) fn put(
     st.place.policy.on_insert(id, bytes);
     let flight = st.start_flight(id, None);
     // Too large for every tier is `TooLarge` before the write reserve is asked to cover it.
-    let res = candidate_tiers(&st, bytes, only)
+    let res = candidate_tiers(sh, &st, bytes, only)
         .and_then(|_| st.cover(id))
         .and_then(|()| place_new(sh, &mut st, id, bytes, only))
         .and_then(|(tier, ext)| fill_replica(sh, &mut st, id, tier, ext, data, None));
@@ -210,6 +213,8 @@ pub(crate) fn write(sh: &Shared, id: TensorId, data: &[u8]) -> Result<()> {
     let fastest = e.fastest().ok_or(Error::UnknownId(id))?;
     let in_user_file =
         matches!(e.replicas[fastest.index()].as_ref().map(|r| &r.ext), Some(Ext::File { .. }));
+    // A failed backend's device takes no new bytes: they get a home in host memory or on disk.
+    let avoid_device = fastest == Tier::Device && sh.health.check().is_err();
     let copies = e.count();
     let flight = st.start_flight(id, None);
     let res = (|| -> Result<(Tier, Option<Ext>, copy::Done)> {
@@ -219,14 +224,14 @@ pub(crate) fn write(sh: &Shared, id: TensorId, data: &[u8]) -> Result<()> {
         // put them. A user's file is never written: its tensors' new bytes get a home like a
         // put's.
         let mut dst = None;
-        if !in_user_file {
+        if !in_user_file && !avoid_device {
             if let Got::Ext(x) = alloc_in(sh, &mut st, fastest, bytes, id, Level::Demand, true)? {
                 dst = Some((fastest, x));
             }
         }
         let dst = match dst {
             Some(d) => Some(d),
-            None if copies > 1 && !in_user_file => None,
+            None if copies > 1 && !in_user_file && !avoid_device => None,
             None => match place_new(sh, &mut st, id, bytes, None) {
                 Ok(d) => Some(d),
                 // No room anywhere for a second copy of the tensor's only one: the write
@@ -308,7 +313,7 @@ pub(crate) fn write(sh: &Shared, id: TensorId, data: &[u8]) -> Result<()> {
         }
     }
     st.touch(id);
-    if t != fastest && !in_user_file {
+    if t != fastest && !in_user_file && !avoid_device {
         // The tier could not hold two copies: the new bytes went elsewhere first. Now that the
         // old copy is gone, they go back where the tensor was (if that fails, they stay where
         // they are, intact).
@@ -533,6 +538,9 @@ fn promote_after_read(
     data: &[u8],
 ) -> Result<()> {
     let Some(top) = st.fastest_enabled() else { return Ok(()) };
+    if top == Tier::Device && sh.health.check().is_err() {
+        return Ok(());
+    }
     let e = st.res.get(id)?;
     let bytes = e.bytes();
     if e.has(top) || e.in_flight() || e.host_lent || !st.books.can_ever_fit(top, bytes) {
@@ -786,8 +794,20 @@ fn host_tiers(host_backend: bool) -> &'static [Tier] {
 
 /// The tier of `id`'s replica a host view can lend (in host memory, not being filled).
 fn host_replica(e: &crate::residency::Entry, host_backend: bool) -> Option<Tier> {
-    host_tiers(host_backend).iter().copied().find(|t| {
-        e.replicas[t.index()].as_ref().is_some_and(|r| matches!(r.ext, Ext::Mem(_)) && !r.filling)
+    host_replica_but(e, host_backend, None)
+}
+
+/// [`host_replica`] in another tier than `but`.
+fn host_replica_but(
+    e: &crate::residency::Entry,
+    host_backend: bool,
+    but: Option<Tier>,
+) -> Option<Tier> {
+    host_tiers(host_backend).iter().copied().find(|&t| {
+        Some(t) != but
+            && e.replicas[t.index()]
+                .as_ref()
+                .is_some_and(|r| matches!(r.ext, Ext::Mem(_)) && !r.filling)
     })
 }
 
@@ -894,7 +914,7 @@ pub(crate) fn host_view_shared(
     host_backend: bool,
 ) -> Result<(Tier, WriteLease, DType)> {
     loop {
-        let (mut st, _) = sh.lock_when_free(id, false)?;
+        let mut st = sh.lock_for_shared_view(id)?;
         let e = st.res.get(id)?;
         if e.host_lent {
             return Err(Error::Busy { id, holders: e.held() });
@@ -903,6 +923,16 @@ pub(crate) fn host_view_shared(
             drop(st);
             ensure_host(sh, id, host_backend)?;
             continue;
+        };
+        // Live views' kernels may be writing their replica in place (a mapped view's, or on
+        // the host backend a device view's): another host copy, if there is one, else Busy.
+        let tier = if e.views > 0 && e.view_tier == Some(tier) {
+            match host_replica_but(e, host_backend, Some(tier)) {
+                Some(t) => t,
+                None => return Err(Error::Busy { id, holders: e.held() }),
+            }
+        } else {
+            tier
         };
         let r = e.replicas[tier.index()].as_ref().expect("found above");
         let lease = host_lease(sh, r, tier)?;

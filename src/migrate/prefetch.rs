@@ -179,7 +179,7 @@ pub(crate) fn pump_waiting(sh: &Shared, st: &mut Locked<'_>) {
 /// Prefetches what the policy expects next, within what is left of the prefetch budget.
 /// Guesses never evict prefetched or held tensors.
 pub(crate) fn lookahead(sh: &Shared, st: &mut Locked<'_>) {
-    if !st.books.enabled(Tier::Device) {
+    if !st.books.enabled(Tier::Device) || sh.health.check().is_err() {
         return;
     }
     let room = st.place.prefetch_budget.saturating_sub(st.place.inflight);

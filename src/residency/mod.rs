@@ -150,6 +150,9 @@ pub(crate) struct Entry {
     /// Threads reading the tensor without the lock, and the flight they share.
     pub(crate) readers: u32,
     pub(crate) read_flight: Option<Arc<Flight>>,
+    /// Threads waiting for the readers to finish so that they can write, move or remove the
+    /// tensor: new shared host views wait for them (readers that overlap would starve them).
+    pub(crate) writers_waiting: u32,
     /// A prefetch job of the engine's, queued or running, that brings the tensor to the device:
     /// a claim shared with readers (it only reads the tensor's bytes and fills a replica nobody
     /// reads yet), exclusive for everything else. A queued one can be revoked.
@@ -191,6 +194,7 @@ impl Entry {
             flight: None,
             readers: 0,
             read_flight: None,
+            writers_waiting: 0,
             job: None,
             uses: Uses::default(),
             unsettled: Vec::new(),
