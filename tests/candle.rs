@@ -472,5 +472,7 @@ fn out_of_core_on_cuda_equals_in_memory() {
 /// that candle's tests build once).
 #[path = "candle/llama.rs"]
 mod llama;
+#[path = "candle/shared.rs"]
+mod shared;
 #[path = "candle/train.rs"]
 mod train;

@@ -280,7 +280,7 @@ impl Layers {
         {
             return Ok(None);
         }
-        let view = match self.store.device_view(id, &self.stream) {
+        let view = match super::wait_for_writer(|| self.store.device_view(id, &self.stream)) {
             Ok(view) => view,
             Err(crate::Error::TooLarge { .. } | crate::Error::OutOfMemory { .. }) => {
                 return Ok(None)
@@ -330,10 +330,10 @@ impl Layers {
 
     /// Rows `rows` of the 2-D tensor `name` (an embedding table), as a `[rows.len(), columns]`
     /// candle tensor on the candle device, in its stored dtype: only those rows cross to the
-    /// device. They are gathered on the host from the tensor's Pinned (or Mapped) replica; a
-    /// table with none is moved to Pinned on first use (its other copies dropped, as
-    /// [`Store::move_to`] does; kept there for later calls), or, without room in Pinned, read
-    /// whole.
+    /// device. They are gathered on the host from the tensor's copy in host memory, through a
+    /// shared view ([`Store::host_view_shared`]: any number of threads gather at once); a table
+    /// with no such copy gets one in Pinned on first use (kept there for later calls while
+    /// there is room), or, without room in host memory, is read whole.
     pub fn gather_rows(&self, name: &str, rows: &[usize]) -> candle_core::Result<Tensor> {
         let id = self.resolve(&[name])?[0];
         let info = self.store.info(id).map_err(|e| strata_err(name, e))?;
@@ -361,21 +361,21 @@ impl Layers {
             }
             out
         };
-        let gathered = match self.pinned_copy(id) {
-            Some(view) => gather(view.bytes()),
-            None => gather(&self.store.read_in_place(id).map_err(|e| strata_err(name, e))?),
+        // A shared read: any number of threads gather from the table at once.
+        let gathered = match super::wait_for_writer(|| self.store.host_view_shared(id)) {
+            Ok(view) => gather(view.bytes()),
+            Err(
+                crate::Error::OutOfMemory { .. }
+                | crate::Error::TooLarge { .. }
+                | crate::Error::TierDisabled { .. },
+            ) => gather(
+                &super::wait_for_writer(|| self.store.read_in_place(id))
+                    .map_err(|e| strata_err(name, e))?,
+            ),
+            Err(e) => return Err(strata_err(name, e)),
         };
         self.transfers.lock().t.gathered_bytes += gathered.len() as u64;
         tensor_from_bytes(name, &gathered, info.dtype, &[rows.len(), cols], &self.device)
-    }
-
-    /// A host view of the tensor's Pinned replica, making it if there is room; `None` without.
-    fn pinned_copy(&self, id: TensorId) -> Option<crate::HostView> {
-        let tiers = self.store.info(id).ok()?.tiers;
-        if !tiers.contains(&Tier::Pinned) && !tiers.contains(&Tier::Mapped) {
-            self.store.move_to(id, Tier::Pinned).ok()?;
-        }
-        self.store.host_view(id).ok()
     }
 }
 

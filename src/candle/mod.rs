@@ -168,6 +168,23 @@ impl From<Error> for candle_core::Error {
     }
 }
 
+/// Runs `f` until it is not [`Error::Busy`], for up to a minute: the tensor is held by a
+/// writer (an exclusive host view, a move, a view of another tier) that ends moments later.
+/// Readers never make each other busy; this waits only for a writer.
+pub(crate) fn wait_for_writer<T>(mut f: impl FnMut() -> Result<T>) -> Result<T> {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    let mut pause = std::time::Duration::from_micros(20);
+    loop {
+        match f() {
+            Err(Error::Busy { .. }) if std::time::Instant::now() < deadline => {
+                std::thread::sleep(pause);
+                pause = (pause * 2).min(std::time::Duration::from_millis(1));
+            }
+            r => return r,
+        }
+    }
+}
+
 /// A strata error as a candle error, saying which tensor it concerns.
 pub(crate) fn strata_err(name: &str, e: Error) -> candle_core::Error {
     candle_core::Error::wrap(e).context(format!("strata could not serve tensor {name}"))
@@ -187,7 +204,8 @@ pub(crate) fn read_tensor(
     macro_rules! typed {
         ($t:ty) => {
             Tensor::from_vec(
-                store.read_in_place_as::<$t>(id).map_err(|e| strata_err(name, e))?,
+                wait_for_writer(|| store.read_in_place_as::<$t>(id))
+                    .map_err(|e| strata_err(name, e))?,
                 shape,
                 device,
             )
@@ -196,7 +214,8 @@ pub(crate) fn read_tensor(
     match info.dtype {
         DType::U8 => typed!(u8),
         DType::U16 => {
-            let narrow = store.read_in_place_as::<u16>(id).map_err(|e| strata_err(name, e))?;
+            let narrow = wait_for_writer(|| store.read_in_place_as::<u16>(id))
+                .map_err(|e| strata_err(name, e))?;
             Tensor::from_vec(narrow.into_iter().map(u32::from).collect::<Vec<u32>>(), shape, device)
         }
         DType::U32 => typed!(u32),
@@ -208,7 +227,8 @@ pub(crate) fn read_tensor(
         DType::F32 => typed!(f32),
         DType::F64 => typed!(f64),
         _ => {
-            let bytes = store.read_in_place(id).map_err(|e| strata_err(name, e))?;
+            let bytes =
+                wait_for_writer(|| store.read_in_place(id)).map_err(|e| strata_err(name, e))?;
             tensor_from_bytes(name, &bytes, info.dtype, shape, device)
         }
     }
