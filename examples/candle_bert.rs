@@ -74,7 +74,7 @@ fn main() -> anyhow::Result<()> {
             .prefetch_budget(budget)
             .capacity(Tier::Pinned, model_bytes + (16 << 20));
     }
-    let store = Arc::new(strata::candle::store_for(&device, builder)?);
+    let store = strata::candle::store_for(&device, builder)?;
     println!("candle device: {device:?}; strata: {}", store.backend_description());
     let t = Instant::now();
     let loaded = store.load_checkpoint(&a.model, LoadOptions::default())?;

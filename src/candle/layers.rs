@@ -12,7 +12,6 @@ use parking_lot::Mutex;
 use super::{
     candle_dtype, read_tensor, strata_err, stream_for, tensor_from_bytes, unsupported_dtype,
 };
-use crate::error::Result;
 use crate::types::{TensorId, Tier};
 use crate::{Loaded, Store, Stream};
 
@@ -57,22 +56,21 @@ pub struct Transfers {
 /// [`Transfers::host_copy_bytes`] counts those bytes.
 ///
 /// ```
-/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
-/// use std::sync::Arc;
+/// # fn main() -> candle_core::Result<()> {
 /// use candle_core::{DType, Device, Module};
-/// use strata::candle::Layers;
-/// use strata::{Store, Tier};
+/// use strata as st;
+/// use st::candle::Layers;
 ///
 /// let device = Device::Cpu;
 /// // A Device tier of 64 KiB for eight 16 KiB layers.
-/// let store = Arc::new(strata::candle::store_for(
+/// let store = st::candle::store_for(
 ///     &device,
-///     Store::builder().capacity(Tier::Device, 64 << 10).prefetch_budget(64 << 10),
-/// )?);
+///     st::Store::builder().capacity(st::Tier::Device, 64 << 10).prefetch_budget(64 << 10),
+/// )?;
 /// let mut names = Vec::new();
 /// for l in 0..8 {
 ///     let name = format!("layer.{l}.weight");
-///     let id = store.put_group(&name, strata::Group::Param, strata::DType::F32, &[64, 64],
+///     let id = store.put_group(&name, st::Group::Param, st::DType::F32, &[64, 64],
 ///         &vec![0u8; 64 * 64 * 4])?;
 ///     names.push((name, id));
 /// }
@@ -122,7 +120,7 @@ impl Layers {
         store: Arc<Store>,
         names: impl IntoIterator<Item = (String, TensorId)>,
         device: &Device,
-    ) -> Result<Layers> {
+    ) -> candle_core::Result<Layers> {
         let stream = stream_for(&store, device)?;
         let device_capacity = store.stats().capacity(Tier::Device);
         Ok(Layers {
@@ -136,7 +134,11 @@ impl Layers {
     }
 
     /// [`Layers::new`] over a loaded checkpoint, under the tensors' names in their files.
-    pub fn from_loaded(store: Arc<Store>, loaded: &Loaded, device: &Device) -> Result<Layers> {
+    pub fn from_loaded(
+        store: Arc<Store>,
+        loaded: &Loaded,
+        device: &Device,
+    ) -> candle_core::Result<Layers> {
         Self::new(store, loaded.iter().map(|t| (t.name.clone(), t.id)), device)
     }
 

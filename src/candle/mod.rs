@@ -13,14 +13,20 @@
 //! (safetensors `U16` becomes candle `U32`; the dtypes candle lacks are an error naming the
 //! tensor), the same shape check and error (`UnexpectedShape`, "shape mismatch for NAME").
 //!
+//! Every function here returns `candle_core::Result`, and a strata error converts into a candle
+//! error with `?` (its whole chain as the message, the tensor named where it is known), so one
+//! error type runs through a candle program. strata's `DType`, `Result` and `Error` have the
+//! same names as candle's: import strata under a short name (`use strata as st;`) rather than
+//! its items.
+//!
 //! ```no_run
 //! # fn main() -> Result<(), Box<dyn std::error::Error>> {
-//! use std::sync::Arc;
 //! use candle_core::{DType, Device};
-//! use strata::candle::StoreBackend;
+//! use strata as st;
+//! use st::candle::StoreBackend;
 //!
 //! let device = Device::Cpu;
-//! let store = Arc::new(strata::candle::store_for(&device, strata::Store::builder())?);
+//! let store = st::candle::store_for(&device, st::Store::builder())?;
 //! // A .safetensors file, a sharded checkpoint's *.index.json, or a directory: loaded in place.
 //! let backend = StoreBackend::load(store, "all-MiniLM-L6-v2/")?;
 //! let vb = backend.into_var_builder(DType::F32, &device);
@@ -51,30 +57,32 @@ pub use train::{
     load_weights, put_random_weights, LlamaTwin, LrSchedule, StepReport, TrainConfig, Trainer,
 };
 
+use std::sync::Arc;
+
 use candle_core::{Device, Tensor};
 
 use crate::error::{Error, Result};
 use crate::types::{DType, TensorId};
 use crate::{Store, StoreBuilder, Stream};
 
-/// Builds a store whose backend goes with a candle device: the host backend for
-/// [`Device::Cpu`] (its Device tier is host memory, so the budgets and the streaming work as on
-/// a GPU), and for a CUDA device the CUDA backend in the device's own CUDA context (a store in
-/// another context could not copy into candle's memory). Every other setting comes from
-/// `builder`.
+/// Builds a store whose backend goes with a candle device, shared (`Arc`) as every type of
+/// this module takes it: the host backend for [`Device::Cpu`] (its Device tier is host memory,
+/// so the budgets and the streaming work as on a GPU), and for a CUDA device the CUDA backend
+/// in the device's own CUDA context (a store in another context could not copy into candle's
+/// memory). Every other setting comes from `builder`.
 ///
 /// ```
-/// # fn main() -> strata::Result<()> {
-/// use strata::{Store, Tier};
-/// let store = strata::candle::store_for(
+/// # fn main() -> candle_core::Result<()> {
+/// use strata as st;
+/// let store = st::candle::store_for(
 ///     &candle_core::Device::Cpu,
-///     Store::builder().capacity(Tier::Device, 8 << 20),
+///     st::Store::builder().capacity(st::Tier::Device, 8 << 20),
 /// )?;
-/// assert_eq!(store.backend(), strata::BackendKind::Host);
+/// assert_eq!(store.backend(), st::BackendKind::Host);
 /// # Ok(()) }
 /// ```
-pub fn store_for(device: &Device, builder: StoreBuilder) -> Result<Store> {
-    match device {
+pub fn store_for(device: &Device, builder: StoreBuilder) -> candle_core::Result<Arc<Store>> {
+    let store = match device {
         Device::Cpu => builder.host_backend().build(),
         #[cfg(feature = "candle-cuda")]
         Device::Cuda(dev) => builder.context(dev.cuda_stream().context().clone()).build(),
@@ -82,7 +90,8 @@ pub fn store_for(device: &Device, builder: StoreBuilder) -> Result<Store> {
             "candle device {other:?}: strata serves candle's CPU device, and its CUDA devices \
              when built with the candle-cuda feature"
         ))),
-    }
+    };
+    Ok(Arc::new(store?))
 }
 
 /// The stream on which the store lends tensors to work on `device`: candle's own CUDA stream
@@ -148,24 +157,33 @@ pub(crate) fn unsupported_dtype(name: &str, dtype: DType) -> candle_core::Error 
 }
 
 /// A strata error as a candle error, so that `?` works on strata calls in code returning
-/// `candle_core::Result`: the error is wrapped whole (its message, which names the tensor where
-/// strata's error does, and its source), and `downcast_ref::<strata::Error>()` on the wrapped
-/// error gives it back.
+/// `candle_core::Result`. The candle error's message is the strata error's whole chain
+/// ([`Error::chain`](crate::Error::chain): an I/O error's OS reason included), on one line.
+/// Where strata's error names the tensor, so does the message; the functions of this module
+/// add the tensor's name where they know it (`strata could not serve tensor NAME: ...`).
 ///
 /// ```
-/// fn f(store: &strata::Store) -> candle_core::Result<Vec<u8>> {
-///     let id = store.put("w", strata::DType::F32, &[1], &[0u8; 4])?;
-///     store.put("w", strata::DType::F32, &[1], &[0u8; 4])?; // a second "w": strata's error
+/// use strata as st;
+///
+/// fn f(store: &st::Store) -> candle_core::Result<Vec<u8>> {
+///     let id = store.put("w", st::DType::F32, &[1], &[0u8; 4])?;
+///     store.put("w", st::DType::F32, &[1], &[0u8; 4])?; // a second "w": strata's error
 ///     Ok(store.read(id)?)
 /// }
-/// let store = strata::Store::builder().host_backend().build().unwrap();
+/// let store = st::Store::builder().host_backend().build().unwrap();
 /// let e = f(&store).unwrap_err();
 /// assert!(e.to_string().contains("a tensor named \"w\" already exists"));
 /// ```
 impl From<Error> for candle_core::Error {
     fn from(e: Error) -> Self {
-        candle_core::Error::wrap(e)
+        candle_core::Error::Msg(e.chain()).bt()
     }
+}
+
+/// A strata error as a candle error, naming the tensor it concerns (one line: the name, then
+/// the strata error's chain).
+pub(crate) fn strata_err(name: &str, e: Error) -> candle_core::Error {
+    candle_core::Error::Msg(format!("strata could not serve tensor {name}: {}", e.chain())).bt()
 }
 
 /// Runs `f` until it is not [`Error::Busy`], for up to a minute: the tensor is held by a
@@ -183,11 +201,6 @@ pub(crate) fn wait_for_writer<T>(mut f: impl FnMut() -> Result<T>) -> Result<T> 
             r => return r,
         }
     }
-}
-
-/// A strata error as a candle error, saying which tensor it concerns.
-pub(crate) fn strata_err(name: &str, e: Error) -> candle_core::Error {
-    candle_core::Error::wrap(e).context(format!("strata could not serve tensor {name}"))
 }
 
 /// The tensor `id` (`info` its metadata) read from the store without promoting it, as a candle

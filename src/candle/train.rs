@@ -400,18 +400,17 @@ struct Param {
 ///
 /// ```
 /// # fn main() -> candle_core::Result<()> {
-/// use std::sync::Arc;
 /// use candle_core::{Device, Tensor};
-/// use strata::candle::{put_random_weights, LlamaConfig, TrainConfig, Trainer};
-/// use strata::{Store, Tier};
+/// use strata as st;
+/// use st::candle::{put_random_weights, LlamaConfig, TrainConfig, Trainer};
 ///
 /// let config = LlamaConfig::from_json(r#"{"hidden_size": 32, "intermediate_size": 64,
 ///     "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 50}"#)?;
 /// let device = Device::Cpu;
 /// // A Device tier smaller than one block's weights and the next.
-/// let store = Arc::new(strata::candle::store_for(&device,
-///     Store::builder().capacity(Tier::Device, 64 << 10).prefetch_budget(64 << 10))?);
-/// let weights = put_random_weights(&store, &config, 1, strata::DType::F32)?;
+/// let store = st::candle::store_for(&device,
+///     st::Store::builder().capacity(st::Tier::Device, 64 << 10).prefetch_budget(64 << 10))?;
+/// let weights = put_random_weights(&store, &config, 1, st::DType::F32)?;
 /// let train = TrainConfig { micro_batch: 2, seq: 8, accum: 2, ..TrainConfig::default() };
 /// let mut trainer = Trainer::new(store, &device, config, train, weights)?;
 /// let tokens = Tensor::new(&[[1u32, 2, 3, 4, 5, 6, 7, 8, 9]; 2], &device)?;
