@@ -543,7 +543,7 @@ impl Trainer {
                 head_shares.push(name);
             }
         }
-        let layers = Layers::new(store.clone(), names, device).map_err(candle_core::Error::from)?;
+        let layers = Layers::new(store.clone(), names, device)?;
         let trainable: Vec<TensorId> =
             params.iter().filter(|p| p.trainable).map(|p| p.id).collect();
         let opt = if trainable.is_empty() {
