@@ -209,6 +209,19 @@ impl Layers {
         self.store.prefetch(&fit).map_err(|e| strata_err(names.join(", ").as_str(), e))
     }
 
+    /// [`Layers::prefetch`] of store tensors by id (not necessarily served by name: a KV
+    /// cache's), those the Device tier can hold.
+    pub(crate) fn prefetch_ids(&self, ids: &[TensorId]) -> candle_core::Result<()> {
+        let mut fit = Vec::with_capacity(ids.len());
+        for &id in ids {
+            let info = self.store.info(id)?;
+            if info.bytes <= self.device_capacity {
+                fit.push(id);
+            }
+        }
+        Ok(self.store.prefetch(&fit)?)
+    }
+
     /// This layer's weights, as candle tensors on the candle device, under their names; `next`
     /// names the next layer's tensors, prefetched meanwhile (empty for none). The store's
     /// copies are released as soon as candle has its own, so that the next layer can take

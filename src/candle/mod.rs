@@ -45,12 +45,17 @@
 
 mod backend;
 mod bert;
+mod generate;
 mod layers;
 pub mod llama;
 pub mod train;
 
 pub use backend::StoreBackend;
 pub use bert::OutOfCoreBert;
+pub use generate::{
+    generate, CausalLm, Generated, InMemoryCache, InMemoryLlama, OutOfCoreLlama, Sampler, Sampling,
+    StoreKvCache,
+};
 pub use layers::{LayerWeights, Layers, Transfers};
 pub use llama::LlamaConfig;
 pub use train::{

@@ -267,7 +267,7 @@ pub fn load_weights(
 }
 
 /// A tensor homed in host memory: Pinned when it has room, else wherever `put` places it.
-fn put_host(
+pub(super) fn put_host(
     store: &Store,
     name: &str,
     group: Group,

@@ -94,3 +94,44 @@ fn eight_threads_gather_rows_of_one_table_at_once() {
         h.join().unwrap();
     }
 }
+
+#[test]
+fn eight_threads_share_one_out_of_core_llama_each_with_its_kv_cache() {
+    use super::generate::{bits as lbits, logits_of, out_of_core, tiny, SEED};
+    use strata::candle::{generate, InMemoryLlama, Sampling};
+    let c = tiny();
+    let mem = InMemoryLlama::random(&c, SEED, DType::F32, &Device::Cpu).unwrap();
+    let prompt =
+        |t: usize| -> Vec<u32> { (0..4).map(|k| ((t * 13 + k * 5) % 97) as u32).collect() };
+    // The single-threaded reference: each thread's tokens and every step's logits.
+    let wants: Vec<(Vec<u32>, Vec<Vec<u32>>)> = (0..THREADS)
+        .map(|t| {
+            let tokens = generate(&mem, &prompt(t), 10, &Sampling::Greedy).unwrap().tokens;
+            let logits = logits_of(&mem, &prompt(t), &tokens[..9]).iter().map(lbits).collect();
+            (tokens, logits)
+        })
+        .collect();
+    let wants = Arc::new(wants);
+    let model = Arc::new(out_of_core(&c));
+    let handles: Vec<_> = (0..THREADS)
+        .map(|t| {
+            let (model, wants) = (model.clone(), wants.clone());
+            std::thread::spawn(move || {
+                for round in 0..3 {
+                    let got = generate(&*model, &prompt(t), 10, &Sampling::Greedy)
+                        .unwrap_or_else(|e| panic!("thread {t}, round {round}: {e}"));
+                    assert_eq!(got.tokens, wants[t].0, "thread {t}, round {round}");
+                    let logits: Vec<_> = logits_of(&*model, &prompt(t), &got.tokens[..9])
+                        .iter()
+                        .map(lbits)
+                        .collect();
+                    assert_eq!(logits, wants[t].1, "thread {t}, round {round}");
+                }
+            })
+        })
+        .collect();
+    for h in handles {
+        h.join().unwrap();
+    }
+    assert!(model.layers().store().stats().evictions > 0, "the blocks were streamed");
+}
