@@ -96,12 +96,7 @@ impl StoreBackend {
         }
         if let Some(want) = want {
             if want.dims() != info.shape.as_slice() {
-                return Err(candle_core::Error::UnexpectedShape {
-                    msg: format!("shape mismatch for {name}"),
-                    expected: want.clone(),
-                    got: info.shape.clone().into(),
-                }
-                .bt());
+                return Err(super::shape_mismatch(name, want.dims(), &info.shape));
             }
         }
         // Without promotion: the bytes go to candle, a copy in a faster tier would be waste.

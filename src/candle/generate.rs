@@ -515,12 +515,7 @@ impl OutOfCoreLlama {
                 .ok_or_else(|| candle_core::Error::CannotFindTensor { path: name.clone() }.bt())?;
             let info = layers.store().info(id).map_err(|e| strata_err(&name, e))?;
             if info.shape != shape {
-                return Err(candle_core::Error::UnexpectedShape {
-                    msg: format!("shape mismatch for {name}"),
-                    expected: shape.into(),
-                    got: info.shape.into(),
-                }
-                .bt());
+                return Err(super::shape_mismatch(&name, &shape, &info.shape));
             }
         }
         Ok(OutOfCoreLlama {

@@ -191,6 +191,17 @@ pub(crate) fn strata_err(name: &str, e: Error) -> candle_core::Error {
     candle_core::Error::Msg(format!("strata could not serve tensor {name}: {}", e.chain())).bt()
 }
 
+/// candle's error for a tensor of another shape than the one asked for, in the words of
+/// candle's own safetensors loader (`shape mismatch for NAME`).
+pub(crate) fn shape_mismatch(name: &str, expected: &[usize], got: &[usize]) -> candle_core::Error {
+    candle_core::Error::UnexpectedShape {
+        msg: format!("shape mismatch for {name}"),
+        expected: expected.into(),
+        got: got.into(),
+    }
+    .bt()
+}
+
 /// Runs `f` until it is not [`Error::Busy`], for up to a minute: the tensor is held by a
 /// writer (an exclusive host view, a move, a view of another tier) that ends moments later.
 /// Readers never make each other busy; this waits only for a writer.

@@ -246,12 +246,7 @@ pub fn load_weights(
             .ok_or_else(|| candle_core::Error::CannotFindTensor { path: name.clone() }.bt())?;
         let info = store.info(id).map_err(|e| strata_err(&name, e))?;
         if info.shape != shape {
-            return Err(candle_core::Error::UnexpectedShape {
-                msg: format!("shape mismatch for {name}"),
-                expected: shape.into(),
-                got: info.shape.into(),
-            }
-            .bt());
+            return Err(super::shape_mismatch(&name, &shape, &info.shape));
         }
         if !matches!(info.dtype, DType::F32 | DType::BF16) {
             candle_core::bail!("{name} is {}: f32 or bf16 weights are trained", info.dtype);
