@@ -2,10 +2,12 @@
 //! in memory or layer by layer out of core under a device budget.
 //!
 //! ```text
-//! cargo run --release --features candle --example candle_bert -- \
+//! cargo run --release --no-default-features --features candle --example candle_bert -- \
 //!     --model all-MiniLM-L6-v2/model.safetensors --config all-MiniLM-L6-v2/config.json \
-//!     --tokens 101,7592,2088,102 [--device-budget 8MiB]
+//!     --tokens 101,7592,2088,102 [--device-budget 8MiB] [--steps 3] [--warmup 1]
 //! ```
+//! Flags are parsed by hand (no CLI dependency). `--steps N` forwards are timed after
+//! `--warmup N` untimed ones (3 and 1 by default), and their min and median printed.
 //! `--model` is a `.safetensors` file, a sharded checkpoint's `*.index.json` or a directory,
 //! loaded in place. Without `--device-budget`, the model is built whole from strata's candle-nn
 //! `VarBuilder` backend (`strata::candle::StoreBackend`) and run. With it, the Device tier gets
@@ -21,43 +23,95 @@
 //! Prints the time, the bytes moved and the store's stats; the last line is the mean over the
 //! tokens of the last hidden state, a JSON array of `hidden_size` numbers.
 
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
-use anyhow::Context;
 use candle_core::{DType, Device, Tensor};
 use candle_transformers::models::bert::{BertModel, Config};
-use strata::apps::args;
-use strata::candle::{Layers, OutOfCoreBert, StoreBackend};
-use strata::{format_size, LoadOptions, Stats, Store, Tier};
+use st::candle::{Layers, OutOfCoreBert, StoreBackend};
+use st::{format_size, LoadOptions, Stats, Store, Tier};
+use strata as st;
 
-/// Forward passes per run; the first reads the weights cold.
-const STEPS: usize = 3;
+type Res<T> = Result<T, Box<dyn std::error::Error>>;
 
-/// A BERT checkpoint run by candle with its weights served by strata.
-#[derive(clap::Parser)]
+const USAGE: &str = "usage: candle_bert --model PATH --config CONFIG.json --tokens 101,7592,102 \
+[--device-budget SIZE] [--steps N] [--warmup N]";
+
 struct Args {
     /// The checkpoint: a .safetensors file, a sharded checkpoint's *.index.json, or a directory.
-    #[arg(long)]
-    model: std::path::PathBuf,
+    model: PathBuf,
     /// The model's config.json (Hugging Face BERT config).
-    #[arg(long)]
-    config: std::path::PathBuf,
-    /// Input token ids, comma-separated (attention mask all ones, token types 0).
-    #[arg(long, value_delimiter = ',', required = true)]
+    config: PathBuf,
+    /// Input token ids (attention mask all ones, token types 0).
     tokens: Vec<u32>,
-    /// Run the encoder layer by layer out of core with this Device-tier budget (e.g. 8MiB).
-    #[arg(long, value_parser = args::size)]
+    /// Run the encoder layer by layer out of core with this Device-tier budget.
     device_budget: Option<u64>,
+    /// Timed forwards, after `warmup` untimed ones.
+    steps: usize,
+    warmup: usize,
 }
 
-fn main() -> anyhow::Result<()> {
-    let a = <Args as clap::Parser>::parse();
-    let config: Config = serde_json::from_str(
-        &std::fs::read_to_string(&a.config)
-            .with_context(|| format!("reading {}", a.config.display()))?,
-    )
-    .with_context(|| format!("{} is not a BERT config.json", a.config.display()))?;
+/// The flags, parsed by hand (no CLI dependency: the example builds with
+/// `--no-default-features --features candle`).
+fn parse_args() -> Res<Args> {
+    let (mut model, mut config, mut tokens) = (None, None, Vec::new());
+    let mut a = Args {
+        model: PathBuf::new(),
+        config: PathBuf::new(),
+        tokens: Vec::new(),
+        device_budget: None,
+        steps: 3,
+        warmup: 1,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        if flag == "-h" || flag == "--help" {
+            println!("{USAGE}");
+            std::process::exit(0);
+        }
+        let value = it.next().ok_or_else(|| format!("{flag} needs a value\n{USAGE}"))?;
+        let count = || -> Res<usize> {
+            value.parse().map_err(|_| format!("{flag} {value}: a count expected").into())
+        };
+        match flag.as_str() {
+            "--model" => model = Some(PathBuf::from(&value)),
+            "--config" => config = Some(PathBuf::from(&value)),
+            "--tokens" => {
+                tokens = value
+                    .split(',')
+                    .map(|t| t.trim().parse::<u32>())
+                    .collect::<Result<_, _>>()
+                    .map_err(|_| format!("--tokens {value}: token ids like 101,7592,102"))?
+            }
+            "--device-budget" => a.device_budget = Some(st::parse_size(&value)?),
+            "--steps" => a.steps = count()?.max(1),
+            "--warmup" => a.warmup = count()?,
+            _ => return Err(format!("unknown flag {flag}\n{USAGE}").into()),
+        }
+    }
+    a.model = model.ok_or_else(|| format!("--model is required\n{USAGE}"))?;
+    a.config = config.ok_or_else(|| format!("--config is required\n{USAGE}"))?;
+    if tokens.is_empty() {
+        return Err(format!("--tokens is required\n{USAGE}").into());
+    }
+    a.tokens = tokens;
+    Ok(a)
+}
+
+fn main() {
+    if let Err(e) = real_main() {
+        eprintln!("candle_bert: {e}");
+        std::process::exit(1);
+    }
+}
+
+fn real_main() -> Res<()> {
+    let a = parse_args()?;
+    let text = std::fs::read_to_string(&a.config)
+        .map_err(|e| format!("reading {}: {e}", a.config.display()))?;
+    let config: Config = serde_json::from_str(&text)
+        .map_err(|e| format!("{} is not a BERT config.json: {e}", a.config.display()))?;
     let device = candle_device();
     let n = a.tokens.len();
     let input_ids = Tensor::new(a.tokens.as_slice(), &device)?.unsqueeze(0)?;
@@ -74,7 +128,7 @@ fn main() -> anyhow::Result<()> {
             .prefetch_budget(budget)
             .capacity(Tier::Pinned, model_bytes + (16 << 20));
     }
-    let store = Arc::new(strata::candle::store_for(&device, builder)?);
+    let store = strata::candle::store_for(&device, builder)?;
     println!("candle device: {device:?}; strata: {}", store.backend_description());
     let t = Instant::now();
     let loaded = store.load_checkpoint(&a.model, LoadOptions::default())?;
@@ -91,7 +145,7 @@ fn main() -> anyhow::Result<()> {
         config.num_hidden_layers, config.hidden_size, config.num_attention_heads
     );
 
-    let in_memory = |store: &Arc<Store>| -> anyhow::Result<(Tensor, f64, Vec<f64>)> {
+    let in_memory = |store: &Arc<Store>| -> Res<(Tensor, f64, Vec<f64>)> {
         let t = Instant::now();
         let vb =
             StoreBackend::from_loaded(store.clone(), &loaded).into_var_builder(DType::F32, &device);
@@ -100,20 +154,22 @@ fn main() -> anyhow::Result<()> {
         let load_ms = ms(t);
         let mut times = Vec::new();
         let mut out = None;
-        for _ in 0..STEPS {
+        for step in 0..a.warmup + a.steps {
             let t = Instant::now();
             let hidden = model.forward(&input_ids, &token_type_ids, Some(&attention_mask))?;
             device.synchronize()?;
-            times.push(ms(t));
+            if step >= a.warmup {
+                times.push(ms(t));
+            }
             out = Some(hidden);
         }
-        Ok((out.context("no step ran")?, load_ms, times))
+        Ok((out.ok_or("no step ran")?, load_ms, times))
     };
 
     let Some(budget) = a.device_budget else {
         let (hidden, load_ms, times) = in_memory(&store)?;
         println!("in memory: model built from strata's VarBuilder backend in {load_ms:.1} ms");
-        println!("in memory: forward {} ms", list(&times));
+        println!("in memory: forward {}", min_median(&times));
         moved(&store.stats());
         println!("{}", store.stats());
         return print_mean(&hidden);
@@ -124,7 +180,7 @@ fn main() -> anyhow::Result<()> {
     for lt in loaded.iter() {
         store
             .move_to(lt.id, Tier::Pinned)
-            .with_context(|| format!("staging {} in Pinned", lt.name))?;
+            .map_err(|e| format!("staging {} in Pinned: {}", lt.name, e.chain()))?;
     }
     println!("staged {} in Pinned in {:.1} ms", format_size(bytes), ms(t));
     let layers = Layers::from_loaded(store.clone(), &loaded, &device)?;
@@ -138,27 +194,30 @@ fn main() -> anyhow::Result<()> {
     let mut hidden = None;
     let mut times = Vec::new();
     let mut step_h2d = Vec::new();
-    for step in 0..STEPS {
+    for step in 0..a.warmup + a.steps {
         let before = store.stats();
         let t = Instant::now();
         let h = bert.forward(&input_ids, &token_type_ids, Some(&attention_mask))?;
         device.synchronize()?;
-        times.push(ms(t));
+        let took = ms(t);
         let after = store.stats();
         let into_device = after.moved_into(Tier::Device) - before.moved_into(Tier::Device);
         step_h2d.push(into_device);
         println!(
-            "out of core step {step}: {:.1} ms, {} into Device, device views: {} hits, {} misses; \
-             {} prefetches",
-            times[step],
+            "out of core step {step}{}: {took:.1} ms, {} into Device, device views: {} hits, {} \
+             misses; {} prefetches",
+            if step < a.warmup { " (warmup)" } else { "" },
             format_size(into_device),
             after.prefetch_hits - before.prefetch_hits,
             after.prefetch_misses - before.prefetch_misses,
             after.prefetches - before.prefetches
         );
+        if step >= a.warmup {
+            times.push(took);
+        }
         hidden = Some(h);
     }
-    let hidden = hidden.context("no step ran")?;
+    let hidden = hidden.ok_or("no step ran")?;
     let tr = bert.layers().transfers()?;
     println!(
         "handed to candle: {} tensors; {} copied out of device views in {:.2} ms ({}); {} of \
@@ -176,13 +235,18 @@ fn main() -> anyhow::Result<()> {
 
     // The reference: the whole model in memory, same input, same candle ops.
     let (reference, _, ref_times) = in_memory(&store)?;
-    let warm = |v: &[f64]| v[1..].iter().copied().fold(f64::INFINITY, f64::min);
+    let median = |v: &[f64]| {
+        let mut v = v.to_vec();
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
     println!(
-        "in memory (compute floor): forward {} ms; out of core best warm step {:.1} ms = {:.2}x",
-        list(&ref_times),
-        warm(&times),
-        warm(&times) / warm(&ref_times)
+        "in memory (compute floor): forward {}; out of core {}: median {:.2}x in memory",
+        min_median(&ref_times),
+        min_median(&times),
+        median(&times) / median(&ref_times)
     );
+    let warm = |v: &[f64]| v.iter().copied().fold(f64::INFINITY, f64::min);
     if let Some(bw) = h2d_bandwidth(&store) {
         let pcie_ms = *step_h2d.last().unwrap_or(&0) as f64 / bw * 1e3;
         let floor = pcie_ms.max(warm(&ref_times));
@@ -209,13 +273,13 @@ fn candle_device() -> Device {
 }
 
 /// The checkpoint's tensor bytes, from its headers (a store that only loads it in place).
-fn checkpoint_bytes(path: &std::path::Path) -> anyhow::Result<u64> {
+fn checkpoint_bytes(path: &std::path::Path) -> Res<u64> {
     let store = Store::builder().host_backend().capacity(Tier::Device, 0).build()?;
     let loaded = store.load_checkpoint(path, LoadOptions::default())?;
     Ok(loaded.iter().map(|t| store.info(t.id).map_or(0, |i| i.bytes)).sum())
 }
 
-fn layer_bytes(store: &Store, loaded: &strata::Loaded, l: usize) -> u64 {
+fn layer_bytes(store: &Store, loaded: &st::Loaded, l: usize) -> u64 {
     let marker = format!("encoder.layer.{l}.");
     loaded
         .iter()
@@ -229,9 +293,8 @@ fn h2d_bandwidth(store: &Store) -> Option<f64> {
     let ctx = store.cuda_context()?;
     let bytes = 64 << 20;
     let times =
-        strata::probe::raw_pinned_copy(ctx, bytes, strata::probe::Direction::HostToDevice, 5)
-            .ok()?;
-    Some(bytes as f64 / strata::probe::median(&times))
+        st::probe::raw_pinned_copy(ctx, bytes, st::probe::Direction::HostToDevice, 5).ok()?;
+    Some(bytes as f64 / st::probe::median(&times))
 }
 
 fn moved(s: &Stats) {
@@ -252,7 +315,7 @@ fn moved(s: &Stats) {
     );
 }
 
-fn compare(a: &Tensor, b: &Tensor) -> anyhow::Result<()> {
+fn compare(a: &Tensor, b: &Tensor) -> Res<()> {
     let a = a.flatten_all()?.to_vec1::<f32>()?;
     let b = b.flatten_all()?.to_vec1::<f32>()?;
     let differ = a.iter().zip(&b).filter(|(x, y)| x.to_bits() != y.to_bits()).count();
@@ -271,7 +334,7 @@ fn compare(a: &Tensor, b: &Tensor) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn print_mean(hidden: &Tensor) -> anyhow::Result<()> {
+fn print_mean(hidden: &Tensor) -> Res<()> {
     let mean = hidden.mean(1)?.squeeze(0)?.to_vec1::<f32>()?;
     println!("{}", serde_json::to_string(&mean)?);
     Ok(())
@@ -281,6 +344,11 @@ fn ms(t: Instant) -> f64 {
     t.elapsed().as_secs_f64() * 1e3
 }
 
-fn list(v: &[f64]) -> String {
-    v.iter().map(|x| format!("{x:.1}")).collect::<Vec<_>>().join(", ")
+/// "min X ms, median Y ms (N steps)" of times in ms.
+fn min_median(v: &[f64]) -> String {
+    let mut v = v.to_vec();
+    v.sort_by(f64::total_cmp);
+    let median =
+        if v.len() % 2 == 1 { v[v.len() / 2] } else { (v[v.len() / 2 - 1] + v[v.len() / 2]) / 2.0 };
+    format!("min {:.2} ms, median {median:.2} ms ({} steps)", v[0], v.len())
 }

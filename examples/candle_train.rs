@@ -37,7 +37,6 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::time::Instant;
 
 use candle_core::{Device, Tensor};
@@ -325,7 +324,7 @@ fn run() -> Res<()> {
             Tier::Mapped,
             if a.engine == Engine::GpuMapped { 4 * params * 3 + (1 << 20) } else { 0 },
         );
-    let store = Arc::new(strata::candle::store_for(&device, builder)?);
+    let store = strata::candle::store_for(&device, builder)?;
     println!("candle device: {device:?}; strata: {}", store.backend_description());
     let weights = match &a.model {
         Some(p) => load_weights(&store, &config, p)?,

@@ -285,7 +285,7 @@ fn budget_store(budget: u64) -> Arc<Store> {
         .capacity(Tier::Mapped, 0)
         .staging(2, 64 << 10)
         .disk_workers(2);
-    Arc::new(strata::candle::store_for(&Device::Cpu, builder).unwrap())
+    strata::candle::store_for(&Device::Cpu, builder).unwrap()
 }
 
 #[test]
@@ -449,13 +449,11 @@ fn out_of_core_on_cuda_equals_in_memory() {
     let vb = VarBuilder::from_buffered_safetensors(std::fs::read(&file).unwrap(), DType::F32, &dev)
         .unwrap();
     let want = run(vb);
-    let store = Arc::new(
-        strata::candle::store_for(
-            &dev,
-            Store::builder().capacity(Tier::Device, 96 << 10).prefetch_budget(96 << 10),
-        )
-        .unwrap(),
-    );
+    let store = strata::candle::store_for(
+        &dev,
+        Store::builder().capacity(Tier::Device, 96 << 10).prefetch_budget(96 << 10),
+    )
+    .unwrap();
     let loaded = store.load_checkpoint(&file, LoadOptions::default()).unwrap();
     let layers = Layers::from_loaded(store.clone(), &loaded, &dev).unwrap();
     let bert = OutOfCoreBert::new(layers, &config(), DType::F32).unwrap();
@@ -472,5 +470,39 @@ fn out_of_core_on_cuda_equals_in_memory() {
 /// that candle's tests build once).
 #[path = "candle/llama.rs"]
 mod llama;
+#[path = "candle/shared.rs"]
+mod shared;
 #[path = "candle/train.rs"]
 mod train;
+
+/// A strata error reaches candle code through `?` as one candle error whose message has the
+/// whole chain (an I/O error's OS reason too) and the tensor's name where it is known.
+#[test]
+fn strata_errors_in_candle_keep_the_chain_and_the_tensor_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("nope.safetensors");
+    let store = budget_store(64 << 10);
+    let e = StoreBackend::load(store.clone(), &missing).unwrap_err().to_string();
+    // On one line (a backtrace, when enabled, follows it).
+    let first = e.lines().next().unwrap();
+    assert!(first.contains("nope.safetensors") && first.contains("No such file"), "{e}");
+
+    let file = write_bert(dir.path(), strata::DType::F32, &[]);
+    let loaded = store.load_checkpoint(&file, LoadOptions::default()).unwrap();
+    let layers = Layers::from_loaded(store.clone(), &loaded, &Device::Cpu).unwrap();
+    let name = "encoder.layer.0.output.dense.bias";
+    store.remove(loaded.get(name).unwrap()).unwrap();
+    let e = layers.fetch(&[name], &[]).unwrap_err().to_string();
+    assert!(e.starts_with(&format!("strata could not serve tensor {name}: ")), "{e}");
+
+    // `?` in a function returning candle's Result.
+    fn put_twice(store: &Store) -> candle_core::Result<()> {
+        store.put("w", strata::DType::F32, &[1], &[0u8; 4])?;
+        store.put("w", strata::DType::F32, &[1], &[0u8; 4])?;
+        Ok(())
+    }
+    let e = put_twice(&store).unwrap_err().to_string();
+    assert!(e.contains("\"w\" already exists"), "{e}");
+}
+#[path = "candle/generate.rs"]
+mod generate;

@@ -110,3 +110,53 @@ where
     stream.memcpy_dtod(&src, &mut dst).map_err(candle_core::Error::wrap)?;
     Ok(CudaStorage::wrap_cuda_slice(dst, dev.clone()))
 }
+
+/// Copies the candle tensor `t` (contiguous, on `dev`) into the view's memory from element
+/// `offset` on, device to device on `dev`'s stream (the view's stream, so the copy is ordered
+/// after the copy that brought the view's bytes and before the view's drop is recorded). Mark
+/// the view dirty after.
+pub(crate) fn candle_into_view(
+    t: &Tensor,
+    view: &mut DeviceView,
+    offset: usize,
+    dev: &CudaDevice,
+) -> candle_core::Result<()> {
+    use candle_core::DType as C;
+    match t.dtype() {
+        C::F32 => copy_into::<f32>(t, view, offset, dev),
+        C::BF16 => copy_into::<half::bf16>(t, view, offset, dev),
+        C::F16 => copy_into::<half::f16>(t, view, offset, dev),
+        other => Err(candle_core::Error::Msg(format!(
+            "no device-to-device copy out of candle for dtype {other:?}"
+        ))),
+    }
+}
+
+fn copy_into<T>(
+    t: &Tensor,
+    view: &mut DeviceView,
+    offset: usize,
+    dev: &CudaDevice,
+) -> candle_core::Result<()>
+where
+    T: DeviceRepr + candle_core::cuda::CudaDType + crate::Element,
+{
+    let (storage, layout) = t.storage_and_layout();
+    let Storage::Cuda(cs) = &*storage else {
+        return Err(candle_core::Error::Msg("a CUDA tensor without CUDA storage".into()));
+    };
+    let (start, end) = layout
+        .contiguous_offsets()
+        .ok_or_else(|| candle_core::Error::Msg("a tensor that is not contiguous".into()))?;
+    let room = view.len_bytes() / std::mem::size_of::<T>();
+    if offset + (end - start) > room {
+        return Err(candle_core::Error::Msg(format!(
+            "{} elements at {offset} into a tensor of {room}",
+            end - start
+        )));
+    }
+    let src = cs.as_cuda_slice::<T>()?.slice(start..end);
+    let mut dst = view.typed_cuda_view_mut::<T>().map_err(candle_core::Error::from)?;
+    let mut dst = dst.slice_mut(offset..offset + (end - start));
+    dev.cuda_stream().memcpy_dtod(&src, &mut dst).map_err(candle_core::Error::wrap)
+}

@@ -10,7 +10,6 @@ use candle_nn::var_builder::SimpleBackend;
 use candle_nn::VarBuilder;
 
 use super::{candle_dtype, read_tensor, strata_err, unsupported_dtype};
-use crate::error::Result;
 use crate::types::TensorId;
 use crate::{LoadOptions, Loaded, Store};
 
@@ -28,13 +27,12 @@ use crate::{LoadOptions, Loaded, Store};
 ///
 /// ```
 /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
-/// use std::sync::Arc;
 /// use candle_core::{DType, Device};
-/// use strata::candle::StoreBackend;
-/// use strata::Store;
+/// use strata as st;
+/// use st::candle::StoreBackend;
 ///
-/// let store = Arc::new(Store::builder().host_backend().build()?);
-/// let w = store.put("layer.weight", strata::DType::F32, &[2, 2], &[0u8; 16])?;
+/// let store = st::candle::store_for(&Device::Cpu, st::Store::builder())?;
+/// let w = store.put("layer.weight", st::DType::F32, &[2, 2], &[0u8; 16])?;
 /// let vb = StoreBackend::new(store, [("layer.weight".to_string(), w)])
 ///     .into_var_builder(DType::F32, &Device::Cpu);
 /// let lin = candle_nn::linear_no_bias(2, 2, vb.pp("layer"))?;
@@ -67,7 +65,7 @@ impl StoreBackend {
 
     /// Loads a checkpoint into `store` in place ([`Store::load_checkpoint`]: a `.safetensors`
     /// file, a sharded checkpoint's `*.index.json`, or a directory) and serves it.
-    pub fn load(store: Arc<Store>, path: impl AsRef<Path>) -> Result<Self> {
+    pub fn load(store: Arc<Store>, path: impl AsRef<Path>) -> candle_core::Result<Self> {
         let loaded = store.load_checkpoint(path, LoadOptions::default())?;
         Ok(Self::from_loaded(store, &loaded))
     }
@@ -98,12 +96,7 @@ impl StoreBackend {
         }
         if let Some(want) = want {
             if want.dims() != info.shape.as_slice() {
-                return Err(candle_core::Error::UnexpectedShape {
-                    msg: format!("shape mismatch for {name}"),
-                    expected: want.clone(),
-                    got: info.shape.clone().into(),
-                }
-                .bt());
+                return Err(super::shape_mismatch(name, want.dims(), &info.shape));
             }
         }
         // Without promotion: the bytes go to candle, a copy in a faster tier would be waste.

@@ -25,17 +25,17 @@ use super::Layers;
 ///
 /// ```no_run
 /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
-/// use std::sync::Arc;
 /// use candle_core::{DType, Device, Tensor};
-/// use strata::candle::{Layers, OutOfCoreBert};
-/// use strata::{LoadOptions, Store, Tier};
+/// use strata as st;
+/// use st::candle::{Layers, OutOfCoreBert};
 ///
 /// let device = Device::Cpu;
-/// let store = Arc::new(strata::candle::store_for(
+/// let store = st::candle::store_for(
 ///     &device,
-///     Store::builder().capacity(Tier::Device, 8 << 20).prefetch_budget(8 << 20),
-/// )?);
-/// let loaded = store.load_checkpoint("all-MiniLM-L6-v2/model.safetensors", LoadOptions::default())?;
+///     st::Store::builder().capacity(st::Tier::Device, 8 << 20).prefetch_budget(8 << 20),
+/// )?;
+/// let loaded =
+///     store.load_checkpoint("all-MiniLM-L6-v2/model.safetensors", st::LoadOptions::default())?;
 /// let config = serde_json::from_str(&std::fs::read_to_string("all-MiniLM-L6-v2/config.json")?)?;
 /// let bert = OutOfCoreBert::new(Layers::from_loaded(store, &loaded, &device)?, &config, DType::F32)?;
 /// let ids = Tensor::new(&[[101u32, 7592, 2088, 102]], &device)?;

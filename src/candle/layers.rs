@@ -12,7 +12,6 @@ use parking_lot::Mutex;
 use super::{
     candle_dtype, read_tensor, strata_err, stream_for, tensor_from_bytes, unsupported_dtype,
 };
-use crate::error::Result;
 use crate::types::{TensorId, Tier};
 use crate::{Loaded, Store, Stream};
 
@@ -57,22 +56,21 @@ pub struct Transfers {
 /// [`Transfers::host_copy_bytes`] counts those bytes.
 ///
 /// ```
-/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
-/// use std::sync::Arc;
+/// # fn main() -> candle_core::Result<()> {
 /// use candle_core::{DType, Device, Module};
-/// use strata::candle::Layers;
-/// use strata::{Store, Tier};
+/// use strata as st;
+/// use st::candle::Layers;
 ///
 /// let device = Device::Cpu;
 /// // A Device tier of 64 KiB for eight 16 KiB layers.
-/// let store = Arc::new(strata::candle::store_for(
+/// let store = st::candle::store_for(
 ///     &device,
-///     Store::builder().capacity(Tier::Device, 64 << 10).prefetch_budget(64 << 10),
-/// )?);
+///     st::Store::builder().capacity(st::Tier::Device, 64 << 10).prefetch_budget(64 << 10),
+/// )?;
 /// let mut names = Vec::new();
 /// for l in 0..8 {
 ///     let name = format!("layer.{l}.weight");
-///     let id = store.put_group(&name, strata::Group::Param, strata::DType::F32, &[64, 64],
+///     let id = store.put_group(&name, st::Group::Param, st::DType::F32, &[64, 64],
 ///         &vec![0u8; 64 * 64 * 4])?;
 ///     names.push((name, id));
 /// }
@@ -122,7 +120,7 @@ impl Layers {
         store: Arc<Store>,
         names: impl IntoIterator<Item = (String, TensorId)>,
         device: &Device,
-    ) -> Result<Layers> {
+    ) -> candle_core::Result<Layers> {
         let stream = stream_for(&store, device)?;
         let device_capacity = store.stats().capacity(Tier::Device);
         Ok(Layers {
@@ -136,7 +134,11 @@ impl Layers {
     }
 
     /// [`Layers::new`] over a loaded checkpoint, under the tensors' names in their files.
-    pub fn from_loaded(store: Arc<Store>, loaded: &Loaded, device: &Device) -> Result<Layers> {
+    pub fn from_loaded(
+        store: Arc<Store>,
+        loaded: &Loaded,
+        device: &Device,
+    ) -> candle_core::Result<Layers> {
         Self::new(store, loaded.iter().map(|t| (t.name.clone(), t.id)), device)
     }
 
@@ -205,6 +207,19 @@ impl Layers {
             }
         }
         self.store.prefetch(&fit).map_err(|e| strata_err(names.join(", ").as_str(), e))
+    }
+
+    /// [`Layers::prefetch`] of store tensors by id (not necessarily served by name: a KV
+    /// cache's), those the Device tier can hold.
+    pub(crate) fn prefetch_ids(&self, ids: &[TensorId]) -> candle_core::Result<()> {
+        let mut fit = Vec::with_capacity(ids.len());
+        for &id in ids {
+            let info = self.store.info(id)?;
+            if info.bytes <= self.device_capacity {
+                fit.push(id);
+            }
+        }
+        Ok(self.store.prefetch(&fit)?)
     }
 
     /// This layer's weights, as candle tensors on the candle device, under their names; `next`
@@ -280,7 +295,7 @@ impl Layers {
         {
             return Ok(None);
         }
-        let view = match self.store.device_view(id, &self.stream) {
+        let view = match super::wait_for_writer(|| self.store.device_view(id, &self.stream)) {
             Ok(view) => view,
             Err(crate::Error::TooLarge { .. } | crate::Error::OutOfMemory { .. }) => {
                 return Ok(None)
@@ -330,10 +345,10 @@ impl Layers {
 
     /// Rows `rows` of the 2-D tensor `name` (an embedding table), as a `[rows.len(), columns]`
     /// candle tensor on the candle device, in its stored dtype: only those rows cross to the
-    /// device. They are gathered on the host from the tensor's Pinned (or Mapped) replica; a
-    /// table with none is moved to Pinned on first use (its other copies dropped, as
-    /// [`Store::move_to`] does; kept there for later calls), or, without room in Pinned, read
-    /// whole.
+    /// device. They are gathered on the host from the tensor's copy in host memory, through a
+    /// shared view ([`Store::host_view_shared`]: any number of threads gather at once); a table
+    /// with no such copy gets one in Pinned on first use (kept there for later calls while
+    /// there is room), or, without room in host memory, is read whole.
     pub fn gather_rows(&self, name: &str, rows: &[usize]) -> candle_core::Result<Tensor> {
         let id = self.resolve(&[name])?[0];
         let info = self.store.info(id).map_err(|e| strata_err(name, e))?;
@@ -361,21 +376,21 @@ impl Layers {
             }
             out
         };
-        let gathered = match self.pinned_copy(id) {
-            Some(view) => gather(view.bytes()),
-            None => gather(&self.store.read_in_place(id).map_err(|e| strata_err(name, e))?),
+        // A shared read: any number of threads gather from the table at once.
+        let gathered = match super::wait_for_writer(|| self.store.host_view_shared(id)) {
+            Ok(view) => gather(view.bytes()),
+            Err(
+                crate::Error::OutOfMemory { .. }
+                | crate::Error::TooLarge { .. }
+                | crate::Error::TierDisabled { .. },
+            ) => gather(
+                &super::wait_for_writer(|| self.store.read_in_place(id))
+                    .map_err(|e| strata_err(name, e))?,
+            ),
+            Err(e) => return Err(strata_err(name, e)),
         };
         self.transfers.lock().t.gathered_bytes += gathered.len() as u64;
         tensor_from_bytes(name, &gathered, info.dtype, &[rows.len(), cols], &self.device)
-    }
-
-    /// A host view of the tensor's Pinned replica, making it if there is room; `None` without.
-    fn pinned_copy(&self, id: TensorId) -> Option<crate::HostView> {
-        let tiers = self.store.info(id).ok()?.tiers;
-        if !tiers.contains(&Tier::Pinned) && !tiers.contains(&Tier::Mapped) {
-            self.store.move_to(id, Tier::Pinned).ok()?;
-        }
-        self.store.host_view(id).ok()
     }
 }
 

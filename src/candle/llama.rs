@@ -61,6 +61,10 @@ pub struct LlamaConfig {
     pub max_position_embeddings: usize,
     /// The output projection is the embedding table (no `lm_head.weight`).
     pub tie_word_embeddings: bool,
+    /// Mistral's sliding window: each query attends to at most this many positions. This
+    /// decoder attends to every position, which is the same only while a sequence is no
+    /// longer than the window, so generation refuses longer ones (`None`: no window).
+    pub sliding_window: Option<usize>,
 }
 
 fn bad_config(why: String) -> candle_core::Error {
@@ -68,11 +72,14 @@ fn bad_config(why: String) -> candle_core::Error {
 }
 
 impl LlamaConfig {
-    /// Reads a Hugging Face Llama `config.json` (Mistral's and Qwen2's have the same fields;
-    /// a Qwen2 model's attention biases are not supported). `num_key_value_heads` defaults to
-    /// the query heads, `head_dim` to `hidden_size / num_attention_heads`, `rope_theta` to
-    /// 10000, `rms_norm_eps` to 1e-6, `tie_word_embeddings` to false. A `rope_scaling` other
-    /// than none, or `attention_bias` / `mlp_bias` true, is refused with an error naming it.
+    /// Reads a Hugging Face `config.json` of the Llama architecture: `model_type` `llama`,
+    /// `mistral` (its sliding window kept in [`LlamaConfig::sliding_window`]), or none.
+    /// `num_key_value_heads` defaults to the query heads, `head_dim` to
+    /// `hidden_size / num_attention_heads`, `rope_theta` to 10000, `rms_norm_eps` to 1e-6,
+    /// `tie_word_embeddings` to false. Refused with an error naming what differs: another
+    /// `model_type` (`qwen2`: its attention projections have biases, which this decoder has
+    /// not; `gemma`, `phi3`, ...: other architectures), a `hidden_act` other than `silu`, a
+    /// `rope_scaling` other than none, `attention_bias` or `mlp_bias` true.
     ///
     /// ```
     /// let c = strata::candle::LlamaConfig::from_json(r#"{"hidden_size": 64,
@@ -105,6 +112,29 @@ impl LlamaConfig {
                 }
             }
         };
+        match get("model_type").map(|t| t.as_str().unwrap_or("")) {
+            None | Some("llama") | Some("mistral") => {}
+            Some("qwen2") => {
+                return Err(bad_config(
+                    "model_type qwen2: Qwen2's q, k and v projections have biases, which this \
+                     Llama decoder has not (Llama and Mistral checkpoints are supported)"
+                        .into(),
+                ))
+            }
+            Some(t) => {
+                return Err(bad_config(format!(
+                    "model_type {t:?} is not the Llama architecture (llama and mistral are \
+                     supported)"
+                )))
+            }
+        }
+        if let Some(act) = get("hidden_act") {
+            if act.as_str() != Some("silu") {
+                return Err(bad_config(format!(
+                    "hidden_act {act}: only silu (SwiGLU) is supported"
+                )));
+            }
+        }
         for k in ["attention_bias", "mlp_bias"] {
             if get(k).and_then(|x| x.as_bool()) == Some(true) {
                 return Err(bad_config(format!("{k}: biases are not supported")));
@@ -149,6 +179,10 @@ impl LlamaConfig {
             rope_theta: float("rope_theta", 10000.0)?,
             max_position_embeddings: int("max_position_embeddings")?.unwrap_or(2048),
             tie_word_embeddings: get("tie_word_embeddings").and_then(|x| x.as_bool()) == Some(true),
+            sliding_window: match get("use_sliding_window").and_then(|x| x.as_bool()) {
+                Some(false) => None,
+                _ => int("sliding_window")?,
+            },
         })
     }
 
@@ -176,6 +210,7 @@ impl LlamaConfig {
             "rope_theta": self.rope_theta,
             "max_position_embeddings": self.max_position_embeddings,
             "tie_word_embeddings": self.tie_word_embeddings,
+            "sliding_window": self.sliding_window,
             "hidden_act": "silu",
             "attention_bias": false,
             "mlp_bias": false,
@@ -492,6 +527,24 @@ impl KvCache {
     /// The keys and values, `[batch, kv_heads, positions, head_dim]` each.
     pub fn tensors(&self) -> Option<(&Tensor, &Tensor)> {
         Some((self.k.as_ref()?, self.v.as_ref()?))
+    }
+
+    /// A cache holding these keys and values (`[batch, kv_heads, positions, head_dim]` each,
+    /// of one shape), or an empty one for `None`.
+    pub fn from_tensors(kv: Option<(Tensor, Tensor)>) -> candle_core::Result<KvCache> {
+        match kv {
+            None => Ok(KvCache::new()),
+            Some((k, v)) => {
+                if k.dims() != v.dims() || k.rank() != 4 {
+                    candle_core::bail!(
+                        "a KV cache of keys {:?} and values {:?}: one shape of 4 dimensions",
+                        k.dims(),
+                        v.dims()
+                    );
+                }
+                Ok(KvCache { k: Some(k), v: Some(v) })
+            }
+        }
     }
 }
 

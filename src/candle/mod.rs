@@ -13,14 +13,20 @@
 //! (safetensors `U16` becomes candle `U32`; the dtypes candle lacks are an error naming the
 //! tensor), the same shape check and error (`UnexpectedShape`, "shape mismatch for NAME").
 //!
+//! Every function here returns `candle_core::Result`, and a strata error converts into a candle
+//! error with `?` (its whole chain as the message, the tensor named where it is known), so one
+//! error type runs through a candle program. strata's `DType`, `Result` and `Error` have the
+//! same names as candle's: import strata under a short name (`use strata as st;`) rather than
+//! its items.
+//!
 //! ```no_run
 //! # fn main() -> Result<(), Box<dyn std::error::Error>> {
-//! use std::sync::Arc;
 //! use candle_core::{DType, Device};
-//! use strata::candle::StoreBackend;
+//! use strata as st;
+//! use st::candle::StoreBackend;
 //!
 //! let device = Device::Cpu;
-//! let store = Arc::new(strata::candle::store_for(&device, strata::Store::builder())?);
+//! let store = st::candle::store_for(&device, st::Store::builder())?;
 //! // A .safetensors file, a sharded checkpoint's *.index.json, or a directory: loaded in place.
 //! let backend = StoreBackend::load(store, "all-MiniLM-L6-v2/")?;
 //! let vb = backend.into_var_builder(DType::F32, &device);
@@ -39,17 +45,24 @@
 
 mod backend;
 mod bert;
+mod generate;
 mod layers;
 pub mod llama;
 pub mod train;
 
 pub use backend::StoreBackend;
 pub use bert::OutOfCoreBert;
+pub use generate::{
+    generate, CausalLm, Generated, InMemoryCache, InMemoryLlama, OutOfCoreLlama, Sampler, Sampling,
+    StoreKvCache,
+};
 pub use layers::{LayerWeights, Layers, Transfers};
 pub use llama::LlamaConfig;
 pub use train::{
     load_weights, put_random_weights, LlamaTwin, LrSchedule, StepReport, TrainConfig, Trainer,
 };
+
+use std::sync::Arc;
 
 use candle_core::{Device, Tensor};
 
@@ -57,24 +70,24 @@ use crate::error::{Error, Result};
 use crate::types::{DType, TensorId};
 use crate::{Store, StoreBuilder, Stream};
 
-/// Builds a store whose backend goes with a candle device: the host backend for
-/// [`Device::Cpu`] (its Device tier is host memory, so the budgets and the streaming work as on
-/// a GPU), and for a CUDA device the CUDA backend in the device's own CUDA context (a store in
-/// another context could not copy into candle's memory). Every other setting comes from
-/// `builder`.
+/// Builds a store whose backend goes with a candle device, shared (`Arc`) as every type of
+/// this module takes it: the host backend for [`Device::Cpu`] (its Device tier is host memory,
+/// so the budgets and the streaming work as on a GPU), and for a CUDA device the CUDA backend
+/// in the device's own CUDA context (a store in another context could not copy into candle's
+/// memory). Every other setting comes from `builder`.
 ///
 /// ```
-/// # fn main() -> strata::Result<()> {
-/// use strata::{Store, Tier};
-/// let store = strata::candle::store_for(
+/// # fn main() -> candle_core::Result<()> {
+/// use strata as st;
+/// let store = st::candle::store_for(
 ///     &candle_core::Device::Cpu,
-///     Store::builder().capacity(Tier::Device, 8 << 20),
+///     st::Store::builder().capacity(st::Tier::Device, 8 << 20),
 /// )?;
-/// assert_eq!(store.backend(), strata::BackendKind::Host);
+/// assert_eq!(store.backend(), st::BackendKind::Host);
 /// # Ok(()) }
 /// ```
-pub fn store_for(device: &Device, builder: StoreBuilder) -> Result<Store> {
-    match device {
+pub fn store_for(device: &Device, builder: StoreBuilder) -> candle_core::Result<Arc<Store>> {
+    let store = match device {
         Device::Cpu => builder.host_backend().build(),
         #[cfg(feature = "candle-cuda")]
         Device::Cuda(dev) => builder.context(dev.cuda_stream().context().clone()).build(),
@@ -82,7 +95,8 @@ pub fn store_for(device: &Device, builder: StoreBuilder) -> Result<Store> {
             "candle device {other:?}: strata serves candle's CPU device, and its CUDA devices \
              when built with the candle-cuda feature"
         ))),
-    }
+    };
+    Ok(Arc::new(store?))
 }
 
 /// The stream on which the store lends tensors to work on `device`: candle's own CUDA stream
@@ -148,29 +162,61 @@ pub(crate) fn unsupported_dtype(name: &str, dtype: DType) -> candle_core::Error 
 }
 
 /// A strata error as a candle error, so that `?` works on strata calls in code returning
-/// `candle_core::Result`: the error is wrapped whole (its message, which names the tensor where
-/// strata's error does, and its source), and `downcast_ref::<strata::Error>()` on the wrapped
-/// error gives it back.
+/// `candle_core::Result`. The candle error's message is the strata error's whole chain
+/// ([`Error::chain`](crate::Error::chain): an I/O error's OS reason included), on one line.
+/// Where strata's error names the tensor, so does the message; the functions of this module
+/// add the tensor's name where they know it (`strata could not serve tensor NAME: ...`).
 ///
 /// ```
-/// fn f(store: &strata::Store) -> candle_core::Result<Vec<u8>> {
-///     let id = store.put("w", strata::DType::F32, &[1], &[0u8; 4])?;
-///     store.put("w", strata::DType::F32, &[1], &[0u8; 4])?; // a second "w": strata's error
+/// use strata as st;
+///
+/// fn f(store: &st::Store) -> candle_core::Result<Vec<u8>> {
+///     let id = store.put("w", st::DType::F32, &[1], &[0u8; 4])?;
+///     store.put("w", st::DType::F32, &[1], &[0u8; 4])?; // a second "w": strata's error
 ///     Ok(store.read(id)?)
 /// }
-/// let store = strata::Store::builder().host_backend().build().unwrap();
+/// let store = st::Store::builder().host_backend().build().unwrap();
 /// let e = f(&store).unwrap_err();
 /// assert!(e.to_string().contains("a tensor named \"w\" already exists"));
 /// ```
 impl From<Error> for candle_core::Error {
     fn from(e: Error) -> Self {
-        candle_core::Error::wrap(e)
+        candle_core::Error::Msg(e.chain()).bt()
     }
 }
 
-/// A strata error as a candle error, saying which tensor it concerns.
+/// A strata error as a candle error, naming the tensor it concerns (one line: the name, then
+/// the strata error's chain).
 pub(crate) fn strata_err(name: &str, e: Error) -> candle_core::Error {
-    candle_core::Error::wrap(e).context(format!("strata could not serve tensor {name}"))
+    candle_core::Error::Msg(format!("strata could not serve tensor {name}: {}", e.chain())).bt()
+}
+
+/// candle's error for a tensor of another shape than the one asked for, in the words of
+/// candle's own safetensors loader (`shape mismatch for NAME`).
+pub(crate) fn shape_mismatch(name: &str, expected: &[usize], got: &[usize]) -> candle_core::Error {
+    candle_core::Error::UnexpectedShape {
+        msg: format!("shape mismatch for {name}"),
+        expected: expected.into(),
+        got: got.into(),
+    }
+    .bt()
+}
+
+/// Runs `f` until it is not [`Error::Busy`], for up to a minute: the tensor is held by a
+/// writer (an exclusive host view, a move, a view of another tier) that ends moments later.
+/// Readers never make each other busy; this waits only for a writer.
+pub(crate) fn wait_for_writer<T>(mut f: impl FnMut() -> Result<T>) -> Result<T> {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    let mut pause = std::time::Duration::from_micros(20);
+    loop {
+        match f() {
+            Err(Error::Busy { .. }) if std::time::Instant::now() < deadline => {
+                std::thread::sleep(pause);
+                pause = (pause * 2).min(std::time::Duration::from_millis(1));
+            }
+            r => return r,
+        }
+    }
 }
 
 /// The tensor `id` (`info` its metadata) read from the store without promoting it, as a candle
@@ -187,7 +233,8 @@ pub(crate) fn read_tensor(
     macro_rules! typed {
         ($t:ty) => {
             Tensor::from_vec(
-                store.read_in_place_as::<$t>(id).map_err(|e| strata_err(name, e))?,
+                wait_for_writer(|| store.read_in_place_as::<$t>(id))
+                    .map_err(|e| strata_err(name, e))?,
                 shape,
                 device,
             )
@@ -196,7 +243,8 @@ pub(crate) fn read_tensor(
     match info.dtype {
         DType::U8 => typed!(u8),
         DType::U16 => {
-            let narrow = store.read_in_place_as::<u16>(id).map_err(|e| strata_err(name, e))?;
+            let narrow = wait_for_writer(|| store.read_in_place_as::<u16>(id))
+                .map_err(|e| strata_err(name, e))?;
             Tensor::from_vec(narrow.into_iter().map(u32::from).collect::<Vec<u32>>(), shape, device)
         }
         DType::U32 => typed!(u32),
@@ -208,7 +256,8 @@ pub(crate) fn read_tensor(
         DType::F32 => typed!(f32),
         DType::F64 => typed!(f64),
         _ => {
-            let bytes = store.read_in_place(id).map_err(|e| strata_err(name, e))?;
+            let bytes =
+                wait_for_writer(|| store.read_in_place(id)).map_err(|e| strata_err(name, e))?;
             tensor_from_bytes(name, &bytes, info.dtype, shape, device)
         }
     }

@@ -246,12 +246,7 @@ pub fn load_weights(
             .ok_or_else(|| candle_core::Error::CannotFindTensor { path: name.clone() }.bt())?;
         let info = store.info(id).map_err(|e| strata_err(&name, e))?;
         if info.shape != shape {
-            return Err(candle_core::Error::UnexpectedShape {
-                msg: format!("shape mismatch for {name}"),
-                expected: shape.into(),
-                got: info.shape.into(),
-            }
-            .bt());
+            return Err(super::shape_mismatch(&name, &shape, &info.shape));
         }
         if !matches!(info.dtype, DType::F32 | DType::BF16) {
             candle_core::bail!("{name} is {}: f32 or bf16 weights are trained", info.dtype);
@@ -267,7 +262,7 @@ pub fn load_weights(
 }
 
 /// A tensor homed in host memory: Pinned when it has room, else wherever `put` places it.
-fn put_host(
+pub(super) fn put_host(
     store: &Store,
     name: &str,
     group: Group,
@@ -400,18 +395,17 @@ struct Param {
 ///
 /// ```
 /// # fn main() -> candle_core::Result<()> {
-/// use std::sync::Arc;
 /// use candle_core::{Device, Tensor};
-/// use strata::candle::{put_random_weights, LlamaConfig, TrainConfig, Trainer};
-/// use strata::{Store, Tier};
+/// use strata as st;
+/// use st::candle::{put_random_weights, LlamaConfig, TrainConfig, Trainer};
 ///
 /// let config = LlamaConfig::from_json(r#"{"hidden_size": 32, "intermediate_size": 64,
 ///     "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 50}"#)?;
 /// let device = Device::Cpu;
 /// // A Device tier smaller than one block's weights and the next.
-/// let store = Arc::new(strata::candle::store_for(&device,
-///     Store::builder().capacity(Tier::Device, 64 << 10).prefetch_budget(64 << 10))?);
-/// let weights = put_random_weights(&store, &config, 1, strata::DType::F32)?;
+/// let store = st::candle::store_for(&device,
+///     st::Store::builder().capacity(st::Tier::Device, 64 << 10).prefetch_budget(64 << 10))?;
+/// let weights = put_random_weights(&store, &config, 1, st::DType::F32)?;
 /// let train = TrainConfig { micro_batch: 2, seq: 8, accum: 2, ..TrainConfig::default() };
 /// let mut trainer = Trainer::new(store, &device, config, train, weights)?;
 /// let tokens = Tensor::new(&[[1u32, 2, 3, 4, 5, 6, 7, 8, 9]; 2], &device)?;
@@ -544,7 +538,7 @@ impl Trainer {
                 head_shares.push(name);
             }
         }
-        let layers = Layers::new(store.clone(), names, device).map_err(candle_core::Error::from)?;
+        let layers = Layers::new(store.clone(), names, device)?;
         let trainable: Vec<TensorId> =
             params.iter().filter(|p| p.trainable).map(|p| p.id).collect();
         let opt = if trainable.is_empty() {

@@ -64,7 +64,7 @@ fn store(c: &LlamaConfig) -> Arc<Store> {
         .capacity(Tier::Mapped, 0)
         .staging(2, 64 << 10)
         .disk_workers(2);
-    Arc::new(strata::candle::store_for(&Device::Cpu, builder).unwrap())
+    strata::candle::store_for(&Device::Cpu, builder).unwrap()
 }
 
 fn trainer(c: &LlamaConfig, t: &TrainConfig, seed: u64) -> (Trainer, HashMap<String, Tensor>) {
