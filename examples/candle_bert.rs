@@ -4,7 +4,7 @@
 //! ```text
 //! cargo run --release --no-default-features --features candle --example candle_bert -- \
 //!     --model all-MiniLM-L6-v2/model.safetensors --config all-MiniLM-L6-v2/config.json \
-//!     --tokens 101,7592,2088,102 [--device-budget 8MiB] [--steps 3] [--warmup 1]
+//!     --tokens 101,7592,2088,102 [--device-budget 8MiB [--resident K|auto]] [--steps 3] [--warmup 1]
 //! ```
 //! Flags are parsed by hand (no CLI dependency). `--steps N` forwards are timed after
 //! `--warmup N` untimed ones (3 and 1 by default), and their min and median printed.
@@ -14,7 +14,10 @@
 //! that budget, the weights are staged once in the Pinned tier, and the encoder runs layer by
 //! layer (`strata::candle::OutOfCoreBert`: each layer's weights fetched through device views, the
 //! next prefetched); then the in-memory model runs on the same input as the reference (its time
-//! is the compute floor) and the two outputs are compared bit for bit.
+//! is the compute floor) and the two outputs are compared bit for bit. `--resident K` keeps the
+//! first K encoder layers built across forwards (all of them: the whole model, embeddings
+//! included), their weights held by candle; `auto` keeps as many as the device budget holds
+//! (`OutOfCoreBert::layers_within`). Those weights are outside the store's budget.
 //!
 //! Runs on candle's CPU device (the store on its host backend, whose Device tier is host
 //! memory), or on the GPU when built with `--features candle-cuda` and a GPU is present (the
@@ -36,7 +39,7 @@ use strata as st;
 type Res<T> = Result<T, Box<dyn std::error::Error>>;
 
 const USAGE: &str = "usage: candle_bert --model PATH --config CONFIG.json --tokens 101,7592,102 \
-[--device-budget SIZE] [--steps N] [--warmup N]";
+[--device-budget SIZE [--resident K|auto]] [--steps N] [--warmup N]";
 
 struct Args {
     /// The checkpoint: a .safetensors file, a sharded checkpoint's *.index.json, or a directory.
@@ -47,6 +50,8 @@ struct Args {
     tokens: Vec<u32>,
     /// Run the encoder layer by layer out of core with this Device-tier budget.
     device_budget: Option<u64>,
+    /// Encoder layers kept built across forwards (`None`: as many as the budget holds).
+    resident: Option<usize>,
     /// Timed forwards, after `warmup` untimed ones.
     steps: usize,
     warmup: usize,
@@ -61,6 +66,7 @@ fn parse_args() -> Res<Args> {
         config: PathBuf::new(),
         tokens: Vec::new(),
         device_budget: None,
+        resident: Some(0),
         steps: 3,
         warmup: 1,
     };
@@ -85,6 +91,8 @@ fn parse_args() -> Res<Args> {
                     .map_err(|_| format!("--tokens {value}: token ids like 101,7592,102"))?
             }
             "--device-budget" => a.device_budget = Some(st::parse_size(&value)?),
+            "--resident" if value == "auto" => a.resident = None,
+            "--resident" => a.resident = Some(count()?),
             "--steps" => a.steps = count()?.max(1),
             "--warmup" => a.warmup = count()?,
             _ => return Err(format!("unknown flag {flag}\n{USAGE}").into()),
@@ -185,11 +193,22 @@ fn real_main() -> Res<()> {
     println!("staged {} in Pinned in {:.1} ms", format_size(bytes), ms(t));
     let layers = Layers::from_loaded(store.clone(), &loaded, &device)?;
     let bert = OutOfCoreBert::new(layers, &config, DType::F32)?;
+    let k = match a.resident {
+        Some(k) => k,
+        None => bert.layers_within(budget)?,
+    };
+    let t = Instant::now();
+    let bert = bert.with_resident(k)?;
     println!(
-        "out of core: Device budget {} for a model of {} ({} per encoder layer)",
+        "out of core: Device budget {} for a model of {} ({} per encoder layer); {} of {} layers \
+         kept resident{} ({:.1} ms to build them)",
         format_size(budget),
         format_size(bytes),
-        format_size(layer_bytes(&store, &loaded, 0))
+        format_size(layer_bytes(&store, &loaded, 0)),
+        bert.resident_layers(),
+        config.num_hidden_layers,
+        if bert.resident_layers() == config.num_hidden_layers { ", embeddings too" } else { "" },
+        ms(t)
     );
     let mut hidden = None;
     let mut times = Vec::new();

@@ -288,6 +288,47 @@ fn budget_store(budget: u64) -> Arc<Store> {
     strata::candle::store_for(&Device::Cpu, builder).unwrap()
 }
 
+/// Layers kept resident (the first k, or the whole model) give the same bits as in memory,
+/// and are not fetched again: a forward fetches only the stages it streams.
+#[test]
+fn resident_layers_give_the_same_bits_and_are_not_fetched_again() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = write_bert(dir.path(), strata::DType::F32, &[]);
+    let want = run(candle_vb(&file, DType::F32));
+    let c = config();
+    let (ids, types, mask) = input(&Device::Cpu);
+    let store = budget_store(64 << 20);
+    let loaded = store.load_checkpoint(&file, LoadOptions::default()).unwrap();
+    let bert = || {
+        OutOfCoreBert::new(
+            Layers::from_loaded(store.clone(), &loaded, &Device::Cpu).unwrap(),
+            &c,
+            DType::F32,
+        )
+        .unwrap()
+    };
+    // The whole model fits 64 MiB; a budget of one byte keeps nothing.
+    assert_eq!(bert().layers_within(64 << 20).unwrap(), c.num_hidden_layers);
+    assert_eq!(bert().layers_within(1).unwrap(), 0);
+    for k in [0, 1, c.num_hidden_layers] {
+        let b = bert().with_resident(k).unwrap();
+        assert_eq!(b.resident_layers(), k);
+        let before = b.layers().transfers().unwrap().tensors;
+        for step in 0..2 {
+            let got = b.forward(&ids, &types, Some(&mask)).unwrap();
+            assert_eq!(bits(&got), bits(&want), "k {k}, step {step}");
+        }
+        let fetched = b.layers().transfers().unwrap().tensors - before;
+        // 16 tensors a layer; the embeddings' stage (without the word table) when streamed.
+        let stage = loaded
+            .iter()
+            .filter(|t| t.name.starts_with("embeddings.") && !t.name.contains("word"))
+            .count() as u64;
+        let embeddings = if k == c.num_hidden_layers { 0 } else { stage };
+        assert_eq!(fetched, 2 * (16 * (c.num_hidden_layers - k) as u64 + embeddings), "k {k}");
+    }
+}
+
 #[test]
 fn out_of_core_equals_in_memory_and_streams_every_layer_after_the_first_from_prefetches() {
     let dir = tempfile::tempdir().unwrap();

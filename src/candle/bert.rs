@@ -52,6 +52,16 @@ pub struct OutOfCoreBert {
     embeddings: Vec<String>,
     /// Each encoder layer's tensors.
     encoder: Vec<Vec<String>>,
+    /// Modules kept across forwards ([`OutOfCoreBert::with_resident`]).
+    resident: Resident,
+}
+
+/// The part of the model kept built, its weights held by candle: the first encoder layers, and
+/// with all of them the embeddings too (the whole word table).
+#[derive(Default)]
+struct Resident {
+    embeddings: Option<BertModel>,
+    encoder: Vec<BertEncoder>,
 }
 
 impl std::fmt::Debug for OutOfCoreBert {
@@ -59,6 +69,7 @@ impl std::fmt::Debug for OutOfCoreBert {
         f.debug_struct("OutOfCoreBert")
             .field("root", &self.root)
             .field("layers", &self.encoder.len())
+            .field("resident_layers", &self.resident.encoder.len())
             .field("dtype", &self.dtype)
             .finish()
     }
@@ -96,7 +107,99 @@ impl OutOfCoreBert {
             }
             encoder.push(names);
         }
-        Ok(OutOfCoreBert { layers, config: config.clone(), dtype, root, embeddings, encoder })
+        Ok(OutOfCoreBert {
+            layers,
+            config: config.clone(),
+            dtype,
+            root,
+            embeddings,
+            encoder,
+            resident: Resident::default(),
+        })
+    }
+
+    /// Keeps the first `k` encoder layers built, their weights held as candle tensors on the
+    /// layers' device across forwards (fetched once, here); the others are still fetched per
+    /// forward. With `k` the number of layers (or more) the whole model is kept, the embeddings
+    /// with the whole word table included, and a forward runs as `BertModel::forward` does in
+    /// memory (no host sync for the ids). The output is the same, bit for bit, whatever `k`.
+    /// Those weights live outside the store's budgets: choose `k` with
+    /// [`OutOfCoreBert::layers_within`].
+    pub fn with_resident(mut self, k: usize) -> candle_core::Result<Self> {
+        let k = k.min(self.encoder.len());
+        let dev = self.layers.device().clone();
+        let mut resident = Resident::default();
+        for l in 0..k {
+            let names: Vec<&str> = self.encoder[l].iter().map(String::as_str).collect();
+            resident.encoder.push(self.encoder_layer(l, &names, &[])?);
+        }
+        if k == self.encoder.len() {
+            let word = format!("{}{WORD}", self.root);
+            let names: Vec<&str> =
+                self.embeddings.iter().map(String::as_str).chain([word.as_str()]).collect();
+            let weights = self.layers.fetch(&names, &[])?.into_tensors();
+            let vb = self.rooted(VarBuilder::from_tensors(weights, self.dtype, &dev));
+            let config = Config { num_hidden_layers: 0, ..self.config.clone() };
+            resident.embeddings = Some(BertModel::load(vb, &config)?);
+        }
+        self.resident = resident;
+        Ok(self)
+    }
+
+    /// How many first encoder layers fit in `bytes` (their weights as stored; with every layer,
+    /// the embeddings too): the `k` for [`OutOfCoreBert::with_resident`] that a device budget
+    /// allows.
+    pub fn layers_within(&self, bytes: u64) -> candle_core::Result<usize> {
+        let size = |names: &[String]| -> candle_core::Result<u64> {
+            names.iter().try_fold(0u64, |acc, n| {
+                let id = self
+                    .layers
+                    .id(n)
+                    .ok_or_else(|| candle_core::Error::CannotFindTensor { path: n.clone() }.bt())?;
+                Ok(acc + self.layers.store().info(id).map_err(candle_core::Error::from)?.bytes)
+            })
+        };
+        let mut used = 0u64;
+        let mut k = 0;
+        for names in &self.encoder {
+            used += size(names)?;
+            if used > bytes {
+                return Ok(k);
+            }
+            k += 1;
+        }
+        let word = [format!("{}{WORD}", self.root)];
+        if used + size(&self.embeddings)? + size(&word)? > bytes {
+            // Every layer fits, the embeddings do not: keep all but the last layer, so that
+            // the embeddings stay streamed.
+            return Ok(k.saturating_sub(1));
+        }
+        Ok(k)
+    }
+
+    /// The encoder layers kept built ([`OutOfCoreBert::with_resident`]).
+    pub fn resident_layers(&self) -> usize {
+        self.resident.encoder.len()
+    }
+
+    /// Encoder layer `l` built from its fetched weights (`next` prefetched meanwhile).
+    fn encoder_layer(
+        &self,
+        l: usize,
+        names: &[&str],
+        next: &[&str],
+    ) -> candle_core::Result<BertEncoder> {
+        let weights = self.layers.fetch(names, next)?;
+        // The layer's tensors under "layer.0." for a one-layer encoder.
+        let from = format!("{}encoder.layer.{l}.", self.root);
+        let tensors: HashMap<String, Tensor> = weights
+            .into_tensors()
+            .into_iter()
+            .map(|(n, t)| (format!("layer.0.{}", n.strip_prefix(&from).unwrap_or(&n)), t))
+            .collect();
+        let vb = VarBuilder::from_tensors(tensors, self.dtype, self.layers.device());
+        let one = Config { num_hidden_layers: 1, ..self.config.clone() };
+        BertEncoder::load(vb, &one)
     }
 
     /// The [`Layers`] it fetches through (for its [`transfers`](Layers::transfers) and the
@@ -114,15 +217,65 @@ impl OutOfCoreBert {
         token_type_ids: &Tensor,
         attention_mask: Option<&Tensor>,
     ) -> candle_core::Result<Tensor> {
-        let dev = self.layers.device();
-        let stages: Vec<Vec<&str>> = std::iter::once(&self.embeddings)
-            .chain(&self.encoder)
-            .map(|names| names.iter().map(String::as_str).collect())
-            .collect();
-        // Each stage prefetches the next; the last, the first of the next call.
-        let next = |s: usize| stages[(s + 1) % stages.len()].as_slice();
+        // The stages fetched per forward (the embeddings, then each encoder layer not kept):
+        // each prefetches the next; the last, the first of the next call.
+        let kept = self.resident.encoder.len();
+        let mut streamed: Vec<(usize, Vec<&str>)> = Vec::new();
+        if self.resident.embeddings.is_none() {
+            streamed.push((0, self.embeddings.iter().map(String::as_str).collect()));
+        }
+        for (l, names) in self.encoder.iter().enumerate().skip(kept) {
+            streamed.push((l + 1, names.iter().map(String::as_str).collect()));
+        }
+        let next = |stage: usize| -> &[&str] {
+            match streamed.iter().position(|(s, _)| *s == stage) {
+                Some(i) => streamed[(i + 1) % streamed.len()].1.as_slice(),
+                None => &[],
+            }
+        };
+        let names = |stage: usize| -> &[&str] {
+            streamed.iter().find(|(s, _)| *s == stage).map_or(&[][..], |(_, n)| n.as_slice())
+        };
 
-        // Embeddings: the word table's rows this input uses, the ids renumbered into them.
+        let embedding_output = match &self.resident.embeddings {
+            Some(model) => {
+                // The first streamed layer's weights start coming meanwhile.
+                if let Some((_, first)) = streamed.first() {
+                    self.layers.prefetch(first)?;
+                }
+                model.forward(input_ids, token_type_ids, None)?
+            }
+            None => self.streamed_embeddings(input_ids, token_type_ids, names(0), next(0))?,
+        };
+
+        let attention_mask = match attention_mask {
+            Some(m) => m.clone(),
+            None => input_ids.ones_like()?,
+        };
+        let attention_mask = extended_attention_mask(&attention_mask, embedding_output.dtype())?;
+
+        let mut hidden = embedding_output;
+        for l in 0..self.encoder.len() {
+            hidden = match self.resident.encoder.get(l) {
+                Some(layer) => layer.forward(&hidden, &attention_mask)?,
+                None => self
+                    .encoder_layer(l, names(l + 1), next(l + 1))?
+                    .forward(&hidden, &attention_mask)?,
+            };
+        }
+        Ok(hidden)
+    }
+
+    /// The embeddings stage fetched: the word table's rows this input uses gathered on the
+    /// host, the ids renumbered into them.
+    fn streamed_embeddings(
+        &self,
+        input_ids: &Tensor,
+        token_type_ids: &Tensor,
+        names: &[&str],
+        next: &[&str],
+    ) -> candle_core::Result<Tensor> {
+        let dev = self.layers.device();
         let ids = input_ids.to_dtype(CDType::I64)?.to_vec2::<i64>()?;
         let used: BTreeSet<usize> =
             ids.iter().flatten().map(|&i| usize::try_from(i).unwrap_or(usize::MAX)).collect();
@@ -140,34 +293,11 @@ impl OutOfCoreBert {
             })
             .collect::<candle_core::Result<_>>()?;
         let local_ids = Tensor::from_vec(renumbered, input_ids.dims(), dev)?;
-        let mut weights = self.layers.fetch(&stages[0], next(0))?.into_tensors();
+        let mut weights = self.layers.fetch(names, next)?.into_tensors();
         weights.insert(format!("{}{WORD}", self.root), word);
         let vb = self.rooted(VarBuilder::from_tensors(weights, self.dtype, dev));
         let config = Config { num_hidden_layers: 0, vocab_size: rows.len(), ..self.config.clone() };
-        let embedding_output =
-            BertModel::load(vb, &config)?.forward(&local_ids, token_type_ids, None)?;
-
-        let attention_mask = match attention_mask {
-            Some(m) => m.clone(),
-            None => input_ids.ones_like()?,
-        };
-        let attention_mask = extended_attention_mask(&attention_mask, embedding_output.dtype())?;
-
-        let one = Config { num_hidden_layers: 1, ..self.config.clone() };
-        let mut hidden = embedding_output;
-        for (l, _) in self.encoder.iter().enumerate() {
-            let weights = self.layers.fetch(&stages[l + 1], next(l + 1))?;
-            // The layer's tensors under "layer.0." for a one-layer encoder.
-            let from = format!("{}encoder.layer.{l}.", self.root);
-            let tensors: HashMap<String, Tensor> = weights
-                .into_tensors()
-                .into_iter()
-                .map(|(n, t)| (format!("layer.0.{}", n.strip_prefix(&from).unwrap_or(&n)), t))
-                .collect();
-            let vb = VarBuilder::from_tensors(tensors, self.dtype, dev);
-            hidden = BertEncoder::load(vb, &one)?.forward(&hidden, &attention_mask)?;
-        }
-        Ok(hidden)
+        BertModel::load(vb, &config)?.forward(&local_ids, token_type_ids, None)
     }
 
     /// `vb` under the model's root (tensor names without it).
