@@ -343,12 +343,23 @@ fn finish_copy(
     ext: Ext,
     planned: Result<Copy<'_>>,
 ) -> Result<Option<RawEvent>> {
-    let done = planned.and_then(|copy| run_copy(sh, st, copy));
+    // A copy into host memory that the CPU carries out (not a DMA) is over when `run_copy`
+    // returns: nothing else writes `ext`, so a failure frees it at once (a failed move leaves
+    // the tiers' usage as it was, not waiting on a stream).
+    let mut by_host = to != Tier::Device;
+    let done = planned.and_then(|copy| {
+        by_host &= !copy.is_dma(sh);
+        run_copy(sh, st, copy)
+    });
     match done {
         Ok(done) => {
             let ready = done.ready.clone();
             st.commit_copy(id, from, to, ext, done);
             Ok(ready)
+        }
+        Err(e) if by_host => {
+            st.books.free(to, ext);
+            Err(e)
         }
         Err(e) => {
             release_failed(sh, st, to, ext);
