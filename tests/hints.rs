@@ -121,6 +121,47 @@ fn hints_for_unknown_ids_are_errors_and_change_nothing() {
     });
 }
 
+/// A pin whose copy from disk is still queued behind other prefetches keeps its promise: a move
+/// of the pinned tensor is refused (it used to revoke the queued copy, drop the filling device
+/// replica and succeed, leaving a pinned tensor off the device; a race CI hit).
+#[test]
+fn a_pin_queued_behind_prefetches_is_not_revoked_by_a_move() {
+    common::each_backend("a_pin_queued_behind_prefetches", |backend| {
+        let store = backend
+            .builder()
+            .capacity(Tier::Device, 64 << 20)
+            .capacity(Tier::Pinned, 1 << 20)
+            .capacity(Tier::Mapped, 1 << 20)
+            .capacity(Tier::Disk, 128 << 20)
+            .staging(2, 256 * KIB as usize)
+            .disk_workers(1)
+            .build()
+            .unwrap();
+        let len = 4 << 20;
+        let ahead: Vec<_> = (0..8)
+            .map(|k| {
+                let (id, _) = put(&store, &format!("ahead{k}"), len, 100 + k);
+                store.move_to(id, Tier::Disk).unwrap();
+                id
+            })
+            .collect();
+        let (a, da) = put(&store, "a", 64 * KIB as usize, 7);
+        store.move_to(a, Tier::Disk).unwrap();
+        // One disk worker: the pin's copy waits behind 32 MiB of reads.
+        store.prefetch(&ahead).unwrap();
+        store.pin(&[a]).unwrap();
+        expect_busy(store.move_to(a, Tier::Disk), a, "pinned, queued, move_to disk");
+        expect_busy(store.remove(a), a, "pinned, queued, remove");
+        assert_eq!(store.tier_of(a).unwrap(), Tier::Device, "a pinned tensor left the device");
+        let s = store.stream().unwrap();
+        drop(store.device_view(a, &s).expect("a pinned tensor's device view"));
+        assert_eq!(store.read(a).unwrap(), da);
+        store.unpin(&[a]).unwrap();
+        store.move_to(a, Tier::Disk).expect("unpinned: movable");
+        store.check_err().unwrap();
+    });
+}
+
 #[test]
 fn pinned_and_scoped_tensors_are_busy_until_unpinned_or_dropped() {
     common::each_backend("pinned_and_scoped_tensors_are_busy", |backend| {

@@ -284,9 +284,16 @@ pub(crate) fn undo_job(sh: &Shared, st: &mut Locked<'_>, id: TensorId, jobno: u6
 
 /// Revokes `id`'s prefetch job if it is still queued (a worker has not taken it): the caller
 /// needs the tensor exclusively now and would otherwise wait behind the whole queue. True if
-/// there was one to revoke.
+/// there was one to revoke. A held tensor's job stays: a pin or a scope was promised the
+/// tensor on the device (and the caller is refused `Busy`, or waits, as with a running job).
 pub(crate) fn revoke_queued(sh: &Shared, st: &mut Locked<'_>, id: TensorId) -> bool {
-    let Some(jobno) = st.res.get(id).ok().and_then(|e| e.job.as_ref().and_then(|f| f.job)) else {
+    let Some(jobno) = st
+        .res
+        .get(id)
+        .ok()
+        .filter(|e| e.held() == 0)
+        .and_then(|e| e.job.as_ref().and_then(|f| f.job))
+    else {
         return false;
     };
     match sh.engine.get() {
