@@ -900,8 +900,9 @@ fn a_queued_prefetch_does_not_block_reads_or_host_views_of_its_tensor() {
     drop(store.device_view(big, &s).unwrap());
     let filled = t.elapsed();
     println!("hint {hinted:?}; read {read:?}, host view {viewed:?} while big filled ({filled:?})");
-    assert!(read < Duration::from_millis(50), "the read waited {read:?} for the prefetch queue");
-    assert!(viewed < Duration::from_millis(50), "the host view waited {viewed:?}");
+    // Bounds well under the fill (about 250 ms in a debug build), with room for a loaded CI.
+    assert!(read < Duration::from_millis(150), "the read waited {read:?} for the prefetch queue");
+    assert!(viewed < Duration::from_millis(150), "the host view waited {viewed:?}");
     assert_eq!(store.read(d).unwrap(), vec![4; X]);
     assert_eq!(store.read(big).unwrap(), vec![6; BIG]);
     store.check_err().unwrap();

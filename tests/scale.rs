@@ -156,7 +156,7 @@ fn a_put_that_does_not_fit_a_device_only_store_fails_fast() {
     let took = t.elapsed();
     println!("{N} tensors: the put failed in {took:?}: {e}");
     assert!(matches!(e, strata::Error::OutOfMemory { .. }), "{e}");
-    assert!(took < Duration::from_millis(50), "the put took {took:?} to fail");
+    assert!(took < Duration::from_millis(250), "the put took {took:?} to fail");
 }
 
 /// The schedule policy's keys change for every tensor when it adopts or gives up a schedule;
@@ -199,7 +199,8 @@ fn a_schedule_change_costs_no_read_a_rebuild_of_the_index() {
         }
     }
     println!("{N} tensors: worst read across schedule changes {worst:?}");
-    assert!(worst < Duration::from_millis(30), "a read took {worst:?}");
+    // Under a millisecond here; the bound leaves room for a loaded 2-core CI.
+    assert!(worst < Duration::from_millis(100), "a read took {worst:?}");
 }
 
 /// A randomized stress run at 100k tensors: four threads, each owning a quarter of the tensors,
