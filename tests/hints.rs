@@ -907,3 +907,180 @@ fn a_queued_prefetch_does_not_block_reads_or_host_views_of_its_tensor() {
     assert_eq!(store.read(big).unwrap(), vec![6; BIG]);
     store.check_err().unwrap();
 }
+
+// ---------------------------------------------------------------------------------------------
+// Hints under concurrency.
+
+/// Four threads share one store over small budgets, each with its own tensors and a shadow of
+/// their bytes, mixing hints (prefetch, pin, scopes, release) with reads, writes, moves, views
+/// and removes. Whatever the other threads do: a pinned or scoped tensor is `Busy` for moves to
+/// another tier and for `remove`, and never gets slower while held (nothing evicts, spills or
+/// revokes it); every read and view returns the shadow's bytes; a failed write or move leaves
+/// the bytes as they were; only space errors are allowed. (A writer revoked a pinned tensor's
+/// queued prefetch and dropped its device copy: CI hit it in the single-threaded tests.)
+#[test]
+fn hints_from_four_threads_keep_their_promises() {
+    common::watch_deadlocks();
+    let seed = env_seed("STRATA_HINTS_SEED").unwrap_or(0x5EED_00C4);
+    common::each_backend("hints_from_four_threads", |backend| {
+        let store = std::sync::Arc::new(
+            backend
+                .builder()
+                .capacity(Tier::Device, 384 * KIB)
+                .capacity(Tier::Pinned, 128 * KIB)
+                .capacity(Tier::Mapped, 64 * KIB)
+                .capacity(Tier::Disk, 8 << 20)
+                .staging(2, 16 * KIB as usize)
+                .disk_workers(2)
+                .prefetch_budget(128 * KIB)
+                .build()
+                .unwrap(),
+        );
+        let threads: Vec<_> = (0..4u64)
+            .map(|t| {
+                let store = store.clone();
+                std::thread::spawn(move || hint_thread(&store, seed + t, t))
+            })
+            .collect();
+        let mut total = HintTally::default();
+        for h in threads {
+            let n = h.join().expect("a hint thread panicked");
+            total.held_checks += n.held_checks;
+            total.space_errors += n.space_errors;
+            total.ops += n.ops;
+        }
+        println!("{} seed {seed}: {total:?}", backend.name());
+        assert!(total.held_checks > 100, "{total:?}");
+        assert_budgets(&store.stats(), "four hint threads");
+        store.check_err().unwrap();
+    });
+}
+
+#[derive(Debug, Default)]
+struct HintTally {
+    ops: u64,
+    held_checks: u64,
+    space_errors: u64,
+}
+
+fn hint_thread(store: &Store, seed: u64, thread: u64) -> HintTally {
+    const N: usize = 10;
+    const OPS: u64 = 500;
+    let mut rng = Rng::new(seed);
+    let mut tally = HintTally::default();
+    let s = store.stream().unwrap();
+    let mut own: Vec<(TensorId, Vec<u8>)> = Vec::new();
+    let mut made = 0;
+    let mut put_one = |rng: &mut Rng, own: &mut Vec<(TensorId, Vec<u8>)>| loop {
+        let len = rng.range(4, 24) as usize * KIB as usize;
+        let data = rng.bytes(len);
+        made += 1;
+        match store.put(&format!("t{thread}.{made}"), DType::U8, &[data.len()], &data) {
+            Ok(id) => return own.push((id, data)),
+            Err(e) if is_space_error(&e) => std::thread::yield_now(),
+            Err(e) => panic!("thread {thread}: put: {e}"),
+        }
+    };
+    for _ in 0..N {
+        put_one(&mut rng, &mut own);
+    }
+    // Held: moves elsewhere are Busy, remove is Busy, and the tensor never gets slower.
+    let check_held = |id: TensorId, data: &[u8], ctx: &str, tally: &mut HintTally| {
+        let at = store.tier_of(id).unwrap();
+        let before = store.info(id).unwrap().tiers;
+        for t in Tier::ALL {
+            // Ok only for a move to where it is: where it was, or faster (its copy to the
+            // device may land meanwhile).
+            let r = store.move_to(id, t);
+            match &r {
+                Err(Error::Busy { .. }) => {}
+                Ok(()) if t <= at => {}
+                other => panic!("{ctx}: held, move_to {t} from {at}: {}", describe(other)),
+            }
+            let now = store.tier_of(id).unwrap();
+            assert!(
+                now <= at,
+                "{ctx}: a held tensor went from {at} to {now} (tiers {before:?} -> {:?}) at move_to {t}: {}",
+                store.info(id).unwrap().tiers,
+                describe(&r)
+            );
+        }
+        expect_busy(store.remove(id), id, &format!("{ctx}: held, remove"));
+        assert!(store.read(id).unwrap() == data, "{ctx}: held, read");
+        tally.held_checks += 1;
+    };
+    for op in 0..OPS {
+        tally.ops += 1;
+        let k = rng.below(N as u64) as usize;
+        let (id, _) = own[k];
+        let ctx = format!("thread {thread} seed {seed} op {op}");
+        match rng.below(10) {
+            0 => {
+                let ids: Vec<_> = own.iter().filter(|_| rng.chance(1, 3)).map(|o| o.0).collect();
+                store.prefetch(&ids).unwrap_or_else(|e| panic!("{ctx}: prefetch: {e}"));
+            }
+            1 => {
+                store.pin(&[id]).unwrap_or_else(|e| panic!("{ctx}: pin: {e}"));
+                check_held(id, &own[k].1, &format!("{ctx} pinned"), &mut tally);
+                match store.device_view(id, &s) {
+                    Ok(v) => {
+                        assert!(view_read(&v) == own[k].1, "{ctx}: pinned, view");
+                        drop(v);
+                        assert_eq!(store.tier_of(id).unwrap(), Tier::Device, "{ctx}: pinned");
+                        check_held(id, &own[k].1, &format!("{ctx} pinned, viewed"), &mut tally);
+                    }
+                    Err(e) if is_space_error(&e) => tally.space_errors += 1,
+                    Err(e) => panic!("{ctx}: pinned, device_view: {e}"),
+                }
+                store.unpin(&[id]).unwrap_or_else(|e| panic!("{ctx}: unpin: {e}"));
+            }
+            2 => {
+                let next = own[(k + 1) % N].0;
+                let scope = store.layer(&[id], &[next]).unwrap_or_else(|e| panic!("{ctx}: {e}"));
+                check_held(id, &own[k].1, &format!("{ctx} scoped"), &mut tally);
+                drop(scope);
+            }
+            3 => {
+                let data = rng.bytes(own[k].1.len());
+                match store.write(id, &data) {
+                    Ok(()) => own[k].1 = data,
+                    Err(e) if is_space_error(&e) => tally.space_errors += 1,
+                    Err(e) => panic!("{ctx}: write: {e}"),
+                }
+            }
+            4 => {
+                let t = *rng.pick(&Tier::ALL);
+                match store.move_to(id, t) {
+                    // Not held: other threads' room may move it on at once.
+                    Ok(()) => assert!(store.read(id).unwrap() == own[k].1, "{ctx}: moved"),
+                    Err(e) if is_space_error(&e) => tally.space_errors += 1,
+                    Err(e) => panic!("{ctx}: move_to {t}: {e}"),
+                }
+            }
+            5 => match store.device_view(id, &s) {
+                Ok(v) => assert!(view_read(&v) == own[k].1, "{ctx}: view"),
+                Err(e) if is_space_error(&e) => tally.space_errors += 1,
+                Err(e) => panic!("{ctx}: device_view: {e}"),
+            },
+            6 => store.release(&[id]).unwrap_or_else(|e| panic!("{ctx}: release: {e}")),
+            // Room in host memory may be all in other threads' flights (not waited for).
+            7 => match store.host_view_shared(id) {
+                Ok(v) => assert!(v.bytes() == &own[k].1[..], "{ctx}: shared host view"),
+                Err(e) if is_space_error(&e) => tally.space_errors += 1,
+                Err(e) => panic!("{ctx}: host_view_shared: {e}"),
+            },
+            8 => {
+                store.remove(id).unwrap_or_else(|e| panic!("{ctx}: remove: {e}"));
+                own.swap_remove(k);
+                put_one(&mut rng, &mut own);
+            }
+            _ => assert!(store.read(id).unwrap() == own[k].1, "{ctx}: read"),
+        }
+    }
+    for (id, data) in &own {
+        assert!(store.read(*id).unwrap() == *data, "thread {thread}: final read");
+        store.remove(*id).unwrap();
+    }
+    s.synchronize().unwrap();
+    tally
+}

@@ -45,7 +45,8 @@ impl Store {
     }
 
     /// Keeps these tensors on the device until [`unpin`](Store::unpin)ned (bringing them there
-    /// first, asynchronously). A pinned tensor is never evicted, moved or removed (`Busy`). The
+    /// first, asynchronously; once room frees if the device has none now). A pinned tensor is
+    /// never evicted, moved or removed (`Busy`), not even by a spill that had begun. The
     /// pin holds the memory, so its copy does not count against the prefetch budget (which
     /// limits what prefetches bring ahead of use) and does not hold back other prefetches.
     pub fn pin(&self, ids: &[TensorId]) -> Result<()> {
@@ -55,12 +56,17 @@ impl Store {
             check_ids(&st, ids)?;
             for (k, &id) in ids.iter().enumerate() {
                 let unprotected = st.res.get(id)?.prefetched.is_none();
-                if let Err(e) = prefetch::prefetch_one(sh, &mut st, id, Source::Hint, true) {
-                    // All or nothing: undo the pins this call made.
-                    for &done in &ids[..k] {
-                        unpin_one(&mut st, done);
+                match prefetch::prefetch_one(sh, &mut st, id, Source::Hint, true) {
+                    // No room now, or busy with a move: brought once room frees.
+                    Ok(Outcome::Wait) => prefetch::queue_waiting(&mut st, id),
+                    Ok(_) => {}
+                    Err(e) => {
+                        // All or nothing: undo the pins this call made.
+                        for &done in &ids[..k] {
+                            unpin_one(&mut st, done);
+                        }
+                        return Err(e);
                     }
-                    return Err(e);
                 }
                 let e = st.res.get_mut(id)?;
                 e.pins += 1;
@@ -127,15 +133,19 @@ impl Store {
             check_ids(&st, uses)?;
             check_ids(&st, next)?;
             for (k, &id) in uses.iter().enumerate() {
-                if let Err(e) = prefetch::prefetch_one(sh, &mut st, id, Source::Hint, true) {
-                    // No scope is returned, so nothing would undo these: undo them here.
-                    for &done in &uses[..k] {
-                        if let Ok(e) = st.res.get_mut(done) {
-                            e.scopes -= 1;
+                match prefetch::prefetch_one(sh, &mut st, id, Source::Hint, true) {
+                    Ok(Outcome::Wait) => prefetch::queue_waiting(&mut st, id),
+                    Ok(_) => {}
+                    Err(e) => {
+                        // No scope is returned, so nothing would undo these: undo them here.
+                        for &done in &uses[..k] {
+                            if let Ok(e) = st.res.get_mut(done) {
+                                e.scopes -= 1;
+                            }
+                            st.reindex(done);
                         }
-                        st.reindex(done);
+                        return Err(e);
                     }
-                    return Err(e);
                 }
                 st.res.get_mut(id)?.scopes += 1;
                 st.reindex(id);

@@ -361,9 +361,16 @@ fn run_spills(sh: &Shared, st: &mut Locked<'_>, spills: Vec<Spill>) -> Result<()
         match res {
             Ok(done) => {
                 st.commit_copy(id, Some(from), to, dst, done);
-                st.counters.evictions += 1;
                 st.end_flight(id, &flight);
-                st.drop_replica(id, from);
+                // Pinned or taken into a scope while its spill ran (hints do not wait for
+                // flights): a held tensor is never evicted, so its faster copy stays (clean
+                // now) and the room is found elsewhere.
+                if st.res.get(id).is_ok_and(|e| e.held() == 0) {
+                    st.counters.evictions += 1;
+                    st.drop_replica(id, from);
+                } else {
+                    st.reindex(id);
+                }
             }
             Err(e) => {
                 super::release_failed(sh, st, to, dst);
