@@ -963,6 +963,20 @@ struct HintTally {
     space_errors: u64,
 }
 
+impl HintTally {
+    /// The result's value; a space error is counted (`None`), any other error fails the test.
+    fn room<T>(&mut self, r: strata::Result<T>, ctx: &str) -> Option<T> {
+        match r {
+            Ok(v) => Some(v),
+            Err(e) if is_space_error(&e) => {
+                self.space_errors += 1;
+                None
+            }
+            Err(e) => panic!("{ctx}: {e}"),
+        }
+    }
+}
+
 fn hint_thread(store: &Store, seed: u64, thread: u64) -> HintTally {
     const N: usize = 10;
     const OPS: u64 = 500;
@@ -1022,15 +1036,12 @@ fn hint_thread(store: &Store, seed: u64, thread: u64) -> HintTally {
             1 => {
                 store.pin(&[id]).unwrap_or_else(|e| panic!("{ctx}: pin: {e}"));
                 check_held(id, &own[k].1, &format!("{ctx} pinned"), &mut tally);
-                match store.device_view(id, &s) {
-                    Ok(v) => {
-                        assert!(view_read(&v) == own[k].1, "{ctx}: pinned, view");
-                        drop(v);
-                        assert_eq!(store.tier_of(id).unwrap(), Tier::Device, "{ctx}: pinned");
-                        check_held(id, &own[k].1, &format!("{ctx} pinned, viewed"), &mut tally);
-                    }
-                    Err(e) if is_space_error(&e) => tally.space_errors += 1,
-                    Err(e) => panic!("{ctx}: pinned, device_view: {e}"),
+                let view = store.device_view(id, &s);
+                if let Some(v) = tally.room(view, &format!("{ctx}: pinned, device_view")) {
+                    assert!(view_read(&v) == own[k].1, "{ctx}: pinned, view");
+                    drop(v);
+                    assert_eq!(store.tier_of(id).unwrap(), Tier::Device, "{ctx}: pinned");
+                    check_held(id, &own[k].1, &format!("{ctx} pinned, viewed"), &mut tally);
                 }
                 store.unpin(&[id]).unwrap_or_else(|e| panic!("{ctx}: unpin: {e}"));
             }
@@ -1042,33 +1053,30 @@ fn hint_thread(store: &Store, seed: u64, thread: u64) -> HintTally {
             }
             3 => {
                 let data = rng.bytes(own[k].1.len());
-                match store.write(id, &data) {
-                    Ok(()) => own[k].1 = data,
-                    Err(e) if is_space_error(&e) => tally.space_errors += 1,
-                    Err(e) => panic!("{ctx}: write: {e}"),
+                if tally.room(store.write(id, &data), &format!("{ctx}: write")).is_some() {
+                    own[k].1 = data;
                 }
             }
             4 => {
                 let t = *rng.pick(&Tier::ALL);
-                match store.move_to(id, t) {
-                    // Not held: other threads' room may move it on at once.
-                    Ok(()) => assert!(store.read(id).unwrap() == own[k].1, "{ctx}: moved"),
-                    Err(e) if is_space_error(&e) => tally.space_errors += 1,
-                    Err(e) => panic!("{ctx}: move_to {t}: {e}"),
+                // Not held: other threads' room may move it on at once.
+                if tally.room(store.move_to(id, t), &format!("{ctx}: move_to {t}")).is_some() {
+                    assert!(store.read(id).unwrap() == own[k].1, "{ctx}: moved");
                 }
             }
-            5 => match store.device_view(id, &s) {
-                Ok(v) => assert!(view_read(&v) == own[k].1, "{ctx}: view"),
-                Err(e) if is_space_error(&e) => tally.space_errors += 1,
-                Err(e) => panic!("{ctx}: device_view: {e}"),
-            },
+            5 => {
+                if let Some(v) = tally.room(store.device_view(id, &s), &format!("{ctx}: view")) {
+                    assert!(view_read(&v) == own[k].1, "{ctx}: view");
+                }
+            }
             6 => store.release(&[id]).unwrap_or_else(|e| panic!("{ctx}: release: {e}")),
             // Room in host memory may be all in other threads' flights (not waited for).
-            7 => match store.host_view_shared(id) {
-                Ok(v) => assert!(v.bytes() == &own[k].1[..], "{ctx}: shared host view"),
-                Err(e) if is_space_error(&e) => tally.space_errors += 1,
-                Err(e) => panic!("{ctx}: host_view_shared: {e}"),
-            },
+            7 => {
+                let v = tally.room(store.host_view_shared(id), &format!("{ctx}: host_view_shared"));
+                if let Some(v) = v {
+                    assert!(v.bytes() == &own[k].1[..], "{ctx}: shared host view");
+                }
+            }
             8 => {
                 store.remove(id).unwrap_or_else(|e| panic!("{ctx}: remove: {e}"));
                 own.swap_remove(k);

@@ -364,12 +364,10 @@ fn run_spills(sh: &Shared, st: &mut Locked<'_>, spills: Vec<Spill>) -> Result<()
                 st.end_flight(id, &flight);
                 // Pinned or taken into a scope while its spill ran (hints do not wait for
                 // flights): a held tensor is never evicted, so its faster copy stays (clean
-                // now) and the room is found elsewhere.
+                // now) and the room is found elsewhere (`end_flight` re-indexed it).
                 if st.res.get(id).is_ok_and(|e| e.held() == 0) {
                     st.counters.evictions += 1;
                     st.drop_replica(id, from);
-                } else {
-                    st.reindex(id);
                 }
             }
             Err(e) => {
