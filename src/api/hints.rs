@@ -238,6 +238,10 @@ fn check_ids(st: &Locked<'_>, ids: &[TensorId]) -> Result<()> {
 fn unpin_one(st: &mut Locked<'_>, id: TensorId) {
     let Ok(e) = st.res.get_mut(id) else { return };
     e.pins = e.pins.saturating_sub(1);
+    if e.pins == 0 && e.scopes == 0 {
+        // A pin still waiting for room is no longer wanted on the device.
+        e.queued = false;
+    }
     if e.pins == 0 && e.pin_prefetch {
         st.consume_prefetch(id);
     }

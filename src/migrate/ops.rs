@@ -610,10 +610,16 @@ pub(crate) fn move_to(sh: &Shared, id: TensorId, tier: Tier) -> Result<()> {
     })();
     st.end_flight(id, &flight);
     res?;
+    // A tensor pinned or scoped while it moved keeps its faster copies (a hold is never
+    // evicted; hints do not wait for flights).
     for t in Tier::ALL.into_iter().filter(|&t| t < tier) {
-        if st.res.get(id).is_ok_and(|e| e.has(t)) {
+        if st.res.get(id).is_ok_and(|e| e.has(t) && e.pins == 0 && e.scopes == 0) {
             st.drop_replica(id, t);
         }
+    }
+    // A pin or scope that came during the move waits in the queue for it: start it now.
+    if st.res.get(id).is_ok_and(|e| e.queued && (e.pins > 0 || e.scopes > 0)) {
+        super::prefetch::pump_waiting(sh, &mut st);
     }
     Ok(())
 }

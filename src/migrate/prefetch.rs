@@ -156,11 +156,15 @@ pub(crate) fn queue_waiting(st: &mut Locked<'_>, id: TensorId) {
 /// Starts the hinted prefetches that were waiting, in order, while they fit.
 pub(crate) fn pump_waiting(sh: &Shared, st: &mut Locked<'_>) {
     while let Some(id) = st.place.waiting.pop_front() {
-        match st.res.get_mut(id) {
-            Ok(e) if e.queued => e.queued = false,
+        let held = match st.res.get_mut(id) {
+            Ok(e) if e.queued => {
+                e.queued = false;
+                e.pins > 0 || e.scopes > 0
+            }
             _ => continue,
-        }
-        match prefetch_one(sh, st, id, Source::Hint, false) {
+        };
+        // A pin's or a scope's copy, like when it was asked for, is outside the budget.
+        match prefetch_one(sh, st, id, Source::Hint, held) {
             Ok(Outcome::Wait) => {
                 if let Ok(e) = st.res.get_mut(id) {
                     e.queued = true;
