@@ -89,6 +89,7 @@ pub mod failpoint;
 mod migrate;
 mod placement;
 mod residency;
+mod sync;
 #[cfg(test)]
 mod testutil;
 mod tiers;

@@ -23,6 +23,7 @@ pub(crate) mod sim;
 use std::sync::Arc;
 
 use crate::error::Result;
+use crate::sync::Signal;
 use crate::types::BackendKind;
 
 /// What kind of memory a [`Block`] is.
@@ -142,36 +143,6 @@ pub(crate) enum RawStream {
 pub(crate) enum RawEvent {
     Host(Arc<host::HostEvent>),
     Cuda(cuda::CudaEv),
-}
-
-/// A one-shot completion flag set by a host thread (the end of work a thread does without the
-/// store's lock), waited for by others.
-#[derive(Default)]
-pub(crate) struct Signal {
-    done: parking_lot::Mutex<bool>,
-    cv: parking_lot::Condvar,
-}
-
-impl Signal {
-    /// Sets the flag and wakes the waiters.
-    pub(crate) fn set(&self) {
-        *self.done.lock() = true;
-        self.cv.notify_all();
-    }
-
-    /// Whether the flag is set.
-    pub(crate) fn is_set(&self) -> bool {
-        *self.done.lock()
-    }
-
-    /// Blocks until the flag is set. The caller holds no store lock.
-    pub(crate) fn wait(&self) {
-        crate::residency::assert_unlocked("waiting for a thread's work");
-        let mut d = self.done.lock();
-        while !*d {
-            self.cv.wait(&mut d);
-        }
-    }
 }
 
 /// Something that memory waits for before it is freed or reused: device work (an event) or a
@@ -322,7 +293,7 @@ impl RawStream {
 
     /// Blocks until everything issued to this stream has run. The caller holds no store lock.
     pub(crate) fn synchronize(&self) -> Result<()> {
-        crate::residency::assert_unlocked("synchronizing a stream");
+        crate::sync::assert_unlocked("synchronizing a stream");
         match self {
             RawStream::Host(s) => {
                 s.record().synchronize();
@@ -343,7 +314,7 @@ impl RawStream {
             RawStream::Cuda(s)
                 if s.cu_stream() as usize as u64 == PER_THREAD_STREAM && self.key() != key =>
             {
-                crate::residency::assert_unlocked("synchronizing a stream");
+                crate::sync::assert_unlocked("synchronizing a stream");
                 let _bound = cuda::bind(s.context())?;
                 let legacy = LEGACY_STREAM as usize as cudarc::driver::sys::CUstream;
                 // SAFETY: the legacy default stream's handle is valid in every context; the
@@ -409,7 +380,7 @@ impl RawEvent {
 
     /// Blocks the calling thread until the event is complete. The caller holds no store lock.
     pub(crate) fn synchronize(&self) -> Result<()> {
-        crate::residency::assert_unlocked("waiting for an event");
+        crate::sync::assert_unlocked("waiting for an event");
         crate::failpoint::check(
             crate::failpoint::Site::Synchronize,
             std::path::Path::new("<event>"),

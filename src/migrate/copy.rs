@@ -137,7 +137,7 @@ impl Copy<'_> {
     /// flight. `staging` is where device copies go through (a worker's own buffers, or taken
     /// from the store's pool when `None`).
     pub(crate) fn run(self, shared: &Shared, staging: Option<&mut [StagingBuf]>) -> Result<Done> {
-        crate::residency::assert_unlocked("a copy's host work");
+        crate::sync::assert_unlocked("a copy's host work");
         if self.is_dma(shared) {
             // A DMA that must also be finished now (a move that returns when done).
             let done = self.issue(shared)?;
@@ -381,7 +381,7 @@ pub(crate) fn read_into(
     waits: &[RawEvent],
     out: &mut [u8],
 ) -> Result<()> {
-    crate::residency::assert_unlocked("a read's host work");
+    crate::sync::assert_unlocked("a read's host work");
     let device = matches!(src, Src::Mem(Tier::Device, _));
     if !device {
         for ev in waits {

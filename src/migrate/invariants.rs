@@ -21,11 +21,12 @@ impl State {
         let mut groups = [[0u64; 5]; 4];
         let mut held = [0u64; 4];
         for (id, e) in self.res.slab.iter() {
+            let slots = self.place.victims.slots(id);
             for t in Tier::ALL {
                 let want = rank_of(e, t, &fits);
-                let have = e.victim_slots[t.index()].map(|(r, c, _)| (r, c));
+                let have = slots[t.index()].map(|(r, c, _)| (r, c));
                 assert_eq!(have, want, "{id} in {t}: indexed as {have:?}, should be {want:?}");
-                if let Some((_, _, key)) = e.victim_slots[t.index()] {
+                if let Some((_, _, key)) = slots[t.index()] {
                     assert_eq!(
                         key,
                         self.place.policy.victim_key(t, id),

@@ -350,12 +350,12 @@ fn write_via_reserve(
 ) -> Result<(Tier, Option<Ext>, copy::Done)> {
     let bytes = data.len() as u64;
     let (rt, rext) = loop {
-        match st.books.lend_reserve(bytes, flight) {
+        match st.books.lend_reserve(bytes, &flight.done) {
             Ok(Some(r)) => break r,
             Ok(None) => return Err(Error::OutOfMemory { tier: fastest, bytes }),
             // Another write has it: wait for that write (without the lock), then ask again.
             Err(other) => {
-                st.unlocked(|| other.done.wait());
+                st.unlocked(|| other.wait());
             }
         }
     };

@@ -55,18 +55,15 @@ impl State {
     /// holds, flights, flags or policy key). Unknown ids are ignored.
     pub(crate) fn reindex(&mut self, id: TensorId) {
         let State { res, place, .. } = self;
-        let Some(e) = res.slab.get_mut(id) else { return };
-        let mut slots = std::mem::take(&mut e.victim_slots);
-        place.victims.place(&*place.policy, id, e, &mut slots);
-        e.victim_slots = slots;
+        let Some(e) = res.slab.get(id) else { return };
+        place.victims.place(&*place.policy, id, e);
     }
 
     /// Takes `id` out of the victim index before it is removed.
     pub(crate) fn unindex(&mut self, id: TensorId) {
         let State { res, place, .. } = self;
-        let Some(e) = res.slab.get_mut(id) else { return };
-        let bytes = e.bytes();
-        place.victims.forget(id, bytes, &mut e.victim_slots);
+        let Some(e) = res.slab.get(id) else { return };
+        place.victims.forget(id, e.bytes());
     }
 
     /// Brings the victim index's keys to the policy's epoch, a slice at a time: when the

@@ -23,6 +23,7 @@ use std::ops::Bound;
 
 use crate::placement::policy::{Policy, VictimKey};
 use crate::residency::{Entry, Source};
+use crate::tiers::Fits;
 use crate::types::{Group, TensorId, Tier};
 
 /// A victim's rank: every tensor of a lower rank goes before any of a higher one.
@@ -69,18 +70,6 @@ const SOLE: usize = 1;
 /// Where a tensor sits in one tier's index: its rank, its class (clean or sole) and its key.
 pub(crate) type Slot = Option<(Rank, usize, VictimKey)>;
 
-/// The largest tensor each tier could ever hold (0 when disabled): a sole replica is a victim
-/// only where a slower tier could take it.
-#[derive(Clone, Copy, Debug, Default)]
-pub(crate) struct Fits(pub(crate) [u64; 4]);
-
-impl Fits {
-    /// Whether a sole replica of `bytes` in `t` could ever be demoted.
-    fn movable_from(&self, t: Tier, bytes: u64) -> bool {
-        Tier::ALL.into_iter().any(|s| s > t && self.0[s.index()] >= bytes)
-    }
-}
-
 /// The rank and class `e`'s replica in `t` would have as a victim, or `None` if it cannot be
 /// evicted now (no replica, held by views, pins or scopes, or in flight) or ever (a sole copy
 /// no slower tier could hold). A device copy of a tensor lent to the CPU or to zero-copy kernels
@@ -123,6 +112,9 @@ type RankSets = [BTreeSet<(VictimKey, TensorId)>; 2];
 /// The ranked, ordered victims of every tier.
 pub(crate) struct VictimIndex {
     sets: [[RankSets; RANKS]; 4],
+    /// Where each tensor sits in each tier's index, by the tensor's slab slot (a removed
+    /// tensor's slots are emptied by [`VictimIndex::forget`] before its slot is reused).
+    slots: Vec<[Slot; 4]>,
     bytes: [[u64; RANKS]; 4],
     fits: Fits,
     /// The policy epoch the keys are being brought to.
@@ -135,6 +127,7 @@ impl VictimIndex {
     pub(crate) fn new(epoch: u64) -> VictimIndex {
         VictimIndex {
             sets: Default::default(),
+            slots: Vec::new(),
             bytes: [[0; RANKS]; 4],
             fits: Fits::default(),
             epoch,
@@ -147,21 +140,25 @@ impl VictimIndex {
         self.fits = fits;
     }
 
-    /// Puts `id` where it belongs in every tier (`slots` is where it is now, updated).
-    pub(crate) fn place(
-        &mut self,
-        policy: &dyn Policy,
-        id: TensorId,
-        e: &Entry,
-        slots: &mut [Slot; 4],
-    ) {
+    /// Where `id` sits in each tier's index now (all `None` when it is in none).
+    #[cfg(test)]
+    pub(crate) fn slots(&self, id: TensorId) -> [Slot; 4] {
+        self.slots.get(id.slot() as usize).copied().unwrap_or_default()
+    }
+
+    /// Puts `id`, whose entry is `e`, where it belongs in every tier.
+    pub(crate) fn place(&mut self, policy: &dyn Policy, id: TensorId, e: &Entry) {
+        let i = id.slot() as usize;
+        if i >= self.slots.len() {
+            self.slots.resize(i + 1, [None; 4]);
+        }
         for t in Tier::ALL {
             let want = rank_of(e, t, &self.fits).map(|(r, c)| (r, c, policy.victim_key(t, id)));
-            let have = slots[t.index()];
+            let ti = t.index();
+            let have = self.slots[i][ti];
             if want == have {
                 continue;
             }
-            let ti = t.index();
             if let Some((r, c, k)) = have {
                 self.sets[ti][r as usize][c].remove(&(k, id));
                 self.bytes[ti][r as usize] -= e.bytes();
@@ -170,12 +167,13 @@ impl VictimIndex {
                 self.sets[ti][r as usize][c].insert((k, id));
                 self.bytes[ti][r as usize] += e.bytes();
             }
-            slots[ti] = want;
+            self.slots[i][ti] = want;
         }
     }
 
     /// Takes `id` out of every tier (it is being removed; `bytes` is its size).
-    pub(crate) fn forget(&mut self, id: TensorId, bytes: u64, slots: &mut [Slot; 4]) {
+    pub(crate) fn forget(&mut self, id: TensorId, bytes: u64) {
+        let Some(slots) = self.slots.get_mut(id.slot() as usize) else { return };
         for t in Tier::ALL {
             if let Some((r, c, k)) = slots[t.index()].take() {
                 self.sets[t.index()][r as usize][c].remove(&(k, id));

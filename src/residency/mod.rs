@@ -17,7 +17,6 @@ mod slab;
 mod state;
 mod uses;
 
-use std::cell::Cell;
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -27,35 +26,11 @@ pub(crate) use slab::Slab;
 pub(crate) use state::{Counters, Locked, Shared, State};
 pub(crate) use uses::Uses;
 
-use crate::backend::{Pending, RawEvent, Signal};
+use crate::backend::{Pending, RawEvent};
+use crate::sync::Signal;
 use crate::error::{Error, Result};
 use crate::tiers::Ext;
 use crate::types::{DType, Group, TensorId, Tier};
-
-thread_local! {
-    /// Store locks this thread holds (debug check that no host wait happens under one).
-    static HELD: Cell<u32> = const { Cell::new(0) };
-}
-
-/// Counts a store lock taken by this thread (the lock guard calls it).
-pub(crate) fn note_locked() {
-    HELD.with(|h| h.set(h.get() + 1));
-}
-
-/// Counts a store lock released by this thread.
-pub(crate) fn note_unlocked() {
-    HELD.with(|h| h.set(h.get().saturating_sub(1)));
-}
-
-/// Debug builds: panics if this thread holds a store's lock while about to block the host on
-/// `what`. Under the lock a call only decides and records; every host wait happens outside it.
-#[inline]
-pub(crate) fn assert_unlocked(what: &str) {
-    if cfg!(debug_assertions) {
-        let held = HELD.with(Cell::get);
-        assert!(held == 0, "host wait under the store's lock: {what}");
-    }
-}
 
 /// What never changes about a tensor.
 #[derive(Debug)]
@@ -169,8 +144,6 @@ pub(crate) struct Entry {
     /// `lookup` and `ids` do not give it out, so a load that fails removes tensors nobody
     /// else can hold.
     pub(crate) loading: bool,
-    /// Where the tensor sits in each tier's victim index (kept by placement).
-    pub(crate) victim_slots: [crate::placement::victims::Slot; 4],
 }
 
 impl Entry {
@@ -200,7 +173,6 @@ impl Entry {
             unsettled: Vec::new(),
             covered: false,
             loading: false,
-            victim_slots: [None; 4],
         }
     }
 

@@ -268,7 +268,7 @@ impl Shared {
     /// its jobs inline) runs when the guard drops, after the lock is released.
     pub(crate) fn lock(&self) -> Locked<'_> {
         let g = self.state.lock();
-        super::note_locked();
+        crate::sync::note_locked();
         Locked { guard: Some(g), shared: self }
     }
 
@@ -315,7 +315,7 @@ impl Locked<'_> {
     pub(crate) fn release(&mut self) {
         if let Some(g) = self.guard.take() {
             drop(g);
-            super::note_unlocked();
+            crate::sync::note_unlocked();
         }
         if let Some(e) = self.shared.engine.get() {
             e.run_inline(self.shared);
@@ -326,7 +326,7 @@ impl Locked<'_> {
     pub(crate) fn retake(&mut self) {
         if self.guard.is_none() {
             self.guard = Some(self.shared.state.lock());
-            super::note_locked();
+            crate::sync::note_locked();
         }
     }
 }
@@ -335,7 +335,7 @@ impl Drop for Locked<'_> {
     fn drop(&mut self) {
         if let Some(g) = self.guard.take() {
             drop(g);
-            super::note_unlocked();
+            crate::sync::note_unlocked();
         }
         if let Some(e) = self.shared.engine.get() {
             e.run_inline(self.shared);

@@ -79,7 +79,7 @@ mod tests {
         assert_eq!(u.len(), 1, "a stream's later use replaces its earlier");
         // Stream a is blocked until `gate` is set: a use recorded behind it stays incomplete,
         // and b must not run past it.
-        let gate = std::sync::Arc::new(crate::backend::Signal::default());
+        let gate = std::sync::Arc::new(crate::sync::Signal::default());
         let g = gate.clone();
         let RawStream::Host(ah) = &a else { unreachable!() };
         ah.launch(Box::new(move || g.wait()));

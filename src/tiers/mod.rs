@@ -22,6 +22,7 @@ use std::sync::Arc;
 use smallvec::SmallVec;
 
 use crate::backend::{Pending, RawEvent};
+use crate::sync::Signal;
 use crate::types::Tier;
 use alloc::ExtentAllocator;
 use arena::{Extent, MemArena};
@@ -79,6 +80,19 @@ impl TierMem {
     /// The arena of a memory tier.
     pub(crate) fn arena(&self, t: Tier) -> Option<&MemArena> {
         self.arenas.get(t.index()).and_then(Option::as_ref)
+    }
+}
+
+/// The largest tensor each tier could ever hold (0 when disabled): where a tensor's only copy
+/// could ever be demoted to.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Fits(pub(crate) [u64; 4]);
+
+impl Fits {
+    /// Whether a tensor's only copy, of `bytes`, in `t` could ever be demoted (a slower tier
+    /// could hold it).
+    pub(crate) fn movable_from(&self, t: Tier, bytes: u64) -> bool {
+        Tier::ALL.into_iter().any(|s| s > t && self.0[s.index()] >= bytes)
     }
 }
 
@@ -209,8 +223,8 @@ impl TierBooks {
     }
 
     /// The largest tensor each tier could ever hold (0 for a disabled tier).
-    pub(crate) fn fits(&self) -> crate::placement::victims::Fits {
-        crate::placement::victims::Fits(
+    pub(crate) fn fits(&self) -> Fits {
+        Fits(
             Tier::ALL.map(|t| self.alloc_of(t).map_or(0, ExtentAllocator::largest_span)),
         )
     }
@@ -312,14 +326,14 @@ impl TierBooks {
         }
     }
 
-    /// Lends the write reserve to a write of `bytes` (the extent for its second copy): `Ok(None)`
-    /// when the store keeps none or it is owed or too small, `Err(flight)` when another write has
-    /// it (wait for that flight, then ask again).
+    /// Lends the write reserve to a write of `bytes` (the extent for its second copy), whose end
+    /// `done` signals: `Ok(None)` when the store keeps none or it is owed or too small,
+    /// `Err(signal)` when another write has it (wait for that signal, then ask again).
     pub(crate) fn lend_reserve(
         &mut self,
         bytes: u64,
-        flight: &Arc<crate::residency::Flight>,
-    ) -> std::result::Result<Option<(Tier, Ext)>, Arc<crate::residency::Flight>> {
+        done: &Arc<Signal>,
+    ) -> std::result::Result<Option<(Tier, Ext)>, Arc<Signal>> {
         if let Some(f) = &self.reserve.lent {
             return Err(f.clone());
         }
@@ -332,7 +346,7 @@ impl TierBooks {
         }
         let (t, e) = self.reserve.held.take().expect("checked");
         self.reserve.lent_ext = Some((t, e.offset(), e.bytes()));
-        self.reserve.lent = Some(flight.clone());
+        self.reserve.lent = Some(done.clone());
         let part = Extent::new(e.offset(), bytes);
         Ok(Some((
             t,
@@ -345,8 +359,8 @@ impl TierBooks {
     /// from free room if there is some).
     pub(crate) fn return_reserve(&mut self, kept: Option<u64>) {
         let Some((t, off, full)) = self.reserve.lent_ext.take() else { return };
-        if let Some(f) = self.reserve.lent.take() {
-            f.finish();
+        if let Some(done) = self.reserve.lent.take() {
+            done.set();
         }
         match kept {
             None => self.reserve.held = Some((t, Extent::new(off, full))),

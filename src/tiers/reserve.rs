@@ -15,7 +15,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use super::arena::Extent;
-use crate::residency::Flight;
+use crate::sync::Signal;
 use crate::types::Tier;
 
 /// The reserve's books.
@@ -27,8 +27,9 @@ pub(crate) struct WriteReserve {
     owned: BTreeMap<u64, u32>,
     /// The reserved extent and its tier, when held (not lent, not owed).
     pub(crate) held: Option<(Tier, Extent)>,
-    /// A write has it: later writes that need it wait for this flight.
-    pub(crate) lent: Option<Arc<Flight>>,
+    /// A write has it: later writes that need it wait for the end of that write (its flight's
+    /// signal).
+    pub(crate) lent: Option<Arc<Signal>>,
     /// While lent: its tier, offset and size, to take it back.
     pub(crate) lent_ext: Option<(Tier, u64, u64)>,
 }

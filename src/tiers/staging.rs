@@ -44,7 +44,7 @@ impl StagingPool {
     /// Takes `n` buffers (at most half the pool, at least one), waiting until they are free.
     /// They go back when the returned set drops. The caller holds no store lock.
     pub(crate) fn take(&self, n: usize) -> StagingSet<'_> {
-        crate::residency::assert_unlocked("waiting for staging buffers");
+        crate::sync::assert_unlocked("waiting for staging buffers");
         let n = n.clamp(1, (self.total / 2).max(1));
         let mut free = self.free.lock();
         while free.len() < n {
