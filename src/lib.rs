@@ -93,11 +93,13 @@ mod sync;
 #[cfg(test)]
 mod testutil;
 mod tiers;
-mod trace;
 mod types;
 pub use backend::sim::{LinkSharing, Simulation};
-pub use backend::{kernels, linalg, optim, probe};
+pub mod kernels;
+pub mod linalg;
+pub mod optim;
 pub mod plan;
+pub mod probe;
 pub use placement::policy;
 
 pub use api::{

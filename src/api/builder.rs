@@ -14,14 +14,15 @@ use crate::backend::sim::{SimClock, Simulation};
 use crate::backend::Backend;
 use crate::error::{Error, Result};
 use crate::migrate::engine::Engine;
+use crate::migrate::timeline::{Clock, Timeline};
+use crate::migrate::{Counters, Shared, State};
 use crate::placement::policy::{Policy, PolicyKind};
 use crate::placement::Placement;
-use crate::residency::{Counters, Residency, Shared, State};
+use crate::residency::Residency;
 use crate::tiers::arena::{MemArena, StagingBuf};
 use crate::tiers::disk::DiskSlab;
 use crate::tiers::staging::StagingPool;
 use crate::tiers::{TierBooks, TierMem};
-use crate::trace::{Clock, Timeline};
 use crate::types::{format_size, BackendKind, Tier};
 
 /// Default budgets: Device, Pinned, Mapped, Disk.

@@ -15,13 +15,8 @@ pub use checkpoint::{Loaded, LoadedFile, LoadedTensor};
 
 use super::Store;
 use crate::error::{Error, Result};
-use crate::migrate::ops;
-use crate::migrate::room::Got;
-use crate::migrate::{plan_copy, run_copy};
-use crate::placement::victims::Level;
-use crate::residency::{Meta, Replica};
+use crate::migrate::load::{self, InFile};
 use crate::tiers::file::ExternalFile;
-use crate::tiers::Ext;
 use crate::types::{DType, Group, TensorId, Tier};
 
 /// How [`Store::load_checkpoint`] and [`Store::load_safetensors`] load a checkpoint.
@@ -266,7 +261,18 @@ impl Store {
             .flat_map(|(i, p)| p.found.iter().map(move |f| (i, f)))
             .collect();
         checkpoint::check_names(&layout, found.iter().map(|&(i, f)| (i, f.name.as_str())))?;
-        let ids = self.register(&files, &found, &opts)?;
+        let new: Vec<InFile> = found
+            .iter()
+            .map(|&(file, f)| InFile {
+                file,
+                name: format!("{}{}", opts.name_prefix, f.name),
+                dtype: f.dtype,
+                shape: f.shape.clone(),
+                offset: f.offset,
+                bytes: f.len,
+            })
+            .collect();
+        let ids = load::register(&self.shared, &files, &new, opts.copy_to, opts.group)?;
         let tensors = found
             .iter()
             .zip(ids)
@@ -311,124 +317,6 @@ impl Store {
         opts: LoadOptions,
     ) -> Result<Vec<(String, TensorId)>> {
         self.load_checkpoint(path, opts).map(Loaded::into_pairs)
-    }
-
-    /// Registers `found` (tensors of `files`, checked) in place, then copies them into
-    /// `opts.copy_to` if asked; all or nothing. Returns their ids, in the same order.
-    fn register(
-        &self,
-        files: &[Arc<ExternalFile>],
-        found: &[(usize, &Found)],
-        opts: &LoadOptions,
-    ) -> Result<Vec<TensorId>> {
-        let sh = &*self.shared;
-        let mut st = sh.lock();
-        let names: Vec<String> =
-            found.iter().map(|(_, f)| format!("{}{}", opts.name_prefix, f.name)).collect();
-        // All or nothing: check every name first.
-        let mut seen = std::collections::HashSet::new();
-        for name in &names {
-            if st.res.names.contains_key(name.as_str()) || !seen.insert(name) {
-                return Err(Error::DuplicateName(name.clone()));
-            }
-        }
-        if let Some(t) = opts.copy_to {
-            if !st.books.enabled(t) {
-                return Err(Error::TierDisabled { tier: t });
-            }
-        }
-        let mut out = Vec::with_capacity(found.len());
-        for (&(file, f), name) in found.iter().zip(&names) {
-            let meta = Meta {
-                name: name.as_str().into(),
-                dtype: f.dtype,
-                shape: f.shape.clone().into(),
-                bytes: f.len,
-            };
-            let id = st.res.insert(meta, opts.group)?;
-            st.place.policy.on_insert(id, f.len);
-            st.res.put_replica(
-                id,
-                Tier::Disk,
-                Replica::new(Ext::File { file: files[file].clone(), offset: f.offset }, None),
-            );
-            st.reindex(id);
-            out.push(id);
-        }
-        let Some(t) = opts.copy_to else { return Ok(out) };
-        // Until every copy is done, nobody else gets these ids (the names stay taken).
-        for &id in &out {
-            if let Ok(e) = st.res.get_mut(id) {
-                e.loading = true;
-            }
-        }
-        // Copy each tensor into `t` and drop the file's copy (straight from the file: pread, or
-        // O_DIRECT where aligned); on failure, undo the whole load.
-        let res = (|| -> Result<()> {
-            for (&id, (_, f)) in out.iter().zip(found) {
-                let bytes = f.len;
-                let flight = st.start_flight(id, None);
-                let r = (|| -> Result<()> {
-                    // A copied tensor is the store's: the write reserve covers it.
-                    st.cover(id)?;
-                    let level = if t == Tier::Disk { Level::Guess } else { Level::Demand };
-                    let ext = match ops::alloc_in(sh, &mut st, t, bytes, id, level, true)? {
-                        Got::Ext(x) => x,
-                        _ => return Err(Error::OutOfMemory { tier: t, bytes }),
-                    };
-                    let copy = match plan_copy(sh, &st, id, Tier::Disk, t, &ext) {
-                        Ok(c) => c,
-                        Err(e) => {
-                            crate::migrate::release_failed(sh, &mut st, t, ext);
-                            return Err(e);
-                        }
-                    };
-                    match run_copy(sh, &mut st, copy) {
-                        Ok(done) => {
-                            if t == Tier::Disk {
-                                // Into the store's own slab: the file's copy goes first.
-                                let file_copy = st.res.take_replica(id, Tier::Disk);
-                                drop(file_copy);
-                            }
-                            // Counted as bytes put into the store, as a put would be.
-                            st.commit_copy(id, None, t, ext, done);
-                            Ok(())
-                        }
-                        Err(e) => {
-                            crate::migrate::release_failed(sh, &mut st, t, ext);
-                            Err(e)
-                        }
-                    }
-                })();
-                st.end_flight(id, &flight);
-                r?;
-                if t != Tier::Disk {
-                    st.drop_replica(id, Tier::Disk);
-                }
-            }
-            Ok(())
-        })();
-        if let Err(e) = res {
-            for id in &out {
-                // Undo everything; the error returned is the load's.
-                for tier in Tier::ALL {
-                    if st.res.get(*id).is_ok_and(|e| e.has(tier)) {
-                        st.drop_replica(*id, tier);
-                    }
-                }
-                st.uncover(*id);
-                st.unindex(*id);
-                st.res.remove(*id);
-                st.place.policy.on_remove(*id);
-            }
-            return Err(e);
-        }
-        for &id in &out {
-            if let Ok(e) = st.res.get_mut(id) {
-                e.loading = false;
-            }
-        }
-        Ok(out)
     }
 
     /// Writes these tensors' current contents (a copy written on the device included) to a new

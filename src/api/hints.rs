@@ -5,8 +5,9 @@ use std::sync::Arc;
 use super::Store;
 use crate::error::{Error, Result};
 use crate::migrate::prefetch::{self, Outcome};
-use crate::residency::{Locked, Shared, Source};
-use crate::trace;
+use crate::migrate::timeline;
+use crate::migrate::{Locked, Shared};
+use crate::residency::Source;
 use crate::types::TensorId;
 
 impl Store {
@@ -187,7 +188,7 @@ impl Store {
         let spans = tl.snapshot();
         // The file is written without the lock: a large trace takes long to write.
         drop(st);
-        trace::write_chrome(path.as_ref(), &spans)
+        timeline::write_chrome(path.as_ref(), &spans)
     }
 }
 

@@ -10,7 +10,7 @@ use crate::backend::Backend;
 use crate::element::Element;
 use crate::error::{Error, Result};
 use crate::migrate::ops;
-use crate::residency::Shared;
+use crate::migrate::Shared;
 use crate::tiers::Ext;
 use crate::types::{BackendKind, DType, Group, TensorId, Tier};
 
@@ -72,6 +72,12 @@ impl Store {
     /// store.
     pub fn simulated_seconds(&self) -> Option<f64> {
         self.shared.backend.sim().map(|c| c.now())
+    }
+
+    /// The simulated clock of a [simulated](super::StoreBuilder::simulate) store, which compute
+    /// built on the store charges with the device time its host work stands for.
+    pub(crate) fn sim_clock(&self) -> Option<Arc<crate::backend::sim::SimClock>> {
+        self.shared.backend.sim().cloned()
     }
 
     /// The machine a [simulated](super::StoreBuilder::simulate) store simulates.

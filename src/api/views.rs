@@ -9,7 +9,8 @@ use crate::backend::RawStream;
 use crate::element::Element;
 use crate::error::{Error, Result};
 use crate::migrate::ops;
-use crate::residency::{Meta, Shared};
+use crate::migrate::Shared;
+use crate::residency::Meta;
 use crate::tiers::arena::WriteLease;
 use crate::types::{BackendKind, DType, TensorId, Tier};
 

@@ -9,15 +9,9 @@
 //!
 //! This module and the tier arenas are the only places with `unsafe` code.
 
-#[cfg(feature = "candle-cuda")]
-pub(crate) mod candle_cuda;
 pub(crate) mod cuda;
 pub(crate) mod health;
 pub(crate) mod host;
-pub mod kernels;
-pub mod linalg;
-pub mod optim;
-pub mod probe;
 pub(crate) mod sim;
 
 use std::sync::Arc;

@@ -622,13 +622,10 @@ impl OutOfCoreLlama {
         let dev = self.layers.device();
         let t = match (self.kv_view(id, name)?, dev) {
             #[cfg(feature = "candle-cuda")]
-            (Some(view), Device::Cuda(cuda)) => crate::backend::candle_cuda::view_to_candle(
-                &view,
-                cuda,
-                cache.dtype,
-                &[cap, b, h, d],
-            )?
-            .narrow(0, 0, len)?,
+            (Some(view), Device::Cuda(cuda)) => {
+                super::cuda::view_to_candle(&view, cuda, cache.dtype, &[cap, b, h, d])?
+                    .narrow(0, 0, len)?
+            }
             (Some(view), _) => view
                 .with_host_bytes(|bytes| {
                     tensor_from_bytes(name, &bytes[..n], sdtype, &[len, b, h, d], dev)
@@ -663,7 +660,7 @@ impl OutOfCoreLlama {
                 match self.layers.device() {
                     #[cfg(feature = "candle-cuda")]
                     Device::Cuda(cuda) => {
-                        crate::backend::candle_cuda::candle_into_view(&new, &mut view, start, cuda)
+                        super::cuda::candle_into_view(&new, &mut view, start, cuda)
                             .map_err(|e| e.context(format!("writing tensor {name}")))?
                     }
                     _ => {

@@ -99,7 +99,7 @@ pub struct Layers {
 struct Counted {
     t: Transfers,
     #[cfg(feature = "candle-cuda")]
-    timers: Vec<crate::backend::candle_cuda::CopyTimer>,
+    timers: Vec<super::cuda::CopyTimer>,
 }
 
 impl std::fmt::Debug for Layers {
@@ -305,7 +305,7 @@ impl Layers {
         match &self.device {
             #[cfg(feature = "candle-cuda")]
             Device::Cuda(dev) => {
-                use crate::backend::candle_cuda::{view_to_candle, CopyTimer};
+                use super::cuda::{view_to_candle, CopyTimer};
                 let in_context =
                     |e: candle_core::Error| e.context(format!("copying tensor {name} to candle"));
                 let stream = dev.cuda_stream();

@@ -43,14 +43,15 @@
 //! the store waits for in stream order, never on the host). `docs/candle.md` has the details and
 //! the figures.
 
-mod backend;
 mod bert;
+#[cfg(feature = "candle-cuda")]
+mod cuda;
 mod generate;
 mod layers;
 pub mod llama;
 pub mod train;
+mod var_builder;
 
-pub use backend::StoreBackend;
 pub use bert::OutOfCoreBert;
 pub use generate::{
     generate, CausalLm, Generated, InMemoryCache, InMemoryLlama, OutOfCoreLlama, Sampler, Sampling,
@@ -61,6 +62,7 @@ pub use llama::LlamaConfig;
 pub use train::{
     load_weights, put_random_weights, LlamaTwin, LrSchedule, StepReport, TrainConfig, Trainer,
 };
+pub use var_builder::StoreBackend;
 
 use std::sync::Arc;
 

@@ -12,14 +12,14 @@ use std::time::Instant;
 
 use smallvec::SmallVec;
 
+use super::timeline::{Span, TimePoint, Track};
+use super::Shared;
 use crate::backend::{RawEvent, RawStream};
 use crate::error::{Error, Result};
-use crate::residency::Shared;
 use crate::tiers::arena::{self, ReadLease, StagingBuf, WriteLease};
 use crate::tiers::disk::DiskRange;
 use crate::tiers::file::ExternalFile;
 use crate::tiers::staging::{copier, StagingSet};
-use crate::trace::{Span, TimePoint, Track};
 use crate::types::{TensorId, Tier};
 
 /// Where a copy reads.

@@ -2,8 +2,8 @@
 //! operations: the victim index against each tensor's state, the per-tier tensor counts and group
 //! bytes against the replicas, the tiers' used bytes against the extents held.
 
+use super::State;
 use crate::placement::victims::{rank_of, Level};
-use crate::residency::State;
 use crate::tiers::Ext;
 use crate::types::Tier;
 

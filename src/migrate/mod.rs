@@ -16,9 +16,14 @@ pub(crate) mod copy;
 pub(crate) mod engine;
 #[cfg(test)]
 mod invariants;
+pub(crate) mod load;
 pub(crate) mod ops;
 pub(crate) mod prefetch;
 pub(crate) mod room;
+mod state;
+pub(crate) mod timeline;
+
+pub(crate) use state::{Counters, Locked, Shared, State};
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -27,7 +32,7 @@ use smallvec::SmallVec;
 
 use crate::backend::{Pending, RawEvent};
 use crate::error::{Error, Result};
-use crate::residency::{Flight, Locked, Replica, Shared, State};
+use crate::residency::{Flight, Replica};
 use crate::tiers::Ext;
 use crate::types::{TensorId, Tier};
 use copy::{Copy, Done, Dst, Src};

@@ -9,9 +9,10 @@
 use super::engine::{JobKind, Runner};
 use super::room::Got;
 use super::{copy_replica, ops, plan_copy, run_copy};
+use super::{Locked, Shared};
 use crate::error::{Error, Result};
 use crate::placement::victims::Level;
-use crate::residency::{Locked, Shared, Source};
+use crate::residency::Source;
 use crate::tiers::Ext;
 use crate::types::{TensorId, Tier};
 
@@ -193,7 +194,7 @@ pub(crate) fn lookahead(sh: &Shared, st: &mut Locked<'_>) {
     let mut ids = std::mem::take(&mut st.place.lookahead_buf);
     ids.clear();
     {
-        let crate::residency::State { place, res, .. } = &mut **st;
+        let super::State { place, res, .. } = &mut **st;
         place.policy.lookahead(
             room,
             &mut |id| res.get(id).ok().map(|e| if e.has(Tier::Device) { 0 } else { e.bytes() }),

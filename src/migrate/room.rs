@@ -10,9 +10,10 @@
 
 use super::copy::Copy;
 use super::{plan_copy, run_copy};
+use super::{Locked, Shared};
 use crate::error::Result;
 use crate::placement::victims::{Cursor, Level};
-use crate::residency::{Flight, Locked, Replica, Shared};
+use crate::residency::{Flight, Replica};
 use crate::tiers::Ext;
 use crate::types::{TensorId, Tier};
 use std::sync::Arc;

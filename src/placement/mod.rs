@@ -11,7 +11,8 @@ pub(crate) mod victims;
 
 use std::collections::VecDeque;
 
-use crate::residency::{Source, State};
+use crate::residency::{Residency, Source};
+use crate::tiers::TierBooks;
 use crate::types::{TensorId, Tier};
 use policy::Policy;
 use victims::{Level, VictimIndex};
@@ -50,20 +51,18 @@ impl Placement {
     }
 }
 
-impl State {
+impl Placement {
     /// Puts `id` where it now belongs in the victim index (after any change to its replicas,
     /// holds, flights, flags or policy key). Unknown ids are ignored.
-    pub(crate) fn reindex(&mut self, id: TensorId) {
-        let State { res, place, .. } = self;
+    pub(crate) fn reindex(&mut self, res: &Residency, id: TensorId) {
         let Some(e) = res.slab.get(id) else { return };
-        place.victims.place(&*place.policy, id, e);
+        self.victims.place(&*self.policy, id, e);
     }
 
     /// Takes `id` out of the victim index before it is removed.
-    pub(crate) fn unindex(&mut self, id: TensorId) {
-        let State { res, place, .. } = self;
+    pub(crate) fn unindex(&mut self, res: &Residency, id: TensorId) {
         let Some(e) = res.slab.get(id) else { return };
-        place.victims.forget(id, e.bytes());
+        self.victims.forget(id, e.bytes());
     }
 
     /// Brings the victim index's keys to the policy's epoch, a slice at a time: when the
@@ -71,45 +70,46 @@ impl State {
     /// [`REKEY_SLICE`] slab slots per call (the calls that make room), never all at once under
     /// the lock. Until it is done the order mixes old keys with new; a tensor accessed meanwhile
     /// gets its new key at once.
-    pub(crate) fn refresh_epoch(&mut self) {
-        let epoch = self.place.policy.epoch();
-        if epoch != self.place.victims.epoch {
-            self.place.victims.epoch = epoch;
-            self.place.victims.rekey_from = Some(0);
+    pub(crate) fn refresh_epoch(&mut self, res: &Residency) {
+        let epoch = self.policy.epoch();
+        if epoch != self.victims.epoch {
+            self.victims.epoch = epoch;
+            self.victims.rekey_from = Some(0);
         }
-        let Some(from) = self.place.victims.rekey_from else { return };
-        let end = (from + REKEY_SLICE).min(self.res.slab.slots());
+        let Some(from) = self.victims.rekey_from else { return };
+        let end = (from + REKEY_SLICE).min(res.slab.slots());
         for slot in from..end {
-            if let Some(id) = self.res.slab.id_at(slot) {
-                self.reindex(id);
+            if let Some(id) = res.slab.id_at(slot) {
+                self.reindex(res, id);
             }
         }
-        self.place.victims.rekey_from = (end < self.res.slab.slots()).then_some(end);
+        self.victims.rekey_from = (end < res.slab.slots()).then_some(end);
     }
 
     /// An access of `id`: the policy hears of it and its victim key is refreshed.
-    pub(crate) fn touch(&mut self, id: TensorId) {
-        self.place.policy.on_access(id);
-        self.reindex(id);
+    pub(crate) fn touch(&mut self, res: &Residency, id: TensorId) {
+        self.policy.on_access(id);
+        self.reindex(res, id);
     }
 
     /// The first victims of `t` (for `level`, never `exclude`) that together free at least
     /// `bytes`, in order (all of them if they cannot).
     pub(crate) fn victims_covering(
         &mut self,
+        res: &Residency,
         t: Tier,
         level: Level,
         bytes: u64,
         exclude: TensorId,
     ) -> Vec<TensorId> {
-        self.refresh_epoch();
+        self.refresh_epoch(res);
         let mut freed = 0;
         let mut out = Vec::new();
-        for v in self.place.victims.iter(t, level, exclude) {
+        for v in self.victims.iter(t, level, exclude) {
             if freed >= bytes {
                 break;
             }
-            freed += self.res.get(v).map_or(0, |e| e.bytes());
+            freed += res.get(v).map_or(0, |e| e.bytes());
             out.push(v);
         }
         out
@@ -117,57 +117,73 @@ impl State {
 
     /// Whether the policy admits `id` into `t` at the cost of the victims that would make room
     /// for `bytes` there (none needed when there is free room).
-    pub(crate) fn admits(&mut self, t: Tier, id: TensorId, bytes: u64) -> bool {
-        let need = self.books.reserved_size(t, bytes).saturating_sub(self.books.free_bytes(t));
-        let victims =
-            if need == 0 { Vec::new() } else { self.victims_covering(t, Level::Demand, need, id) };
-        self.place.policy.admit(t, id, &victims)
+    pub(crate) fn admits(
+        &mut self,
+        res: &Residency,
+        books: &TierBooks,
+        t: Tier,
+        id: TensorId,
+        bytes: u64,
+    ) -> bool {
+        let need = books.reserved_size(t, bytes).saturating_sub(books.free_bytes(t));
+        let victims = if need == 0 {
+            Vec::new()
+        } else {
+            self.victims_covering(res, t, Level::Demand, need, id)
+        };
+        self.policy.admit(t, id, &victims)
     }
 
-    /// [`State::admits`] for an optional copy (a promotion after a read, a policy's prefetch):
-    /// also refused when the victims that would make room hold more than twice the bytes the
-    /// copy brings, so a small promotion never pushes a large tensor out (and down to disk).
-    pub(crate) fn admits_copy(&mut self, t: Tier, id: TensorId, bytes: u64) -> bool {
-        let need = self.books.reserved_size(t, bytes).saturating_sub(self.books.free_bytes(t));
+    /// [`Placement::admits`] for an optional copy (a promotion after a read, a policy's
+    /// prefetch): also refused when the victims that would make room hold more than twice the
+    /// bytes the copy brings, so a small promotion never pushes a large tensor out (and down to
+    /// disk).
+    pub(crate) fn admits_copy(
+        &mut self,
+        res: &Residency,
+        books: &TierBooks,
+        t: Tier,
+        id: TensorId,
+        bytes: u64,
+    ) -> bool {
+        let need = books.reserved_size(t, bytes).saturating_sub(books.free_bytes(t));
         if need == 0 {
-            return self.place.policy.admit(t, id, &[]);
+            return self.policy.admit(t, id, &[]);
         }
-        let victims = self.victims_covering(t, Level::Demand, need, id);
-        let evicted: u64 =
-            victims.iter().filter_map(|&v| self.res.get(v).ok()).map(|e| e.bytes()).sum();
-        if evicted > 2 * self.books.reserved_size(t, bytes).max(1) {
+        let victims = self.victims_covering(res, t, Level::Demand, need, id);
+        let evicted: u64 = victims.iter().filter_map(|&v| res.get(v).ok()).map(|e| e.bytes()).sum();
+        if evicted > 2 * books.reserved_size(t, bytes).max(1) {
             return false;
         }
-        self.place.policy.admit(t, id, &victims)
+        self.policy.admit(t, id, &victims)
     }
 
     /// The tensor was used by a view (or left the device): it no longer counts as prefetched.
     /// The caller reindexes the tensor afterwards (every caller changes more about it).
-    pub(crate) fn consume_prefetch(&mut self, id: TensorId) {
-        let Ok(e) = self.res.get_mut(id) else { return };
+    pub(crate) fn consume_prefetch(&mut self, res: &mut Residency, id: TensorId) {
+        let Ok(e) = res.get_mut(id) else { return };
         e.pin_prefetch = false;
         if e.prefetched.take().is_some() && std::mem::take(&mut e.prefetch_charged) {
-            let bytes = e.bytes();
-            self.place.inflight = self.place.inflight.saturating_sub(bytes);
+            self.inflight = self.inflight.saturating_sub(e.bytes());
         }
     }
 
     /// Marks `id` prefetched by `source` (protected from eviction until used), charging the
     /// prefetch budget when the prefetch started a copy.
-    pub(crate) fn mark_prefetched(&mut self, id: TensorId, source: Source, charged: bool) {
-        let Ok(e) = self.res.get_mut(id) else { return };
+    pub(crate) fn mark_prefetched(
+        &mut self,
+        res: &mut Residency,
+        id: TensorId,
+        source: Source,
+        charged: bool,
+    ) {
+        let Ok(e) = res.get_mut(id) else { return };
         e.prefetched = Some(source);
         e.released = false;
         if charged && !e.prefetch_charged {
             e.prefetch_charged = true;
-            let bytes = e.bytes();
-            self.place.inflight += bytes;
+            self.inflight += e.bytes();
         }
-        self.reindex(id);
-    }
-
-    /// The fastest enabled tier.
-    pub(crate) fn fastest_enabled(&self) -> Option<Tier> {
-        Tier::ALL.into_iter().find(|&t| self.books.enabled(t))
+        self.reindex(res, id);
     }
 }

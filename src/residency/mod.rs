@@ -14,7 +14,6 @@
 //! free of memory a flight touches waits for it too.
 
 mod slab;
-mod state;
 mod uses;
 
 use std::collections::HashMap;
@@ -23,12 +22,11 @@ use std::sync::Arc;
 use smallvec::SmallVec;
 
 pub(crate) use slab::Slab;
-pub(crate) use state::{Counters, Locked, Shared, State};
 pub(crate) use uses::Uses;
 
 use crate::backend::{Pending, RawEvent};
-use crate::sync::Signal;
 use crate::error::{Error, Result};
+use crate::sync::Signal;
 use crate::tiers::Ext;
 use crate::types::{DType, Group, TensorId, Tier};
 
@@ -136,7 +134,7 @@ pub(crate) struct Entry {
     pub(crate) uses: Uses,
     /// A view dropped, but the event after its stream's work could not be recorded (the
     /// backend failed): its hold stays, so nothing frees or reuses memory that work may touch,
-    /// until an event recorded later on this stream ([`crate::residency::State::settle`]).
+    /// until an event recorded later on this stream (`State::settle` in migration).
     pub(crate) unsettled: Vec<(crate::backend::RawStream, u64)>,
     /// Counted by the write reserve (a tensor the store owns the bytes of).
     pub(crate) covered: bool,

@@ -224,9 +224,7 @@ impl TierBooks {
 
     /// The largest tensor each tier could ever hold (0 for a disabled tier).
     pub(crate) fn fits(&self) -> Fits {
-        Fits(
-            Tier::ALL.map(|t| self.alloc_of(t).map_or(0, ExtentAllocator::largest_span)),
-        )
+        Fits(Tier::ALL.map(|t| self.alloc_of(t).map_or(0, ExtentAllocator::largest_span)))
     }
 
     /// The tier's budget as an error message names it: `pinned 8 GiB`, or with the largest

@@ -175,35 +175,6 @@ impl Clock {
     }
 }
 
-impl crate::residency::State {
-    /// Adds the stream waits whose events have both completed to the stall time and the
-    /// timeline.
-    pub(crate) fn resolve_probes(&mut self) {
-        let mut i = 0;
-        while i < self.probes.len() {
-            let (mark, ready) = &self.probes[i];
-            if !(mark.is_complete() && ready.is_complete()) {
-                i += 1;
-                continue;
-            }
-            let (mark, ready) = self.probes.swap_remove(i);
-            if let Some(wait) = ready.seconds_since(&mark).filter(|w| *w > 0.0) {
-                self.counters.stall_s += wait;
-                if let Some(tl) = self.timeline.as_mut() {
-                    tl.push(Span {
-                        track: Track::Stall,
-                        what: "wait",
-                        tensor: Arc::from(""),
-                        bytes: 0,
-                        start: TimePoint::Ev(mark),
-                        end: TimePoint::Ev(ready),
-                    });
-                }
-            }
-        }
-    }
-}
-
 /// Writes resolved spans as a Chrome trace (JSON object format, times in microseconds). Called
 /// without the store's lock, on a [`Timeline::snapshot`].
 pub(crate) fn write_chrome(path: &Path, spans: &[Done]) -> Result<()> {

@@ -1,11 +1,14 @@
 //! Raw transfer measurements straight through the driver, without the store: the reference
-//! figures the store's own paths are compared with (`strata bench`, the bandwidth example).
+//! figures the store's own paths are compared with (`strata bench`, the bandwidth example),
+//! published as [`strata::probe`](crate::probe).
 //!
 //! [`GpuProbe`] measures every raw GPU path of `strata bench` ([`GpuPath`]): copies from pinned
 //! and pageable host memory, both directions at once, device to device, a streaming kernel read
 //! of HBM, mapped (zero-copy) host memory and managed memory, a sparse gather, managed-memory
 //! prefetch, and disk to device through pinned staging. GPU work is timed with CUDA events
 //! after warm-up, like `../shared/peers/transfer_anchors.py`, whose figures these agree with.
+//! It is driver code (raw allocations, copies, prefetches and launches), so it lives in the
+//! backend; what it measures against is the store above.
 //!
 //! ## Safety
 //! The probe owns every buffer it measures with (pinned, mapped, device, managed and pageable),
@@ -18,7 +21,7 @@ use std::ffi::c_void;
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::Path;
-use std::sync::{Arc, Barrier};
+use std::sync::Arc;
 use std::time::Instant;
 
 use cudarc::driver::{
@@ -371,11 +374,11 @@ struct BenchKernels {
     gather: CudaFunction,
 }
 
-const BENCH_SOURCE: &str = include_str!("../../cuda/bench.cu");
+pub(crate) const BENCH_SOURCE: &str = include_str!("../../../cuda/bench.cu");
 
 fn compile_kernels(ctx: &Arc<CudaContext>) -> Result<BenchKernels> {
     let (module, [rsum, gather]) =
-        super::cuda::load_kernels(ctx, BENCH_SOURCE, ["strata_bench_rsum", "strata_bench_gather"])?;
+        super::load_kernels(ctx, BENCH_SOURCE, ["strata_bench_rsum", "strata_bench_gather"])?;
     Ok(BenchKernels { _module: module, rsum, gather })
 }
 
@@ -605,8 +608,8 @@ impl GpuProbe {
                     return Err(Error::InvalidArgument(format!(
                         "{} of managed memory is more than half the free device memory \
                          (limit {})",
-                        crate::format_size(bytes as u64),
-                        crate::format_size(limit as u64)
+                        crate::types::format_size(bytes as u64),
+                        crate::types::format_size(limit as u64)
                     )));
                 }
                 lazy(&mut self.managed, || DevMem::alloc_managed(ctx, limit))?;
@@ -941,122 +944,4 @@ fn missing() -> Error {
 /// Opens `file` for reading with `O_DIRECT`; `None` where that is refused.
 fn open_direct(file: &Path) -> Option<File> {
     OpenOptions::new().read(true).custom_flags(libc::O_DIRECT).open(file).ok()
-}
-
-/// Below this one thread copies, as in the store's copier (the hand-off costs more than it
-/// saves).
-const PARALLEL_MIN: usize = 4 << 20;
-
-/// Threads the store's copier uses on this machine.
-fn copier_threads() -> usize {
-    std::thread::available_parallelism().map_or(1, |n| n.get()).min(16)
-}
-
-/// `host_memcpy` of `strata bench`: the host copy the store's memory-to-memory paths are made
-/// of. Times a copy of `bytes` between two host buffers, split over as many threads as the store's
-/// copier uses (one below 4 MiB). The threads are started once, before the clock runs: each
-/// timed run only releases them and waits for them, as the copier's standing threads do.
-pub fn host_memcpy(bytes: usize, warmup: usize, reps: usize) -> Result<Timing> {
-    let threads = if bytes >= PARALLEL_MIN { copier_threads() } else { 1 };
-    host_memcpy_on(bytes, threads, warmup, reps)
-}
-
-/// [`host_memcpy`] on exactly `threads` threads (at least one), for bounds that must use the same
-/// threads as the work they bound (the optimizer's CPU step).
-pub fn host_memcpy_on(bytes: usize, threads: usize, warmup: usize, reps: usize) -> Result<Timing> {
-    if bytes == 0 || reps == 0 {
-        return Err(Error::InvalidArgument("host_memcpy of 0 bytes or 0 runs".into()));
-    }
-    let src = vec![1u8; bytes];
-    let mut dst = vec![0u8; bytes];
-    let runs = warmup + reps;
-    let threads = threads.max(1);
-    let mut seconds = Vec::with_capacity(reps);
-    if threads == 1 {
-        for run in 0..runs {
-            let t = Instant::now();
-            dst.copy_from_slice(&src);
-            std::hint::black_box(&mut dst);
-            if run >= warmup {
-                seconds.push(t.elapsed().as_secs_f64());
-            }
-        }
-    } else {
-        let piece = bytes.div_ceil(threads);
-        let workers = bytes.div_ceil(piece);
-        let start = Barrier::new(workers + 1);
-        let end = Barrier::new(workers + 1);
-        std::thread::scope(|s| {
-            for (d, sr) in dst.chunks_mut(piece).zip(src.chunks(piece)) {
-                let (start, end) = (&start, &end);
-                s.spawn(move || {
-                    for _ in 0..runs {
-                        start.wait();
-                        d.copy_from_slice(sr);
-                        std::hint::black_box(&mut *d);
-                        end.wait();
-                    }
-                });
-            }
-            for run in 0..runs {
-                let t = Instant::now();
-                start.wait();
-                end.wait();
-                if run >= warmup {
-                    seconds.push(t.elapsed().as_secs_f64());
-                }
-            }
-        });
-    }
-    if dst[bytes - 1] != 1 {
-        return Err(Error::InvalidArgument("host_memcpy copied wrong bytes".into()));
-    }
-    Ok(Timing { seconds, bytes: bytes as u64 })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn gather_shape_reads_one_row_in_a_hundred() {
-        assert_eq!(gather_shape(0), (1, 0));
-        assert_eq!(gather_shape(255), (1, 0));
-        // 4 KiB: 16 rows, fewer than 100: one pick over the whole buffer.
-        assert_eq!(gather_shape(4096), (16, 1));
-        let (group, picks) = gather_shape(1 << 30);
-        assert_eq!(picks, (1 << 30) / 256 / 100);
-        assert!(group >= 100 && group * picks <= (1 << 30) / 256);
-        assert_eq!(GpuPath::GatherHbm.counted_bytes(1 << 30), picks as u64 * 256);
-    }
-
-    #[test]
-    fn counted_bytes_follow_the_reference_script() {
-        assert_eq!(GpuPath::D2d.counted_bytes(1000), 2000);
-        assert_eq!(GpuPath::BidirPinned.counted_bytes(1000), 2000);
-        assert_eq!(GpuPath::H2dPinned.counted_bytes(1000), 1000);
-        assert_eq!(GpuPath::KernelReadHbm.counted_bytes(1000), 992);
-        let names: std::collections::HashSet<_> = GpuPath::ALL.iter().map(|p| p.name()).collect();
-        assert_eq!(names.len(), GpuPath::ALL.len());
-    }
-
-    #[test]
-    fn timing_reports_the_median() {
-        let t = Timing { seconds: vec![3.0, 1.0, 2.0], bytes: 4_000_000_000 };
-        assert_eq!(t.median_s(), 2.0);
-        assert_eq!(t.gbps(), 2.0);
-        assert_eq!(Timing { seconds: vec![], bytes: 1 }.gbps(), 0.0);
-    }
-
-    #[test]
-    fn memcpy_times_every_run() {
-        for bytes in [1, 4096, PARALLEL_MIN + 3] {
-            let t = host_memcpy(bytes, 1, 3).unwrap();
-            assert_eq!(t.seconds.len(), 3);
-            assert_eq!(t.bytes, bytes as u64);
-            assert!(t.gbps() > 0.0);
-        }
-        assert!(host_memcpy(0, 0, 1).is_err());
-        assert!(host_memcpy(10, 0, 0).is_err());
-    }
 }

@@ -4,14 +4,15 @@ use std::sync::{Arc, OnceLock};
 
 use parking_lot::{Mutex, MutexGuard};
 
-use super::{Flight, Residency};
+use super::engine::Engine;
+use super::timeline::{Span, TimePoint, Timeline, Track};
 use crate::backend::{Backend, Pending, RawEvent};
 use crate::error::Error;
-use crate::migrate::engine::Engine;
+use crate::placement::victims::Level;
 use crate::placement::Placement;
+use crate::residency::{Flight, Residency, Source};
 use crate::tiers::arena::StagingBuf;
 use crate::tiers::{TierBooks, TierMem};
-use crate::trace::Timeline;
 use crate::types::{TensorId, Tier};
 
 /// Counters of what happened, for [`Stats`](crate::Stats).
@@ -240,6 +241,94 @@ impl State {
             }));
         }
         out
+    }
+}
+
+impl State {
+    /// Adds the stream waits whose events have both completed to the stall time and the
+    /// timeline.
+    pub(crate) fn resolve_probes(&mut self) {
+        let mut i = 0;
+        while i < self.probes.len() {
+            let (mark, ready) = &self.probes[i];
+            if !(mark.is_complete() && ready.is_complete()) {
+                i += 1;
+                continue;
+            }
+            let (mark, ready) = self.probes.swap_remove(i);
+            if let Some(wait) = ready.seconds_since(&mark).filter(|w| *w > 0.0) {
+                self.counters.stall_s += wait;
+                if let Some(tl) = self.timeline.as_mut() {
+                    tl.push(Span {
+                        track: Track::Stall,
+                        what: "wait",
+                        tensor: Arc::from(""),
+                        bytes: 0,
+                        start: TimePoint::Ev(mark),
+                        end: TimePoint::Ev(ready),
+                    });
+                }
+            }
+        }
+    }
+}
+
+/// The placement layer's decisions over the locked state: each takes the parts it reads.
+impl State {
+    /// [`Placement::reindex`]: after any change to `id`'s replicas, holds, flights or flags.
+    pub(crate) fn reindex(&mut self, id: TensorId) {
+        self.place.reindex(&self.res, id);
+    }
+
+    /// [`Placement::unindex`]: before `id` is removed.
+    pub(crate) fn unindex(&mut self, id: TensorId) {
+        self.place.unindex(&self.res, id);
+    }
+
+    /// [`Placement::touch`]: an access of `id`.
+    pub(crate) fn touch(&mut self, id: TensorId) {
+        self.place.touch(&self.res, id);
+    }
+
+    /// [`Placement::refresh_epoch`].
+    pub(crate) fn refresh_epoch(&mut self) {
+        self.place.refresh_epoch(&self.res);
+    }
+
+    /// [`Placement::victims_covering`].
+    pub(crate) fn victims_covering(
+        &mut self,
+        t: Tier,
+        level: Level,
+        bytes: u64,
+        exclude: TensorId,
+    ) -> Vec<TensorId> {
+        self.place.victims_covering(&self.res, t, level, bytes, exclude)
+    }
+
+    /// [`Placement::admits`].
+    pub(crate) fn admits(&mut self, t: Tier, id: TensorId, bytes: u64) -> bool {
+        self.place.admits(&self.res, &self.books, t, id, bytes)
+    }
+
+    /// [`Placement::admits_copy`].
+    pub(crate) fn admits_copy(&mut self, t: Tier, id: TensorId, bytes: u64) -> bool {
+        self.place.admits_copy(&self.res, &self.books, t, id, bytes)
+    }
+
+    /// [`Placement::consume_prefetch`].
+    pub(crate) fn consume_prefetch(&mut self, id: TensorId) {
+        self.place.consume_prefetch(&mut self.res, id);
+    }
+
+    /// [`Placement::mark_prefetched`].
+    pub(crate) fn mark_prefetched(&mut self, id: TensorId, source: Source, charged: bool) {
+        self.place.mark_prefetched(&mut self.res, id, source, charged);
+    }
+
+    /// The fastest enabled tier.
+    pub(crate) fn fastest_enabled(&self) -> Option<Tier> {
+        Tier::ALL.into_iter().find(|&t| self.books.enabled(t))
     }
 }
 

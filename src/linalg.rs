@@ -40,51 +40,24 @@
 
 use std::sync::Arc;
 
-use cudarc::cublas::{sys::cublasOperation_t, CudaBlas, Gemm, GemmConfig};
-use cudarc::driver::{
-    CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr,
-    LaunchConfig, PushKernelArg, ValidAsZeroBits,
-};
+use cudarc::cublas::CudaBlas;
+use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
 use half::bf16;
 
-use super::sim::SimClock;
-use crate::api::Store;
-use crate::api::{DeviceView, Stream};
+use crate::backend::cuda::programs::{self, GpuFloat, Mlp, Op};
+use crate::backend::sim::SimClock;
 use crate::error::{Error, Result};
 use crate::types::DType;
-
-const SOURCE: &str = include_str!("../../cuda/mlp.cu");
-/// The bf16 helpers the source uses, prepended before compiling.
-const BF16_H: &str = include_str!("../../cuda/bf16.cuh");
+use crate::{DeviceView, Store, Stream};
 
 /// Blocks of the loss kernel, and so the length of its partial sums (see [`Linalg::loss_grad`]).
-pub const LOSS_PARTIALS: usize = 264;
-
-mod sealed {
-    use super::*;
-
-    /// What only strata implements: cuBLAS dispatch.
-    pub trait Sealed: Sized {
-        /// # Safety
-        /// As cudarc's [`Gemm::gemm`]: the configuration must describe the three buffers.
-        unsafe fn gemm<A: DevicePtr<Self>, B: DevicePtr<Self>, C: DevicePtrMut<Self>>(
-            blas: &CudaBlas,
-            cfg: GemmConfig<Self>,
-            a: &A,
-            b: &B,
-            c: &mut C,
-        ) -> std::result::Result<(), cudarc::cublas::result::CublasError>;
-    }
-}
+pub const LOSS_PARTIALS: usize = programs::LOSS_PARTIALS;
 
 /// An element type of [`Matrix`] and of the weights [`Linalg`] reads: `half::bf16` or `f32`
 /// (the float [`Element`](crate::Element)s the GEMMs and kernels take).
 pub trait Float:
-    crate::Element + sealed::Sealed + Default + DeviceRepr + ValidAsZeroBits + Unpin
+    crate::Element + GpuFloat + Default + DeviceRepr + ValidAsZeroBits + Unpin
 {
-    /// Index into per-type kernel tables (0: bf16, 1: f32).
-    #[doc(hidden)]
-    const INDEX: usize;
     /// Widens to f32 (exact).
     fn to_f32(self) -> f32;
     /// Narrows from f32, rounding to nearest even (exact for f32).
@@ -95,34 +68,7 @@ pub trait Float:
     fn write_ne_bytes(vals: &[Self], out: &mut [u8]);
 }
 
-impl sealed::Sealed for bf16 {
-    unsafe fn gemm<A: DevicePtr<bf16>, B: DevicePtr<bf16>, C: DevicePtrMut<bf16>>(
-        blas: &CudaBlas,
-        cfg: GemmConfig<bf16>,
-        a: &A,
-        b: &B,
-        c: &mut C,
-    ) -> std::result::Result<(), cudarc::cublas::result::CublasError> {
-        // SAFETY: the caller's contract is cudarc's.
-        unsafe { blas.gemm(cfg, a, b, c) }
-    }
-}
-
-impl sealed::Sealed for f32 {
-    unsafe fn gemm<A: DevicePtr<f32>, B: DevicePtr<f32>, C: DevicePtrMut<f32>>(
-        blas: &CudaBlas,
-        cfg: GemmConfig<f32>,
-        a: &A,
-        b: &B,
-        c: &mut C,
-    ) -> std::result::Result<(), cudarc::cublas::result::CublasError> {
-        // SAFETY: the caller's contract is cudarc's.
-        unsafe { blas.gemm(cfg, a, b, c) }
-    }
-}
-
 impl Float for bf16 {
-    const INDEX: usize = 0;
     fn to_f32(self) -> f32 {
         bf16::to_f32(self)
     }
@@ -140,7 +86,6 @@ impl Float for bf16 {
 }
 
 impl Float for f32 {
-    const INDEX: usize = 1;
     fn to_f32(self) -> f32 {
         self
     }
@@ -212,21 +157,10 @@ impl<T: Float> Matrix<T> {
     }
 }
 
-/// Per-type kernels: index 0 bf16, 1 f32.
-struct Kernels {
-    sgd: CudaFunction,
-    fill: [CudaFunction; 2],
-    relu: [CudaFunction; 2],
-    relu_mask: [CudaFunction; 2],
-    loss_grad: [CudaFunction; 2],
-    accumulate: [CudaFunction; 2],
-}
-
 struct CudaLinalg {
     stream: Arc<CudaStream>,
     blas: CudaBlas,
-    _module: Arc<CudaModule>,
-    k: Kernels,
+    k: Mlp,
 }
 
 /// GEMMs and elementwise work on one stream of a store's backend.
@@ -270,63 +204,30 @@ fn host_gemm<T: Float>(
     }
 }
 
-fn launch_err(e: cudarc::driver::DriverError) -> Error {
-    Error::cuda("cuLaunchKernel", e)
-}
-
-fn blas_err(e: cudarc::cublas::result::CublasError) -> Error {
-    Error::Cuda { call: "cublasGemmEx", message: e.to_string() }
-}
-
 impl Linalg {
     /// Linear algebra on `stream` (a stream of `store`'s backend). On CUDA this compiles the
     /// elementwise kernels with NVRTC and opens a cuBLAS handle bound to the stream.
     pub fn new(store: &Store, stream: &Stream) -> Result<Linalg> {
         store.check_stream(stream)?;
         let Some(ctx) = store.cuda_context() else {
-            let sim = store.shared.backend.sim().cloned();
+            let sim = store.sim_clock();
             return Ok(Linalg { cuda: None, stream: stream.clone(), sim });
         };
         let s = stream
             .cuda()
             .ok_or_else(|| Error::BackendMismatch("a host stream with a CUDA store".into()))?
             .clone();
-        if !super::cuda::lib_present(super::cuda::Lib::Cublas) {
+        if !crate::backend::cuda::lib_present(crate::backend::cuda::Lib::Cublas) {
             return Err(Error::Cuda {
                 call: "cublas",
                 message: "libcublas.so was not found".into(),
             });
         }
-        let (module, f) = super::cuda::load_kernels(
-            ctx,
-            &format!("{BF16_H}{SOURCE}"),
-            [
-                "strata_sgd_bf16",
-                "strata_fill_bf16",
-                "strata_fill_f32",
-                "strata_relu_bf16",
-                "strata_relu_f32",
-                "strata_relu_mask_bf16",
-                "strata_relu_mask_f32",
-                "strata_loss_grad_bf16",
-                "strata_loss_grad_f32",
-                "strata_accumulate_bf16",
-                "strata_accumulate_f32",
-            ],
-        )?;
-        let [sgd, fill0, fill1, relu0, relu1, mask0, mask1, loss0, loss1, acc0, acc1] = f;
-        let k = Kernels {
-            sgd,
-            fill: [fill0, fill1],
-            relu: [relu0, relu1],
-            relu_mask: [mask0, mask1],
-            loss_grad: [loss0, loss1],
-            accumulate: [acc0, acc1],
-        };
+        let k = Mlp::load(ctx)?;
         let blas = CudaBlas::new(s.clone())
             .map_err(|e| Error::Cuda { call: "cublasCreate", message: e.to_string() })?;
         Ok(Linalg {
-            cuda: Some(CudaLinalg { stream: s, blas, _module: module, k }),
+            cuda: Some(CudaLinalg { stream: s, blas, k }),
             stream: stream.clone(),
             sim: None,
         })
@@ -397,15 +298,7 @@ impl Linalg {
     pub fn fill<T: Float>(&self, m: &mut Matrix<T>, v: f32) -> Result<()> {
         let v = T::from_f32(v);
         match &self.cuda {
-            Some(c) => {
-                let n = m.len() as u64;
-                let _bound = super::cuda::bind(c.stream.context())?;
-                let mut b = c.stream.launch_builder(&c.k.fill[T::INDEX]);
-                b.arg(m.dev_mut()?).arg(&v).arg(&n);
-                // SAFETY: (T*, T, u64): the matrix's `n` elements and two scalars.
-                unsafe { b.launch(grid(n)) }.map_err(launch_err)?;
-                Ok(())
-            }
+            Some(c) => c.k.fill(&c.stream, &mut m.dev_mut()?.as_view_mut(), v),
             None => {
                 self.charge(0, 0, m.len_bytes());
                 m.host_mut()?.fill(v);
@@ -428,16 +321,16 @@ impl Linalg {
                 let wv = w.cuda_view::<T>().ok_or_else(|| shape_err("weight view"))?;
                 // Column-major: yᵀ[out×rows] = W[out×in] · xᵀ[in×rows]; W's memory is Wᵀ in
                 // column-major, hence transa = T.
-                let cfg = gemm_cfg::<T>(
-                    cublasOperation_t::CUBLAS_OP_T,
-                    cublasOperation_t::CUBLAS_OP_N,
+                let (xv, mut yv) = (x.dev()?.as_view(), y.dev_mut()?.as_view_mut());
+                programs::gemm(
+                    &c.blas,
+                    [Op::T, Op::N],
                     [out, rows, inp],
                     [inp, inp, out],
-                )?;
-                // SAFETY: the dimensions and leading dimensions describe exactly the three
-                // buffers (W out×in, x rows×in, y rows×out, checked above); all are device
-                // memory on the handle's stream (the view's memory is held by the view).
-                unsafe { T::gemm(&c.blas, cfg, &wv, x.dev()?, y.dev_mut()?) }.map_err(blas_err)
+                    &wv,
+                    &xv,
+                    &mut yv,
+                )
             }
             None => {
                 self.charge(2 * rows * out * inp, 0, 0);
@@ -473,14 +366,16 @@ impl Linalg {
             Some(c) => {
                 let wv = w.cuda_view::<T>().ok_or_else(|| shape_err("weight view"))?;
                 // dxᵀ[in×rows] = Wᵀ[in×out] · dyᵀ[out×rows].
-                let cfg = gemm_cfg::<T>(
-                    cublasOperation_t::CUBLAS_OP_N,
-                    cublasOperation_t::CUBLAS_OP_N,
+                let (dyv, mut dxv) = (dy.dev()?.as_view(), dx.dev_mut()?.as_view_mut());
+                programs::gemm(
+                    &c.blas,
+                    [Op::N, Op::N],
                     [inp, rows, out],
                     [inp, out, inp],
-                )?;
-                // SAFETY: as in `linear`, for W out×in, dy rows×out, dx rows×in.
-                unsafe { T::gemm(&c.blas, cfg, &wv, dy.dev()?, dx.dev_mut()?) }.map_err(blas_err)
+                    &wv,
+                    &dyv,
+                    &mut dxv,
+                )
             }
             None => {
                 self.charge(2 * rows * out * inp, 0, 0);
@@ -513,15 +408,16 @@ impl Linalg {
         match &self.cuda {
             Some(c) => {
                 // dWᵀ[in×out] = xᵀ[in×rows] · dy[rows×out]; dy's memory is dyᵀ column-major.
-                let cfg = gemm_cfg::<T>(
-                    cublasOperation_t::CUBLAS_OP_N,
-                    cublasOperation_t::CUBLAS_OP_T,
+                let (xv, dyv) = (x.dev()?.as_view(), dy.dev()?.as_view());
+                programs::gemm(
+                    &c.blas,
+                    [Op::N, Op::T],
                     [inp, out, rows],
                     [inp, out, inp],
-                )?;
-                // SAFETY: x rows×in, dy rows×out, dW out×in: the dimensions match the buffers.
-                unsafe { T::gemm(&c.blas, cfg, x.dev()?, dy.dev()?, dw.dev_mut()?) }
-                    .map_err(blas_err)
+                    &xv,
+                    &dyv,
+                    &mut dw.dev_mut()?.as_view_mut(),
+                )
             }
             None => {
                 self.charge(2 * rows * out * inp, 0, 0);
@@ -546,14 +442,8 @@ impl Linalg {
         check_weight::<bf16>(w, dw.rows, dw.cols)?;
         match &self.cuda {
             Some(c) => {
-                let n = dw.len() as u64;
                 let mut wv = w.cuda_view_mut::<bf16>().ok_or_else(|| shape_err("weight view"))?;
-                let _bound = super::cuda::bind(c.stream.context())?;
-                let mut b = c.stream.launch_builder(&c.k.sgd);
-                b.arg(&mut wv).arg(dw.dev()?).arg(&lr).arg(&n);
-                // SAFETY: (u16*, const u16*, f32, u64): the weight's and dW's `n` elements.
-                unsafe { b.launch(grid(n)) }.map_err(launch_err)?;
-                Ok(())
+                c.k.sgd_bf16(&c.stream, &mut wv, &dw.dev()?.as_view(), lr)
             }
             None => {
                 self.charge(0, 3 * dw.len_bytes(), 0);
@@ -572,15 +462,7 @@ impl Linalg {
     /// `x = max(x, 0)`, in place.
     pub fn relu<T: Float>(&self, x: &mut Matrix<T>) -> Result<()> {
         match &self.cuda {
-            Some(c) => {
-                let n = x.len() as u64;
-                let _bound = super::cuda::bind(c.stream.context())?;
-                let mut b = c.stream.launch_builder(&c.k.relu[T::INDEX]);
-                b.arg(x.dev_mut()?).arg(&n);
-                // SAFETY: (T*, u64): the matrix's `n` elements.
-                unsafe { b.launch(grid(n)) }.map_err(launch_err)?;
-                Ok(())
-            }
+            Some(c) => c.k.relu(&c.stream, &mut x.dev_mut()?.as_view_mut()),
             None => {
                 self.charge(0, 0, 2 * x.len_bytes());
                 for v in x.host_mut()? {
@@ -600,13 +482,7 @@ impl Linalg {
         }
         match &self.cuda {
             Some(c) => {
-                let n = g.len() as u64;
-                let _bound = super::cuda::bind(c.stream.context())?;
-                let mut b = c.stream.launch_builder(&c.k.relu_mask[T::INDEX]);
-                b.arg(g.dev_mut()?).arg(a.dev()?).arg(&n);
-                // SAFETY: (T*, const T*, u64): two matrices of `n` elements each.
-                unsafe { b.launch(grid(n)) }.map_err(launch_err)?;
-                Ok(())
+                c.k.relu_mask(&c.stream, &mut g.dev_mut()?.as_view_mut(), &a.dev()?.as_view())
             }
             None => {
                 self.charge(0, 0, 3 * g.len_bytes());
@@ -641,20 +517,15 @@ impl Linalg {
         }
         match &self.cuda {
             Some(c) => {
-                let n = g.len() as u64;
-                let _bound = super::cuda::bind(c.stream.context())?;
-                let mut b = c.stream.launch_builder(&c.k.loss_grad[T::INDEX]);
-                b.arg(out.dev()?).arg(y.dev()?).arg(g.dev_mut()?).arg(&scale);
-                b.arg(partials.dev_mut()?).arg(&n);
-                let cfg = LaunchConfig {
-                    grid_dim: (LOSS_PARTIALS as u32, 1, 1),
-                    block_dim: (256, 1, 1),
-                    shared_mem_bytes: 0,
-                };
-                // SAFETY: (const T*, const T*, T*, f32, f32*, u64): three matrices of `n`
-                // elements, and LOSS_PARTIALS partial sums, one per block of the grid.
-                unsafe { b.launch(cfg) }.map_err(launch_err)?;
-                Ok(())
+                let (ov, yv) = (out.dev()?.as_view(), y.dev()?.as_view());
+                c.k.loss_grad(
+                    &c.stream,
+                    &ov,
+                    &yv,
+                    &mut g.dev_mut()?.as_view_mut(),
+                    scale,
+                    &mut partials.dev_mut()?.as_view_mut(),
+                )
             }
             None => {
                 self.charge(0, 0, 3 * out.len_bytes());
@@ -695,15 +566,8 @@ impl Linalg {
         }
         match &self.cuda {
             Some(c) if f32_acc => {
-                let n = dw.len() as u64;
-                let first = i32::from(first);
                 let mut gv = grad.cuda_view_mut::<f32>().ok_or_else(|| shape_err("grad view"))?;
-                let _bound = super::cuda::bind(c.stream.context())?;
-                let mut b = c.stream.launch_builder(&c.k.accumulate[T::INDEX]);
-                b.arg(&mut gv).arg(dw.dev()?).arg(&first).arg(&n);
-                // SAFETY: (f32*, const T*, i32, u64): `n` elements of each, checked above.
-                unsafe { b.launch(grid(n)) }.map_err(launch_err)?;
-                Ok(())
+                c.k.accumulate(&c.stream, &mut gv, &dw.dev()?.as_view(), first)
             }
             Some(c) => {
                 let mut gv = grad.cuda_view_mut::<T>().ok_or_else(|| shape_err("grad view"))?;
@@ -820,33 +684,6 @@ fn check_weight<T: Float>(w: &DeviceView, out: usize, inp: usize) -> Result<()> 
         )));
     }
     Ok(())
-}
-
-/// cuBLAS's column-major configuration: `[m, n, k]` and leading dimensions `[lda, ldb, ldc]`.
-fn gemm_cfg<T: Float>(
-    transa: cublasOperation_t,
-    transb: cublasOperation_t,
-    [m, n, k]: [usize; 3],
-    [lda, ldb, ldc]: [usize; 3],
-) -> Result<GemmConfig<T>> {
-    let i = |v: usize| i32::try_from(v).map_err(|_| shape_err("dimension over 2^31"));
-    Ok(GemmConfig {
-        transa,
-        transb,
-        m: i(m)?,
-        n: i(n)?,
-        k: i(k)?,
-        alpha: T::from_f32(1.0),
-        lda: i(lda)?,
-        ldb: i(ldb)?,
-        beta: T::from_f32(0.0),
-        ldc: i(ldc)?,
-    })
-}
-
-fn grid(n: u64) -> LaunchConfig {
-    let blocks = n.div_ceil(256).clamp(1, 132 * 16) as u32;
-    LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }
 }
 
 #[cfg(test)]

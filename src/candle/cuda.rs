@@ -8,9 +8,9 @@ use candle_core::backend::BackendStorage;
 use candle_core::cuda::CudaStorage;
 use candle_core::op::BackpropOp;
 use candle_core::{CudaDevice, Storage, Tensor};
-use cudarc::driver::{sys, CudaEvent, CudaSlice, CudaStream, DeviceRepr};
+use cudarc::driver::{sys, CudaEvent, CudaStream, DeviceRepr};
 
-use crate::api::DeviceView;
+use crate::DeviceView;
 
 /// A pair of timing events around copies on a stream; the elapsed time is read later.
 pub(crate) struct CopyTimer {
@@ -101,13 +101,9 @@ where
             std::mem::size_of::<T>()
         ))
     })?;
-    let stream = dev.cuda_stream();
-    // SAFETY: the allocation is uninitialised; the copy issued next on the same stream writes
-    // every one of its `src.len()` elements before any later work on that stream (candle's
-    // kernels) can read it, and the slice is not reachable by anyone else until it is returned.
-    let mut dst: CudaSlice<T> =
-        unsafe { stream.alloc::<T>(src.len()) }.map_err(candle_core::Error::wrap)?;
-    stream.memcpy_dtod(&src, &mut dst).map_err(candle_core::Error::wrap)?;
+    // A new allocation filled by one device-to-device copy on candle's stream (cudarc's
+    // `clone_dtod`: the slice is reachable by no one before the copy is issued).
+    let dst = dev.cuda_stream().clone_dtod(&src).map_err(candle_core::Error::wrap)?;
     Ok(CudaStorage::wrap_cuda_slice(dst, dev.clone()))
 }
 

@@ -67,19 +67,14 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crossbeam::channel::{unbounded, Receiver, Sender};
-use cudarc::driver::{CudaFunction, CudaModule, LaunchConfig, PushKernelArg};
 use half::bf16;
 
-use crate::api::Store;
-use crate::api::{DeviceView, HostView, Stream};
-use crate::backend::linalg::Float;
+use crate::backend::cuda::programs::{AdamArgs, GradView, OptimKernels};
 use crate::error::{Error, Result};
+use crate::linalg::Float;
 use crate::probe::{median, raw_pinned_copy, Direction};
 use crate::types::{format_size, DType, Group, TensorId, Tier};
-
-const SOURCE: &str = include_str!("../../cuda/optim.cu");
-/// The bf16 helpers the source uses, prepended before compiling.
-const BF16_H: &str = include_str!("../../cuda/bf16.cuh");
+use crate::{DeviceView, HostView, Store, Stream};
 
 /// AdamW's hyperparameters (PyTorch's defaults, but `weight_decay` 0 as the out-of-core
 /// example's contract asks; PyTorch's default is 0.01). Held in f64 as PyTorch holds them (Python
@@ -640,12 +635,6 @@ struct ParamState {
     moments: Option<(TensorId, TensorId)>,
 }
 
-struct GpuKernels {
-    _module: Arc<CudaModule>,
-    adamw: CudaFunction,
-    sgd: CudaFunction,
-}
-
 struct CpuJob {
     st: ParamState,
     t: u64,
@@ -698,7 +687,7 @@ pub struct Optimizer {
     /// Each parameter's place in `params`.
     index: std::collections::HashMap<TensorId, usize>,
     t: u64,
-    gpu: Option<GpuKernels>,
+    gpu: Option<OptimKernels>,
     worker: Option<CpuWorker>,
     /// Seconds the updates ran (the Cpu worker's jobs; the GPU engines' host time to issue).
     busy: f64,
@@ -784,14 +773,7 @@ impl Optimizer {
             e => e,
         };
         let gpu = match (engine, store.cuda_context()) {
-            (Engine::GpuMapped | Engine::GpuResident, Some(ctx)) => {
-                let (module, [adamw, sgd]) = super::cuda::load_kernels(
-                    ctx,
-                    &format!("{BF16_H}{SOURCE}"),
-                    ["strata_adamw", "strata_sgd"],
-                )?;
-                Some(GpuKernels { _module: module, adamw, sgd })
-            }
+            (Engine::GpuMapped | Engine::GpuResident, Some(ctx)) => Some(OptimKernels::load(ctx)?),
             _ => None,
         };
         let mut opt = Optimizer {
@@ -1262,7 +1244,7 @@ impl Optimizer {
             v.mark_dirty();
         }
         let r = match &self.gpu {
-            Some(k) => self.launch(k, st, t, &grad, &p, out.as_ref(), mv.as_ref()),
+            Some(k) => self.launch(k, t, &grad, &mut p, out.as_mut(), mv.as_mut()),
             None => {
                 self.emulate(st, t, emulated_scale, &grad, &mut p, out.as_mut(), mv.as_mut(), left)
             }
@@ -1280,52 +1262,54 @@ impl Optimizer {
     #[allow(clippy::too_many_arguments)]
     fn launch(
         &self,
-        k: &GpuKernels,
-        st: &ParamState,
+        k: &OptimKernels,
         t: u64,
         grad: &DeviceView,
-        p: &DeviceView,
-        out: Option<&DeviceView>,
-        mv: Option<&(DeviceView, DeviceView)>,
+        p: &mut DeviceView,
+        out: Option<&mut DeviceView>,
+        mv: Option<&mut (DeviceView, DeviceView)>,
     ) -> Result<()> {
         let cs =
             self.stream.cuda().ok_or_else(|| Error::BackendMismatch("no CUDA stream".into()))?;
-        // The caller's current context is theirs again after the launch.
-        let _bound = super::cuda::bind(cs.context())?;
-        let n = st.elems as u64;
-        let grad_bf16 = i32::from(grad.dtype() == DType::BF16);
-        let (gp, pp) = (grad.device_ptr(), p.device_ptr());
-        let op = out.map_or(0u64, DeviceView::device_ptr);
-        let blocks = n.div_ceil(256).clamp(1, 132 * 16) as u32;
-        let cfg =
-            LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        let not_cuda = || Error::BackendMismatch("a view without device memory".into());
+        let (gf, gb);
+        let grad = if grad.dtype() == DType::BF16 {
+            gb = grad.cuda_view::<bf16>().ok_or_else(not_cuda)?;
+            GradView::Bf16(&gb)
+        } else {
+            gf = grad.cuda_view::<f32>().ok_or_else(not_cuda)?;
+            GradView::F32(&gf)
+        };
+        let mut pv = p.cuda_view_mut::<f32>().ok_or_else(not_cuda)?;
+        let mut ov = match out {
+            Some(o) => Some(o.cuda_view_mut::<bf16>().ok_or_else(not_cuda)?),
+            None => None,
+        };
         match (&self.cfg.algorithm, mv) {
             (Algorithm::AdamW(h), Some((m, v))) => {
                 let a = AdamScalars::new(h, t);
-                let (mp, vp) = (m.device_ptr(), v.device_ptr());
-                let mut b = cs.launch_builder(&k.adamw);
-                b.arg(&pp).arg(&mp).arg(&vp).arg(&gp).arg(&grad_bf16).arg(&op).arg(&n);
-                let w_hi = i32::from(a.w_hi);
-                b.arg(&a.decay).arg(&a.w).arg(&a.w_rest).arg(&w_hi).arg(&a.b2).arg(&a.one_minus_b2);
-                b.arg(&a.step_size).arg(&a.bc2_sqrt).arg(&a.eps);
-                // SAFETY: the pointers are device addresses of views held until after the
-                // launch is issued (their drop records the stream's event, so the memory stays
-                // until the kernel has run): p, m, v are `n` f32s, grad `n` f32s or bf16s (as
-                // `grad_bf16` says), out `n` bf16s or null. The argument list matches
-                // `strata_adamw`'s signature.
-                unsafe { b.launch(cfg) }.map_err(|e| Error::cuda("cuLaunchKernel", e))?;
+                let mut mv = m.cuda_view_mut::<f32>().ok_or_else(not_cuda)?;
+                let mut vv = v.cuda_view_mut::<f32>().ok_or_else(not_cuda)?;
+                let args = AdamArgs {
+                    decay: a.decay,
+                    w: a.w,
+                    w_rest: a.w_rest,
+                    w_hi: a.w_hi,
+                    b2: a.b2,
+                    one_minus_b2: a.one_minus_b2,
+                    step_size: a.step_size,
+                    bc2_sqrt: a.bc2_sqrt,
+                    eps: a.eps,
+                };
+                k.adamw(cs, [&mut pv, &mut mv, &mut vv], grad, ov.as_mut(), args)
             }
             (Algorithm::Sgd(h), _) => {
-                let (lr, wd) = (h.lr as f32, h.weight_decay as f32);
-                let mut b = cs.launch_builder(&k.sgd);
-                b.arg(&pp).arg(&gp).arg(&grad_bf16).arg(&op).arg(&n).arg(&lr).arg(&wd);
-                // SAFETY: as for AdamW: p `n` f32s, grad `n` f32s or bf16s, out `n` bf16s or
-                // null, all held by live views; matches `strata_sgd`'s signature.
-                unsafe { b.launch(cfg) }.map_err(|e| Error::cuda("cuLaunchKernel", e))?;
+                k.sgd(cs, &mut pv, grad, ov.as_mut(), h.lr as f32, h.weight_decay as f32)
             }
-            (Algorithm::AdamW(_), None) => unreachable!("AdamW state has moments"),
+            (Algorithm::AdamW(_), None) => Err(Error::InvalidArgument(
+                "an AdamW parameter without its moments (internal error)".into(),
+            )),
         }
-        Ok(())
     }
 
     /// The GPU engines on the host backend: the same arithmetic over the views' bytes.

@@ -7,6 +7,9 @@
 //! here. Copies are `cuMemcpy*Async` on two dedicated streams (host-to-device, device-to-host) so
 //! that both copy engines can run at once.
 
+pub(crate) mod probe;
+pub(crate) mod programs;
+
 use std::ffi::c_void;
 use std::sync::Arc;
 

@@ -19,13 +19,9 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaFunction, CudaModule, LaunchConfig, PushKernelArg};
-
-use crate::api::Store;
-use crate::api::{DeviceView, Stream};
+use crate::backend::cuda::programs::Verify;
 use crate::error::{Error, Result};
-
-const SOURCE: &str = include_str!("../../cuda/verify.cu");
+use crate::{DeviceView, Store, Stream};
 
 /// A running checksum kept on the device (CUDA) or the host (host backend), summed with wrapping
 /// arithmetic across [`Kernels::checksum_into`] calls.
@@ -52,13 +48,7 @@ impl Checksum {
 
 /// The verification kernels, ready to launch on a store's backend.
 pub struct Kernels {
-    cuda: Option<CudaKernels>,
-}
-
-struct CudaKernels {
-    _module: Arc<CudaModule>,
-    checksum: CudaFunction,
-    fill: CudaFunction,
+    cuda: Option<Verify>,
 }
 
 /// Host reference of the device checksum: `repeats * Σ data[i] * (i % 65521 + 1)` mod 2^64.
@@ -84,9 +74,7 @@ impl Kernels {
     /// Compiles (CUDA: NVRTC, once per call) and loads the kernels for `store`'s backend.
     pub fn new(store: &Store) -> Result<Kernels> {
         let Some(ctx) = store.cuda_context() else { return Ok(Kernels { cuda: None }) };
-        let (module, [checksum, fill]) =
-            super::cuda::load_kernels(ctx, SOURCE, ["strata_checksum", "strata_fill"])?;
-        Ok(Kernels { cuda: Some(CudaKernels { _module: module, checksum, fill }) })
+        Ok(Kernels { cuda: Some(Verify::load(ctx)?) })
     }
 
     /// Reads the view's bytes on the device (`repeats` passes) on the view's stream and returns
@@ -136,23 +124,14 @@ impl Kernels {
         let s = stream
             .cuda()
             .ok_or_else(|| Error::BackendMismatch("host stream, CUDA kernels".into()))?;
-        let slice = view
-            .cuda_slice()
+        let data = view
+            .cuda_view::<u8>()
             .ok_or_else(|| Error::BackendMismatch("view without device memory".into()))?;
         let (_, out) = acc
             .dev
             .as_mut()
             .ok_or_else(|| Error::BackendMismatch("host accumulator, CUDA kernels".into()))?;
-        let n = view.len_bytes() as u64;
-        let cfg =
-            LaunchConfig { grid_dim: (264, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
-        let _bound = super::cuda::bind(s.context())?;
-        let mut b = s.launch_builder(&k.checksum);
-        b.arg(slice).arg(&n).arg(&repeats).arg(out);
-        // SAFETY: the kernel's parameters are (const u8*, u64, u32, u64*): a device slice of `n`
-        // bytes held by the view, two scalars, and a one-element u64 device buffer.
-        unsafe { b.launch(cfg) }.map_err(|e| Error::cuda("cuLaunchKernel", e))?;
-        Ok(())
+        k.checksum(s, &data, repeats, &mut out.as_view_mut())
     }
 
     /// Writes [`pattern`]`(len, seed)` into the view's memory on the device, on the view's
@@ -166,19 +145,30 @@ impl Kernels {
             .cuda()
             .ok_or_else(|| Error::BackendMismatch("host stream, CUDA kernels".into()))?
             .clone();
-        let n = view.len_bytes() as u64;
-        let mut slice = view
+        let mut data = view
             .cuda_view_mut::<u8>()
             .ok_or_else(|| Error::BackendMismatch("view without device memory".into()))?;
-        let cfg =
-            LaunchConfig { grid_dim: (264, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
-        let _bound = super::cuda::bind(s.context())?;
-        let mut b = s.launch_builder(&k.fill);
-        b.arg(&mut slice).arg(&n).arg(&seed);
-        // SAFETY: parameters (u8*, u64, u32): the view's `n` writable bytes and two scalars.
-        unsafe { b.launch(cfg) }.map_err(|e| Error::cuda("cuLaunchKernel", e))?;
-        Ok(())
+        k.fill(&s, &mut data, seed)
     }
+}
+
+/// Compiles every CUDA C source strata launches (`cuda/*.cu`: these kernels, the linear
+/// algebra's, the optimizer's, the bench's) with NVRTC for the virtual architecture `arch`
+/// (`"compute_90"` for an H100), without a GPU: each source's name and, where it failed, the
+/// compiler's log. An error only when NVRTC itself cannot be loaded (`libnvrtc.so` not found).
+///
+/// ```
+/// match strata::kernels::compile_sources("compute_90") {
+///     Ok(results) => {
+///         for (name, r) in results {
+///             assert!(r.is_ok(), "{name}: {r:?}");
+///         }
+///     }
+///     Err(e) => println!("SKIP: {e}"), // no NVRTC on this machine
+/// }
+/// ```
+pub fn compile_sources(arch: &str) -> Result<Vec<(&'static str, std::result::Result<(), String>)>> {
+    crate::backend::cuda::programs::compile_sources(arch)
 }
 
 #[cfg(test)]
