@@ -308,7 +308,7 @@ impl InMemoryLlama {
         let blocks = (0..config.num_hidden_layers)
             .map(|l| {
                 let p = LlamaConfig::block_prefix(l);
-                BlockWeights::from_fn(|s| get(&format!("{p}{s}")))
+                BlockWeights::from_fn(config, |s| get(&format!("{p}{s}")))
             })
             .collect::<candle_core::Result<_>>()?;
         let [norm, head] = config.head_names();
@@ -523,7 +523,7 @@ impl OutOfCoreLlama {
             config: config.clone(),
             dtype,
             resident: Vec::new(),
-            blocks: (0..config.num_hidden_layers).map(LlamaConfig::block_names).collect(),
+            blocks: (0..config.num_hidden_layers).map(|l| config.block_names(l)).collect(),
             head: config.head_names().iter().map(|s| s.to_string()).collect(),
         })
     }
@@ -579,7 +579,7 @@ impl OutOfCoreLlama {
         }
         let w = self.layers.fetch(&Self::refs(&self.blocks[l]), next)?;
         let p = LlamaConfig::block_prefix(l);
-        BlockWeights::from_fn(|s| {
+        BlockWeights::from_fn(&self.config, |s| {
             let name = format!("{p}{s}");
             w.get(&name)
                 .ok_or_else(|| candle_core::Error::CannotFindTensor { path: name }.bt())?

@@ -48,6 +48,7 @@ mod bert;
 mod generate;
 mod layers;
 pub mod llama;
+mod llama_config;
 pub mod train;
 
 pub use backend::StoreBackend;
@@ -57,7 +58,7 @@ pub use generate::{
     StoreKvCache,
 };
 pub use layers::{LayerWeights, Layers, Transfers};
-pub use llama::LlamaConfig;
+pub use llama::{LlamaConfig, RopeScaling};
 pub use train::{
     load_weights, put_random_weights, LlamaTwin, LrSchedule, StepReport, TrainConfig, Trainer,
 };
