@@ -549,3 +549,6 @@ fn strata_errors_in_candle_keep_the_chain_and_the_tensor_name() {
 mod configs;
 #[path = "candle/generate.rs"]
 mod generate;
+#[cfg(feature = "text")]
+#[path = "candle/text.rs"]
+mod text;

@@ -49,13 +49,15 @@ mod generate;
 mod layers;
 pub mod llama;
 mod llama_config;
+#[cfg(feature = "text")]
+pub mod text;
 pub mod train;
 
 pub use backend::StoreBackend;
 pub use bert::OutOfCoreBert;
 pub use generate::{
-    generate, CausalLm, Generated, InMemoryCache, InMemoryLlama, OutOfCoreLlama, Sampler, Sampling,
-    StoreKvCache,
+    generate, generate_batch, CausalLm, Generated, InMemoryCache, InMemoryLlama, OutOfCoreLlama,
+    Sampler, Sampling, StoreKvCache,
 };
 pub use layers::{LayerWeights, Layers, Transfers};
 pub use llama::{LlamaConfig, RopeScaling};
