@@ -128,15 +128,18 @@ pub fn random_tensor(seed: u64, index: usize, shape: &[usize]) -> Vec<f32> {
     v
 }
 
-/// Random initial weights of `config` ([`random_tensor`] of each), `(name, shape, values)` in
-/// [`LlamaConfig::tensors`]' order, one tensor at a time (a 7B model's f32 values are never all
-/// in memory at once).
+/// Random initial weights of `config` ([`random_tensor`] of each; biases zeros, as Hugging Face
+/// initialises them), `(name, shape, values)` in [`LlamaConfig::tensors`]' order, one tensor
+/// at a time (a 7B model's f32 values are never all in memory at once).
 pub fn random_weights(
     config: &LlamaConfig,
     seed: u64,
 ) -> impl Iterator<Item = (String, Vec<usize>, Vec<f32>)> {
     config.tensors().into_iter().enumerate().map(move |(i, (name, shape))| {
-        let values = random_tensor(seed, i, &shape);
+        let values = match name.ends_with(".bias") {
+            true => vec![0.0; shape.iter().product()],
+            false => random_tensor(seed, i, &shape),
+        };
         (name, shape, values)
     })
 }

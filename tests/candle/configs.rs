@@ -207,3 +207,67 @@ fn fields_that_change_the_computation_are_read_or_refused_by_name() {
     assert_eq!((q.sliding_window, q.qkv_bias), (Some(8), true));
     assert_eq!(LlamaConfig::from_json(&q.to_json()).unwrap(), q);
 }
+
+/// Qwen2's q/k/v biases train out of core as the rest of a block does: the same losses and
+/// final weights as the in-memory twin, bit for bit, and the biases (zeros at first, as
+/// transformers starts them) move.
+#[test]
+fn qwen2_biases_train_out_of_core_as_in_memory() {
+    use strata::candle::llama::SeededRng;
+    use strata::candle::{put_random_weights, LlamaTwin, LrSchedule, TrainConfig, Trainer};
+    let c = LlamaConfig::from_json(
+        r#"{"model_type": "qwen2", "hidden_size": 32, "intermediate_size": 48,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "vocab_size": 61, "max_position_embeddings": 32}"#,
+    )
+    .unwrap();
+    let t = TrainConfig {
+        micro_batch: 2,
+        seq: 8,
+        accum: 2,
+        schedule: LrSchedule { peak: 3e-3, min: 3e-4, warmup: 1, total: 3 },
+        clip: Some(1.0),
+        ..TrainConfig::default()
+    };
+    let dev = Device::Cpu;
+    let budget = 4 * c.block_parameters() * 3 / 2;
+    let store = strata::candle::store_for(
+        &dev,
+        strata::Store::builder()
+            .capacity(strata::Tier::Device, budget)
+            .prefetch_budget(budget)
+            .capacity(strata::Tier::Pinned, 8 << 20),
+    )
+    .unwrap();
+    let weights = put_random_weights(&store, &c, 3, strata::DType::F32).unwrap();
+    assert_eq!(weights.len(), 1 + 2 * 12 + 2);
+    let init = weights
+        .iter()
+        .map(|(n, id)| {
+            let shape = store.info(*id).unwrap().shape;
+            (n.clone(), Tensor::from_vec(store.read_vec::<f32>(*id).unwrap(), shape, &dev).unwrap())
+        })
+        .collect();
+    let mut twin = LlamaTwin::new(c.clone(), t.clone(), init, &dev).unwrap();
+    let mut tr = Trainer::new(store, &dev, c.clone(), t.clone(), weights).unwrap();
+    let mut rng = SeededRng::new(9);
+    for step in 0..3 {
+        let b: Vec<Tensor> = (0..t.accum)
+            .map(|_| {
+                let v: Vec<u32> =
+                    (0..t.micro_batch * (t.seq + 1)).map(|_| rng.below(61) as u32).collect();
+                Tensor::from_vec(v, (t.micro_batch, t.seq + 1), &dev).unwrap()
+            })
+            .collect();
+        let (got, want) = (tr.step(&b).unwrap().loss, twin.step(&b).unwrap());
+        assert_eq!(got.to_bits(), want.to_bits(), "step {step}");
+    }
+    tr.finish().unwrap();
+    for (name, _) in c.tensors() {
+        let (got, want) = (tr.read_param(&name).unwrap(), twin.param(&name).unwrap());
+        assert_eq!(got, want, "{name}");
+        if name.ends_with("q_proj.bias") {
+            assert!(got.iter().any(|&x| x != 0.0), "{name} did not train");
+        }
+    }
+}
