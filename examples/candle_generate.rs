@@ -380,6 +380,7 @@ fn run<M: CausalLm>(
 }
 
 fn report(label: &str, batch: usize, p: &Prompts, t: &mut Timing) {
+    let label = if batch == 1 && label == "batched" { "generated" } else { label };
     let (pmin, pmed) = min_median(&mut t.prompt_s);
     let (tmin, tmed) = min_median(&mut t.token_s);
     let (wall, new): (f64, usize) =

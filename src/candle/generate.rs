@@ -201,13 +201,7 @@ pub trait CausalLm {
         ids: &[Tensor],
         caches: &mut [Self::Cache],
     ) -> candle_core::Result<Vec<Tensor>> {
-        if ids.len() != caches.len() {
-            candle_core::bail!(
-                "{} inputs for {} caches: one cache a sequence",
-                ids.len(),
-                caches.len()
-            );
-        }
+        one_cache_each(ids.len(), caches.len())?;
         ids.iter().zip(caches.iter_mut()).map(|(ids, cache)| self.forward(ids, cache)).collect()
     }
 
@@ -349,6 +343,14 @@ pub fn generate_batch<M: CausalLm + ?Sized, P: AsRef<[u32]>>(
         active.retain(|_| *k.next().expect("one flag a sequence"));
     }
     Ok(out)
+}
+
+/// Checks that a batch has one cache a sequence.
+fn one_cache_each(inputs: usize, caches: usize) -> candle_core::Result<()> {
+    if inputs != caches {
+        candle_core::bail!("{inputs} inputs for {caches} caches: one cache a sequence");
+    }
+    Ok(())
 }
 
 /// Checks a cache's capacity against the config: the rotary tables and the sliding window.
@@ -843,13 +845,7 @@ impl OutOfCoreLlama {
         ids: &[Tensor],
         caches: &mut [StoreKvCache],
     ) -> candle_core::Result<Vec<Tensor>> {
-        if ids.len() != caches.len() {
-            candle_core::bail!(
-                "{} inputs for {} caches: one cache a sequence",
-                ids.len(),
-                caches.len()
-            );
-        }
+        one_cache_each(ids.len(), caches.len())?;
         let c = &self.config;
         let mut shapes = Vec::with_capacity(ids.len());
         let mut rows: Vec<usize> = Vec::new();

@@ -127,11 +127,7 @@ impl<'t> TextStream<'t> {
         if now.len() <= before.len() || now.ends_with('\u{FFFD}') {
             return Ok(None);
         }
-        let text = match now.get(before.len()..) {
-            Some(t) if now.starts_with(&before) => t.to_string(),
-            // The window's context decoded differently once extended: print what is new.
-            _ => now.chars().skip(before.chars().count()).collect(),
-        };
+        let text = added(&before, &now);
         self.prefix = self.read;
         self.read = self.tokens.len();
         Ok(Some(text))
@@ -143,15 +139,21 @@ impl<'t> TextStream<'t> {
         let now = self.tokenizer.decode(&self.tokens[self.prefix..], true)?;
         self.prefix = self.tokens.len();
         self.read = self.tokens.len();
-        Ok(match now.get(before.len()..) {
-            Some(t) if now.starts_with(&before) => t.to_string(),
-            _ => now.chars().skip(before.chars().count()).collect(),
-        })
+        Ok(added(&before, &now))
     }
 
     /// Every token pushed.
     pub fn tokens(&self) -> &[u32] {
         &self.tokens
+    }
+}
+
+/// What `now` adds to `before`: its tail, or, where the window's context decoded differently
+/// once extended, the characters past `before`'s count.
+fn added(before: &str, now: &str) -> String {
+    match now.strip_prefix(before) {
+        Some(t) => t.to_string(),
+        None => now.chars().skip(before.chars().count()).collect(),
     }
 }
 
