@@ -257,6 +257,14 @@ impl Prompts {
 fn prompts(a: &Args) -> Res<Prompts> {
     let mut lines = a.prompts.clone();
     if let Some(file) = &a.prompts_file {
+        // A regular file, sized before it is read (a FIFO or /dev/zero would never end).
+        let meta =
+            std::fs::metadata(file).map_err(|e| format!("--prompts {}: {e}", file.display()))?;
+        if !meta.is_file() || meta.len() > 64 << 20 {
+            return Err(
+                format!("--prompts {}: a regular file of at most 64 MiB", file.display()).into()
+            );
+        }
         let text = std::fs::read_to_string(file)
             .map_err(|e| format!("--prompts {}: {e}", file.display()))?;
         lines.extend(text.lines().filter(|l| !l.trim().is_empty()).map(str::to_string));

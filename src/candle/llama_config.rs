@@ -492,8 +492,8 @@ impl LlamaConfig {
     /// [`LlamaConfig::from_json`] of a file.
     pub fn from_file(path: impl AsRef<Path>) -> candle_core::Result<LlamaConfig> {
         let path = path.as_ref();
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| bad_config(format!("reading {}: {e}", path.display())))?;
+        let text =
+            super::read_text_file_needed(path).map_err(|e| bad_config(format!("reading {e}")))?;
         Self::from_json(&text).map_err(|e| e.context(format!("in {}", path.display())))
     }
 

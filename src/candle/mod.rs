@@ -130,6 +130,46 @@ pub(crate) fn stream_for(store: &Store, device: &Device) -> Result<Stream> {
     }
 }
 
+/// The largest text file (a config, a tokenizer, a chat template, prompts) read whole.
+pub(crate) const TEXT_FILE_LIMIT: u64 = 256 << 20;
+
+/// A text file read whole, bounded: it must be a regular file (not a FIFO or a device, which
+/// could block or never end) of at most [`TEXT_FILE_LIMIT`] bytes, sized before it is read.
+/// `Ok(None)` when it does not exist.
+pub(crate) fn read_text_file(path: &std::path::Path) -> candle_core::Result<Option<String>> {
+    let fail = |why: String| candle_core::Error::Msg(format!("{}: {why}", path.display())).bt();
+    let meta = match std::fs::metadata(path) {
+        Ok(m) => m,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(fail(e.to_string())),
+    };
+    if !meta.is_file() {
+        return Err(fail("not a regular file".into()));
+    }
+    if meta.len() > TEXT_FILE_LIMIT {
+        return Err(fail(format!(
+            "{} bytes, more than the {} a text file here may have",
+            meta.len(),
+            TEXT_FILE_LIMIT
+        )));
+    }
+    let mut text = String::with_capacity(meta.len() as usize);
+    use std::io::Read;
+    std::fs::File::open(path)
+        .and_then(|f| f.take(TEXT_FILE_LIMIT + 1).read_to_string(&mut text))
+        .map_err(|e| fail(e.to_string()))?;
+    if text.len() as u64 > TEXT_FILE_LIMIT {
+        return Err(fail(format!("grew past {TEXT_FILE_LIMIT} bytes while read")));
+    }
+    Ok(Some(text))
+}
+
+/// [`read_text_file`] of a file that must exist.
+pub(crate) fn read_text_file_needed(path: &std::path::Path) -> candle_core::Result<String> {
+    read_text_file(path)?
+        .ok_or_else(|| candle_core::Error::Msg(format!("{}: no such file", path.display())).bt())
+}
+
 /// The candle dtype a tensor of `dtype` loads as, as candle's safetensors loader does it
 /// (`U16` is widened to `U32`); `None` for the dtypes candle has no type for.
 pub(crate) fn candle_dtype(dtype: DType) -> Option<candle_core::DType> {

@@ -47,10 +47,8 @@ impl Tokenizer {
     /// Reads a `tokenizer.json`.
     pub fn from_file(path: impl AsRef<Path>) -> candle_core::Result<Tokenizer> {
         let path = path.as_ref();
-        let inner = tokenizers::Tokenizer::from_file(path).map_err(|e| {
-            text_err(format!("reading the tokenizer {}: {e} (a tokenizer.json)", path.display()))
-        })?;
-        Ok(Tokenizer { inner })
+        let json = super::read_text_file_needed(path)?;
+        Self::from_json(&json).map_err(|e| e.context(format!("in {}", path.display())))
     }
 
     /// A tokenizer from the text of a `tokenizer.json`.
@@ -232,8 +230,7 @@ impl ChatTemplate {
     /// it); its `bos_token` and `eos_token`.
     pub fn from_file(tokenizer_config: impl AsRef<Path>) -> candle_core::Result<ChatTemplate> {
         let path = tokenizer_config.as_ref();
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| text_err(format!("reading {}: {e}", path.display())))?;
+        let text = super::read_text_file_needed(path)?;
         let v: Value = serde_json::from_str(&text)
             .map_err(|e| text_err(format!("{} is not JSON: {e}", path.display())))?;
         let source = match v.get("chat_template") {
@@ -257,10 +254,10 @@ impl ChatTemplate {
             }
             None => {
                 let jinja = path.with_file_name("chat_template.jinja");
-                std::fs::read_to_string(&jinja).map_err(|e| {
+                super::read_text_file(&jinja)?.ok_or_else(|| {
                     text_err(format!(
-                        "{} has no chat_template, and {} cannot be read ({e}): this model has no \
-                         chat template (prompt it without --chat)",
+                        "{} has no chat_template, and there is no {}: this model has no chat \
+                         template (prompt it without --chat)",
                         path.display(),
                         jinja.display()
                     ))
@@ -318,7 +315,7 @@ pub struct EosTokens {
 
 /// The ids of `eos_token_id` (a number or a list) in a JSON file, if it has the field.
 fn eos_field(path: &Path) -> candle_core::Result<Option<Vec<u32>>> {
-    let Ok(text) = std::fs::read_to_string(path) else { return Ok(None) };
+    let Some(text) = super::read_text_file(path)? else { return Ok(None) };
     let v: Value = serde_json::from_str(&text)
         .map_err(|e| text_err(format!("{} is not JSON: {e}", path.display())))?;
     let id = |x: &Value| x.as_u64().and_then(|n| u32::try_from(n).ok());
@@ -344,7 +341,7 @@ pub fn eos_tokens(dir: &Path, tokenizer: &Tokenizer) -> candle_core::Result<Opti
         }
     }
     let path = dir.join("tokenizer_config.json");
-    let Ok(text) = std::fs::read_to_string(&path) else { return Ok(None) };
+    let Some(text) = super::read_text_file(&path)? else { return Ok(None) };
     let v: Value = serde_json::from_str(&text)
         .map_err(|e| text_err(format!("{} is not JSON: {e}", path.display())))?;
     let Some(token) = special_token(v.get("eos_token")) else { return Ok(None) };

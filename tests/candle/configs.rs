@@ -206,6 +206,9 @@ fn fields_that_change_the_computation_are_read_or_refused_by_name() {
         .unwrap();
     assert_eq!((q.sliding_window, q.qkv_bias), (Some(8), true));
     assert_eq!(LlamaConfig::from_json(&q.to_json()).unwrap(), q);
+    // A config that is not a regular file is refused before it is read (/dev/zero never ends).
+    let e = LlamaConfig::from_file("/dev/zero").unwrap_err().to_string();
+    assert!(e.contains("not a regular file"), "{e}");
 }
 
 /// Qwen2's q/k/v biases train out of core as the rest of a block does: the same losses and

@@ -87,6 +87,13 @@ fn text_round_trips_and_streams_whole_characters() {
     let e = t.decode(&[100_000], false).unwrap_err().to_string();
     assert!(e.contains("past the tokenizer's vocabulary"), "{e}");
     assert!(Tokenizer::from_json("{}").is_err());
+    // A device or a directory is refused before a byte is read (/dev/zero never ends).
+    for bad in ["/dev/zero", "/"] {
+        let e = Tokenizer::from_file(bad).unwrap_err().to_string();
+        assert!(e.contains("not a regular file"), "{bad}: {e}");
+        let e = ChatTemplate::from_file(bad).unwrap_err().to_string();
+        assert!(e.contains("not a regular file"), "{bad}: {e}");
+    }
 }
 
 /// SmolLM2-Instruct's template (ChatML with a default system prompt), with this tokenizer's
