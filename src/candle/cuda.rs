@@ -62,7 +62,8 @@ impl CopyTimer {
 /// `dev`'s stream (which must be the view's stream: it waited for the copy that brought the
 /// bytes, and the view's drop records that stream's use, so the store reuses the memory only
 /// after this copy ran). `dtype` and `shape` describe the tensor; its bytes must be a whole
-/// number of `dtype`'s elements (the caller checked).
+/// number of `dtype`'s elements (the caller checked). A `shape` of fewer elements than the
+/// view holds copies only the view's first ones (a KV cache's filled positions).
 pub(crate) fn view_to_candle(
     view: &DeviceView,
     dev: &CudaDevice,
@@ -70,16 +71,17 @@ pub(crate) fn view_to_candle(
     shape: &[usize],
 ) -> candle_core::Result<Tensor> {
     use candle_core::DType as C;
+    let n = shape.iter().product();
     let storage = match dtype {
-        C::U8 => copy::<u8>(view, dev)?,
-        C::U32 => copy::<u32>(view, dev)?,
-        C::I16 => copy::<i16>(view, dev)?,
-        C::I32 => copy::<i32>(view, dev)?,
-        C::I64 => copy::<i64>(view, dev)?,
-        C::F16 => copy::<half::f16>(view, dev)?,
-        C::BF16 => copy::<half::bf16>(view, dev)?,
-        C::F32 => copy::<f32>(view, dev)?,
-        C::F64 => copy::<f64>(view, dev)?,
+        C::U8 => copy::<u8>(view, n, dev)?,
+        C::U32 => copy::<u32>(view, n, dev)?,
+        C::I16 => copy::<i16>(view, n, dev)?,
+        C::I32 => copy::<i32>(view, n, dev)?,
+        C::I64 => copy::<i64>(view, n, dev)?,
+        C::F16 => copy::<half::f16>(view, n, dev)?,
+        C::BF16 => copy::<half::bf16>(view, n, dev)?,
+        C::F32 => copy::<f32>(view, n, dev)?,
+        C::F64 => copy::<f64>(view, n, dev)?,
         other => {
             return Err(candle_core::Error::Msg(format!(
                 "no device-to-device copy into candle for dtype {other:?}"
@@ -90,17 +92,25 @@ pub(crate) fn view_to_candle(
     Ok(Tensor::from_storage(Storage::Cuda(storage), shape, BackpropOp::none(), false))
 }
 
-fn copy<T>(view: &DeviceView, dev: &CudaDevice) -> candle_core::Result<CudaStorage>
+/// The view's first `n` elements of `T`, copied into a new candle storage.
+fn copy<T>(view: &DeviceView, n: usize, dev: &CudaDevice) -> candle_core::Result<CudaStorage>
 where
     T: DeviceRepr + candle_core::cuda::CudaDType,
 {
-    let src = view.cuda_view::<T>().ok_or_else(|| {
+    let all = view.cuda_view::<T>().ok_or_else(|| {
         candle_core::Error::Msg(format!(
             "a view of {} bytes is not a CUDA view of whole {}-byte elements",
             view.len_bytes(),
             std::mem::size_of::<T>()
         ))
     })?;
+    if n > all.len() {
+        return Err(candle_core::Error::Msg(format!(
+            "{n} elements asked of a view of {}",
+            all.len()
+        )));
+    }
+    let src = all.slice(0..n);
     // A new allocation filled by one device-to-device copy on candle's stream (cudarc's
     // `clone_dtod`: the slice is reachable by no one before the copy is issued).
     let dst = dev.cuda_stream().clone_dtod(&src).map_err(candle_core::Error::wrap)?;

@@ -41,6 +41,51 @@ pub enum Sampling {
     },
 }
 
+impl Sampling {
+    /// The sampling a command line asks for, checked: greedy without a temperature or with 0;
+    /// sampled with a temperature above 0, `top_k` and `top_p` as [`Sampler::new`] accepts
+    /// them. A temperature that is NaN, infinite or below 0 is an error, and so are `top_k` or
+    /// `top_p` without a temperature (greedy decoding would ignore them).
+    ///
+    /// ```
+    /// use strata::candle::Sampling;
+    /// assert_eq!(Sampling::from_flags(None, None, None, 0)?, Sampling::Greedy);
+    /// assert!(Sampling::from_flags(Some(f64::NAN), None, None, 0).is_err());
+    /// assert!(Sampling::from_flags(Some(-1.0), None, None, 0).is_err());
+    /// assert!(Sampling::from_flags(None, Some(0), None, 0).is_err());
+    /// assert!(Sampling::from_flags(Some(0.7), None, Some(0.0), 0).is_err());
+    /// # Ok::<(), candle_core::Error>(())
+    /// ```
+    pub fn from_flags(
+        temperature: Option<f64>,
+        top_k: Option<usize>,
+        top_p: Option<f64>,
+        seed: u64,
+    ) -> candle_core::Result<Sampling> {
+        match temperature {
+            Some(0.0) => {}
+            Some(t) if !(t.is_finite() && t > 0.0) => candle_core::bail!(
+                "temperature {t}: above 0 and finite to sample, 0 (or none) for greedy"
+            ),
+            Some(temperature) => {
+                let s = Sampling::Random { temperature, top_k, top_p, seed };
+                Sampler::new(s.clone())?;
+                return Ok(s);
+            }
+            None => {}
+        }
+        if let Some(what) =
+            top_k.map(|k| format!("top_k {k}")).or_else(|| top_p.map(|p| format!("top_p {p}")))
+        {
+            candle_core::bail!(
+                "{what} without a temperature: greedy decoding would ignore it; give a \
+                 temperature above 0 to sample"
+            );
+        }
+        Ok(Sampling::Greedy)
+    }
+}
+
 /// Picks tokens from logits as a [`Sampling`] says, one call per token.
 ///
 /// ```
@@ -147,18 +192,34 @@ pub trait CausalLm {
     /// follow the positions `cache` holds; the cache then holds these too.
     fn forward(&self, ids: &Tensor, cache: &mut Self::Cache) -> candle_core::Result<Tensor>;
 
+    /// The forwards of several sequences, each with its own cache, length and positions:
+    /// `ids[i]` follows what `caches[i]` holds, and its logits are what [`CausalLm::forward`]
+    /// gives it alone. This default runs them one after the other; a model whose weights
+    /// cross a slow link ([`OutOfCoreLlama`]) runs them in one pass over its weights.
+    fn forward_each(
+        &self,
+        ids: &[Tensor],
+        caches: &mut [Self::Cache],
+    ) -> candle_core::Result<Vec<Tensor>> {
+        one_cache_each(ids.len(), caches.len())?;
+        ids.iter().zip(caches.iter_mut()).map(|(ids, cache)| self.forward(ids, cache)).collect()
+    }
+
     /// The candle device it computes on.
     fn device(&self) -> &Device;
 }
 
-/// What [`generate`] made.
+/// What [`generate`] made, or one sequence of [`generate_batch`].
 #[derive(Clone, Debug, PartialEq)]
 pub struct Generated {
-    /// The new tokens.
+    /// The new tokens (ending with the stop token when [`Generated::stopped`]).
     pub tokens: Vec<u32>,
-    /// Seconds of each forward: the first over the whole prompt, then one per new token but the
-    /// last (which is not fed back).
+    /// Seconds of each forward this sequence took part in: the first over the whole prompt,
+    /// then one per new token but the last (which is not fed back). In a batch, a forward is
+    /// the whole batch's pass.
     pub seconds: Vec<f64>,
+    /// Ended at one of the stop tokens rather than at `max_new`.
+    pub stopped: bool,
 }
 
 /// Generates `max_new` tokens after `prompt` (one sequence), one forward per token.
@@ -175,6 +236,8 @@ pub struct Generated {
 /// let model = InMemoryLlama::random(&config, 1, DType::F32, &Device::Cpu)?;
 /// let out = generate(&model, &[1, 2, 3], 5, &Sampling::Greedy)?;
 /// assert_eq!(out.tokens.len(), 5);
+/// // More positions than the model has: an error, before anything is allocated.
+/// assert!(generate(&model, &[1, 2, 3], usize::MAX, &Sampling::Greedy).is_err());
 /// # Ok(()) }
 /// ```
 pub fn generate<M: CausalLm + ?Sized>(
@@ -183,27 +246,111 @@ pub fn generate<M: CausalLm + ?Sized>(
     max_new: usize,
     sampling: &Sampling,
 ) -> candle_core::Result<Generated> {
-    if prompt.is_empty() {
-        candle_core::bail!("an empty prompt: at least one token is needed");
+    let mut out = generate_batch(model, &[prompt], max_new, sampling, &[], |_, _| Ok(()))?;
+    Ok(out.pop().expect("one prompt, one sequence"))
+}
+
+/// Generates after each of `prompts` at once, up to `max_new` tokens each, a sequence ending
+/// early at any of the `stop` tokens: every step is one [`CausalLm::forward_each`] over the
+/// sequences still going (out of core, one pass over the weights serves them all), and each
+/// sequence has its own cache, positions and sampler (seeded alike), so it generates what it
+/// would generate alone. `on_token(i, token)` is called for each new token of sequence `i` as
+/// it comes (for streaming); its error ends the generation. Each sequence needs
+/// `prompt + max_new - 1` positions (its last token is not fed back): more than a cache can
+/// hold is an error before anything is allocated.
+///
+/// ```
+/// # fn main() -> candle_core::Result<()> {
+/// use candle_core::{DType, Device};
+/// use strata::candle::{generate, generate_batch, InMemoryLlama, LlamaConfig, Sampling};
+///
+/// let config = LlamaConfig::from_json(r#"{"hidden_size": 32, "intermediate_size": 64,
+///     "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 50,
+///     "max_position_embeddings": 64}"#)?;
+/// let model = InMemoryLlama::random(&config, 1, DType::F32, &Device::Cpu)?;
+/// let prompts: [&[u32]; 2] = [&[1, 2, 3], &[7]];
+/// let mut streamed = vec![Vec::new(); 2];
+/// let out = generate_batch(&model, &prompts, 6, &Sampling::Greedy, &[], |i, t| {
+///     streamed[i].push(t);
+///     Ok(())
+/// })?;
+/// assert_eq!(out[1].tokens, generate(&model, &[7], 6, &Sampling::Greedy)?.tokens);
+/// assert_eq!(streamed[0], out[0].tokens);
+/// # Ok(()) }
+/// ```
+pub fn generate_batch<M: CausalLm + ?Sized, P: AsRef<[u32]>>(
+    model: &M,
+    prompts: &[P],
+    max_new: usize,
+    sampling: &Sampling,
+    stop: &[u32],
+    mut on_token: impl FnMut(usize, u32) -> candle_core::Result<()>,
+) -> candle_core::Result<Vec<Generated>> {
+    let mut samplers = Vec::with_capacity(prompts.len());
+    for (i, p) in prompts.iter().enumerate() {
+        if p.as_ref().is_empty() {
+            candle_core::bail!("prompt {i} is empty: at least one token is needed");
+        }
+        samplers.push(Sampler::new(sampling.clone())?);
     }
-    let mut sampler = Sampler::new(sampling.clone())?;
-    let mut out = Generated { tokens: Vec::with_capacity(max_new), seconds: Vec::new() };
-    if max_new == 0 {
+    let mut out: Vec<Generated> = prompts
+        .iter()
+        .map(|_| Generated { tokens: Vec::new(), seconds: Vec::new(), stopped: false })
+        .collect();
+    if max_new == 0 || prompts.is_empty() {
         return Ok(out);
     }
-    let mut cache = model.new_cache(1, prompt.len() + max_new - 1)?;
-    let mut input = Tensor::from_vec(prompt.to_vec(), (1, prompt.len()), model.device())?;
-    for _ in 0..max_new {
+    let mut caches = Vec::with_capacity(prompts.len());
+    let mut inputs = Vec::with_capacity(prompts.len());
+    for p in prompts {
+        let p = p.as_ref();
+        let capacity = p.len().checked_add(max_new - 1).ok_or_else(|| {
+            candle_core::Error::Msg(format!(
+                "a prompt of {} tokens and max_new {max_new}: more positions than can be counted",
+                p.len()
+            ))
+        })?;
+        caches.push(model.new_cache(1, capacity).map_err(|e| {
+            e.context(format!("a prompt of {} tokens and max_new {max_new}", p.len()))
+        })?);
+        inputs.push(Tensor::from_vec(p.to_vec(), (1, p.len()), model.device())?);
+    }
+    let mut active: Vec<usize> = (0..prompts.len()).collect();
+    while !active.is_empty() {
         let t0 = Instant::now();
-        let logits = model.forward(&input, &mut cache)?.squeeze(0)?.to_vec1::<f32>()?;
-        out.seconds.push(t0.elapsed().as_secs_f64());
-        let next = sampler.sample(&logits)?;
-        out.tokens.push(next);
-        if out.tokens.len() < max_new {
-            input = Tensor::from_vec(vec![next], (1, 1), model.device())?;
+        let logits = model.forward_each(&inputs, &mut caches)?;
+        let dt = t0.elapsed().as_secs_f64();
+        let mut keep = Vec::with_capacity(active.len());
+        inputs.clear();
+        for (&i, logits) in active.iter().zip(&logits) {
+            let next = samplers[i].sample(&logits.squeeze(0)?.to_vec1::<f32>()?)?;
+            let g = &mut out[i];
+            g.seconds.push(dt);
+            g.tokens.push(next);
+            g.stopped = stop.contains(&next);
+            on_token(i, next)?;
+            let going = !g.stopped && g.tokens.len() < max_new;
+            keep.push(going);
+            if going {
+                inputs.push(Tensor::from_vec(vec![next], (1, 1), model.device())?);
+            }
         }
+        // The caches of the sequences that ended are dropped here (out of core: their store
+        // tensors removed).
+        let mut k = keep.iter();
+        caches.retain(|_| *k.next().expect("one flag a cache"));
+        let mut k = keep.iter();
+        active.retain(|_| *k.next().expect("one flag a sequence"));
     }
     Ok(out)
+}
+
+/// Checks that a batch has one cache a sequence.
+fn one_cache_each(inputs: usize, caches: usize) -> candle_core::Result<()> {
+    if inputs != caches {
+        candle_core::bail!("{inputs} inputs for {caches} caches: one cache a sequence");
+    }
+    Ok(())
 }
 
 /// Checks a cache's capacity against the config: the rotary tables and the sliding window.
@@ -308,7 +455,7 @@ impl InMemoryLlama {
         let blocks = (0..config.num_hidden_layers)
             .map(|l| {
                 let p = LlamaConfig::block_prefix(l);
-                BlockWeights::from_fn(|s| get(&format!("{p}{s}")))
+                BlockWeights::from_fn(config, |s| get(&format!("{p}{s}")))
             })
             .collect::<candle_core::Result<_>>()?;
         let [norm, head] = config.head_names();
@@ -523,7 +670,7 @@ impl OutOfCoreLlama {
             config: config.clone(),
             dtype,
             resident: Vec::new(),
-            blocks: (0..config.num_hidden_layers).map(LlamaConfig::block_names).collect(),
+            blocks: (0..config.num_hidden_layers).map(|l| config.block_names(l)).collect(),
             head: config.head_names().iter().map(|s| s.to_string()).collect(),
         })
     }
@@ -579,7 +726,7 @@ impl OutOfCoreLlama {
         }
         let w = self.layers.fetch(&Self::refs(&self.blocks[l]), next)?;
         let p = LlamaConfig::block_prefix(l);
-        BlockWeights::from_fn(|s| {
+        BlockWeights::from_fn(&self.config, |s| {
             let name = format!("{p}{s}");
             w.get(&name)
                 .ok_or_else(|| candle_core::Error::CannotFindTensor { path: name }.bt())?
@@ -615,16 +762,16 @@ impl OutOfCoreLlama {
         id: TensorId,
         name: &str,
     ) -> candle_core::Result<Tensor> {
-        let [cap, b, h, d] = cache.shape;
+        let [_, b, h, d] = cache.shape;
         let len = cache.len;
         let sdtype = compute_dtype(cache.dtype)?;
         let n = len * b * h * d * sdtype.size_of();
         let dev = self.layers.device();
         let t = match (self.kv_view(id, name)?, dev) {
             #[cfg(feature = "candle-cuda")]
+            // Only the filled positions are copied (the first bytes: position-major).
             (Some(view), Device::Cuda(cuda)) => {
-                super::cuda::view_to_candle(&view, cuda, cache.dtype, &[cap, b, h, d])?
-                    .narrow(0, 0, len)?
+                super::cuda::view_to_candle(&view, cuda, cache.dtype, &[len, b, h, d])?
             }
             (Some(view), _) => view
                 .with_host_bytes(|bytes| {
@@ -637,7 +784,6 @@ impl OutOfCoreLlama {
                 tensor_from_bytes(name, &bytes[..n], sdtype, &[len, b, h, d], dev)?
             }
         };
-        let _ = cap;
         t.permute((1, 2, 0, 3))?.contiguous()
     }
 
@@ -682,6 +828,89 @@ impl OutOfCoreLlama {
             }
         }
         Ok(())
+    }
+}
+
+impl OutOfCoreLlama {
+    /// The forward of each `ids[i]` after what `caches[i]` holds, in one pass over the
+    /// weights: each block is fetched once (the next block's weights and every sequence's
+    /// next KV tensors prefetched), run on every sequence, released. Each sequence's ops are
+    /// the ones a forward of it alone runs, on the same values: its logits are the same, bit
+    /// for bit.
+    fn pass(
+        &self,
+        ids: &[Tensor],
+        caches: &mut [StoreKvCache],
+    ) -> candle_core::Result<Vec<Tensor>> {
+        one_cache_each(ids.len(), caches.len())?;
+        let c = &self.config;
+        let mut shapes = Vec::with_capacity(ids.len());
+        let mut rows: Vec<usize> = Vec::new();
+        for (ids, cache) in ids.iter().zip(caches.iter()) {
+            if !Arc::ptr_eq(&cache.store, self.layers.store()) {
+                candle_core::bail!("a KV cache of another store");
+            }
+            shapes.push(check_ids(ids, cache.batch, cache.len, cache.capacity)?);
+            rows.extend(ids.flatten_all()?.to_vec1::<u32>()?.iter().map(|&i| i as usize));
+        }
+        if let Some(bad) = rows.iter().find(|&&r| r >= c.vocab_size) {
+            candle_core::bail!("token id {bad} past the vocabulary of {}", c.vocab_size);
+        }
+        // The embedding: the rows every sequence uses, gathered on the host at once.
+        let table = self.layers.gather_rows(EMBED, &rows)?.to_dtype(self.dtype)?;
+        let mut xs = Vec::with_capacity(ids.len());
+        let mut at = 0;
+        for &(b, s) in &shapes {
+            xs.push(table.narrow(0, at, b * s)?.reshape((b, s, c.hidden_size))?);
+            at += b * s;
+        }
+        drop(table);
+        for l in 0..self.blocks.len() {
+            let next = self.next_names(l);
+            let w = self.block(l, &next)?;
+            let next_kv: Vec<TensorId> = caches
+                .iter()
+                .filter_map(|k| k.ids.get(l + 1))
+                .flat_map(|kv| [kv[0].0, kv[1].0])
+                .collect();
+            self.layers.prefetch_ids(&next_kv)?;
+            for ((x, cache), &(_, s)) in xs.iter_mut().zip(caches.iter()).zip(&shapes) {
+                let offset = cache.len;
+                let [(k_id, k_name), (v_id, v_name)] = &cache.ids[l];
+                let held = match offset {
+                    0 => None,
+                    _ => Some((
+                        self.read_kv(cache, *k_id, k_name)?,
+                        self.read_kv(cache, *v_id, v_name)?,
+                    )),
+                };
+                let mut kv = KvCache::from_tensors(held)?;
+                *x = block_forward(c, &w, x, &cache.rope, offset, Some(&mut kv))?;
+                let (k, v) = kv.tensors().expect("filled by the forward");
+                self.write_kv(cache, *k_id, k_name, &k.narrow(2, offset, s)?)?;
+                self.write_kv(cache, *v_id, v_name, &v.narrow(2, offset, s)?)?;
+                let store = self.layers.store();
+                store.release(&[*k_id, *v_id]).map_err(|e| strata_err(k_name, e))?;
+            }
+        }
+        let next = self.next_names(self.blocks.len());
+        let w = self.layers.fetch(&Self::refs(&self.head), &next)?;
+        let get = |name: &str| -> candle_core::Result<Tensor> {
+            w.get(name)
+                .ok_or_else(|| candle_core::Error::CannotFindTensor { path: name.into() }.bt())?
+                .to_dtype(self.dtype)
+        };
+        let (norm, head) = (get(&self.head[0])?, get(&self.head[1])?);
+        let logits = xs
+            .iter()
+            .zip(&shapes)
+            .map(|(x, &(_, s))| head_logits(c, &x.narrow(1, s - 1, 1)?, &norm, &head))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        // Every cache holds its new positions only once the whole pass has succeeded.
+        for (cache, &(_, s)) in caches.iter_mut().zip(&shapes) {
+            cache.len += s;
+        }
+        Ok(logits)
     }
 }
 
@@ -745,55 +974,18 @@ impl CausalLm for OutOfCoreLlama {
     }
 
     fn forward(&self, ids: &Tensor, cache: &mut StoreKvCache) -> candle_core::Result<Tensor> {
-        if !Arc::ptr_eq(&cache.store, self.layers.store()) {
-            candle_core::bail!("a KV cache of another store");
-        }
-        let offset = cache.len;
-        let (b, s) = check_ids(ids, cache.batch, offset, cache.capacity)?;
-        let c = &self.config;
-        // The embedding: the rows the ids use, gathered on the host.
-        let rows: Vec<usize> =
-            ids.flatten_all()?.to_vec1::<u32>()?.iter().map(|&i| i as usize).collect();
-        if let Some(bad) = rows.iter().find(|&&r| r >= c.vocab_size) {
-            candle_core::bail!("token id {bad} past the vocabulary of {}", c.vocab_size);
-        }
-        let mut x = self.layers.gather_rows(EMBED, &rows)?.to_dtype(self.dtype)?.reshape((
-            b,
-            s,
-            c.hidden_size,
-        ))?;
-        for l in 0..self.blocks.len() {
-            let next = self.next_names(l);
-            let w = self.block(l, &next)?;
-            if let Some(kv) = cache.ids.get(l + 1) {
-                self.layers.prefetch_ids(&[kv[0].0, kv[1].0])?;
-            }
-            let [(k_id, k_name), (v_id, v_name)] = &cache.ids[l];
-            let held = match cache.len {
-                0 => None,
-                _ => {
-                    Some((self.read_kv(cache, *k_id, k_name)?, self.read_kv(cache, *v_id, v_name)?))
-                }
-            };
-            let mut kv = KvCache::from_tensors(held)?;
-            x = block_forward(c, &w, &x, &cache.rope, offset, Some(&mut kv))?;
-            let (k, v) = kv.tensors().expect("filled by the forward");
-            self.write_kv(cache, *k_id, k_name, &k.narrow(2, offset, s)?)?;
-            self.write_kv(cache, *v_id, v_name, &v.narrow(2, offset, s)?)?;
-            let store = self.layers.store();
-            store.release(&[*k_id, *v_id]).map_err(|e| strata_err(k_name, e))?;
-        }
-        let next = self.next_names(self.blocks.len());
-        let w = self.layers.fetch(&Self::refs(&self.head), &next)?;
-        let get = |name: &str| -> candle_core::Result<Tensor> {
-            w.get(name)
-                .ok_or_else(|| candle_core::Error::CannotFindTensor { path: name.into() }.bt())?
-                .to_dtype(self.dtype)
-        };
-        let last = x.narrow(1, s - 1, 1)?;
-        let logits = head_logits(c, &last, &get(&self.head[0])?, &get(&self.head[1])?)?;
-        cache.len += s;
-        Ok(logits)
+        let mut logits = self.pass(std::slice::from_ref(ids), std::slice::from_mut(cache))?;
+        Ok(logits.pop().expect("one sequence, one logits"))
+    }
+
+    /// One pass over the weights for every sequence: each block's weights are fetched once
+    /// and run on each sequence in turn (with its own cache and positions), then released.
+    fn forward_each(
+        &self,
+        ids: &[Tensor],
+        caches: &mut [StoreKvCache],
+    ) -> candle_core::Result<Vec<Tensor>> {
+        self.pass(ids, caches)
     }
 
     fn device(&self) -> &Device {

@@ -13,9 +13,9 @@
 //! Tensor names are Hugging Face's (`model.layers.3.self_attn.q_proj.weight`, ...):
 //! [`LlamaConfig::tensors`] lists them with their shapes.
 
-use std::path::Path;
-
 use candle_core::{DType as CDType, Device, Tensor, D};
+
+pub use super::llama_config::{LlamaConfig, RopeScaling};
 
 /// The embedding table's name.
 pub const EMBED: &str = "model.embed_tokens.weight";
@@ -35,262 +35,10 @@ pub const BLOCK_TENSORS: [&str; 9] = [
     "mlp.up_proj.weight",
     "mlp.down_proj.weight",
 ];
-
-/// A Llama model's shape, read from a Hugging Face `config.json` ([`LlamaConfig::from_json`]).
-#[derive(Clone, Debug, PartialEq)]
-pub struct LlamaConfig {
-    /// Width of the residual stream.
-    pub hidden_size: usize,
-    /// Width of the MLP.
-    pub intermediate_size: usize,
-    /// Decoder blocks.
-    pub num_hidden_layers: usize,
-    /// Query heads.
-    pub num_attention_heads: usize,
-    /// Key and value heads (grouped-query attention when fewer than the query heads).
-    pub num_key_value_heads: usize,
-    /// Width of a head (`hidden_size / num_attention_heads` unless the config says otherwise).
-    pub head_dim: usize,
-    /// Tokens.
-    pub vocab_size: usize,
-    /// RMSNorm's epsilon.
-    pub rms_norm_eps: f64,
-    /// RoPE's base.
-    pub rope_theta: f64,
-    /// Longest sequence the rotary tables are made for.
-    pub max_position_embeddings: usize,
-    /// The output projection is the embedding table (no `lm_head.weight`).
-    pub tie_word_embeddings: bool,
-    /// Mistral's sliding window: each query attends to at most this many positions. This
-    /// decoder attends to every position, which is the same only while a sequence is no
-    /// longer than the window, so generation refuses longer ones (`None`: no window).
-    pub sliding_window: Option<usize>,
-}
-
-fn bad_config(why: String) -> candle_core::Error {
-    candle_core::Error::Msg(format!("Llama config: {why}")).bt()
-}
-
-impl LlamaConfig {
-    /// Reads a Hugging Face `config.json` of the Llama architecture: `model_type` `llama`,
-    /// `mistral` (its sliding window kept in [`LlamaConfig::sliding_window`]), or none.
-    /// `num_key_value_heads` defaults to the query heads, `head_dim` to
-    /// `hidden_size / num_attention_heads`, `rope_theta` to 10000, `rms_norm_eps` to 1e-6,
-    /// `tie_word_embeddings` to false. Refused with an error naming what differs: another
-    /// `model_type` (`qwen2`: its attention projections have biases, which this decoder has
-    /// not; `gemma`, `phi3`, ...: other architectures), a `hidden_act` other than `silu`, a
-    /// `rope_scaling` other than none, `attention_bias` or `mlp_bias` true.
-    ///
-    /// ```
-    /// let c = strata::candle::LlamaConfig::from_json(r#"{"hidden_size": 64,
-    ///     "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-    ///     "num_key_value_heads": 2, "vocab_size": 100}"#).unwrap();
-    /// assert_eq!((c.head_dim, c.tensors().len()), (16, 2 * 9 + 3));
-    /// ```
-    pub fn from_json(text: &str) -> candle_core::Result<LlamaConfig> {
-        let v: serde_json::Value =
-            serde_json::from_str(text).map_err(|e| bad_config(format!("not JSON ({e})")))?;
-        let get = |k: &str| v.get(k).filter(|x| !x.is_null());
-        let int = |k: &str| -> candle_core::Result<Option<usize>> {
-            match get(k) {
-                None => Ok(None),
-                Some(x) => x
-                    .as_u64()
-                    .and_then(|n| usize::try_from(n).ok())
-                    .map(Some)
-                    .ok_or_else(|| bad_config(format!("{k} is {x}, not a count"))),
-            }
-        };
-        let need = |k: &str| -> candle_core::Result<usize> {
-            int(k)?.filter(|&n| n > 0).ok_or_else(|| bad_config(format!("{k} is missing or 0")))
-        };
-        let float = |k: &str, default: f64| -> candle_core::Result<f64> {
-            match get(k) {
-                None => Ok(default),
-                Some(x) => {
-                    x.as_f64().ok_or_else(|| bad_config(format!("{k} is {x}, not a number")))
-                }
-            }
-        };
-        match get("model_type").map(|t| t.as_str().unwrap_or("")) {
-            None | Some("llama") | Some("mistral") => {}
-            Some("qwen2") => {
-                return Err(bad_config(
-                    "model_type qwen2: Qwen2's q, k and v projections have biases, which this \
-                     Llama decoder has not (Llama and Mistral checkpoints are supported)"
-                        .into(),
-                ))
-            }
-            Some(t) => {
-                return Err(bad_config(format!(
-                    "model_type {t:?} is not the Llama architecture (llama and mistral are \
-                     supported)"
-                )))
-            }
-        }
-        if let Some(act) = get("hidden_act") {
-            if act.as_str() != Some("silu") {
-                return Err(bad_config(format!(
-                    "hidden_act {act}: only silu (SwiGLU) is supported"
-                )));
-            }
-        }
-        for k in ["attention_bias", "mlp_bias"] {
-            if get(k).and_then(|x| x.as_bool()) == Some(true) {
-                return Err(bad_config(format!("{k}: biases are not supported")));
-            }
-        }
-        if let Some(s) = get("rope_scaling") {
-            return Err(bad_config(format!(
-                "rope_scaling {s} is not supported (plain RoPE only): remove it for a model \
-                 trained without it"
-            )));
-        }
-        let hidden_size = need("hidden_size")?;
-        let num_attention_heads = need("num_attention_heads")?;
-        let num_key_value_heads = int("num_key_value_heads")?.unwrap_or(num_attention_heads);
-        if num_key_value_heads == 0 || num_attention_heads % num_key_value_heads != 0 {
-            return Err(bad_config(format!(
-                "{num_attention_heads} query heads are not a multiple of {num_key_value_heads} \
-                 key/value heads"
-            )));
-        }
-        let head_dim = match int("head_dim")? {
-            Some(d) => d,
-            None if hidden_size % num_attention_heads == 0 => hidden_size / num_attention_heads,
-            None => {
-                return Err(bad_config(format!(
-                    "hidden_size {hidden_size} is not a multiple of {num_attention_heads} heads"
-                )))
-            }
-        };
-        if head_dim == 0 || head_dim % 2 != 0 {
-            return Err(bad_config(format!("head_dim {head_dim}: RoPE needs an even width")));
-        }
-        Ok(LlamaConfig {
-            hidden_size,
-            intermediate_size: need("intermediate_size")?,
-            num_hidden_layers: need("num_hidden_layers")?,
-            num_attention_heads,
-            num_key_value_heads,
-            head_dim,
-            vocab_size: need("vocab_size")?,
-            rms_norm_eps: float("rms_norm_eps", 1e-6)?,
-            rope_theta: float("rope_theta", 10000.0)?,
-            max_position_embeddings: int("max_position_embeddings")?.unwrap_or(2048),
-            tie_word_embeddings: get("tie_word_embeddings").and_then(|x| x.as_bool()) == Some(true),
-            sliding_window: match get("use_sliding_window").and_then(|x| x.as_bool()) {
-                Some(false) => None,
-                _ => int("sliding_window")?,
-            },
-        })
-    }
-
-    /// [`LlamaConfig::from_json`] of a file.
-    pub fn from_file(path: impl AsRef<Path>) -> candle_core::Result<LlamaConfig> {
-        let path = path.as_ref();
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| bad_config(format!("reading {}: {e}", path.display())))?;
-        Self::from_json(&text).map_err(|e| e.context(format!("in {}", path.display())))
-    }
-
-    /// The config as Hugging Face writes it (the fields above, `model_type` "llama").
-    pub fn to_json(&self) -> String {
-        serde_json::json!({
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_hidden_layers,
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_key_value_heads,
-            "head_dim": self.head_dim,
-            "vocab_size": self.vocab_size,
-            "rms_norm_eps": self.rms_norm_eps,
-            "rope_theta": self.rope_theta,
-            "max_position_embeddings": self.max_position_embeddings,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "sliding_window": self.sliding_window,
-            "hidden_act": "silu",
-            "attention_bias": false,
-            "mlp_bias": false,
-        })
-        .to_string()
-    }
-
-    /// Block `l`'s name prefix, `model.layers.{l}.`.
-    pub fn block_prefix(l: usize) -> String {
-        format!("model.layers.{l}.")
-    }
-
-    /// Block `l`'s tensors' names, in [`BLOCK_TENSORS`]' order.
-    pub fn block_names(l: usize) -> Vec<String> {
-        let p = Self::block_prefix(l);
-        BLOCK_TENSORS.iter().map(|n| format!("{p}{n}")).collect()
-    }
-
-    /// The head's tensors: the final norm, and the output projection (the embedding table when
-    /// tied).
-    pub fn head_names(&self) -> [&'static str; 2] {
-        [NORM, if self.tie_word_embeddings { EMBED } else { LM_HEAD }]
-    }
-
-    /// Every tensor of the model, Hugging Face's names and shapes, in stage order: the
-    /// embedding table, the blocks, the final norm, `lm_head.weight` (untied only).
-    pub fn tensors(&self) -> Vec<(String, Vec<usize>)> {
-        let (h, i) = (self.hidden_size, self.intermediate_size);
-        let (q, kv) =
-            (self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim);
-        let mut v = vec![(EMBED.to_string(), vec![self.vocab_size, h])];
-        for l in 0..self.num_hidden_layers {
-            let shapes = [
-                vec![h],
-                vec![q, h],
-                vec![kv, h],
-                vec![kv, h],
-                vec![h, q],
-                vec![h],
-                vec![i, h],
-                vec![i, h],
-                vec![h, i],
-            ];
-            v.extend(Self::block_names(l).into_iter().zip(shapes));
-        }
-        v.push((NORM.to_string(), vec![h]));
-        if !self.tie_word_embeddings {
-            v.push((LM_HEAD.to_string(), vec![self.vocab_size, h]));
-        }
-        v
-    }
-
-    /// Parameters in all.
-    pub fn parameters(&self) -> u64 {
-        self.tensors().iter().map(|(_, s)| s.iter().product::<usize>() as u64).sum()
-    }
-
-    /// Parameters one block holds.
-    pub fn block_parameters(&self) -> u64 {
-        self.tensors()[1..1 + BLOCK_TENSORS.len()]
-            .iter()
-            .map(|(_, s)| s.iter().product::<usize>() as u64)
-            .sum()
-    }
-
-    /// Model FLOPs of a training step over `tokens` tokens in sequences of `seq`: 6 per
-    /// parameter of a matrix product per token (the blocks and the output projection; the
-    /// embedding lookup is not a product), plus attention's `12 · layers · hidden · seq` per
-    /// token (PaLM's count, the causal mask not halving it). The recomputed forward is not
-    /// counted (as model FLOPs utilisation counts).
-    pub fn training_flops(&self, tokens: u64, seq: usize) -> f64 {
-        let matmul = self.block_parameters() * self.num_hidden_layers as u64
-            + (self.vocab_size * self.hidden_size) as u64;
-        let attention = 12.0
-            * self.num_hidden_layers as f64
-            * (self.num_attention_heads * self.head_dim) as f64
-            * seq as f64;
-        tokens as f64 * (6.0 * matmul as f64 + attention)
-    }
-}
+/// The q/k/v projections' biases, after a block's prefix, when the config has them
+/// ([`LlamaConfig::qkv_bias`], Qwen2): after [`BLOCK_TENSORS`] in a block's list.
+pub const BLOCK_BIASES: [&str; 3] =
+    ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"];
 
 /// A seeded generator (SplitMix64) for initial weights and synthetic tokens: the same seed gives
 /// the same numbers on every machine.
@@ -380,22 +128,25 @@ pub fn random_tensor(seed: u64, index: usize, shape: &[usize]) -> Vec<f32> {
     v
 }
 
-/// Random initial weights of `config` ([`random_tensor`] of each), `(name, shape, values)` in
-/// [`LlamaConfig::tensors`]' order, one tensor at a time (a 7B model's f32 values are never all
-/// in memory at once).
+/// Random initial weights of `config` ([`random_tensor`] of each; biases zeros, as Hugging Face
+/// initialises them), `(name, shape, values)` in [`LlamaConfig::tensors`]' order, one tensor
+/// at a time (a 7B model's f32 values are never all in memory at once).
 pub fn random_weights(
     config: &LlamaConfig,
     seed: u64,
 ) -> impl Iterator<Item = (String, Vec<usize>, Vec<f32>)> {
     config.tensors().into_iter().enumerate().map(move |(i, (name, shape))| {
-        let values = random_tensor(seed, i, &shape);
+        let values = match name.ends_with(".bias") {
+            true => vec![0.0; shape.iter().product()],
+            false => random_tensor(seed, i, &shape),
+        };
         (name, shape, values)
     })
 }
 
 /// The rotary tables, `cos` and `sin` of `[positions, head_dim]` in f32 (Hugging Face's
 /// layout: the frequencies twice over, for `rotate_half`), computed as Hugging Face computes
-/// them in f32.
+/// them in f32, from [`LlamaConfig::rope_inverse_frequencies`] (the config's scaling applied).
 #[derive(Clone, Debug)]
 pub struct Rope {
     cos: Tensor,
@@ -410,9 +161,7 @@ impl Rope {
         device: &Device,
     ) -> candle_core::Result<Rope> {
         let d = config.head_dim;
-        let base = config.rope_theta as f32;
-        let inv: Vec<f32> =
-            (0..d / 2).map(|i| 1.0 / base.powf((2 * i) as f32 / d as f32)).collect();
+        let inv = config.rope_inverse_frequencies();
         let mut cos = Vec::with_capacity(positions * d);
         let mut sin = Vec::with_capacity(positions * d);
         for p in 0..positions {
@@ -456,7 +205,7 @@ impl Rope {
 }
 
 /// One block's weights (candle tensors, or `Var`s' tensors for training), in the order of
-/// [`BLOCK_TENSORS`].
+/// [`BLOCK_TENSORS`], and the q/k/v biases of a config with them ([`BLOCK_BIASES`]).
 #[derive(Clone, Debug)]
 pub struct BlockWeights {
     /// `input_layernorm.weight`.
@@ -477,14 +226,33 @@ pub struct BlockWeights {
     pub up: Tensor,
     /// `mlp.down_proj.weight`.
     pub down: Tensor,
+    /// `self_attn.q_proj.bias`, `k_proj.bias`, `v_proj.bias` ([`LlamaConfig::qkv_bias`]).
+    pub qkv_bias: Option<[Tensor; 3]>,
 }
 
 impl BlockWeights {
-    /// The weights from `get(suffix)` for each suffix of [`BLOCK_TENSORS`].
+    /// The weights from `get(suffix)` for each of [`LlamaConfig::block_suffixes`]: the
+    /// [`BLOCK_TENSORS`], and the [`BLOCK_BIASES`] when `config` has them.
+    ///
+    /// ```
+    /// use candle_core::{Device, Tensor};
+    /// use strata::candle::llama::BlockWeights;
+    /// let c = strata::candle::LlamaConfig::from_json(r#"{"model_type": "qwen2",
+    ///     "hidden_size": 8, "intermediate_size": 8, "num_hidden_layers": 1,
+    ///     "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 10}"#)?;
+    /// let shapes: std::collections::HashMap<_, _> = c.tensors().into_iter().collect();
+    /// let w = BlockWeights::from_fn(&c, |s| {
+    ///     Tensor::zeros(shapes[&format!("model.layers.0.{s}")].as_slice(), candle_core::DType::F32, &Device::Cpu)
+    /// })?;
+    /// assert!(w.qkv_bias.is_some());
+    /// # Ok::<(), candle_core::Error>(())
+    /// ```
     pub fn from_fn(
+        config: &LlamaConfig,
         mut get: impl FnMut(&str) -> candle_core::Result<Tensor>,
     ) -> candle_core::Result<BlockWeights> {
         let [input_norm, q, k, v, o, post_norm, gate, up, down] = BLOCK_TENSORS;
+        let [qb, kb, vb] = BLOCK_BIASES;
         Ok(BlockWeights {
             input_norm: get(input_norm)?,
             q: get(q)?,
@@ -495,7 +263,19 @@ impl BlockWeights {
             gate: get(gate)?,
             up: get(up)?,
             down: get(down)?,
+            qkv_bias: match config.qkv_bias {
+                true => Some([get(qb)?, get(kb)?, get(vb)?]),
+                false => None,
+            },
         })
+    }
+
+    /// The bias of projection `i` (0: q, 1: k, 2: v) added to `y`, when there is one.
+    fn add_bias(&self, y: Tensor, i: usize) -> candle_core::Result<Tensor> {
+        match &self.qkv_bias {
+            Some(b) => y.broadcast_add(&b[i]),
+            None => Ok(y),
+        }
     }
 }
 
@@ -614,9 +394,9 @@ pub fn block_forward(
     let heads = |t: Tensor, count: usize| -> candle_core::Result<Tensor> {
         t.reshape((b, s, count, hd))?.transpose(1, 2)?.contiguous()
     };
-    let q = rope.apply(&heads(linear(&n, &w.q)?, nh)?, offset)?;
-    let mut k = rope.apply(&heads(linear(&n, &w.k)?, nkv)?, offset)?;
-    let mut v = heads(linear(&n, &w.v)?, nkv)?;
+    let q = rope.apply(&heads(w.add_bias(linear(&n, &w.q)?, 0)?, nh)?, offset)?;
+    let mut k = rope.apply(&heads(w.add_bias(linear(&n, &w.k)?, 1)?, nkv)?, offset)?;
+    let mut v = heads(w.add_bias(linear(&n, &w.v)?, 2)?, nkv)?;
     if let Some(c) = cache {
         if c.len() != offset {
             candle_core::bail!(

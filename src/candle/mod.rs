@@ -49,16 +49,19 @@ mod cuda;
 mod generate;
 mod layers;
 pub mod llama;
+mod llama_config;
+#[cfg(feature = "text")]
+pub mod text;
 pub mod train;
 mod var_builder;
 
 pub use bert::OutOfCoreBert;
 pub use generate::{
-    generate, CausalLm, Generated, InMemoryCache, InMemoryLlama, OutOfCoreLlama, Sampler, Sampling,
-    StoreKvCache,
+    generate, generate_batch, CausalLm, Generated, InMemoryCache, InMemoryLlama, OutOfCoreLlama,
+    Sampler, Sampling, StoreKvCache,
 };
 pub use layers::{LayerWeights, Layers, Transfers};
-pub use llama::LlamaConfig;
+pub use llama::{LlamaConfig, RopeScaling};
 pub use train::{
     load_weights, put_random_weights, LlamaTwin, LrSchedule, StepReport, TrainConfig, Trainer,
 };
@@ -127,6 +130,46 @@ pub(crate) fn stream_for(store: &Store, device: &Device) -> Result<Stream> {
         }
         _ => mismatch(&format!("candle device {device:?} is not served")),
     }
+}
+
+/// The largest text file (a config, a tokenizer, a chat template, prompts) read whole.
+pub(crate) const TEXT_FILE_LIMIT: u64 = 256 << 20;
+
+/// A text file read whole, bounded: it must be a regular file (not a FIFO or a device, which
+/// could block or never end) of at most [`TEXT_FILE_LIMIT`] bytes, sized before it is read.
+/// `Ok(None)` when it does not exist.
+pub(crate) fn read_text_file(path: &std::path::Path) -> candle_core::Result<Option<String>> {
+    let fail = |why: String| candle_core::Error::Msg(format!("{}: {why}", path.display())).bt();
+    let meta = match std::fs::metadata(path) {
+        Ok(m) => m,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(fail(e.to_string())),
+    };
+    if !meta.is_file() {
+        return Err(fail("not a regular file".into()));
+    }
+    if meta.len() > TEXT_FILE_LIMIT {
+        return Err(fail(format!(
+            "{} bytes, more than the {} a text file here may have",
+            meta.len(),
+            TEXT_FILE_LIMIT
+        )));
+    }
+    let mut text = String::with_capacity(meta.len() as usize);
+    use std::io::Read;
+    std::fs::File::open(path)
+        .and_then(|f| f.take(TEXT_FILE_LIMIT + 1).read_to_string(&mut text))
+        .map_err(|e| fail(e.to_string()))?;
+    if text.len() as u64 > TEXT_FILE_LIMIT {
+        return Err(fail(format!("grew past {TEXT_FILE_LIMIT} bytes while read")));
+    }
+    Ok(Some(text))
+}
+
+/// [`read_text_file`] of a file that must exist.
+pub(crate) fn read_text_file_needed(path: &std::path::Path) -> candle_core::Result<String> {
+    read_text_file(path)?
+        .ok_or_else(|| candle_core::Error::Msg(format!("{}: no such file", path.display())).bt())
 }
 
 /// The candle dtype a tensor of `dtype` loads as, as candle's safetensors loader does it

@@ -609,7 +609,7 @@ impl Trainer {
         let n = self.config.num_hidden_layers;
         match stage {
             0 => vec![EMBED.to_string()],
-            s if s <= n => LlamaConfig::block_names(s - 1),
+            s if s <= n => self.config.block_names(s - 1),
             _ => self.config.head_names().iter().map(|s| s.to_string()).collect(),
         }
     }
@@ -622,7 +622,7 @@ impl Trainer {
         for &s in stages {
             let names = match s {
                 0 => vec![EMBED.to_string()],
-                s if s <= self.config.num_hidden_layers => LlamaConfig::block_names(s - 1),
+                s if s <= self.config.num_hidden_layers => self.config.block_names(s - 1),
                 _ => self.config.head_names().iter().map(|s| s.to_string()).collect(),
             };
             writers.extend(self.params.iter().filter(|p| names.contains(&p.name)).map(|p| p.stage));
@@ -733,7 +733,7 @@ impl Trainer {
             let (this, next) = (names(self, stage), names(self, stage + 1));
             let w = self.layers.fetch(&refs(&this), &refs(&next))?;
             let prefix = LlamaConfig::block_prefix(l);
-            let bw = BlockWeights::from_fn(|s| {
+            let bw = BlockWeights::from_fn(&cfg, |s| {
                 w.get(&format!("{prefix}{s}")).cloned().ok_or_else(|| {
                     candle_core::Error::CannotFindTensor { path: format!("{prefix}{s}") }.bt()
                 })
@@ -816,7 +816,7 @@ impl Trainer {
             let w = self.layers.fetch(&refs(&this), &refs(&next))?.into_tensors();
             let vars = self.as_vars(&w, &this[..weights_n])?;
             let prefix = LlamaConfig::block_prefix(l);
-            let bw = BlockWeights::from_fn(|s| Ok(vars[&format!("{prefix}{s}")].0.clone()))?;
+            let bw = BlockWeights::from_fn(&cfg, |s| Ok(vars[&format!("{prefix}{s}")].0.clone()))?;
             for (m, gy) in grads_in.iter_mut().enumerate() {
                 let xv = Var::from_tensor(&w[&self.checkpoints[l][m]])?;
                 let y = block_forward(&cfg, &bw, xv.as_tensor(), &self.rope, 0, None)?;
@@ -1246,7 +1246,8 @@ impl LlamaTwin {
         let mut x = embed(self.tensor(EMBED), &ids)?;
         for l in 0..cfg.num_hidden_layers {
             let prefix = LlamaConfig::block_prefix(l);
-            let bw = BlockWeights::from_fn(|s| Ok(self.tensor(&format!("{prefix}{s}")).clone()))?;
+            let bw =
+                BlockWeights::from_fn(cfg, |s| Ok(self.tensor(&format!("{prefix}{s}")).clone()))?;
             x = block_forward(cfg, &bw, &x, &self.rope, 0, None)?;
         }
         let [norm, head] = cfg.head_names();

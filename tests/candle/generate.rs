@@ -9,8 +9,8 @@ use std::sync::Arc;
 use candle_core::{DType, Device, Tensor};
 use strata::candle::llama::random_weights;
 use strata::candle::{
-    generate, put_random_weights, CausalLm, InMemoryLlama, Layers, LlamaConfig, OutOfCoreLlama,
-    Sampler, Sampling,
+    generate, generate_batch, put_random_weights, CausalLm, InMemoryLlama, Layers, LlamaConfig,
+    OutOfCoreLlama, Sampler, Sampling,
 };
 use strata::{Group, Store, Tier};
 
@@ -208,7 +208,8 @@ fn sampling_is_seeded_and_its_limits_hold() {
 #[test]
 fn llama_family_configs_are_read_or_refused_with_the_reason() {
     let base = r#""hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
-        "num_attention_heads": 4, "vocab_size": 50, "max_position_embeddings": 64"#;
+        "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 50,
+        "max_position_embeddings": 64"#;
     let mistral = LlamaConfig::from_json(&format!(
         r#"{{{base}, "model_type": "mistral", "sliding_window": 16, "hidden_act": "silu"}}"#
     ))
@@ -221,13 +222,12 @@ fn llama_family_configs_are_read_or_refused_with_the_reason() {
     assert!(e.contains("sliding window of 16"), "{e}");
     // A window that is off is no window.
     let off = LlamaConfig::from_json(&format!(
-        r#"{{{base}, "sliding_window": 16, "use_sliding_window": false}}"#
+        r#"{{{base}, "model_type": "qwen2", "sliding_window": 16, "use_sliding_window": false}}"#
     ))
     .unwrap();
     assert_eq!(off.sliding_window, None);
     for (extra, says) in [
-        (r#""model_type": "qwen2""#, "biases"),
-        (r#""model_type": "gemma""#, "not the Llama architecture"),
+        (r#""model_type": "gemma""#, "not of the Llama family"),
         (r#""hidden_act": "gelu""#, "only silu"),
     ] {
         let e = LlamaConfig::from_json(&format!("{{{base}, {extra}}}")).unwrap_err().to_string();
@@ -253,4 +253,108 @@ fn a_saved_checkpoint_loads_and_generates_the_same_tokens() {
     let loaded = OutOfCoreLlama::new(layers, &c, DType::F32).unwrap();
     assert_eq!(generate(&loaded, &PROMPT, 8, &Sampling::Greedy).unwrap().tokens, want);
     let _ = Arc::new(loaded);
+}
+
+/// Three prompts of different lengths, generated at once: each sequence gets the tokens it gets
+/// alone (greedy and sampled, in memory and out of core), each forward's logits are its solo
+/// logits bit for bit, and out of core one pass of the weights serves the whole batch.
+#[test]
+fn batched_generation_gives_each_sequence_its_solo_tokens() {
+    let c = tiny();
+    let dev = Device::Cpu;
+    let mem = InMemoryLlama::random(&c, SEED, DType::F32, &dev).unwrap();
+    let ooc = out_of_core(&c);
+    let prompts: [&[u32]; 3] = [&PROMPT, &[42], &[1, 2, 3, 4, 5, 6, 7, 8, 9]];
+    let sampled = Sampling::Random { temperature: 0.9, top_k: Some(40), top_p: None, seed: 5 };
+    for sampling in [Sampling::Greedy, sampled] {
+        let solo: Vec<Vec<u32>> =
+            prompts.iter().map(|p| generate(&mem, p, 12, &sampling).unwrap().tokens).collect();
+        let mut streamed = vec![Vec::new(); 3];
+        let got = generate_batch(&ooc, &prompts, 12, &sampling, &[], |i, t| {
+            streamed[i].push(t);
+            Ok(())
+        })
+        .unwrap();
+        let got: Vec<Vec<u32>> = got.into_iter().map(|g| g.tokens).collect();
+        assert_eq!(got, solo, "out of core, {sampling:?}");
+        assert_eq!(streamed, solo);
+        let got: Vec<Vec<u32>> = generate_batch(&mem, &prompts, 12, &sampling, &[], |_, _| Ok(()))
+            .unwrap()
+            .into_iter()
+            .map(|g| g.tokens)
+            .collect();
+        assert_eq!(got, solo, "in memory, {sampling:?}");
+        // A stop token ends the sequence that draws it; the others go on as alone.
+        let stop = solo[1][3];
+        let first = |s: &[u32]| s.iter().position(|&t| t == stop).map_or(s.len(), |k| k + 1);
+        let got = generate_batch(&ooc, &prompts, 12, &sampling, &[stop], |_, _| Ok(())).unwrap();
+        for (g, s) in got.iter().zip(&solo) {
+            assert_eq!(g.tokens, s[..first(s)]);
+            assert_eq!(g.stopped, first(s) < s.len() || s.last() == Some(&stop));
+        }
+    }
+    // The logits of one batched forward are each sequence's own, bit for bit; and the batch
+    // fetches each block's weights once.
+    let mut solo_caches: Vec<_> =
+        prompts.iter().map(|p| ooc.new_cache(1, p.len() + 1).unwrap()).collect();
+    let ids: Vec<Tensor> =
+        prompts.iter().map(|p| Tensor::new(*p, &dev).unwrap().unsqueeze(0).unwrap()).collect();
+    let fetched = || ooc.layers().transfers().unwrap().tensors;
+    let before = fetched();
+    let want: Vec<_> = ids
+        .iter()
+        .zip(solo_caches.iter_mut())
+        .map(|(x, k)| bits(&ooc.forward(x, k).unwrap()))
+        .collect();
+    let per_sequence = (fetched() - before) / 3;
+    let mut caches: Vec<_> =
+        prompts.iter().map(|p| ooc.new_cache(1, p.len() + 1).unwrap()).collect();
+    let before = fetched();
+    let got: Vec<_> = ooc.forward_each(&ids, &mut caches).unwrap().iter().map(bits).collect();
+    assert_eq!(got, want);
+    assert_eq!(fetched() - before, per_sequence, "one pass of the weights for the batch");
+    assert!(caches.iter().zip(&prompts).all(|(k, p)| k.len() == p.len()));
+    // Mismatched inputs and caches: an error, the caches unchanged.
+    assert!(ooc.forward_each(&ids[..2], &mut caches).is_err());
+    assert!(caches.iter().zip(&prompts).all(|(k, p)| k.len() == p.len()));
+}
+
+/// Generation's inputs are checked before anything is allocated (issue 31: `--max-new
+/// 18446744073709551615` panicked with `capacity overflow`; a NaN or negative temperature
+/// decoded greedily; top-k and top-p without a temperature were ignored).
+#[test]
+fn generation_inputs_are_checked_with_errors_that_say_what() {
+    let c = tiny();
+    let mem = InMemoryLlama::random(&c, SEED, DType::F32, &Device::Cpu).unwrap();
+    let ooc = out_of_core(&c);
+    for max_new in [usize::MAX, usize::MAX / 2, 61] {
+        let e = generate(&mem, &PROMPT, max_new, &Sampling::Greedy).unwrap_err().to_string();
+        assert!(e.contains("max_position_embeddings 64") || e.contains("more positions"), "{e}");
+        let e = generate(&ooc, &PROMPT, max_new, &Sampling::Greedy).unwrap_err().to_string();
+        assert!(e.contains(&format!("max_new {max_new}")), "{e}");
+    }
+    assert!(
+        generate(&ooc, &PROMPT, 60, &Sampling::Greedy).is_ok(),
+        "5 + 60 - 1 positions fit in 64"
+    );
+    assert!(generate(&mem, &[], 4, &Sampling::Greedy).is_err());
+    for (t, k, p, says) in [
+        (Some(f64::NAN), None, None, "temperature NaN"),
+        (Some(-1.0), None, None, "temperature -1"),
+        (Some(f64::INFINITY), None, None, "temperature inf"),
+        (None, Some(0), None, "top_k 0 without a temperature"),
+        (None, None, Some(0.0), "top_p 0 without a temperature"),
+        (Some(0.0), Some(5), None, "top_k 5 without a temperature"),
+        (Some(0.7), Some(0), None, "top_k 0"),
+        (Some(0.7), None, Some(0.0), "top_p 0"),
+        (Some(0.7), None, Some(1.5), "top_p 1.5"),
+    ] {
+        let e = Sampling::from_flags(t, k, p, 0).unwrap_err().to_string();
+        assert!(e.contains(says), "{t:?} {k:?} {p:?}: {e}");
+    }
+    assert_eq!(Sampling::from_flags(Some(0.0), None, None, 0).unwrap(), Sampling::Greedy);
+    assert!(matches!(
+        Sampling::from_flags(Some(0.7), Some(3), Some(0.9), 1).unwrap(),
+        Sampling::Random { top_k: Some(3), .. }
+    ));
 }

@@ -78,7 +78,7 @@ fn a_cached_forward_one_token_at_a_time_matches_the_whole_sequence() {
         Tensor::from_vec(v.clone(), s.as_slice(), &dev)
     };
     let p = LlamaConfig::block_prefix(0);
-    let bw = BlockWeights::from_fn(|s| get(&format!("{p}{s}"))).unwrap();
+    let bw = BlockWeights::from_fn(&c, |s| get(&format!("{p}{s}"))).unwrap();
     let rope = Rope::new(&c, 16, &dev).unwrap();
     let mut rng = SeededRng::new(3);
     let xs: Vec<f32> = (0..5 * 32).map(|_| rng.normal(1.0) as f32).collect();
