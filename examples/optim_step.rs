@@ -13,7 +13,6 @@
 use std::time::Instant;
 
 use half::bf16;
-use strata::apps::args::{self, DTypeArg};
 use strata::optim::{
     cpu_update, host_copy_bandwidth, host_update_bandwidth, update_bytes, AdamW, Algorithm,
     GradSlice,
@@ -21,14 +20,30 @@ use strata::optim::{
 use strata::probe::median;
 use strata::DType;
 
+/// A count of at least `min`.
+fn at_least(min: usize) -> impl Fn(&str) -> Result<usize, String> + Clone {
+    move |s| match s.parse::<usize>() {
+        Ok(n) if n >= min => Ok(n),
+        Ok(n) => Err(format!("{n} is below {min}")),
+        Err(e) => Err(format!("{s:?}: {e}")),
+    }
+}
+
+/// The parameters' and gradients' dtype.
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum DTypeArg {
+    F32,
+    Bf16,
+}
+
 /// The Cpu engine's AdamW step against the host memory-bandwidth bound.
 #[derive(clap::Parser)]
 struct Args {
     /// Parameters updated per step.
-    #[arg(long, default_value = "100000000", value_parser = args::count, allow_negative_numbers = true)]
+    #[arg(long, default_value = "100000000", value_parser = at_least(1), allow_negative_numbers = true)]
     params: usize,
     /// Threads of the step; 0: every core.
-    #[arg(long, default_value = "0", value_parser = args::count0, allow_negative_numbers = true)]
+    #[arg(long, default_value = "0", value_parser = at_least(0), allow_negative_numbers = true)]
     threads: usize,
     /// Steps; the first is a warm-up (at least 2).
     #[arg(long, default_value = "10", value_parser = clap::value_parser!(u64).range(2..), allow_negative_numbers = true)]
@@ -41,7 +56,15 @@ struct Args {
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let a = <Args as clap::Parser>::parse();
-    let (params, threads, steps, dtype) = (a.params, a.threads, a.steps as usize, a.dtype.dtype());
+    let (params, threads, steps, dtype) = (
+        a.params,
+        a.threads,
+        a.steps as usize,
+        match a.dtype {
+            DTypeArg::F32 => DType::F32,
+            DTypeArg::Bf16 => DType::BF16,
+        },
+    );
     let threads = if threads == 0 {
         std::thread::available_parallelism().map_or(1, |n| n.get())
     } else {

@@ -73,14 +73,14 @@
 #![warn(missing_docs)]
 
 mod api;
-// What the `strata` binary runs: public so that the binary and the examples reach it, hidden
-// from the docs because it is not an API for library users.
-#[cfg(feature = "cli")]
-#[doc(hidden)]
-pub mod apps;
+// The `strata` binary's commands: public so that the binary reaches them, hidden from the docs
+// because they are not an API for library users.
 mod backend;
 #[cfg(feature = "candle")]
 pub mod candle;
+#[cfg(feature = "cli")]
+#[doc(hidden)]
+pub mod cli;
 mod element;
 mod error;
 // Fault injection for strata's own tests (feature `failpoints`); not an API for users.

@@ -651,8 +651,8 @@ fn compute_refuses_dtypes_it_does_not_run() {
     #[cfg(feature = "cli")]
     for d in NEW {
         let cfg =
-            strata::apps::train::TrainConfig { dtype: Some(d), host: true, ..Default::default() };
-        match strata::apps::train::run(&cfg, |_| Ok(())) {
+            strata::cli::train::TrainConfig { dtype: Some(d), host: true, ..Default::default() };
+        match strata::cli::train::run(&cfg, |_| Ok(())) {
             Err(Error::InvalidArgument(m)) => assert!(m.contains(&d.to_string()), "{m}"),
             other => panic!("train-demo in {d}: {:?}", other.map(|_| ())),
         }

@@ -1,11 +1,11 @@
-//! The out-of-core MLP (strata::apps::mlp, `strata train-demo`) against the all-resident run of the same
+//! The out-of-core MLP (strata::cli::mlp, `strata train-demo`) against the all-resident run of the same
 //! loop: a tiny model whose weights do not fit the device budget, trained and run forward, with
 //! and without hints, under each policy. On the host backend the GEMMs are the reference loop; on
 //! CUDA, cuBLAS (where a GPU is present).
 
 mod common;
 
-use strata::apps::mlp::{run, MlpConfig, Mode};
+use strata::cli::mlp::{run, MlpConfig, Mode};
 
 fn check(backend: common::Backend, flags: &[&str]) {
     let mut args: Vec<&str> = vec![

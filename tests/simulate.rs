@@ -6,7 +6,7 @@
 //! `strata::Simulation` documents. They check the model, not the MLP's GPU targets: those are GPU
 //! figures, measured by `benches/gpu/run perf` on a GPU and recorded in docs/benchmarks.md.
 
-use strata::apps::mlp::{run, MlpConfig, MlpReport};
+use strata::cli::mlp::{run, MlpConfig, MlpReport};
 use strata::{DType, Error, Simulation, Store, Tier};
 
 fn simulate(flags: &[&str]) -> MlpReport {

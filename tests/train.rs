@@ -1,4 +1,4 @@
-//! strata::apps::train on the host backend: the loop against a plain reference written here, gradient
+//! strata::cli::train on the host backend: the loop against a plain reference written here, gradient
 //! accumulation, the three activation modes, the three optimizer engines, and bad input files.
 
 mod common;
@@ -7,8 +7,8 @@ use std::path::{Path, PathBuf};
 
 use safetensors::tensor::TensorView;
 use safetensors::Dtype;
-use strata::apps::args::TrainDemoArgs;
-use strata::apps::train::{load_init, run, Outcome, TrainConfig};
+use strata::cli::args::TrainDemoArgs;
+use strata::cli::train::{load_init, run, Outcome, TrainConfig};
 use strata::Error;
 
 fn write_file(path: &Path, tensors: &[(&str, Dtype, Vec<usize>, Vec<u8>)]) {
@@ -399,13 +399,13 @@ fn offload_and_recompute_that_cannot_fit_say_so_up_front() {
 #[test]
 fn the_example_entry_point_dispatches_by_mode() {
     let args = |s: &str| TrainDemoArgs::try_parse(s.split_whitespace()).unwrap();
-    let t = strata::apps::train::dispatch(
+    let t = strata::cli::train::dispatch(
         &args("--mode train --layers 2 --hidden 16 --rows 4 --steps 2 --device-budget 1MiB --host"),
         |_| Ok(()),
     )
     .unwrap();
     assert!(matches!(t, Outcome::Train(_)));
-    let m = strata::apps::train::dispatch(
+    let m = strata::cli::train::dispatch(
         &args("--mode train --optimizer device-sgd --layers 2 --hidden 16 --rows 4 --steps 2 --device-budget 24KiB --host"),
         |_| Ok(()),
     )

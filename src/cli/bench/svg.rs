@@ -197,7 +197,7 @@ fn draw_legend(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::apps::bench::{Measurement, Timer};
+    use crate::cli::bench::{Measurement, Timer};
     use crate::probe::Timing;
 
     #[test]

@@ -6,7 +6,7 @@
 //! bytes that must cross / raw pinned bandwidth).
 //!
 //! ```
-//! use strata::apps::mlp::{run, MlpConfig};
+//! use strata::cli::mlp::{run, MlpConfig};
 //! let cfg = MlpConfig::parse(["--layers", "4", "--hidden", "64", "--rows", "8",
 //!     "--device-budget", "24KiB", "--mode", "train", "--host"])?;
 //! let report = run(&cfg, |_| Ok(()))?;
@@ -18,7 +18,7 @@ use std::time::Instant;
 
 use half::bf16;
 
-use crate::apps::args::{check_output, ModeArg, OptimizerArg, SimulateArg, TrainDemoArgs};
+use crate::cli::args::{check_output, ModeArg, OptimizerArg, SimulateArg, TrainDemoArgs};
 use crate::linalg::{Linalg, Matrix};
 use crate::probe::{median, median_after_first, raw_pinned_copy, Direction};
 use crate::{format_size, DType, Error, PolicyKind, Result, Simulation, Store, TensorId, Tier};

@@ -26,12 +26,12 @@
 //!
 //! ```no_run
 //! # fn main() -> strata::Result<()> {
-//! let opts = strata::apps::bench::Options {
-//!     sizes: strata::apps::bench::parse_sizes("4KiB,1MiB")?,
+//! let opts = strata::cli::bench::Options {
+//!     sizes: strata::cli::bench::parse_sizes("4KiB,1MiB")?,
 //!     host_only: true,
 //!     ..Default::default()
 //! };
-//! let report = strata::apps::bench::Bench::new(opts)?.run()?;
+//! let report = strata::cli::bench::Bench::new(opts)?.run()?;
 //! print!("{}", report.table());
 //! # Ok(()) }
 //! ```
@@ -103,8 +103,8 @@ impl Default for Options {
 /// [`parse_size`]). Refuses an empty list and a size of 0.
 ///
 /// ```
-/// assert_eq!(strata::apps::bench::parse_sizes("4KiB, 1MiB").unwrap(), vec![4096, 1 << 20]);
-/// assert!(strata::apps::bench::parse_sizes("4KiB,,1MiB").is_err());
+/// assert_eq!(strata::cli::bench::parse_sizes("4KiB, 1MiB").unwrap(), vec![4096, 1 << 20]);
+/// assert!(strata::cli::bench::parse_sizes("4KiB,,1MiB").is_err());
 /// ```
 pub fn parse_sizes(list: &str) -> Result<Vec<u64>> {
     if list.trim().is_empty() {
@@ -128,9 +128,9 @@ pub fn parse_sizes(list: &str) -> Result<Vec<u64>> {
 /// matches at least one path of [`all_paths`].
 ///
 /// ```
-/// let p = strata::apps::bench::parse_paths("h2d_pinned,store_*").unwrap();
+/// let p = strata::cli::bench::parse_paths("h2d_pinned,store_*").unwrap();
 /// assert_eq!(p, vec!["h2d_pinned".to_string(), "store_*".to_string()]);
-/// assert!(strata::apps::bench::parse_paths("h2d_pinnd").is_err());
+/// assert!(strata::cli::bench::parse_paths("h2d_pinnd").is_err());
 /// ```
 pub fn parse_paths(list: &str) -> Result<Vec<String>> {
     let names = all_paths();
@@ -596,12 +596,12 @@ pub struct Command {
 
 impl Command {
     /// Runs the command, printing to stdout (an error where stdout is closed:
-    /// [`crate::apps::print`]).
+    /// [`crate::cli::print`]).
     pub fn run(&self) -> Result<Report> {
         let bench = Bench::new(self.options.clone())?;
-        crate::apps::println(&bench.banner())?;
+        crate::cli::println(&bench.banner())?;
         let report = bench.run()?;
-        crate::apps::print(&report.table())?;
+        crate::cli::print(&report.table())?;
         if report.results.is_empty() {
             return Err(Error::InvalidArgument(
                 "nothing was measured: every path was skipped at every size (the reasons are \
@@ -611,7 +611,7 @@ impl Command {
         }
         let write = |path: &PathBuf, text: String| -> Result<()> {
             std::fs::write(path, text).map_err(|e| Error::io(path, e))?;
-            crate::apps::println(&format!("wrote {}", path.display()))
+            crate::cli::println(&format!("wrote {}", path.display()))
         };
         if let Some(p) = &self.csv {
             write(p, report.to_csv())?;
@@ -624,6 +624,21 @@ impl Command {
         }
         Ok(report)
     }
+}
+
+/// Runs `strata bench`.
+pub fn run(a: crate::cli::args::BenchArgs) -> anyhow::Result<()> {
+    let options = Options {
+        sizes: parse_sizes(&a.sizes)?,
+        reps: a.reps,
+        host_only: a.host,
+        disk_dir: a.disk_dir,
+        paths: a.paths.as_deref().map(parse_paths).transpose()?,
+        progress: true,
+    };
+    let cmd = Command { options, csv: a.csv, json: a.json, plot: a.plot };
+    cmd.run()?;
+    Ok(())
 }
 
 #[cfg(test)]

@@ -14,7 +14,7 @@
 //! the final weights (f32, the same names). Without them the weights and data are seeded random.
 //!
 //! ```
-//! use strata::apps::train::{run, TrainConfig};
+//! use strata::cli::train::{run, TrainConfig};
 //! let cfg = TrainConfig::parse(["--layers", "3", "--hidden", "16", "--rows", "8", "--steps", "3",
 //!     "--optimizer", "adamw", "--activations", "recompute", "--checkpoint-every", "2", "--host"])?;
 //! let report = run(&cfg, |_| Ok(()))?;
@@ -29,7 +29,7 @@ use std::time::Instant;
 
 use half::bf16;
 
-use crate::apps::args::{
+use crate::cli::args::{
     check_output, ActivationsArg, DTypeArg, EngineArg, ModeArg, OptimizerArg, TrainDemoArgs,
 };
 use crate::linalg::{loss_value, Float, Linalg, Matrix, LOSS_PARTIALS};
@@ -394,7 +394,7 @@ impl Inputs {
             Some(p) => load_init(p)?,
             None => {
                 let (l, h, r) = (cfg.layers as u128, cfg.hidden as u128, cfg.rows as u128);
-                crate::apps::check_host_memory(
+                crate::cli::check_host_memory(
                     "generating the model and its data",
                     4 * (l * h * h + 2 * r * h),
                 )?;
@@ -403,7 +403,7 @@ impl Inputs {
                 (
                     cfg.hidden,
                     (0..cfg.layers)
-                        .map(|l| crate::apps::mlp::uniform(cfg.seed, 1 + l as u64, n, a))
+                        .map(|l| crate::cli::mlp::uniform(cfg.seed, 1 + l as u64, n, a))
                         .collect(),
                 )
             }
@@ -414,8 +414,8 @@ impl Inputs {
                 let n = cfg.rows * hidden;
                 (
                     cfg.rows,
-                    crate::apps::mlp::uniform(cfg.seed, 1 << 32, n, 1.0),
-                    crate::apps::mlp::uniform(cfg.seed, 1 << 33, n, 1.0),
+                    crate::cli::mlp::uniform(cfg.seed, 1 << 32, n, 1.0),
+                    crate::cli::mlp::uniform(cfg.seed, 1 << 33, n, 1.0),
                 )
             }
         };
@@ -621,7 +621,7 @@ fn run_typed<T: Float>(
                     });
                     last = Some(out);
                 }
-                Err(e) if crate::apps::is_broken_pipe(&e) => return Err(e),
+                Err(e) if crate::cli::is_broken_pipe(&e) => return Err(e),
                 Err(e) => progress(&format!("engine {asked}: {}", e.chain()))?,
             }
         }
@@ -1372,8 +1372,8 @@ impl std::fmt::Display for TrainReport {
 /// What [`dispatch`] ran.
 #[derive(Clone, Debug)]
 pub enum Outcome {
-    /// `--mode forward`, or `--mode train --optimizer device-sgd`: [`crate::apps::mlp`]'s loop.
-    Mlp(crate::apps::mlp::MlpReport),
+    /// `--mode forward`, or `--mode train --optimizer device-sgd`: [`crate::cli::mlp`]'s loop.
+    Mlp(crate::cli::mlp::MlpReport),
     /// `--mode train`: this module's loop.
     Train(TrainReport),
 }
@@ -1389,13 +1389,26 @@ impl std::fmt::Display for Outcome {
 
 /// The out-of-core example's entry point (`strata train-demo`, `examples/out_of_core.rs`):
 /// `--mode train` runs this module's training loop; `--mode forward` (the default) and `--mode
-/// train --optimizer device-sgd` run [`crate::apps::mlp`]'s benchmark loop (bf16, SGD applied on
+/// train --optimizer device-sgd` run [`crate::cli::mlp`]'s benchmark loop (bf16, SGD applied on
 /// the device to the weights themselves, ones as the output gradient). The flags:
 /// [`TrainDemoArgs`].
 pub fn dispatch(args: &TrainDemoArgs, progress: impl FnMut(&str) -> Result<()>) -> Result<Outcome> {
     if args.runs_trainer() {
         return run(&TrainConfig::from_args(args)?, progress).map(Outcome::Train);
     }
-    let cfg = crate::apps::mlp::MlpConfig::from_args(args)?;
-    crate::apps::mlp::run(&cfg, progress).map(Outcome::Mlp)
+    let cfg = crate::cli::mlp::MlpConfig::from_args(args)?;
+    crate::cli::mlp::run(&cfg, progress).map(Outcome::Mlp)
+}
+
+/// Runs `strata train-demo`.
+pub fn run_demo(args: &TrainDemoArgs) -> anyhow::Result<()> {
+    out!("strata train-demo")?;
+    let outcome = crate::cli::train::dispatch(args, crate::cli::println)?;
+    out!("{outcome}")?;
+    if let crate::cli::train::Outcome::Mlp(r) = &outcome {
+        if r.matches_resident == Some(false) {
+            anyhow::bail!("the out-of-core run differs from the all-resident run");
+        }
+    }
+    Ok(())
 }

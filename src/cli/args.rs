@@ -3,7 +3,7 @@
 //! is spelled, checked and explained the same way wherever it appears.
 //!
 //! ```
-//! use strata::apps::args::TrainDemoArgs;
+//! use strata::cli::args::TrainDemoArgs;
 //! let a = TrainDemoArgs::try_parse(["--mode=train", "--layers", "4", "--lr", "0.01"])?;
 //! assert_eq!(a.layers, Some(4));
 //! let e = TrainDemoArgs::try_parse(["--lr", "-1"]).unwrap_err().to_string();
@@ -15,10 +15,11 @@
 
 use std::path::{Path, PathBuf};
 
-use clap::builder::{PossibleValuesParser, TypedValueParser};
+use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
 use clap::{Args, Parser, ValueEnum};
 
 use crate::optim::Engine;
+use crate::plan::Optimizer;
 use crate::{parse_size, DType, Error, LinkSharing, PolicyKind, Result, Simulation, Tier};
 
 /// Refuses a value with white space in it (`' 3'`, `'1 GiB'`): a quoting mistake in a script,
@@ -283,9 +284,9 @@ const BENCH: &str =
     "The bf16 benchmark loop (--mode forward, or --mode train --optimizer device-sgd)";
 
 /// The flags of `strata train-demo` and `examples/out_of_core.rs`. Two loops share them:
-/// `--mode train` runs the trainer ([`crate::apps::train`]: relu MLP, SGD or AdamW with fp32
+/// `--mode train` runs the trainer ([`crate::cli::train`]: relu MLP, SGD or AdamW with fp32
 /// state in the store); `--mode forward` (the default) and `--mode train --optimizer
-/// device-sgd` run the bf16 benchmark loop ([`crate::apps::mlp`]). A flag left out takes the
+/// device-sgd` run the bf16 benchmark loop ([`crate::cli::mlp`]). A flag left out takes the
 /// loop's default; a flag of the other loop is an error that says so. A flag given twice takes
 /// its last value (so a script can append to a base command).
 #[derive(Args, Clone, Debug, Default, PartialEq)]
@@ -622,4 +623,146 @@ mod tests {
         let e = b.refuse_bench_flags().unwrap_err().to_string();
         assert!(e.contains("--keep belongs to the bf16 benchmark loop"), "{e}");
     }
+}
+
+/// Tier budgets, as `strata inspect` and `strata load` take them (defaults: the store's).
+#[derive(clap::Args)]
+pub struct Budgets {
+    /// Device tier budget (units: 4096, 24KiB, 1MiB, 1GiB; 0 disables the tier).
+    #[arg(long, value_name = "SIZE", default_value = "1GiB", value_parser = size)]
+    pub(crate) device_budget: u64,
+    /// Pinned tier budget.
+    #[arg(long, value_name = "SIZE", default_value = "1GiB", value_parser = size)]
+    pub(crate) pinned_budget: u64,
+    /// Mapped tier budget.
+    #[arg(long, value_name = "SIZE", default_value = "256MiB", value_parser = size)]
+    pub(crate) mapped_budget: u64,
+    /// Disk tier budget (the store's own file; tensors loaded in place do not use it).
+    #[arg(long, value_name = "SIZE", default_value = "64GiB", value_parser = size)]
+    pub(crate) disk_budget: u64,
+}
+
+impl Budgets {
+    pub(crate) fn array(&self) -> [u64; 4] {
+        [self.device_budget, self.pinned_budget, self.mapped_budget, self.disk_budget]
+    }
+}
+
+/// The checkpoint argument's help, for `inspect` and `load`.
+const CHECKPOINT_HELP: &str = "The checkpoint, in one of three forms: a .safetensors file; a \
+    sharded checkpoint's index (model.safetensors.index.json, its shards beside it); or a \
+    directory (its *.safetensors.index.json if it has one, else every *.safetensors file in it, \
+    in name order)";
+
+#[derive(clap::Args)]
+pub struct InspectArgs {
+    #[arg(value_name = "CHECKPOINT", help = CHECKPOINT_HELP)]
+    pub(crate) path: std::path::PathBuf,
+    #[command(flatten)]
+    pub(crate) budgets: Budgets,
+    /// Optimizer whose state is counted with --train, named as train-demo names them: none, sgd
+    /// (no momentum, as train-demo's and strata::optim's; alias sgd-plain), sgd-momentum (one
+    /// fp32 buffer), adamw (two fp32 moments; alias adam).
+    #[arg(long, value_name = "OPTIMIZER", default_value = "none", value_parser = optimizer())]
+    pub(crate) optimizer: Optimizer,
+    /// Plan for training steps (gradients, optimizer state) rather than forward passes.
+    #[arg(long)]
+    pub(crate) train: bool,
+    /// Count gradients in fp32 (4 bytes per element), as for accumulation over micro-batches.
+    #[arg(long)]
+    pub(crate) fp32_grads: bool,
+    /// Bandwidths from a `strata bench --json` results file [default: measured briefly].
+    #[arg(long, value_name = "FILE.json")]
+    pub(crate) bench: Option<std::path::PathBuf>,
+}
+
+#[derive(clap::Args)]
+pub struct LoadArgs {
+    #[arg(value_name = "CHECKPOINT", help = CHECKPOINT_HELP)]
+    pub(crate) path: std::path::PathBuf,
+    #[command(flatten)]
+    pub(crate) budgets: Budgets,
+    /// Copy every tensor into this tier (those it cannot hold stay in place) [default: in
+    /// place].
+    #[arg(long, value_name = "TIER", value_parser = tier())]
+    pub(crate) copy_to: Option<Tier>,
+    /// Use the host backend even when a GPU is present.
+    #[arg(long)]
+    pub(crate) host: bool,
+    /// After loading, read every tensor back through the store and print its crc32 (to compare
+    /// checkpoints bit for bit).
+    #[arg(long)]
+    pub(crate) checksums: bool,
+}
+
+#[derive(clap::Args)]
+pub struct DemoArgs {
+    /// Layers of the synthetic model (each a weight matrix and a bias).
+    #[arg(long, value_name = "N", default_value = "12", value_parser = count, allow_negative_numbers = true)]
+    pub(crate) layers: usize,
+    /// Size of each layer's weight (units: 4096, 24KiB, 1MiB, 1GiB).
+    #[arg(long, value_name = "SIZE", default_value = "2MiB", value_parser = size)]
+    pub(crate) layer_size: u64,
+    /// Passes over the model (each forward 0..L then backward L..0).
+    #[arg(long, value_name = "N", default_value = "3", value_parser = count, allow_negative_numbers = true)]
+    pub(crate) passes: usize,
+    /// Device tier budget.
+    #[arg(long, value_name = "SIZE", default_value = "6MiB", value_parser = size)]
+    pub(crate) device_budget: u64,
+    /// Pinned tier budget.
+    #[arg(long, value_name = "SIZE", default_value = "6MiB", value_parser = size)]
+    pub(crate) pinned_budget: u64,
+    /// Mapped tier budget.
+    #[arg(long, value_name = "SIZE", default_value = "4MiB", value_parser = size)]
+    pub(crate) mapped_budget: u64,
+    /// Disk tier budget.
+    #[arg(long, value_name = "SIZE", default_value = "1GiB", value_parser = size)]
+    pub(crate) disk_budget: u64,
+    /// Eviction policy (schedule learns the repeating access order and prefetches along it;
+    /// train-demo's default too).
+    #[arg(long, value_name = "POLICY", default_value = "schedule", value_parser = policy())]
+    pub(crate) policy: PolicyKind,
+    /// Use the host backend even when a GPU is present.
+    #[arg(long)]
+    pub(crate) host: bool,
+}
+
+#[derive(clap::Args)]
+pub struct BenchArgs {
+    /// Sizes to sweep, comma-separated, with units.
+    #[arg(long, value_name = "SIZE,...", default_value = crate::cli::bench::DEFAULT_SIZES)]
+    pub(crate) sizes: String,
+    /// Timed runs per path and size [default: 20 up to 16 MiB, 5 above].
+    #[arg(long, value_name = "N", value_parser = count, allow_negative_numbers = true)]
+    pub(crate) reps: Option<usize>,
+    /// Write the results as CSV (path,size_bytes,gbps,median_s,reps).
+    #[arg(long, value_name = "FILE", value_parser = output)]
+    pub(crate) csv: Option<std::path::PathBuf>,
+    /// Write the results and a description of the machine as JSON.
+    #[arg(long, value_name = "FILE", value_parser = output)]
+    pub(crate) json: Option<std::path::PathBuf>,
+    /// Write a plot of bandwidth against size as SVG (the name must end in .svg).
+    #[arg(long, value_name = "FILE.svg", value_parser = svg_output)]
+    pub(crate) plot: Option<std::path::PathBuf>,
+    /// Host and disk paths only (the store on its host backend), even with a GPU present.
+    #[arg(long)]
+    pub(crate) host: bool,
+    /// Directory for the disk paths' file and the store's disk tier [default: a temporary one].
+    #[arg(long, value_name = "DIR")]
+    pub(crate) disk_dir: Option<std::path::PathBuf>,
+    /// Paths to run, comma-separated names or prefixes ending in '*' (h2d_pinned,store_*)
+    /// [default: all].
+    #[arg(long, value_name = "PATH,...")]
+    pub(crate) paths: Option<String>,
+}
+
+/// A plan's optimizer, by train-demo's names (and the old ones as aliases).
+pub(crate) fn optimizer() -> impl clap::builder::TypedValueParser<Value = Optimizer> {
+    clap::builder::PossibleValuesParser::new([
+        PossibleValue::new("none"),
+        PossibleValue::new("sgd").alias("sgd-plain"),
+        PossibleValue::new("sgd-momentum"),
+        PossibleValue::new("adamw").alias("adam"),
+    ])
+    .try_map(|s| s.parse::<Optimizer>())
 }
