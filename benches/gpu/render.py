@@ -1,8 +1,11 @@
 #!/usr/bin/env python3
-"""Writes docs/benchmarks.md from the reports under docs/bench/ (report-*.json) and docs/bench/notes.md.
+"""Writes docs/benchmarks.md from the reports under docs/bench/ (report-*.json), the ledger of GPU debt
+(docs/bench/ledger.json) and docs/bench/notes.md.
 
   python3 benches/gpu/render.py           write docs/benchmarks.md
-  python3 benches/gpu/render.py --check   exit 1 if docs/benchmarks.md is not what it would write (CI)
+  python3 benches/gpu/render.py --check   exit 1 if docs/benchmarks.md is not what it would write (CI);
+                                          the ledger's "code changed since" cells, which git answers
+                                          as of now, are left out of the comparison
 
 Measured figures and simulated ones go to separate sections; every simulated line says so. Reports
 are grouped by their folder (one folder a session: docs/bench/h100-2026-11-23/ ...), the newest
@@ -17,6 +20,7 @@ import sys
 
 sys.dont_write_bytecode = True  # no __pycache__ beside the scripts
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import ledger as lg  # noqa: E402
 import report as rp  # noqa: E402
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
@@ -46,10 +50,13 @@ this page recorded that day, with their commands; each says which.
 Each table gives a figure, its ratio to its floor (the best the hardware allows, measured in
 the same run) or to a peer, the target it is held to, the verdict (met, missed; measured: no
 target applies; not run, failed, timed out: the step did not give the figure), and the command
-(with a link to its output where it was kept). The next GPU session runs
-`bash benches/gpu/run stage` here, then `tests`, `perf`, `scale` and `core` on the GPU machine
-(see "What awaits a GPU run" below).
+(with a link to its output where it was kept). What has not run on a GPU since its code
+changed is in the ledger below; the next session lent a GPU pays it with one `lease` call
+(see "A session lent a GPU" at the end).
 """
+# The ledger's table: its "code changed since" cells (git's answer as of the render) sit between
+# these markers, so that --check can leave them out.
+CHANGED = "<!-- changed -->"
 
 
 def load_reports():
@@ -193,8 +200,61 @@ def header(r, sim):
             f"{kind}: {r['machine']['description']}. Date: {date}. Commit: {commit}.", ""]
 
 
-def render(reports):
+VERDICT_CHECK = {"pass": "pass", "fail": "**fail**", "skipped": "skipped", "timed-out": "**timed out**"}
+
+
+def checks_table(r):
+    """A lease report's checks: their verdicts, in the order they ran."""
+    out = ["**checks** (in the lease's order; a check's figures are in the tables below)\n",
+           "| check | verdict | why | seconds (box) | why in this order |", "|---|---|---|---|---|"]
+    for c in r["checks"]:
+        secs = f"{c['seconds']:.0f} ({c['box_s']})" if c.get("seconds") is not None else f"— ({c['box_s']})"
+        out.append(f"| `{c['id']}`: {cell(c['title'])} | {VERDICT_CHECK[c['verdict']]} | {cell(c.get('reason') or '')} "
+                   f"| {secs} | {cell(c.get('order') or '')} |")
+    out.append("")
+    return out
+
+
+def debt(ledger):
+    """The ledger: per check, its last GPU run and whether its code changed since."""
+    rc, head = lg.git("rev-parse", "--short=12", "HEAD")
+    out = ["## GPU debt (`docs/bench/ledger.json`)\n",
+           "Every check strata's GPU claims need, with its last run on a GPU (date, commit, verdict) and whether "
+           "the code it covers (the ledger's `paths`, by `git log`) changed since. `bash benches/gpu/run lease` "
+           "runs the checks in the lease column's order (the owed first, by priority, each lease a check sits out "
+           "raising it one; `python3 benches/gpu/ledger.py plan` prints it); `ledger.py import` records a lease's "
+           "verdicts. A check outside the lease needs its own device call (how: `ledger.py status`).\n",
+           f"Code changes as git saw them when this page was rendered: {CHANGED}"
+           + (f"on top of `{head}`" if rc == 0 else "git could not tell") + f"{CHANGED}.\n",
+           "| check | priority | last GPU run | verdict | commit | code changed since | lease order |",
+           "|---|---|---|---|---|---|---|"]
+    order = {c["id"]: i + 1 for i, (c, _, _) in enumerate(lg.plan(ledger))}
+    for c in ledger["checks"]:
+        cls, why, run, n = lg.standing(c)
+        if run is None:
+            when, verdict, commit, changed = "never", "", "", "—"
+        else:
+            src = f" ([report]({link(lg.ROOT, run['report'])}))" if run.get("report") else ""
+            when = run["date"][:10] + src
+            verdict = VERDICT_CHECK[run["verdict"]] + (f": {cell(run['note'])}" if run.get("note") else "")
+            commit = f"`{run['commit']}`" + (" (dirty)" if run.get("dirty") else "")
+            changed = ("**yes**, " + f"{n} commit{'s' * (n != 1)}" if n else "no") if n is not None else "git cannot tell"
+        lease = f"{CHANGED}{order[c['id']]}.{CHANGED}" if c["id"] in order else cell(c["how"])
+        out.append(f"| `{c['id']}`: {cell(c['title'])} | {c['priority']} | {when} | {verdict} | {commit} "
+                   f"| {CHANGED}{changed}{CHANGED} | {lease} |")
+    out.append("")
+    return out
+
+
+def mask(text):
+    """The page without what git answers as of the render (the "code changed since" cells)."""
+    parts = text.split(CHANGED)
+    return "".join(p if i % 2 == 0 else "…" for i, p in enumerate(parts))
+
+
+def render(reports, ledger=None):
     out = [INTRO]
+    out.extend(debt(ledger if ledger is not None else lg.load()))
     for sim in (False, True):
         out.append("## Simulated\n" if sim else "## Measured\n")
         if sim:
@@ -224,17 +284,25 @@ def render(reports):
                 here = link(r["_dir"], ".")  # a note's {here}: the report's folder, from docs/
                 for n in r["notes"]:
                     out.append(n.replace("{here}", here) + "\n")
+                if r.get("checks") and not sim:
+                    out.extend(checks_table(r))
                 out.extend(table(r, figs, sim))
     with open(NOTES) as f:
         out.append(f.read().rstrip() + "\n")
     return "\n".join(out)
 
 
+def write():
+    with open(OUT, "w") as f:
+        f.write(render(load_reports()))
+    print(f"wrote {os.path.relpath(OUT, ROOT)}")
+
+
 def main():
-    text = render(load_reports())
     if "--check" in sys.argv[1:]:
+        text = mask(render(load_reports()))
         with open(OUT) as f:
-            have = f.read()
+            have = mask(f.read())
         if have != text:
             diff = difflib.unified_diff(have.splitlines(), text.splitlines(), "docs/benchmarks.md",
                                         "what render.py writes", lineterm="", n=1)
@@ -242,9 +310,7 @@ def main():
             sys.exit("docs/benchmarks.md is not what benches/gpu/render.py writes: run it and commit the result")
         print("docs/benchmarks.md is what benches/gpu/render.py writes")
         return
-    with open(OUT, "w") as f:
-        f.write(text)
-    print(f"wrote {os.path.relpath(OUT, ROOT)}")
+    write()
 
 
 if __name__ == "__main__":

@@ -30,6 +30,8 @@ SCHEMA = "strata-gpu-report/1"
 # that should have produced it did not run, exited non-zero, or ran past its time limit.
 VERDICTS = ("met", "missed", "measured", "not-run", "failed", "timed-out")
 STATUSES = ("ok", "failed", "timed-out", "not-run")
+# A check of `run lease` (and of the ledger, docs/bench/ledger.json): how it went as a whole.
+CHECK_VERDICTS = ("pass", "fail", "skipped", "timed-out")
 OPS = {"<=": lambda x, t: x <= t, ">=": lambda x, t: x >= t, "==": lambda x, t: x == t,
        "within": lambda x, t: t[0] <= x <= t[1]}
 
@@ -97,6 +99,18 @@ def parse_libtest(text, step):
         n = int(m.group(1)) if m else None
         return [fig(label, n, "tests listed", group=GROUPS["libtest"], verdict="not-run",
                     note="host dry run: listed only (cargo test ran them on the host backend)")]
+    lease = first(r"^lease tests: (\d+) passed, (\d+) failed, (\d+) ignored; parallel-only failures: (.*)$", text)
+    if lease:  # benches/gpu/lease.py tests: the failures counted after the rerun alone
+        passed, failed, ignored = (int(x) for x in lease.groups()[:3])
+        skips = len(re.findall(r"^SKIP ", text, re.M))
+        require = meta.get("require_gpu") == "1"
+        note = f"{passed} passed, {failed} failed, {ignored} ignored, {skips} SKIP lines"
+        if lease.group(4) != "none":
+            note += f"; failed beside other tests, passed alone: {lease.group(4)}"
+        bad = failed + (skips if require else 0)
+        return [fig(label, bad, "failed or skipped" if require else "failed", group=GROUPS["libtest"],
+                    target=target("all pass" + (", none skipped" if require else ""), "==", 0, "value"),
+                    note=note)]
     passed = failed = ignored = 0
     results = re.findall(r"^test result: (?:ok|FAILED)\. (\d+) passed; (\d+) failed; (\d+) ignored",
                          text, re.M)
@@ -118,6 +132,13 @@ def parse_sanitizer(text, step):
     meta = step.get("meta", {})
     tool = meta.get("tool", "memcheck")
     label = meta.get("label", step["name"])
+    refused = first(r"^.*(Device not supported|Target application terminated before first instrumented API call"
+                    r"|Unable to find injection library).*$", text)
+    if refused and not first(r"(ERROR|RACECHECK) SUMMARY", text):
+        # The tool could not run here (gVisor refuses it: "Device not supported"): no verdict on
+        # the code, the check is skipped with the tool's own words.
+        return [fig(label, None, "errors", group=GROUPS["sanitizer"], verdict="not-run",
+                    note=f"compute-sanitizer could not run on this machine: {refused.group(0).strip()}")]
     m = first(r"RACECHECK SUMMARY: (\d+) hazards? displayed \((\d+) errors?, (\d+) warnings?\)", text)
     if m:
         errors, note = int(m.group(2)), f"{m.group(1)} hazards ({m.group(3)} warnings)"
@@ -821,13 +842,35 @@ def parse_candle_train(text, step):
     return figs
 
 
+def parse_twin(text, step):
+    """benches/gpu/lease.py twin: out of core against in memory (every step's loss within a
+    relative tolerance, or the same last line)."""
+    meta = step.get("meta", {})
+    label = meta.get("label", step["name"])
+    m = first(r"^lease twin: losses of (\d+) steps, max relative difference (\S+) \(tolerance (\S+)\): (same|differ)$",
+              text)
+    if m:
+        tol = float(m.group(3))
+        return [fig(label, float(m.group(2)), "relative", group=GROUPS["twin"],
+                    target=target(f"every step's loss within {tol:g} relative", "<=", tol, "value"),
+                    note=f"{m.group(1)} steps compared")]
+    m = first(r"^lease twin: last line: (.*): (same|differ)$", text)
+    if m:
+        return [fig(label, 0 if m.group(2) == "same" else 1, "lines that differ", group=GROUPS["twin"],
+                    target=target("the same last line", "==", 0, "value"), note=m.group(1))]
+    m = first(r"^lease twin: (.*)$", text)
+    if m:
+        return [fig(label, None, "", group=GROUPS["twin"], verdict="failed", note=m.group(1))]
+    return []
+
+
 PARSERS = {"libtest": parse_libtest, "sanitizer": parse_sanitizer, "criterion": parse_criterion,
            "store-bandwidth": parse_store_bandwidth, "layered": parse_layered, "mlp": parse_mlp,
            "train": parse_train, "offload-peers": parse_offload_peers, "optim-step": parse_optim_step,
            "optim-peers": parse_optim_peers, "strata-bench": parse_strata_bench, "anchors": parse_anchors,
            "core-bench": parse_core_bench, "hit-during-miss": parse_hit_during_miss,
            "many-tensors": parse_many_tensors, "strata-load": parse_strata_load,
-           "eviction-scale": parse_eviction_scale, "candle-train": parse_candle_train}
+           "eviction-scale": parse_eviction_scale, "candle-train": parse_candle_train, "twin": parse_twin}
 NEEDS_BASE = {"strata-bench", "anchors"}
 # The table a kind's figures go to, unless the step's meta names another.
 GROUPS = {"libtest": "GPU test suite", "sanitizer": "compute-sanitizer",
@@ -843,11 +886,64 @@ GROUPS = {"libtest": "GPU test suite", "sanitizer": "compute-sanitizer",
           "many-tensors": "store core: a checkpoint of many small tensors",
           "strata-load": "store core: a checkpoint of many small tensors",
           "eviction-scale": "store core: making room when victims must spill, at scale",
-          "candle-train": "training inside candle (a Llama-style decoder)"}
+          "candle-train": "training inside candle (a Llama-style decoder)",
+          "twin": "out of core against in memory"}
 
 
 # ------------------------------------------------------------------------------------------------
 # Building a report.
+
+
+def check_verdict(steps, figs):
+    """(verdict, reason) of a check from its steps and their figures: skipped when nothing ran
+    (or every figure says it could not run here), timed-out when a step ran past its limit or the
+    check's time box ended before a step, fail when a step failed or a figure missed its target,
+    else pass."""
+    def names(xs):
+        return ", ".join(xs[:4]) + (f" and {len(xs) - 4} more" if len(xs) > 4 else "")
+    ran = [s for s in steps if s["status"] != "not-run"]
+    if not ran or (figs and all(f["verdict"] == "not-run" for f in figs)):
+        why = []
+        for x in [s.get("reason") for s in steps] + [f.get("note") for f in figs if f["verdict"] == "not-run"]:
+            if x and x not in why:
+                why.append(x)
+        return "skipped", "; ".join(why) or "nothing ran"
+    late = [s["name"] for s in steps if s["status"] == "timed-out"]
+    cut = [s["name"] for s in steps if s["status"] == "not-run" and "time" in (s.get("reason") or "")]
+    if late or cut:
+        return "timed-out", "; ".join(x for x in [late and f"ran past its limit: {names(late)}",
+                                                    cut and f"no time left for: {names(cut)}"] if x)
+    failed = [f"{s['name']} (exit {s['rc']})" for s in steps if s["status"] == "failed"]
+    bad = [f"{f['name']}: {f['verdict']}" + (f" ({f['value']} {f['unit']})" if f.get("value") is not None else "")
+           for f in figs if f["verdict"] in ("failed", "missed", "timed-out")]
+    if failed or bad:
+        return "fail", "; ".join(x for x in [failed and f"failed: {names(failed)}",
+                                             bad and f"{len(bad)} figure(s) not met: {names(bad)}"] if x)
+    gpu_only = [s["name"] for s in steps if s["status"] == "not-run"]
+    return "pass", (f"not run here: {names(gpu_only)}" if gpu_only else None)
+
+
+def read_checks(path, steps, figs):
+    """The checks file of `run lease` (a line a check, tab-separated: id, priority, title, box in
+    seconds, seconds taken, why it came in this order, and for a check that did not start, why)
+    -> the report's `checks`, each with its verdict from its steps and figures."""
+    out = []
+    with open(path) as f:
+        for line in f:
+            if not line.strip():
+                continue
+            cid, prio, title, box, secs, why, skip = line.rstrip("\n").split("\t")
+            mine = [s for s in steps if s.get("meta", {}).get("check") == cid]
+            names = {s["name"] for s in mine}
+            if skip:
+                verdict, reason = "skipped", skip
+            else:
+                verdict, reason = check_verdict(mine, [x for x in figs if x.get("step") in names])
+            c = {"id": cid, "priority": int(prio), "title": title, "verdict": verdict, "reason": reason,
+                 "box_s": int(box), "seconds": float(secs) if secs else None, "order": why,
+                 "steps": [s["name"] for s in mine]}
+            out.append(c)
+    return out
 
 
 def judge(f, status):
@@ -989,10 +1085,10 @@ def read_commit(path):
 
 
 def make_report(stage, title, steps, figs, commit, date, machine_info, host=False, notes=(), budget=None,
-                elapsed=None):
+                elapsed=None, checks=None):
     """The report: the format benches/gpu/README.md documents (and `validate` checks)."""
     link_peers(figs)
-    return {
+    r = {
         "schema": SCHEMA,
         "stage": stage,
         "title": title,
@@ -1005,11 +1101,16 @@ def make_report(stage, title, steps, figs, commit, date, machine_info, host=Fals
         "simulated": bool(figs) and all(f.get("simulated") for f in figs),
         "budget_s": budget,
         "elapsed_s": elapsed,
-        "steps": [{k: s.get(k) for k in ("name", "kind", "command", "status", "rc", "seconds", "timeout_s",
-                                         "log", "reason")} for s in steps],
+        "steps": [dict({k: s.get(k) for k in ("name", "kind", "command", "status", "rc", "seconds", "timeout_s",
+                                              "log", "reason")},
+                       **({"check": s["meta"]["check"]} if s.get("meta", {}).get("check") else {}))
+                  for s in steps],
         "figures": figs,
         "notes": list(notes),
     }
+    if checks is not None:
+        r["checks"] = checks
+    return r
 
 
 def write_report(report, path):
@@ -1027,9 +1128,11 @@ def build(a):
     for s in steps:
         figs.extend(figures_of(s, a.dir))
     date = a.date or datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    link_peers(figs)  # (before the checks are judged: a peer's ratio can miss its target)
+    checks = read_checks(a.checks, steps, figs) if a.checks else None
     report = make_report(a.stage, a.title or f"benches/gpu/run {a.stage}" + (" --host" if a.host else ""),
                          steps, figs, read_commit(a.commit_file), date, machine(), a.host, a.note or [],
-                         a.budget, a.elapsed)
+                         a.budget, a.elapsed, checks)
     write_report(report, a.out)
     print_summary(report)
 
@@ -1076,10 +1179,24 @@ def validate(r):
     for i, s in enumerate(r["steps"]):
         if s.get("status") not in STATUSES:
             e.append(f"step {i}: status {s.get('status')!r} not one of {STATUSES}")
+    checks = r.get("checks")
+    if checks is not None:
+        if not isinstance(checks, list):
+            return e + ["checks is not a list"]
+        for i, c in enumerate(checks):
+            if not (isinstance(c, dict) and isinstance(c.get("id"), str) and isinstance(c.get("title"), str)):
+                e.append(f"check {i}: id and title needed")
+            elif c.get("verdict") not in CHECK_VERDICTS:
+                e.append(f"check {i} ({c['id']}): verdict {c.get('verdict')!r} not one of {CHECK_VERDICTS}")
+            elif c["verdict"] != "pass" and not c.get("reason"):
+                e.append(f"check {i} ({c['id']}): a verdict other than pass says why (reason)")
     return e
 
 
 def print_summary(r):
+    for c in r.get("checks") or []:
+        secs = f" in {c['seconds']:.0f} s" if c.get("seconds") is not None else ""
+        print(f"  check {c['id']}: {c['verdict']}{secs}" + (f" ({c['reason']})" if c.get("reason") else ""))
     counts = {}
     for f in r["figures"]:
         counts[f["verdict"]] = counts.get(f["verdict"], 0) + 1
@@ -1126,6 +1243,7 @@ def main():
     b.add_argument("--title")
     b.add_argument("--date", help="UTC ISO date of the run (default: now)")
     b.add_argument("--note", action="append")
+    b.add_argument("--checks", help="run lease's checks file: the report gets each check's verdict")
     c = sub.add_parser("check")
     c.add_argument("reports", nargs="+")
     s = sub.add_parser("summary")
