@@ -45,6 +45,7 @@
 
 mod backend;
 mod bert;
+pub mod fused;
 mod generate;
 mod layers;
 pub mod llama;
