@@ -70,8 +70,34 @@ __device__ __forceinline__ bool sees(long long pos, long long j, long long windo
     return j <= pos && (window == 0 || pos - j < window);
 }
 
+// The keys that query rows i0 .. i0 + BQ - 1 (those below sq) see: lo .. hi - 1.
+__device__ __forceinline__ void key_range(int i0, int sq, long long offset, long long window,
+                                          long long* lo, long long* hi) {
+    *hi = offset + min(i0 + BQ, sq);
+    *lo = window > 0 && offset + i0 + 1 > window ? offset + i0 + 1 - window : 0;
+}
+
+// Keys t0 .. t0 + BK - 1 of key/value head kvh of batch b (zeros from hi on) into Ks and Vs,
+// rows of d + 1 floats (the padding keeps a lane per key off its neighbours' banks).
+template <typename T>
+__device__ void load_kv(const T* k, const T* v, float* Ks, float* Vs, int b, int kvh, int d,
+                        long long t0, long long hi, long long ksb, long long kss, long long ksh,
+                        long long vsb, long long vss, long long vsh) {
+    for (int t = threadIdx.x; t < BK * d; t += blockDim.x) {
+        const int j = t / d, e = t % d;
+        const long long kj = t0 + j;
+        float kv = 0.0f, vv = 0.0f;
+        if (kj < hi) {
+            kv = widen(k[b * ksb + kj * kss + kvh * ksh + e]);
+            vv = widen(v[b * vsb + kj * vss + kvh * vsh + e]);
+        }
+        Ks[j * (d + 1) + e] = kv;
+        Vs[j * (d + 1) + e] = vv;
+    }
+}
+
 // One block per (tile of BQ query rows, head, batch); shared: Qs[BQ][d], Ks[BK][d + 1],
-// Vs[BK][d]. Each warp keeps RPW rows' running max, sum and output; lane j scores key j of the
+// Vs[BK][d + 1]. Each warp keeps RPW rows' running max, sum and output; lane j scores key j of the
 // tile, then every lane adds the tile's probabilities times its DPL elements of each value row.
 template <typename T, int DPL>
 __device__ void attn_fwd(const T* q, const T* k, const T* v, T* o, float* lse, int sq, int skv,
@@ -98,23 +124,11 @@ __device__ void attn_fwd(const T* q, const T* k, const T* v, T* o, float* lse, i
 #pragma unroll
         for (int c = 0; c < DPL; c++) acc[rr][c] = 0.0f;
     }
-    const int last = min(i0 + BQ, sq) - 1;
-    const long long hi = offset + last + 1;
-    long long lo = 0;
-    if (window > 0 && offset + i0 + 1 > window) lo = offset + i0 + 1 - window;
+    long long lo, hi;
+    key_range(i0, sq, offset, window, &lo, &hi);
     for (long long t0 = lo; t0 < hi; t0 += BK) {
         __syncthreads();  // the previous tile is read
-        for (int t = threadIdx.x; t < BK * d; t += blockDim.x) {
-            const int j = t / d, e = t % d;
-            const long long kj = t0 + j;
-            float kv = 0.0f, vv = 0.0f;
-            if (kj < hi) {
-                kv = widen(k[b * ksb + kj * kss + kvh * ksh + e]);
-                vv = widen(v[b * vsb + kj * vss + kvh * vsh + e]);
-            }
-            Ks[j * (d + 1) + e] = kv;
-            Vs[j * d + e] = vv;
-        }
+        load_kv(k, v, Ks, Vs, b, kvh, d, t0, hi, ksb, kss, ksh, vsb, vss, vsh);
         __syncthreads();
 #pragma unroll
         for (int rr = 0; rr < RPW; rr++) {
@@ -141,7 +155,7 @@ __device__ void attn_fwd(const T* q, const T* k, const T* v, T* o, float* lse, i
 #pragma unroll
                         for (int c = 0; c < DPL; c++) {
                             const int e = lane + 32 * c;
-                            if (e < d) acc[rr][c] += pj * Vs[j * d + e];
+                            if (e < d) acc[rr][c] += pj * Vs[j * (d + 1) + e];
                         }
                     }
                     m[rr] = m_new;
@@ -212,23 +226,11 @@ __device__ void attn_dq(const T* q, const T* k, const T* v, const T* dout, const
 #pragma unroll
         for (int c = 0; c < DPL; c++) acc[rr][c] = 0.0f;
     }
-    const int last = min(i0 + BQ, sq) - 1;
-    const long long hi = offset + last + 1;
-    long long lo = 0;
-    if (window > 0 && offset + i0 + 1 > window) lo = offset + i0 + 1 - window;
+    long long lo, hi;
+    key_range(i0, sq, offset, window, &lo, &hi);
     for (long long t0 = lo; t0 < hi; t0 += BK) {
-        __syncthreads();
-        for (int t = threadIdx.x; t < BK * d; t += blockDim.x) {
-            const int j = t / d, e = t % d;
-            const long long kj = t0 + j;
-            float kv = 0.0f, vv = 0.0f;
-            if (kj < hi) {
-                kv = widen(k[b * ksb + kj * kss + kvh * ksh + e]);
-                vv = widen(v[b * vsb + kj * vss + kvh * vsh + e]);
-            }
-            Ks[j * (d + 1) + e] = kv;
-            Vs[j * (d + 1) + e] = vv;
-        }
+        __syncthreads();  // the previous tile is read
+        load_kv(k, v, Ks, Vs, b, kvh, d, t0, hi, ksb, kss, ksh, vsb, vss, vsh);
         __syncthreads();
 #pragma unroll
         for (int rr = 0; rr < RPW; rr++) {
@@ -292,12 +294,7 @@ __device__ void attn_dkdv(const T* q, const T* k, const T* v, const T* dout, con
     const int group = nh / nkv;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const long long offset = skv - sq;
-    for (int t = threadIdx.x; t < BK * d; t += blockDim.x) {
-        const int j = t / d, e = t % d, kj = j0 + j;
-        const bool in = kj < skv;
-        Ks[j * (d + 1) + e] = in ? widen(k[b * ksb + (long long)kj * kss + kvh * ksh + e]) : 0.0f;
-        Vs[j * (d + 1) + e] = in ? widen(v[b * vsb + (long long)kj * vss + kvh * vsh + e]) : 0.0f;
-    }
+    load_kv(k, v, Ks, Vs, b, kvh, d, j0, skv, ksb, kss, ksh, vsb, vss, vsh);
     float gk[8][DPL], gv[8][DPL];
 #pragma unroll
     for (int jj = 0; jj < 8; jj++)

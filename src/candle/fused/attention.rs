@@ -181,12 +181,7 @@ impl CustomOp3 for Attention {
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
         let g = Geometry::new(lq, lk, self.scale, self.window);
         let (o, lse) = super::cuda::attention_forward(&g, (q, lq), (k, lk), (v, lv))?;
-        let _ = self.lse.set(Tensor::from_storage(
-            Storage::Cuda(lse),
-            (g.b, g.sq, g.nh),
-            candle_core::op::BackpropOp::none(),
-            false,
-        ));
+        let _ = self.lse.set(super::cuda_tensor(lse, (g.b, g.sq, g.nh)));
         Ok((o, Shape::from((g.b, g.sq, g.nh, g.d))))
     }
 
@@ -247,18 +242,10 @@ impl CustomOp3 for Attention {
                     [(q, lq), (k, lk), (v, lv), (o, lo), (dout, ldo)],
                     (lse, ll),
                 )?;
-                let t = |s, shape: (usize, usize, usize, usize)| {
-                    Tensor::from_storage(
-                        Storage::Cuda(s),
-                        shape,
-                        candle_core::op::BackpropOp::none(),
-                        false,
-                    )
-                };
                 (
-                    t(dq, (g.b, g.sq, g.nh, g.d)),
-                    t(dk, (g.b, g.skv, g.nkv, g.d)),
-                    t(dv, (g.b, g.skv, g.nkv, g.d)),
+                    super::cuda_tensor(dq, (g.b, g.sq, g.nh, g.d)),
+                    super::cuda_tensor(dk, (g.b, g.skv, g.nkv, g.d)),
+                    super::cuda_tensor(dv, (g.b, g.skv, g.nkv, g.d)),
                 )
             }
             _ => candle_core::bail!(

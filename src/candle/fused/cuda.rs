@@ -157,7 +157,7 @@ pub(super) fn attention_forward(
         let mut lse = output::<f32>(&dev, g.b * g.sq * g.nh)?;
         if g.b * g.sq * g.nh > 0 {
             let f = func::<T>(&dev, &format!("strata_attn_fwd_{}_{w}", T::NAME))?;
-            let smem = 4 * (BQ * g.d + BK * (g.d + 1) + BK * g.d);
+            let smem = 4 * (BQ * g.d + 2 * BK * (g.d + 1));
             let cfg = config(&f, (g.sq.div_ceil(BQ), g.nh, g.b), 128, smem)?;
             let stream = dev.cuda_stream();
             let mut b = stream.launch_builder(&f);

@@ -146,6 +146,13 @@ pub(crate) fn cpu_tensor<T: Elem>(values: Vec<T>, shape: impl Into<Shape>) -> Te
     )
 }
 
+/// A candle tensor of a CUDA buffer (`storage`, contiguous, of `shape`), with no gradient of
+/// its own.
+#[cfg(feature = "candle-cuda")]
+pub(crate) fn cuda_tensor(storage: candle_core::CudaStorage, shape: impl Into<Shape>) -> Tensor {
+    Tensor::from_storage(Storage::Cuda(storage), shape, BackpropOp::none(), false)
+}
+
 /// `Σ a[i] · b[i]` in f32, in eight interleaved partial sums (so the compiler can vectorize
 /// it): a fixed order, so the same inputs give the same bits.
 #[inline]

@@ -90,12 +90,7 @@ impl CustomOp2 for RmsNorm {
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
         let (out, inv) = super::cuda::rms_norm_forward((x, lx), (w, lw), self.eps)?;
         let rows = lx.shape().elem_count().checked_div(lw.dims()[0]).unwrap_or(0);
-        let _ = self.inv.set(Tensor::from_storage(
-            Storage::Cuda(inv),
-            rows,
-            candle_core::op::BackpropOp::none(),
-            false,
-        ));
+        let _ = self.inv.set(super::cuda_tensor(inv, rows));
         Ok((out, lx.shape().clone()))
     }
 
@@ -130,15 +125,7 @@ impl CustomOp2 for RmsNorm {
             (Storage::Cuda(x), Storage::Cuda(w), Storage::Cuda(g), Storage::Cuda(inv)) => {
                 let (dx, dw) =
                     super::cuda::rms_norm_backward((x, lx), (w, lw), (g, lg), (inv, li))?;
-                let t = |s, shape: &Shape| {
-                    Tensor::from_storage(
-                        Storage::Cuda(s),
-                        shape.clone(),
-                        candle_core::op::BackpropOp::none(),
-                        false,
-                    )
-                };
-                (t(dx, lx.shape()), t(dw, lw.shape()))
+                (super::cuda_tensor(dx, lx.shape()), super::cuda_tensor(dw, lw.shape()))
             }
             _ => candle_core::bail!(
                 "fused rms_norm's backward: the tensors are on different devices, or on one it \

@@ -97,11 +97,9 @@ impl CustomOp3 for Rope {
                 })?
             }
             #[cfg(feature = "candle-cuda")]
-            (Storage::Cuda(g), Storage::Cuda(cos), Storage::Cuda(sin)) => Tensor::from_storage(
-                Storage::Cuda(super::cuda::rope((g, lg), (cos, lc), (sin, ls), self.offset, true)?),
-                lg.shape().clone(),
-                candle_core::op::BackpropOp::none(),
-                false,
+            (Storage::Cuda(g), Storage::Cuda(cos), Storage::Cuda(sin)) => super::cuda_tensor(
+                super::cuda::rope((g, lg), (cos, lc), (sin, ls), self.offset, true)?,
+                lg.shape(),
             ),
             _ => candle_core::bail!(
                 "fused rope's backward: the tensors are on different devices, or on one it does \

@@ -102,15 +102,7 @@ impl CustomOp2 for SwiGlu {
             #[cfg(feature = "candle-cuda")]
             (Storage::Cuda(g), Storage::Cuda(u), Storage::Cuda(dy)) => {
                 let (dg, du) = super::cuda::swiglu_backward((g, lg), (u, lu), (dy, ld))?;
-                let t = |s, shape: &Shape| {
-                    Tensor::from_storage(
-                        Storage::Cuda(s),
-                        shape.clone(),
-                        candle_core::op::BackpropOp::none(),
-                        false,
-                    )
-                };
-                (t(dg, lg.shape()), t(du, lu.shape()))
+                (super::cuda_tensor(dg, lg.shape()), super::cuda_tensor(du, lu.shape()))
             }
             _ => candle_core::bail!(
                 "fused swiglu's backward: the tensors are on different devices, or on one it does \
