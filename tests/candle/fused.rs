@@ -26,8 +26,8 @@ fn randn(rng: &mut SeededRng, shape: &[usize]) -> Tensor {
 
 /// The largest `|a - b|` over the largest `|b|`.
 fn rel(a: &Tensor, b: &Tensor) -> f32 {
-    let a = a.to_dtype(DType::F32).unwrap();
-    let b = b.to_dtype(DType::F32).unwrap();
+    let a = a.to_dtype(DType::F32).unwrap().to_device(&Device::Cpu).unwrap();
+    let b = b.to_dtype(DType::F32).unwrap().to_device(&Device::Cpu).unwrap();
     assert_eq!(a.dims(), b.dims());
     let diff = (&a - &b).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
     let scale = b.abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
@@ -67,7 +67,7 @@ fn reference_attention(q: &Tensor, k: &Tensor, v: &Tensor, window: Option<usize>
 }
 
 /// The value of `f(inputs)` and the gradients of `sum(f(inputs) · r)` for a fixed random `r`,
-/// the inputs made `Var`s of `dtype`.
+/// the inputs made `Var`s of `dtype` (on the inputs' device).
 fn value_and_grads(
     inputs: &[Tensor],
     dtype: DType,
@@ -77,7 +77,8 @@ fn value_and_grads(
         inputs.iter().map(|t| Var::from_tensor(&t.to_dtype(dtype).unwrap()).unwrap()).collect();
     let ts: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
     let y = f(&ts);
-    let r = randn(&mut SeededRng::new(99), y.dims()).to_dtype(y.dtype()).unwrap();
+    let r = randn(&mut SeededRng::new(99), y.dims());
+    let r = r.to_dtype(y.dtype()).unwrap().to_device(y.device()).unwrap();
     let grads = y.mul(&r).unwrap().sum_all().unwrap().backward().unwrap();
     let g = vars.iter().map(|v| grads.get(v.as_tensor()).expect("a gradient").clone()).collect();
     (y, g)
@@ -399,5 +400,76 @@ fn what_the_fused_ops_cannot_take_is_an_error() {
     ] {
         let e = e.unwrap_err().to_string();
         assert!(e.contains(says), "{says}: {e}");
+    }
+}
+
+/// Every fused op on `dev` against the same op on the CPU, values and gradients: f32 within
+/// 1e-5, bf16 within 1e-2 (the two sum in other orders; bf16 rounds each once). Attention at
+/// head widths of each of the CUDA kernels' three sizes (64, 128, 256), grouped, windowed,
+/// cached and strided.
+#[cfg_attr(not(feature = "candle-cuda"), allow(dead_code))]
+fn ops_on_device_equal_the_cpu_ops(dev: &Device) {
+    let mut rng = SeededRng::new(8);
+    let on =
+        |t: &[Tensor]| -> Vec<Tensor> { t.iter().map(|x| x.to_device(dev).unwrap()).collect() };
+    let compare = |what: &str, inputs: Vec<Tensor>, f: &dyn Fn(&[Tensor]) -> Tensor| {
+        for (dtype, tol) in [(DType::F32, 1e-5), (DType::BF16, 1e-2)] {
+            let (cy, cg) = value_and_grads(&inputs, dtype, f);
+            let (dy, dg) = value_and_grads(&on(&inputs), dtype, f);
+            assert!(rel(&dy, &cy) < tol, "{what} {dtype:?} value: {}", rel(&dy, &cy));
+            for (i, (a, b)) in dg.iter().zip(&cg).enumerate() {
+                assert!(rel(a, b) < tol, "{what} {dtype:?} gradient {i}: {}", rel(a, b));
+            }
+        }
+    };
+    let mut shapes = ATTENTION_SHAPES.to_vec();
+    shapes.extend([(1, 40, 40, 4, 2, 64, None), (1, 33, 70, 2, 1, 128, Some(30))]);
+    shapes.push((1, 17, 17, 2, 2, 256, None));
+    for (b, sq, skv, nh, nkv, d, window) in shapes {
+        let q = randn(&mut rng, &[b, sq, nh, d]);
+        let k = randn(&mut rng, &[b, skv, nkv, d]);
+        let v = randn(&mut rng, &[b, skv, nkv, d]);
+        let scale = 1.0 / (d as f64).sqrt();
+        compare(&format!("attention {:?}", (b, sq, skv, nh, nkv, d)), vec![q, k, v], &|t| {
+            fused::attention(&t[0], &t[1], &t[2], scale, window).unwrap()
+        });
+    }
+    let q = randn(&mut rng, &[2, 4, 4, 8]);
+    let (kc, vc) = (randn(&mut rng, &[2, 2, 11, 8]), randn(&mut rng, &[2, 2, 11, 8]));
+    compare("attention over a transposed cache", vec![q, kc, vc], &|t| {
+        let (k, v) = (t[1].transpose(1, 2).unwrap(), t[2].transpose(1, 2).unwrap());
+        fused::attention(&t[0], &k, &v, 0.3, Some(6)).unwrap()
+    });
+    for (rows, hidden) in [(1, 8), (70, 33), (130, 4096)] {
+        let x = randn(&mut rng, &[rows, hidden]);
+        let w = randn(&mut rng, &[hidden]).affine(0.1, 1.0).unwrap();
+        compare(&format!("rms_norm {rows}x{hidden}"), vec![x, w], &|t| {
+            fused::rms_norm(&t[0], &t[1], 1e-5).unwrap()
+        });
+        let (g, u) = (randn(&mut rng, &[rows, hidden]), randn(&mut rng, &[rows, hidden]));
+        compare(&format!("swiglu {rows}x{hidden}"), vec![g, u], &|t| {
+            fused::swiglu(&t[0], &t[1]).unwrap()
+        });
+    }
+    let c = rope_config();
+    let (cpu_rope, dev_rope) =
+        (Rope::new(&c, 80, &Device::Cpu).unwrap(), Rope::new(&c, 80, dev).unwrap());
+    let rope = |t: &Tensor| if t.device().is_cpu() { &cpu_rope } else { &dev_rope };
+    let x = randn(&mut rng, &[2, 3, 5, 12]);
+    compare("rope of a transposed view", vec![x], &|t| {
+        rope(&t[0]).apply_fused(&t[0].transpose(1, 2).unwrap(), 7).unwrap()
+    });
+}
+
+/// On a GPU (feature `candle-cuda`): the CUDA kernels of the fused ops against their CPU code.
+#[cfg(feature = "candle-cuda")]
+#[test]
+fn fused_ops_on_cuda_equal_the_cpu_ops() {
+    match Device::new_cuda(0) {
+        Ok(dev) => ops_on_device_equal_the_cpu_ops(&dev),
+        Err(e) => {
+            assert!(std::env::var("STRATA_REQUIRE_GPU").is_err(), "no GPU: {e}");
+            println!("SKIP fused_ops_on_cuda_equal_the_cpu_ops: no GPU ({e})");
+        }
     }
 }
