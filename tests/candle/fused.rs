@@ -2,7 +2,8 @@
 //! replace: values and gradients at several shapes (grouped-query heads, odd lengths, key tiles
 //! crossed, sliding windows, queries after a KV cache, strided keys), in f32, bf16 and f16; their
 //! gradients against finite differences; a whole block fused against decomposed; the same bits
-//! on one thread and on several; errors for what they cannot take.
+//! on one thread and on several; errors for what they cannot take; and with `candle-cuda` on a
+//! GPU, the CUDA kernels against the CPU code.
 //!
 //! Tolerances, as the largest difference over the largest reference value (measured on
 //! 2026-11-26, in brackets): f32 4e-6 (7.4e-7: the fused ops sum in another order than
