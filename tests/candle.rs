@@ -509,6 +509,8 @@ fn out_of_core_on_cuda_equals_in_memory() {
 
 /// Out-of-core training of a Llama-style decoder, and the decoder itself (in this binary, so
 /// that candle's tests build once).
+#[path = "candle/fused.rs"]
+mod fused;
 #[path = "candle/llama.rs"]
 mod llama;
 #[path = "candle/shared.rs"]

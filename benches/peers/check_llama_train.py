@@ -20,6 +20,8 @@ Usage (the example writes the inputs and saves its final weights):
       --save /tmp/out | tee /tmp/out.log
   python3 check_llama_train.py --inputs /tmp/in --result /tmp/out --log /tmp/out.log \\
       --steps 5 [--lr 1e-3 --min-lr 1e-4 --warmup 1 --weight-decay 0 --clip 1.0] [--tol 1e-4]
+      [--f32-only]
+It prints torch's float32 step times; --f32-only skips the float64 run (to time torch alone).
 The hyperparameters must be the example's (its defaults are the defaults here: --warmup is
 steps / 5, --min-lr lr / 10). Exits 1 when a float32 difference exceeds --tol.
 """
@@ -30,6 +32,7 @@ import math
 import os
 import re
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -134,8 +137,9 @@ def train(cfg, init, tokens, a, dtype, plain):
     opt = torch.optim.AdamW(params, lr=a.lr, betas=(0.9, 0.999), eps=1e-8,
                             weight_decay=a.weight_decay, foreach=False)
     accum = tokens.shape[0] // a.steps
-    losses = []
+    losses, seconds = [], []
     for step in range(a.steps):
+        t0 = time.perf_counter()
         for g in opt.param_groups:
             g["lr"] = lr_at(step, a.lr, a.min_lr, a.warmup, a.steps)
         total = 0.0
@@ -152,6 +156,7 @@ def train(cfg, init, tokens, a, dtype, plain):
         opt.step()
         opt.zero_grad()
         losses.append(total)
+        seconds.append(time.perf_counter() - t0)
     named = model.named() if isinstance(model, PlainLlama) else dict(model.named_parameters())
     final = {}
     for name in init:
@@ -159,7 +164,7 @@ def train(cfg, init, tokens, a, dtype, plain):
         if key not in named and name == "lm_head.weight":
             key = "model.embed_tokens.weight"
         final[name] = named[key].detach().double()
-    return losses, final, what
+    return losses, final, what, seconds
 
 
 def strata_result(a):
@@ -199,6 +204,8 @@ def main():
     ap.add_argument("--clip", type=float, default=1.0)
     ap.add_argument("--plain", action="store_true", help="plain torch even where transformers is installed")
     ap.add_argument("--tol", type=float, default=1e-4)
+    ap.add_argument("--f32-only", action="store_true",
+                    help="skip the float64 run (to time torch's float32 training alone)")
     a = ap.parse_args()
     if a.min_lr is None:
         a.min_lr = a.lr / 10
@@ -216,9 +223,15 @@ def main():
     s_losses, s_weights = strata_result(a)
     if len(s_losses) != a.steps:
         sys.exit(f"{a.log}: {len(s_losses)} step losses, {a.steps} expected")
-    t32, w32, what = train(cfg, {k: v.float() for k, v in init.items()}, tokens, a, torch.float32, a.plain)
-    t64, w64, _ = train(cfg, {k: v.double() for k, v in init.items()}, tokens, a, torch.float64, a.plain)
+    t32, w32, what, sec32 = train(cfg, {k: v.float() for k, v in init.items()}, tokens, a, torch.float32, a.plain)
     print(f"reference: {what}, torch {torch.__version__}, AdamW(foreach=False)")
+    print(f"torch f32 step times ({torch.get_num_threads()} threads): "
+          + ", ".join(f"{x * 1e3:.1f}" for x in sec32) + " ms")
+    if a.f32_only:
+        st = diffs(s_losses, s_weights, t32, w32)
+        print(f"strata vs torch f32: loss rel {st[0]:.2e}, weights rel L2 {st[1]:.2e} (worst {st[2]})")
+        sys.exit(0 if st[0] <= a.tol and st[1] <= a.tol else 1)
+    t64, w64, _, _ = train(cfg, {k: v.double() for k, v in init.items()}, tokens, a, torch.float64, a.plain)
     for i, (s, x, y) in enumerate(zip(s_losses, t32, t64)):
         print(f"step {i + 1}: loss strata {s:.7f}  torch f32 {x:.7f}  torch f64 {y:.7f}")
     st = diffs(s_losses, s_weights, t32, w32)

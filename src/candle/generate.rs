@@ -353,7 +353,8 @@ fn one_cache_each(inputs: usize, caches: usize) -> candle_core::Result<()> {
     Ok(())
 }
 
-/// Checks a cache's capacity against the config: the rotary tables and the sliding window.
+/// Checks a cache's capacity against the config's rotary tables (a sliding window needs no
+/// check: the attention keeps to it whatever the cache holds).
 fn check_capacity(config: &LlamaConfig, capacity: usize) -> candle_core::Result<()> {
     if capacity == 0 {
         candle_core::bail!("a KV cache of 0 positions");
@@ -362,12 +363,6 @@ fn check_capacity(config: &LlamaConfig, capacity: usize) -> candle_core::Result<
         candle_core::bail!(
             "{capacity} positions past the model's max_position_embeddings {}",
             config.max_position_embeddings
-        );
-    }
-    if let Some(w) = config.sliding_window.filter(|&w| capacity > w) {
-        candle_core::bail!(
-            "{capacity} positions past the model's sliding window of {w}: this decoder attends to \
-             every position, which equals a sliding window only for sequences within it"
         );
     }
     Ok(())

@@ -1,7 +1,10 @@
 //! A Llama-architecture decoder (RMSNorm, rotary embeddings, grouped-query attention, SwiGLU MLP,
-//! tied or untied embeddings) written with candle ops that all have gradients, so that candle's
-//! autograd can train it: candle-nn's fused `softmax_last_dim`, `rms_norm` and `rotary_emb`
-//! have no backward, so the softmax, the norm and the rotation here are made of plain ops.
+//! tied or untied embeddings) whose every op has a gradient, so that candle's autograd can train
+//! it. [`block_forward`] runs the fused ops of [`super::fused`] (attention that never builds a
+//! `seq × seq` tensor, RMSNorm, RoPE and SwiGLU each one op with its own backward; no mask
+//! built on the host); [`Compute::Decomposed`] runs the same block in plain candle ops (the
+//! softmax, the norm and the rotation written out: candle-nn's fused `softmax_last_dim`,
+//! `rms_norm` and `rotary_emb` have no backward), the fused ops' reference.
 //!
 //! The model is cut in stages that a trainer runs one at a time: the embedding
 //! ([`embed`]), each block ([`block_forward`]), and the head ([`head_logits`] then
@@ -15,6 +18,7 @@
 
 use candle_core::{DType as CDType, Device, Tensor, D};
 
+use super::fused;
 pub use super::llama_config::{LlamaConfig, RopeScaling};
 
 /// The embedding table's name.
@@ -182,6 +186,13 @@ impl Rope {
     /// Positions the tables cover.
     pub fn positions(&self) -> usize {
         self.cos.dims()[0]
+    }
+
+    /// [`Rope::apply`] as one fused op ([`fused::rope`]), for `x` of `[batch, seq, heads,
+    /// head_dim]` (any strides: the heads as a linear layer's output reshaped), giving a
+    /// contiguous `[batch, seq, heads, head_dim]`.
+    pub fn apply_fused(&self, x: &Tensor, offset: usize) -> candle_core::Result<Tensor> {
+        fused::rope(x, &self.cos, &self.sin, offset)
     }
 
     /// `x` (`[batch, heads, seq, head_dim]`) rotated for positions `offset..offset + seq`:
@@ -355,7 +366,8 @@ pub fn softmax_last_dim(x: &Tensor) -> candle_core::Result<Tensor> {
 }
 
 /// `[batch, heads, seq, d]` with each key/value head repeated `n` times, as Hugging Face's
-/// `repeat_kv` orders them.
+/// `repeat_kv` orders them (the decomposed attention's; the fused one reads each key/value head
+/// in place for its group of query heads).
 fn repeat_kv(x: &Tensor, n: usize) -> candle_core::Result<Tensor> {
     if n == 1 {
         return Ok(x.clone());
@@ -365,20 +377,60 @@ fn repeat_kv(x: &Tensor, n: usize) -> candle_core::Result<Tensor> {
 }
 
 /// The additive causal mask of `seq` queries at positions `offset..offset + seq` over
-/// `offset + seq` keys: 0 where a query may look, -inf after it.
-fn causal_mask(seq: usize, offset: usize, device: &Device) -> candle_core::Result<Tensor> {
+/// `offset + seq` keys: 0 where a query may look, -inf after it and, with a `window`, `window`
+/// or more positions before it. Built on the host: the decomposed attention's (the reference);
+/// the fused attention applies the mask inside its tiles.
+fn causal_mask(
+    seq: usize,
+    offset: usize,
+    window: Option<usize>,
+    device: &Device,
+) -> candle_core::Result<Tensor> {
     let keys = offset + seq;
+    let w = window.unwrap_or(usize::MAX);
     let m: Vec<f32> = (0..seq)
-        .flat_map(|i| (0..keys).map(move |j| if j > offset + i { f32::NEG_INFINITY } else { 0.0 }))
+        .flat_map(|i| {
+            let p = offset + i;
+            (0..keys).map(move |j| if j > p || p - j >= w { f32::NEG_INFINITY } else { 0.0 })
+        })
         .collect();
     Tensor::from_vec(m, (seq, keys), device)
+}
+
+/// How [`block_forward_with`] computes a block.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Compute {
+    /// The fused ops of [`super::fused`]: attention FlashAttention-style (no `seq × seq`
+    /// tensor, the causal mask inside its tiles, the key/value heads read in place for their
+    /// query heads), RMSNorm, RoPE and SwiGLU each one op with its own backward. What the
+    /// trainer, its in-memory twin and generation run.
+    #[default]
+    Fused,
+    /// Plain candle ops (the scores and the softmax materialized, the mask built on the host,
+    /// the key/value heads repeated): the fused ops' reference in the tests.
+    Decomposed,
 }
 
 /// One decoder block: `h = x + attention(rms_norm(x))`, `y = h + mlp(rms_norm(h))`, for `x` of
 /// `[batch, seq, hidden]` at positions `offset..offset + seq`. With a cache, the block attends
 /// over the cached positions too and appends these (`offset` must then be the cache's length);
-/// without, over these positions only (training: `offset` 0). Every op has a gradient.
+/// without, over these positions only (training: `offset` 0). A query attends to the positions
+/// up to its own, within the config's sliding window if it has one. Every op has a gradient.
+/// The fused ops ([`Compute::Fused`]); [`block_forward_with`] chooses.
 pub fn block_forward(
+    config: &LlamaConfig,
+    w: &BlockWeights,
+    x: &Tensor,
+    rope: &Rope,
+    offset: usize,
+    cache: Option<&mut KvCache>,
+) -> candle_core::Result<Tensor> {
+    block_forward_with(Compute::Fused, config, w, x, rope, offset, cache)
+}
+
+/// [`block_forward`] computed as `compute` says.
+pub fn block_forward_with(
+    compute: Compute,
     config: &LlamaConfig,
     w: &BlockWeights,
     x: &Tensor,
@@ -389,44 +441,107 @@ pub fn block_forward(
     let (b, s, _) = x.dims3()?;
     let (nh, nkv, hd) = (config.num_attention_heads, config.num_key_value_heads, config.head_dim);
     let eps = config.rms_norm_eps;
-
-    let n = rms_norm(x, &w.input_norm, eps)?;
-    let heads = |t: Tensor, count: usize| -> candle_core::Result<Tensor> {
-        t.reshape((b, s, count, hd))?.transpose(1, 2)?.contiguous()
+    let norm = |x: &Tensor, w: &Tensor| match compute {
+        Compute::Fused => fused::rms_norm(x, w, eps),
+        Compute::Decomposed => rms_norm(x, w, eps),
     };
-    let q = rope.apply(&heads(w.add_bias(linear(&n, &w.q)?, 0)?, nh)?, offset)?;
-    let mut k = rope.apply(&heads(w.add_bias(linear(&n, &w.k)?, 1)?, nkv)?, offset)?;
-    let mut v = heads(w.add_bias(linear(&n, &w.v)?, 2)?, nkv)?;
-    if let Some(c) = cache {
-        if c.len() != offset {
-            candle_core::bail!(
-                "a KV cache of {} positions for a forward at position {offset}",
-                c.len()
-            );
-        }
-        if let (Some(pk), Some(pv)) = (&c.k, &c.v) {
-            k = Tensor::cat(&[pk, &k], 2)?;
-            v = Tensor::cat(&[pv, &v], 2)?;
-        }
-        c.k = Some(k.clone());
-        c.v = Some(v.clone());
+
+    let n = norm(x, &w.input_norm)?;
+    let q = w.add_bias(linear(&n, &w.q)?, 0)?.reshape((b, s, nh, hd))?;
+    let k = w.add_bias(linear(&n, &w.k)?, 1)?.reshape((b, s, nkv, hd))?;
+    let v = w.add_bias(linear(&n, &w.v)?, 2)?.reshape((b, s, nkv, hd))?;
+    let attn = match compute {
+        Compute::Fused => fused_attention(config, rope, &q, &k, &v, offset, cache)?,
+        Compute::Decomposed => decomposed_attention(config, rope, &q, &k, &v, offset, cache)?,
+    };
+    let h = x.add(&linear(&attn.reshape((b, s, nh * hd))?, &w.o)?)?;
+
+    let n = norm(&h, &w.post_norm)?;
+    let (gate, up) = (linear(&n, &w.gate)?, linear(&n, &w.up)?);
+    let act = match compute {
+        Compute::Fused => fused::swiglu(&gate, &up)?,
+        Compute::Decomposed => gate.silu()?.mul(&up)?,
+    };
+    h.add(&linear(&act, &w.down)?)
+}
+
+/// Appends keys and values (`[batch, kv_heads, seq, head_dim]`) to `cache` when there is one
+/// (checking that it holds `offset` positions), giving those to attend over.
+fn cached(
+    cache: Option<&mut KvCache>,
+    offset: usize,
+    k: Tensor,
+    v: Tensor,
+) -> candle_core::Result<(Tensor, Tensor)> {
+    let Some(c) = cache else { return Ok((k, v)) };
+    if c.len() != offset {
+        candle_core::bail!(
+            "a KV cache of {} positions for a forward at position {offset}",
+            c.len()
+        );
     }
+    let (k, v) = match (&c.k, &c.v) {
+        (Some(pk), Some(pv)) => (Tensor::cat(&[pk, &k], 2)?, Tensor::cat(&[pv, &v], 2)?),
+        _ => (k.contiguous()?, v.contiguous()?),
+    };
+    c.k = Some(k.clone());
+    c.v = Some(v.clone());
+    Ok((k, v))
+}
+
+/// The attention of `[batch, seq, heads, head_dim]` projections with the fused ops: RoPE, then
+/// [`fused::attention`] reading the keys and values (the cache's included) in place. Gives
+/// `[batch, seq, heads, head_dim]`.
+fn fused_attention(
+    config: &LlamaConfig,
+    rope: &Rope,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    offset: usize,
+    cache: Option<&mut KvCache>,
+) -> candle_core::Result<Tensor> {
+    let q = rope.apply_fused(q, offset)?;
+    let k = rope.apply_fused(k, offset)?;
+    let (k, v) = match cache {
+        None => (k, v.clone()),
+        Some(c) => {
+            let (k, v) = cached(Some(c), offset, k.transpose(1, 2)?, v.transpose(1, 2)?)?;
+            (k.transpose(1, 2)?, v.transpose(1, 2)?)
+        }
+    };
+    let scale = 1.0 / (config.head_dim as f64).sqrt();
+    fused::attention(&q, &k, &v, scale, config.sliding_window)
+}
+
+/// The same attention in plain candle ops: the heads transposed and made contiguous, RoPE
+/// written out, the key/value heads repeated, the `seq × seq` scores masked and softmaxed.
+fn decomposed_attention(
+    config: &LlamaConfig,
+    rope: &Rope,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    offset: usize,
+    cache: Option<&mut KvCache>,
+) -> candle_core::Result<Tensor> {
+    let (nh, nkv, hd) = (config.num_attention_heads, config.num_key_value_heads, config.head_dim);
+    let s = q.dims()[1];
+    let heads = |t: &Tensor| t.transpose(1, 2)?.contiguous();
+    let q = rope.apply(&heads(q)?, offset)?;
+    let k = rope.apply(&heads(k)?, offset)?;
+    let (k, v) = cached(cache, offset, k, heads(v)?)?;
     let k = repeat_kv(&k, nh / nkv)?;
     let v = repeat_kv(&v, nh / nkv)?;
     let scores = (q.matmul(&k.t()?)? * (1.0 / (hd as f64).sqrt()))?;
-    let scores = if s > 1 {
-        let mask = causal_mask(s, offset, x.device())?.to_dtype(scores.dtype())?;
+    let window = config.sliding_window.filter(|&w| offset + s > w);
+    let scores = if s > 1 || window.is_some() {
+        let mask = causal_mask(s, offset, window, q.device())?.to_dtype(scores.dtype())?;
         scores.broadcast_add(&mask)?
     } else {
         scores // one query at the newest position sees every key
     };
-    let attn = softmax_last_dim(&scores)?.matmul(&v)?;
-    let attn = attn.transpose(1, 2)?.reshape((b, s, nh * hd))?;
-    let h = x.add(&linear(&attn, &w.o)?)?;
-
-    let n = rms_norm(&h, &w.post_norm, eps)?;
-    let mlp = linear(&linear(&n, &w.gate)?.silu()?.mul(&linear(&n, &w.up)?)?, &w.down)?;
-    h.add(&mlp)
+    softmax_last_dim(&scores)?.matmul(&v)?.transpose(1, 2)
 }
 
 /// The embedding of `ids` (`[batch, seq]`, u32): rows of `table`, `[batch, seq, hidden]`.

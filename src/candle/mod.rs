@@ -46,6 +46,7 @@
 mod bert;
 #[cfg(feature = "candle-cuda")]
 mod cuda;
+pub mod fused;
 mod generate;
 mod layers;
 pub mod llama;
