@@ -6,9 +6,8 @@
 //!
 //! The example's code is compiled into this test binary (below), and a child runs it when
 //! `STRATA_CANDLE_TRAIN_ARGS` is set: so the test needs no separately built example.
-//! `cargo test --features candle --test candle train_cli` runs these; the fifty-kill crash test
-//! is `cargo test --release --features candle --test candle fifty_kills -- --ignored
-//! --nocapture`.
+//! `cargo test --features candle --test candle train_cli -- --nocapture` runs these (and
+//! prints the crash test's figures).
 
 use std::collections::BTreeMap;
 use std::io::BufRead;
@@ -325,7 +324,8 @@ fn crash_test(kills: usize, steps: u64) {
                     if line.starts_with("step ") {
                         seen += 1;
                         if seen == k {
-                            let frac = rng.below(1000) as f64 / 1000.0;
+                            // Mostly inside the save, sometimes just after it.
+                            let frac = rng.below(1250) as f64 / 1000.0;
                             kill_at = Some(Instant::now() + save_time.mul_f64(frac));
                         }
                     }
@@ -414,13 +414,8 @@ fn lines_of(c: &mut std::process::Child) -> mpsc::Receiver<(Instant, String)> {
     rx
 }
 
+/// Fifty kills of a six-step run (about 10 s on two cores).
 #[test]
 fn a_run_killed_during_its_saves_resumes_from_a_whole_checkpoint() {
-    crash_test(8, 4);
-}
-
-#[test]
-#[ignore = "about a minute: cargo test --release --features candle --test candle fifty_kills -- --ignored --nocapture"]
-fn fifty_kills() {
-    crash_test(60, 6);
+    crash_test(50, 6);
 }

@@ -104,28 +104,7 @@ impl Checkpoint {
     /// file.
     pub fn open(path: impl AsRef<Path>) -> candle_core::Result<Checkpoint> {
         let path = path.as_ref();
-        let dir =
-            if path.join(RECORD).exists() || !path.is_dir() {
-                path.to_path_buf()
-            } else {
-                match Checkpoint::newest(path)? {
-                    Some(p) => p,
-                    None if path.join(MODEL_INDEX).exists() => return Err(bad(
-                        &path.join(RECORD),
-                        "missing: the checkpoint was never completed (a save cut short, or one \
-                         written by an older strata), so it cannot be trusted",
-                    )),
-                    None => {
-                        return Err(bad(
-                            path,
-                            format!(
-                                "no checkpoint in it (neither a commit record {RECORD} nor a \
-                             {STEP_PREFIX}* checkpoint)"
-                            ),
-                        ))
-                    }
-                }
-            };
+        let dir = checkpoint_dir(path)?;
         let ck = read_record(&dir)?;
         for f in &ck.files {
             let p = dir.join(&f.name);
@@ -175,6 +154,30 @@ impl Checkpoint {
     pub fn finished(&self) -> bool {
         self.train.schedule.total > 0 && self.step >= self.train.schedule.total
     }
+}
+
+/// The checkpoint `path` names: itself when it has a commit record (or is not a directory),
+/// else its newest `step-*` checkpoint.
+fn checkpoint_dir(path: &Path) -> candle_core::Result<PathBuf> {
+    if path.join(RECORD).exists() || !path.is_dir() {
+        return Ok(path.to_path_buf());
+    }
+    if let Some(p) = Checkpoint::newest(path)? {
+        return Ok(p);
+    }
+    let holds_files = std::fs::read_dir(path)
+        .map_err(|e| io(path, e))?
+        .flatten()
+        .any(|e| !e.file_name().to_string_lossy().starts_with('.'));
+    Err(if holds_files {
+        bad(
+            &path.join(RECORD),
+            "missing: no commit record, so no whole checkpoint (a save cut short, or one written \
+             by an older strata): it cannot be trusted",
+        )
+    } else {
+        bad(path, format!("no checkpoint in it (no {RECORD}, no {STEP_PREFIX}* checkpoint)"))
+    })
 }
 
 /// The `step-*` checkpoints of run directory `dir`, unordered.
