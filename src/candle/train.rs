@@ -16,17 +16,26 @@
 //!    `sum(output · grad_output)`; the weight gradients summed over the micro-batches in f32 and
 //!    handed to the store (group `Grad`), where the optimizer takes them;
 //! 4. *update*: [`strata::optim`](crate::optim)'s AdamW (fp32 masters and moments in the store,
-//!    group `OptimizerState`; the Cpu engine by default). Without gradient clipping a stage's
-//!    update is queued as soon as its gradients are in the store, and runs while candle goes on
-//!    with the stages below (ZeRO-Offload's overlap). With clipping the updates wait for the
-//!    global norm, then run while the next step's forward goes on with the stages already
-//!    updated. Either way a stage's weights are fetched only after its update has run.
+//!    group `OptimizerState`; the Cpu engine by default). No update starts before the loss and
+//!    the global gradient norm are known to be finite (a step that diverged changes nothing:
+//!    [`TrainError::NonFinite`], or a skip); the updates are then queued in the order the next
+//!    forward needs them and run while that forward goes on with the stages already updated (a
+//!    stage's weights are fetched only after its update has run).
 //!
 //! Frozen parameters (by name pattern) get no gradient and no state. The learning rate follows
-//! [`LrSchedule`] (linear warmup, cosine decay). [`Trainer::save`] writes the parameters (a
-//! Hugging Face checkpoint: `model-*.safetensors` and its index), the fp32 masters and moments
-//! (`optimizer-*.safetensors` and its index) and the step; [`Trainer::resume`] continues from
-//! them as if the run had not stopped.
+//! [`LrSchedule`] (linear warmup, cosine decay).
+//!
+//! **A run you can trust with days of work.** A step that fails (the store, the optimizer,
+//! candle) leaves the trainer as it was, and retrying it gives the clean step; updates that
+//! fail are done again exactly once by the next call, and the last complete step can be saved
+//! as soon as the fault has passed. Hyperparameters and sizes are checked before anything is allocated
+//! ([`TrainConfig::validate`]), token files are bounded ([`load_tokens`]). [`Trainer::save`]
+//! writes a checkpoint into a run directory that is whole or absent (a hidden directory
+//! renamed into place once every file is written, flushed and read back, its commit record
+//! last: [`Checkpoint`]), keeping the newest few; [`Trainer::resume`] checks every file against
+//! the record and the checkpoint's own config against the trainer's before it uses any, then
+//! continues as if the run had not stopped. `docs/reliability.md` lists each promise and the
+//! test that holds it.
 //!
 //! On candle's CPU device the trainer and [`LlamaTwin`] do the same f32 operations in the same
 //! order, so their losses and weights are equal bit for bit (`tests/candle/train.rs`).
