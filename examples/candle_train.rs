@@ -36,11 +36,12 @@
 //! candle` (no CLI dependencies).
 
 use std::collections::{BTreeMap, HashMap};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use candle_core::{Device, Tensor};
 use strata::candle::llama::SeededRng;
+use strata::candle::train::{load_tokens, Checkpoint};
 use strata::candle::{
     load_weights, put_random_weights, LlamaConfig, LlamaTwin, LrSchedule, StepReport, TrainConfig,
     Trainer,
@@ -50,26 +51,32 @@ use strata::{format_size, parse_size, DType, Group, Store, Tier};
 
 type Res<T> = Result<T, Box<dyn std::error::Error>>;
 
+/// The flags. A training flag not given is `None`: a new run takes the default, a resumed one
+/// the checkpoint's (and one given must agree with the checkpoint's).
 struct Args {
-    config: PathBuf,
+    config: Option<PathBuf>,
     model: Option<PathBuf>,
-    seed: u64,
-    dtype: DType,
+    seed: Option<u64>,
+    dtype: Option<DType>,
     data: Option<PathBuf>,
-    seq: usize,
-    micro_batch: usize,
-    accum: usize,
-    steps: u64,
-    lr: f64,
+    seq: Option<usize>,
+    micro_batch: Option<usize>,
+    accum: Option<usize>,
+    steps: Option<u64>,
+    lr: Option<f64>,
     min_lr: Option<f64>,
     warmup: Option<u64>,
-    weight_decay: f64,
-    clip: f64,
+    weight_decay: Option<f64>,
+    clip: Option<f64>,
     device_budget: Option<u64>,
     pinned_budget: Option<u64>,
-    engine: Engine,
+    engine: Option<Engine>,
     freeze: Vec<String>,
     save: Option<PathBuf>,
+    save_every: Option<u64>,
+    keep: usize,
+    stop_after: Option<u64>,
+    skip_nonfinite: bool,
     resume: Option<PathBuf>,
     write_inputs: Option<PathBuf>,
     in_memory: bool,
@@ -79,87 +86,141 @@ const USAGE: &str = "usage: candle_train --config FILE [--model PATH | --init ra
 [--dtype f32|bf16] [--data FILE] [--seq N] [--micro-batch N] [--accum N] [--steps N] [--lr X] \
 [--min-lr X] [--warmup N] [--weight-decay X] [--clip X] [--device-budget SIZE] \
 [--pinned-budget SIZE] [--engine cpu|gpu-mapped|gpu-resident|auto] [--freeze PATTERN]... \
-[--save DIR] [--resume DIR] [--write-inputs DIR] [--in-memory]";
+[--save DIR [--save-every N] [--keep N]] [--stop-after K] [--skip-nonfinite] [--resume DIR] \
+[--write-inputs DIR] [--in-memory]";
 
-fn parse_args() -> Res<Args> {
+fn parse_args(args: Vec<String>) -> Res<Args> {
     let mut a = Args {
-        config: PathBuf::new(),
+        config: None,
         model: None,
-        seed: 1,
-        dtype: DType::F32,
+        seed: None,
+        dtype: None,
         data: None,
-        seq: 32,
-        micro_batch: 2,
-        accum: 2,
-        steps: 5,
-        lr: 1e-3,
+        seq: None,
+        micro_batch: None,
+        accum: None,
+        steps: None,
+        lr: None,
         min_lr: None,
         warmup: None,
-        weight_decay: 0.0,
-        clip: 1.0,
+        weight_decay: None,
+        clip: None,
         device_budget: None,
         pinned_budget: None,
-        engine: Engine::Cpu,
+        engine: None,
         freeze: Vec::new(),
         save: None,
+        save_every: None,
+        keep: 2,
+        stop_after: None,
+        skip_nonfinite: false,
         resume: None,
         write_inputs: None,
         in_memory: false,
     };
-    let mut config = None;
-    let mut it = std::env::args().skip(1);
+    let mut it = args.into_iter();
     while let Some(flag) = it.next() {
-        if flag == "--in-memory" {
-            a.in_memory = true;
-            continue;
-        }
-        if flag == "-h" || flag == "--help" {
-            println!("{USAGE}");
-            std::process::exit(0);
+        match flag.as_str() {
+            "--in-memory" => {
+                a.in_memory = true;
+                continue;
+            }
+            "--skip-nonfinite" => {
+                a.skip_nonfinite = true;
+                continue;
+            }
+            "-h" | "--help" => {
+                println!("{USAGE}");
+                std::process::exit(0);
+            }
+            _ => {}
         }
         let value = it.next().ok_or_else(|| format!("{flag} needs a value\n{USAGE}"))?;
-        let num = |what: &str| -> Res<u64> {
-            value.parse().map_err(|_| format!("{flag} {value}: {what} expected").into())
+        let num = || -> Res<u64> {
+            value.parse().map_err(|_| format!("{flag} {value}: a whole number expected").into())
+        };
+        let count = || -> Res<usize> {
+            match num().map(usize::try_from) {
+                Ok(Ok(n)) if n > 0 => Ok(n),
+                _ => Err(format!("{flag} {value}: a whole number ≥ 1 expected").into()),
+            }
+        };
+        let positive = || -> Res<u64> {
+            match num() {
+                Ok(n) if n > 0 => Ok(n),
+                _ => Err(format!("{flag} {value}: a whole number ≥ 1 expected").into()),
+            }
         };
         let float = || -> Res<f64> {
             value.parse().map_err(|_| format!("{flag} {value}: a number expected").into())
         };
         match flag.as_str() {
-            "--config" => config = Some(PathBuf::from(&value)),
+            "--config" => a.config = Some(PathBuf::from(&value)),
             "--model" => a.model = Some(PathBuf::from(&value)),
             "--init" if value == "random" => a.model = None,
             "--init" => return Err(format!("--init {value}: only `random`").into()),
-            "--seed" => a.seed = num("a count")?,
+            "--seed" => a.seed = Some(num()?),
             "--dtype" => {
-                a.dtype = match value.as_str() {
+                a.dtype = Some(match value.as_str() {
                     "f32" => DType::F32,
                     "bf16" => DType::BF16,
                     _ => return Err(format!("--dtype {value}: f32 or bf16").into()),
-                }
+                })
             }
             "--data" => a.data = Some(PathBuf::from(&value)),
-            "--seq" => a.seq = num("a count")? as usize,
-            "--micro-batch" => a.micro_batch = num("a count")? as usize,
-            "--accum" => a.accum = num("a count")? as usize,
-            "--steps" => a.steps = num("a count")?,
-            "--lr" => a.lr = float()?,
+            "--seq" => a.seq = Some(count()?),
+            "--micro-batch" => a.micro_batch = Some(count()?),
+            "--accum" => a.accum = Some(count()?),
+            "--steps" => a.steps = Some(positive()?),
+            "--lr" => a.lr = Some(float()?),
             "--min-lr" => a.min_lr = Some(float()?),
-            "--warmup" => a.warmup = Some(num("a count")?),
-            "--weight-decay" => a.weight_decay = float()?,
-            "--clip" => a.clip = float()?,
+            "--warmup" => a.warmup = Some(num()?),
+            "--weight-decay" => a.weight_decay = Some(float()?),
+            "--clip" => {
+                let c = float()?;
+                if !(c.is_finite() && c >= 0.0) {
+                    return Err(format!(
+                        "--clip {value}: the gradient norm to clip at must be a finite number \
+                         ≥ 0 (0: no clipping)"
+                    )
+                    .into());
+                }
+                a.clip = Some(c);
+            }
             "--device-budget" => a.device_budget = Some(parse_size(&value)?),
             "--pinned-budget" => a.pinned_budget = Some(parse_size(&value)?),
-            "--engine" => a.engine = value.parse()?,
+            "--engine" => a.engine = Some(value.parse()?),
             "--freeze" => a.freeze.push(value),
             "--save" => a.save = Some(PathBuf::from(&value)),
+            "--save-every" => a.save_every = Some(positive()?),
+            "--keep" => a.keep = count()?,
+            "--stop-after" => a.stop_after = Some(positive()?),
             "--resume" => a.resume = Some(PathBuf::from(&value)),
             "--write-inputs" => a.write_inputs = Some(PathBuf::from(&value)),
             _ => return Err(format!("unknown flag {flag}\n{USAGE}").into()),
         }
     }
-    a.config = config.ok_or_else(|| format!("--config is required\n{USAGE}"))?;
-    if a.in_memory && (a.save.is_some() || a.resume.is_some()) {
-        return Err("--save and --resume go with the out-of-core trainer, not --in-memory".into());
+    if a.config.is_none() && a.resume.is_none() {
+        return Err(format!("--config is required (or --resume DIR)\n{USAGE}").into());
+    }
+    if a.in_memory
+        && (a.save.is_some()
+            || a.resume.is_some()
+            || a.save_every.is_some()
+            || a.stop_after.is_some()
+            || a.skip_nonfinite)
+    {
+        return Err("--save, --save-every, --resume, --stop-after and --skip-nonfinite go with \
+                    the out-of-core trainer, not --in-memory"
+            .into());
+    }
+    if a.save_every.is_some() && a.save.is_none() {
+        return Err("--save-every N needs --save DIR".into());
+    }
+    if a.resume.is_some() && (a.model.is_some() || a.write_inputs.is_some()) {
+        return Err("--resume DIR continues a run from its checkpoint's weights: --model and \
+                    --write-inputs go with a new run"
+            .into());
     }
     Ok(a)
 }
@@ -173,58 +234,78 @@ fn candle_device() -> Device {
     Device::Cpu
 }
 
+/// The run's training config: the flags over the checkpoint's (a resumed run) or the defaults.
+fn train_config(a: &Args, saved: Option<&TrainConfig>) -> TrainConfig {
+    let base = saved.cloned().unwrap_or_else(|| {
+        let steps = a.steps.unwrap_or(5);
+        let lr = a.lr.unwrap_or(1e-3);
+        TrainConfig {
+            micro_batch: 2,
+            seq: 32,
+            accum: 2,
+            adamw: AdamW { lr, weight_decay: 0.0, ..AdamW::default() },
+            schedule: LrSchedule {
+                peak: lr,
+                min: a.min_lr.unwrap_or(lr / 10.0),
+                warmup: a.warmup.unwrap_or(steps / 5),
+                total: steps,
+            },
+            clip: Some(1.0),
+            engine: Engine::Cpu,
+            optimizer_threads: 0,
+            frozen: Vec::new(),
+            skip_nonfinite: false,
+        }
+    });
+    let mut t = base;
+    t.micro_batch = a.micro_batch.unwrap_or(t.micro_batch);
+    t.seq = a.seq.unwrap_or(t.seq);
+    t.accum = a.accum.unwrap_or(t.accum);
+    t.schedule.total = a.steps.unwrap_or(t.schedule.total);
+    t.schedule.peak = a.lr.unwrap_or(t.schedule.peak);
+    t.adamw.lr = t.schedule.peak;
+    t.schedule.min = a.min_lr.unwrap_or(t.schedule.min);
+    t.schedule.warmup = a.warmup.unwrap_or(t.schedule.warmup);
+    t.adamw.weight_decay = a.weight_decay.unwrap_or(t.adamw.weight_decay);
+    if let Some(c) = a.clip {
+        t.clip = (c > 0.0).then_some(c);
+    }
+    t.engine = a.engine.unwrap_or(t.engine);
+    if !a.freeze.is_empty() {
+        t.frozen = a.freeze.clone();
+    }
+    t.skip_nonfinite = a.skip_nonfinite || (saved.is_some() && t.skip_nonfinite);
+    t
+}
+
 /// The step's micro-batches: windows of a token stream, or the synthetic stream.
 struct Data {
     stream: Option<Vec<u32>>,
     seed: u64,
     vocab: usize,
+    /// What a checkpoint's notes say of it (the file, its size and crc32, or the seed).
+    notes: BTreeMap<String, String>,
 }
 
 impl Data {
-    fn load(path: Option<&PathBuf>, seed: u64, vocab: usize) -> Res<Data> {
+    fn load(path: Option<&PathBuf>, seed: u64, vocab: usize, seq: usize) -> Res<Data> {
+        let mut notes = BTreeMap::new();
         let stream = match path {
-            None => None,
+            None => {
+                notes.insert("data".to_string(), "synthetic".to_string());
+                notes.insert("seed".to_string(), seed.to_string());
+                None
+            }
             Some(p) => {
-                let bytes =
-                    std::fs::read(p).map_err(|e| format!("reading {}: {e}", p.display()))?;
-                let raw = match safetensors::SafeTensors::deserialize(&bytes) {
-                    Ok(st) => {
-                        let mut names = st.names();
-                        names.sort();
-                        let name = names.first().ok_or("the data file holds no tensor")?;
-                        let t = st.tensor(name)?;
-                        if t.dtype() != safetensors::Dtype::U32 {
-                            return Err(format!(
-                                "{}: {name} is {:?}, u32 token ids expected",
-                                p.display(),
-                                t.dtype()
-                            )
-                            .into());
-                        }
-                        t.data().to_vec()
-                    }
-                    Err(_) => bytes,
-                };
-                if raw.len() % 4 != 0 || raw.is_empty() {
-                    return Err(
-                        format!("{}: not a whole number of u32 token ids", p.display()).into()
-                    );
-                }
-                let ids: Vec<u32> = raw
-                    .chunks_exact(4)
-                    .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                    .collect();
-                if let Some(bad) = ids.iter().find(|&&t| t as usize >= vocab) {
-                    return Err(format!(
-                        "{}: token id {bad} in a vocabulary of {vocab}",
-                        p.display()
-                    )
-                    .into());
-                }
+                let ids = load_tokens(p, vocab, seq)?;
+                let bytes: Vec<u8> = ids.iter().flat_map(|t| t.to_le_bytes()).collect();
+                notes.insert("data".to_string(), p.display().to_string());
+                notes.insert("data_tokens".to_string(), ids.len().to_string());
+                notes.insert("data_crc32".to_string(), format!("{:08x}", crc32fast::hash(&bytes)));
                 Some(ids)
             }
         };
-        Ok(Data { stream, seed, vocab })
+        Ok(Data { stream, seed, vocab, notes })
     }
 
     fn batches(&self, step: u64, t: &TrainConfig, device: &Device) -> Res<Vec<Tensor>> {
@@ -233,9 +314,15 @@ impl Data {
         for m in 0..t.accum {
             let mut v = Vec::with_capacity(t.micro_batch * row);
             for r in 0..t.micro_batch {
-                let k = (step as usize * t.accum + m) * t.micro_batch + r;
+                // Sequence number k of the run, in u128: no step number overflows it.
+                let k = (u128::from(step) * t.accum as u128 + m as u128) * t.micro_batch as u128
+                    + r as u128;
                 match &self.stream {
-                    Some(s) => v.extend((0..row).map(|i| s[(k * t.seq + i) % s.len()])),
+                    Some(s) => {
+                        let n = s.len() as u128;
+                        let start = k * t.seq as u128 % n;
+                        v.extend((0..row).map(|i| s[((start + i as u128) % n) as usize]));
+                    }
                     None => {
                         let mut rng = SeededRng::new(self.seed ^ 0xDA7A_0000 ^ (k as u64) << 20);
                         let start = rng.below(self.vocab as u64);
@@ -254,34 +341,97 @@ impl Data {
 }
 
 fn main() {
-    if let Err(e) = run() {
-        eprintln!("candle_train: {e}");
-        std::process::exit(1);
+    std::process::exit(candle_train_main(std::env::args().skip(1).collect()));
+}
+
+/// The example with these arguments: 0 when it ran (or had nothing to do), 1 on an error.
+pub fn candle_train_main(args: Vec<String>) -> i32 {
+    match run(args) {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("candle_train: {e}");
+            1
+        }
     }
 }
 
-fn run() -> Res<()> {
-    let a = parse_args()?;
-    let config = LlamaConfig::from_file(&a.config)?;
-    let device = candle_device();
-    let total = a.steps;
-    let train = TrainConfig {
-        micro_batch: a.micro_batch,
-        seq: a.seq,
-        accum: a.accum,
-        adamw: AdamW { lr: a.lr, weight_decay: a.weight_decay, ..AdamW::default() },
-        schedule: LrSchedule {
-            peak: a.lr,
-            min: a.min_lr.unwrap_or(a.lr / 10.0),
-            warmup: a.warmup.unwrap_or(total / 5),
-            total,
-        },
-        clip: (a.clip > 0.0).then_some(a.clip),
-        engine: a.engine,
-        optimizer_threads: 0,
-        frozen: a.freeze.clone(),
+/// The checkpoint `--resume` names, and the run's settings from it: a flag given must agree.
+fn resumed(a: &Args) -> Res<Option<Checkpoint>> {
+    let Some(dir) = &a.resume else { return Ok(None) };
+    let ck = Checkpoint::open(dir)?;
+    if let Some(d) = a.dtype.filter(|&d| d != ck.dtype) {
+        return Err(format!("--dtype {d}: the run's weights are {}", ck.dtype).into());
+    }
+    if let Some(steps) = a.steps.filter(|&s| s != ck.train.schedule.total) {
+        return Err(format!(
+            "--steps {steps}: the run in {} was planned for {} steps (its schedule's horizon); \
+             a run is continued to the horizon it planned: leave --steps out, or start a new \
+             run from its weights (--model {})",
+            ck.path.display(),
+            ck.train.schedule.total,
+            ck.path.join("model.safetensors.index.json").display()
+        )
+        .into());
+    }
+    Ok(Some(ck))
+}
+
+fn run(args: Vec<String>) -> Res<()> {
+    let a = parse_args(args)?;
+    let ck = resumed(&a)?;
+    if let Some(ck) = &ck {
+        if ck.finished() {
+            println!(
+                "{}: the run is finished (step {} of {}): nothing to do",
+                ck.path.display(),
+                ck.step,
+                ck.train.schedule.total
+            );
+            return Ok(());
+        }
+    }
+    let config = match (&a.config, &ck) {
+        (Some(p), _) => LlamaConfig::from_file(p)?,
+        (None, Some(ck)) => ck.config.clone(),
+        (None, None) => return Err("--config is required".into()),
     };
-    let data = Data::load(a.data.as_ref(), a.seed, config.vocab_size)?;
+    let device = candle_device();
+    let train = train_config(&a, ck.as_ref().map(|c| &c.train));
+    let dtype = ck.as_ref().map_or(a.dtype.unwrap_or(DType::F32), |c| c.dtype);
+    // Every size and hyperparameter checked before anything is allocated.
+    train.validate(&config, dtype, &device)?;
+    let total = train.schedule.total;
+    if let Some(k) = a.stop_after {
+        let at = ck.as_ref().map_or(0, |c| c.step);
+        if k <= at {
+            println!("--stop-after {k}: the run is at step {at} already: nothing to do");
+            return Ok(());
+        }
+    }
+    let saved_notes = ck.as_ref().map(|c| c.notes.clone()).unwrap_or_default();
+    let data_path = a
+        .data
+        .clone()
+        .or_else(|| saved_notes.get("data").filter(|d| *d != "synthetic").map(PathBuf::from));
+    let seed = a.seed.or_else(|| saved_notes.get("seed").and_then(|s| s.parse().ok())).unwrap_or(1);
+    let data = Data::load(data_path.as_ref(), seed, config.vocab_size, train.seq)?;
+    if ck.is_some() {
+        // The same tokens (a file's may have moved: its content is what counts).
+        for k in ["seed", "data_tokens", "data_crc32"] {
+            let (was, is) = (saved_notes.get(k), data.notes.get(k));
+            if was.is_some() && was != is {
+                return Err(format!(
+                    "the run was trained on {} ({k} {}), this is {} ({k} {}): resume with the \
+                     run's data",
+                    saved_notes.get("data").map_or("?", String::as_str),
+                    was.map_or("none", String::as_str),
+                    data.notes["data"],
+                    is.map_or("none", String::as_str),
+                )
+                .into());
+            }
+        }
+    }
     let params = config.parameters();
     println!(
         "model: {} blocks, hidden {}, {} heads ({} key/value), intermediate {}, vocab {}{}: {:.2} M parameters",
@@ -304,31 +454,39 @@ fn run() -> Res<()> {
 
     // The store: the Device tier at the budget asked for (default: the whole model), host
     // memory for the rest (weights, fp32 masters and moments, gradients, checkpoints).
-    let elem = a.dtype.size_of() as u64;
-    let model_bytes = params * elem;
-    let host_need = params * (elem + 4 + 4 * 3)
-        + 4 * params
-        + (config.num_hidden_layers
-            * train.accum
-            * train.micro_batch
-            * train.seq
-            * config.hidden_size) as u64
-            * elem
-        + (64 << 20);
-    let device_budget = a.device_budget.unwrap_or(model_bytes + (16 << 20));
+    let elem = dtype.size_of() as u64;
+    let overflow = || format!("a store for {params} parameters overflows u64");
+    let model_bytes = params.checked_mul(elem).ok_or_else(overflow)?;
+    let checkpoints = [config.num_hidden_layers, train.accum, train.micro_batch, train.seq]
+        .iter()
+        .try_fold(config.hidden_size as u64 * elem, |acc, &x| acc.checked_mul(x as u64));
+    let host_need = params
+        .checked_mul(elem + 4 + 4 * 3 + 4)
+        .and_then(|b| b.checked_add(checkpoints?))
+        .and_then(|b| b.checked_add(64 << 20))
+        .ok_or_else(overflow)?;
+    let device_budget = a.device_budget.unwrap_or(model_bytes.saturating_add(16 << 20));
+    let engine = train.engine;
     let builder = Store::builder()
         .capacity(Tier::Device, device_budget)
         .prefetch_budget(device_budget)
         .capacity(Tier::Pinned, a.pinned_budget.unwrap_or(host_need))
         .capacity(
             Tier::Mapped,
-            if a.engine == Engine::GpuMapped { 4 * params * 3 + (1 << 20) } else { 0 },
+            if engine == Engine::GpuMapped {
+                params.checked_mul(12).and_then(|b| b.checked_add(1 << 20)).ok_or_else(overflow)?
+            } else {
+                0
+            },
         );
     let store = strata::candle::store_for(&device, builder)?;
     println!("candle device: {device:?}; strata: {}", store.backend_description());
-    let weights = match &a.model {
-        Some(p) => load_weights(&store, &config, p)?,
-        None => put_random_weights(&store, &config, a.seed, a.dtype)?,
+    let weights = match (&a.model, &ck) {
+        (Some(p), _) => load_weights(&store, &config, p)?,
+        (None, Some(ck)) => {
+            load_weights(&store, &config, ck.path.join("model.safetensors.index.json"))?
+        }
+        (None, None) => put_random_weights(&store, &config, seed, dtype)?,
     };
     if let Some(dir) = &a.write_inputs {
         write_inputs(dir, &store, &config, &weights, &data, &train, total)?;
@@ -373,18 +531,31 @@ fn run() -> Res<()> {
     } else {
         let mut trainer =
             Trainer::new(store.clone(), &device, config.clone(), train.clone(), weights)?;
-        if let Some(dir) = &a.resume {
-            trainer.resume(dir)?;
-            println!("resumed {} at step {}", dir.display(), trainer.steps());
+        if let Some(ck) = &ck {
+            trainer.resume(&ck.path)?;
+            println!("resumed {} at step {}", ck.path.display(), trainer.steps());
         }
+        trainer.set_notes(data.notes.clone());
         plan(&store);
-        let first = trainer.steps();
-        for step in first..total {
+        let end = a.stop_after.map_or(total, |k| k.min(total));
+        let mut saved = trainer.steps();
+        let save = |trainer: &mut Trainer, dir: &Path| -> Res<()> {
+            let p = trainer.save_keeping(dir, a.keep)?;
+            println!("saved {} (step {})", p.display(), trainer.steps());
+            Ok(())
+        };
+        for step in trainer.steps()..end {
             let b = data.batches(step, &train, &device)?;
             let r = trainer.step(&b)?;
             report(&r, total, flops_per_step);
             progress(step + 1, total);
             losses.push(r.loss);
+            if let (Some(dir), Some(n)) = (&a.save, a.save_every) {
+                if trainer.steps() % n == 0 {
+                    save(&mut trainer, dir)?;
+                    saved = trainer.steps();
+                }
+            }
         }
         let t = Instant::now();
         let waited = trainer.finish()?;
@@ -394,8 +565,15 @@ fn run() -> Res<()> {
             t.elapsed().as_secs_f64() * 1e3
         );
         if let Some(dir) = &a.save {
-            trainer.save(dir)?;
-            println!("saved {} (step {})", dir.display(), trainer.steps());
+            if saved != trainer.steps() {
+                save(&mut trainer, dir)?;
+            }
+        }
+        if trainer.skipped() > 0 {
+            println!("skipped {} steps whose loss or gradient was not finite", trainer.skipped());
+        }
+        if end < total {
+            println!("stopped after step {end} of {total} (--stop-after)");
         }
         let tr = trainer.layers().transfers()?;
         println!(
@@ -436,13 +614,14 @@ fn report(r: &StepReport, total: u64, flops: f64) {
         }
     }
     println!(
-        "step {}/{total}: loss {:.6}  lr {:.3e}  grad norm {:.4}{}  {:.0} tokens/s  {:.4} TFLOPS  \
+        "step {}/{total}: loss {:.6}  lr {:.3e}  grad norm {:.4}{}{}  {:.0} tokens/s  {:.4} TFLOPS  \
          ({:.1} ms)  moved [{}]  stall {:.2} ms  optimizer {:.2} ms (hidden {:.2}, exposed {:.2})",
         r.step + 1,
         r.loss,
         r.lr,
         r.grad_norm,
         if r.clip_scale < 1.0 { format!(" (clipped x{:.4})", r.clip_scale) } else { String::new() },
+        if r.skipped { " (skipped: not finite)" } else { "" },
         r.tokens as f64 / r.seconds,
         flops / r.seconds / 1e12,
         r.seconds * 1e3,
@@ -475,6 +654,22 @@ fn write_inputs(
     train: &TrainConfig,
     steps: u64,
 ) -> Res<()> {
+    // Every step's tokens, twice (as ids and as bytes): bounded before anything is made.
+    let micro_batches = usize::try_from(steps).ok().and_then(|s| s.checked_mul(train.accum));
+    let bytes = micro_batches
+        .and_then(|n| n.checked_mul(train.micro_batch * (train.seq + 1)))
+        .and_then(|n| n.checked_mul(8))
+        .ok_or_else(|| format!("--write-inputs: {steps} steps' tokens overflow"))?;
+    if let Some(avail) = strata::host_memory_available() {
+        if bytes as u64 > avail {
+            return Err(format!(
+                "--write-inputs: {steps} steps' tokens need {} of host memory and {} is available",
+                format_size(bytes as u64),
+                format_size(avail)
+            )
+            .into());
+        }
+    }
     std::fs::create_dir_all(dir)?;
     let named: Vec<(strata::TensorId, String)> =
         weights.iter().map(|(n, id)| (*id, n.clone())).collect();
@@ -487,7 +682,7 @@ fn write_inputs(
             tokens.extend(b.flatten_all()?.to_vec1::<u32>()?);
         }
     }
-    let shape = [steps as usize * train.accum, train.micro_batch, train.seq + 1];
+    let shape = [micro_batches.unwrap_or(0), train.micro_batch, train.seq + 1];
     let bytes: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
     let view =
         safetensors::tensor::TensorView::new(safetensors::Dtype::U32, shape.to_vec(), &bytes)?;

@@ -50,11 +50,14 @@ pub enum Site {
     SaveSync,
     /// Renaming a saved file into place.
     SaveRename,
+    /// A computation of a framework built on the store failing (the candle trainer's stages:
+    /// an error candle could return).
+    Compute,
 }
 
 impl Site {
     /// Every site.
-    pub const ALL: [Site; 14] = [
+    pub const ALL: [Site; 15] = [
         Site::Alloc,
         Site::Copy,
         Site::HostCopy,
@@ -69,6 +72,7 @@ impl Site {
         Site::SaveWrite,
         Site::SaveSync,
         Site::SaveRename,
+        Site::Compute,
     ];
 }
 

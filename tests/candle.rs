@@ -513,10 +513,16 @@ fn out_of_core_on_cuda_equals_in_memory() {
 mod fused;
 #[path = "candle/llama.rs"]
 mod llama;
+/// Checkpoints, faults, divergence and bounded inputs of the trainer, and its example run as a
+/// user runs it (the crash test).
+#[path = "candle/reliable.rs"]
+mod reliable;
 #[path = "candle/shared.rs"]
 mod shared;
 #[path = "candle/train.rs"]
 mod train;
+#[path = "candle/train_cli.rs"]
+mod train_cli;
 
 /// A strata error reaches candle code through `?` as one candle error whose message has the
 /// whole chain (an I/O error's OS reason too) and the tensor's name where it is known.

@@ -1094,3 +1094,8 @@ fn a_backend_that_keeps_failing_refuses_device_work_at_once() {
         assert_eq!(back.read(id).unwrap(), vec![i; 4096]);
     }
 }
+
+/// The candle trainer under every failure site (with the `candle` feature too).
+#[cfg(feature = "candle")]
+#[path = "faults/train.rs"]
+mod trainer;

@@ -168,11 +168,18 @@ def train(cfg, init, tokens, a, dtype, plain):
 
 
 def strata_result(a):
-    index = os.path.join(a.result, "model.safetensors.index.json")
+    result = a.result
+    if not os.path.exists(os.path.join(result, "model.safetensors.index.json")):
+        # The example's --save folder is a run directory: its newest step-N checkpoint.
+        steps = sorted((int(d[5:]), d) for d in os.listdir(result) if d.startswith("step-") and d[5:].isdigit())
+        if not steps:
+            sys.exit(f"{result}: no checkpoint (model.safetensors.index.json or step-N/)")
+        result = os.path.join(result, steps[-1][1])
+    index = os.path.join(result, "model.safetensors.index.json")
     files = set(json.load(open(index))["weight_map"].values())
     out = {}
     for f in files:
-        out.update({k: v.double() for k, v in load_file(os.path.join(a.result, f)).items()})
+        out.update({k: v.double() for k, v in load_file(os.path.join(result, f)).items()})
     losses = []
     for line in open(a.log):
         m = re.match(r"step (\d+)/\d+: loss ([-0-9.eE+]+)", line)
@@ -194,7 +201,7 @@ def diffs(losses, weights, ref_losses, ref_weights):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--inputs", required=True, help="the example's --write-inputs folder")
-    ap.add_argument("--result", required=True, help="the example's --save folder")
+    ap.add_argument("--result", required=True, help="the example's --save folder (its newest checkpoint), or a checkpoint")
     ap.add_argument("--log", required=True, help="the example's stdout")
     ap.add_argument("--steps", type=int, required=True)
     ap.add_argument("--lr", type=float, default=1e-3)

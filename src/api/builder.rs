@@ -368,6 +368,8 @@ impl StoreBuilder {
         let fits = state.books.fits();
         state.place.victims.set_fits(fits);
         state.books.reserve.enabled = self.write_reserve;
+        // The reserve's range on the Disk tier gets file-system blocks as it is taken.
+        state.books.reserve.backing = disk.as_ref().and_then(|d| d.backing().ok());
         let shared = Arc::new(Shared {
             backend,
             mem: TierMem { arenas, disk, staging },

@@ -16,23 +16,32 @@
 //!    `sum(output · grad_output)`; the weight gradients summed over the micro-batches in f32 and
 //!    handed to the store (group `Grad`), where the optimizer takes them;
 //! 4. *update*: [`strata::optim`](crate::optim)'s AdamW (fp32 masters and moments in the store,
-//!    group `OptimizerState`; the Cpu engine by default). Without gradient clipping a stage's
-//!    update is queued as soon as its gradients are in the store, and runs while candle goes on
-//!    with the stages below (ZeRO-Offload's overlap). With clipping the updates wait for the
-//!    global norm, then run while the next step's forward goes on with the stages already
-//!    updated. Either way a stage's weights are fetched only after its update has run.
+//!    group `OptimizerState`; the Cpu engine by default). No update starts before the loss and
+//!    the global gradient norm are known to be finite (a step that diverged changes nothing:
+//!    [`TrainError::NonFinite`], or a skip); the updates are then queued in the order the next
+//!    forward needs them and run while that forward goes on with the stages already updated (a
+//!    stage's weights are fetched only after its update has run).
 //!
 //! Frozen parameters (by name pattern) get no gradient and no state. The learning rate follows
-//! [`LrSchedule`] (linear warmup, cosine decay). [`Trainer::save`] writes the parameters (a
-//! Hugging Face checkpoint: `model-*.safetensors` and its index), the fp32 masters and moments
-//! (`optimizer-*.safetensors` and its index) and the step; [`Trainer::resume`] continues from
-//! them as if the run had not stopped.
+//! [`LrSchedule`] (linear warmup, cosine decay).
+//!
+//! **A run you can trust with days of work.** A step that fails (the store, the optimizer,
+//! candle) leaves the trainer as it was, and retrying it gives the clean step; updates that
+//! fail are done again exactly once by the next call, and the last complete step can be saved
+//! as soon as the fault has passed. Hyperparameters and sizes are checked before anything is allocated
+//! ([`TrainConfig::validate`]), token files are bounded ([`load_tokens`]). [`Trainer::save`]
+//! writes a checkpoint into a run directory that is whole or absent (a hidden directory
+//! renamed into place once every file is written, flushed and read back, its commit record
+//! last: [`Checkpoint`]), keeping the newest few; [`Trainer::resume`] checks every file against
+//! the record and the checkpoint's own config against the trainer's before it uses any, then
+//! continues as if the run had not stopped. `docs/reliability.md` lists each promise and the
+//! test that holds it.
 //!
 //! On candle's CPU device the trainer and [`LlamaTwin`] do the same f32 operations in the same
 //! order, so their losses and weights are equal bit for bit (`tests/candle/train.rs`).
 
 use std::collections::{BTreeMap, HashMap};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -43,11 +52,14 @@ use super::llama::{
     LlamaConfig, Rope, EMBED, LM_HEAD, NORM,
 };
 use super::{strata_err, Layers};
+
+mod checkpoint;
 use crate::optim::{
     cpu_update_scaled, AdamW, Algorithm, Engine, GradSlice, Optimizer, OptimizerConfig,
 };
 use crate::types::{DType, Group, TensorId, Tier};
 use crate::{LoadOptions, Store, Stream};
+pub use checkpoint::{Checkpoint, CheckpointFile};
 
 /// The learning rate of each step: linear warmup from `peak / warmup` to `peak` over the first
 /// `warmup` steps, then a cosine from `peak` down to `min` at step `total` (and `min` after).
@@ -90,6 +102,114 @@ impl LrSchedule {
     }
 }
 
+/// The trainer's own errors. They reach the caller inside a `candle_core::Error` (an
+/// `std::io::Error` of kind `Other` carrying this, in `candle_core::Error::Io`):
+/// [`TrainError::find`] gets them back, to act on a diverged run or a refused checkpoint.
+///
+/// ```
+/// use strata::candle::train::TrainError;
+/// let e = TrainError::NonFinite { step: 3, what: "the loss".into(), value: f64::NAN }.into_candle();
+/// assert!(matches!(TrainError::find(&e), Some(TrainError::NonFinite { step: 3, .. })));
+/// assert!(e.to_string().starts_with("step 3: the loss is NaN"));
+/// ```
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum TrainError {
+    /// A hyperparameter, size or flag that cannot train: NaN, negative, zero, or a product of
+    /// sizes that overflows. The message names it and says what is allowed.
+    #[error("{0}")]
+    Invalid(String),
+    /// A step (or a file) needs more host memory than the machine has available.
+    #[error(
+        "{what} needs about {} of host memory and {} is available: {hint}",
+        crate::format_size(*asked),
+        crate::format_size(*available)
+    )]
+    TooLarge {
+        /// What was asked for.
+        what: String,
+        /// Bytes it needs.
+        asked: u64,
+        /// Bytes available (`MemAvailable`).
+        available: u64,
+        /// What to change.
+        hint: String,
+    },
+    /// A step whose loss or gradient norm is not finite: nothing was updated, and the trainer
+    /// is still at step `step` (it can be saved). Also a save that found a non-finite value in
+    /// the state it would write (nothing is written then).
+    #[error(
+        "step {step}: {what} is {value}: the run diverged; nothing was updated or written, and \
+         the trainer is still at step {step} (save it, or lower the learning rate, clip the \
+         gradients, or skip such steps with TrainConfig::skip_nonfinite / --skip-nonfinite)"
+    )]
+    NonFinite {
+        /// The step (0-based) that diverged.
+        step: u64,
+        /// What was not finite: `the loss`, `the gradient norm (first at NAME)`, ...
+        what: String,
+        /// Its value.
+        value: f64,
+    },
+    /// A checkpoint that cannot be used as it is: no commit record, a file missing, of another
+    /// size or content than the record says, of another run or step. Names the file.
+    #[error("checkpoint {}: {why}", path.display())]
+    BadCheckpoint {
+        /// The file (or directory) at fault.
+        path: PathBuf,
+        /// What is wrong with it.
+        why: String,
+    },
+    /// A checkpoint of another run than the trainer's: another architecture, dtype, frozen set,
+    /// schedule or batch, or a run directory holding another run's checkpoints.
+    #[error("{}: the saved run's {what} is {saved}, this one's {here}: {hint}", path.display())]
+    Mismatch {
+        /// The checkpoint (or run directory).
+        path: PathBuf,
+        /// What differs.
+        what: String,
+        /// The checkpoint's value.
+        saved: String,
+        /// The trainer's.
+        here: String,
+        /// What to do.
+        hint: String,
+    },
+    /// A token file that cannot be trained on (not a regular file, not whole u32s, too short,
+    /// ids past the vocabulary, too large for the host).
+    #[error("data {}: {why}", path.display())]
+    BadData {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        why: String,
+    },
+}
+
+impl TrainError {
+    /// This error as a `candle_core::Error` (what the trainer's functions return).
+    pub fn into_candle(self) -> candle_core::Error {
+        candle_core::Error::Io(std::io::Error::other(self))
+    }
+
+    /// The [`TrainError`] inside `e`, if it is one (under any backtrace or context candle
+    /// added).
+    pub fn find(e: &candle_core::Error) -> Option<&TrainError> {
+        use candle_core::Error as E;
+        match e {
+            E::Io(io) => io.get_ref()?.downcast_ref::<TrainError>(),
+            E::WithBacktrace { inner, .. }
+            | E::Context { inner, .. }
+            | E::WithPath { inner, .. } => Self::find(inner),
+            _ => None,
+        }
+    }
+}
+
+fn invalid(why: String) -> candle_core::Error {
+    TrainError::Invalid(why).into_candle()
+}
+
 /// How [`Trainer`] (and [`LlamaTwin`]) train.
 #[derive(Clone, Debug, PartialEq)]
 pub struct TrainConfig {
@@ -102,10 +222,11 @@ pub struct TrainConfig {
     pub accum: usize,
     /// AdamW's hyperparameters (its `lr` is replaced by the schedule's).
     pub adamw: AdamW,
-    /// The learning rate by step.
+    /// The learning rate by step. Its `total` is the run's horizon: a checkpoint resumes only
+    /// on a trainer of the same schedule.
     pub schedule: LrSchedule,
-    /// Global gradient-norm clipping (`torch.nn.utils.clip_grad_norm_`'s `max_norm`); `None`
-    /// for none.
+    /// Global gradient-norm clipping (`torch.nn.utils.clip_grad_norm_`'s `max_norm`, finite
+    /// and > 0); `None` for none.
     pub clip: Option<f64>,
     /// Where the optimizer runs ([`Engine::Cpu`] by default).
     pub engine: Engine,
@@ -114,6 +235,10 @@ pub struct TrainConfig {
     /// Name patterns of frozen parameters (`*` matches any run of characters): no gradient,
     /// no optimizer state, never changed.
     pub frozen: Vec<String>,
+    /// A step whose loss or gradient norm is not finite is skipped (no update, counted by
+    /// [`Trainer::skipped`] and [`StepReport::skipped`]) instead of failing with
+    /// [`TrainError::NonFinite`], as torch's `GradScaler` skips them.
+    pub skip_nonfinite: bool,
 }
 
 impl Default for TrainConfig {
@@ -128,6 +253,7 @@ impl Default for TrainConfig {
             engine: Engine::Cpu,
             optimizer_threads: 0,
             frozen: Vec::new(),
+            skip_nonfinite: false,
         }
     }
 }
@@ -138,18 +264,143 @@ impl TrainConfig {
         self.frozen.iter().any(|p| glob(p, name))
     }
 
-    fn check(&self, config: &LlamaConfig) -> candle_core::Result<()> {
+    /// Checks that this config can train a model of `config` with `dtype` weights on
+    /// `device`, before anything is allocated: sizes at least 1, `seq` within the model's
+    /// positions, a peak learning rate finite and > 0 and a floor finite and ≥ 0, AdamW's betas
+    /// in [0, 1), its eps finite and > 0, its weight decay finite and ≥ 0, a clip finite
+    /// and > 0; every product of sizes (micro-batch × seq × accum, and what a step computes from
+    /// them) in checked arithmetic, and what a step holds in host memory (on the CPU: candle's
+    /// activations too) no more than the host has available. Errors are
+    /// [`TrainError::Invalid`] or [`TrainError::TooLarge`], naming what was asked and what
+    /// is allowed or there. [`Trainer::new`] and [`LlamaTwin::new`] call it.
+    ///
+    /// ```
+    /// # use strata::candle::{LlamaConfig, TrainConfig, LrSchedule};
+    /// # let c = LlamaConfig::from_json(r#"{"hidden_size": 32, "intermediate_size": 64,
+    /// #     "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 50}"#).unwrap();
+    /// let cpu = candle_core::Device::Cpu;
+    /// let ok = TrainConfig::default();
+    /// assert!(ok.validate(&c, strata::DType::F32, &cpu).is_ok());
+    /// let nan = TrainConfig { schedule: LrSchedule::constant(f64::NAN), ..ok.clone() };
+    /// assert!(nan.validate(&c, strata::DType::F32, &cpu).unwrap_err().to_string().contains("learning rate"));
+    /// let huge = TrainConfig { accum: usize::MAX, ..ok };
+    /// assert!(huge.validate(&c, strata::DType::F32, &cpu).is_err());
+    /// ```
+    pub fn validate(
+        &self,
+        config: &LlamaConfig,
+        dtype: DType,
+        device: &Device,
+    ) -> candle_core::Result<()> {
         if self.micro_batch == 0 || self.seq == 0 || self.accum == 0 {
-            candle_core::bail!("micro_batch, seq and accum must be at least 1");
+            return Err(invalid(format!(
+                "micro_batch {}, seq {} and accum {}: each must be at least 1",
+                self.micro_batch, self.seq, self.accum
+            )));
         }
         if self.seq > config.max_position_embeddings {
-            candle_core::bail!(
+            return Err(invalid(format!(
                 "seq {} is past the model's max_position_embeddings {}",
-                self.seq,
-                config.max_position_embeddings
-            );
+                self.seq, config.max_position_embeddings
+            )));
+        }
+        let s = &self.schedule;
+        if !(s.peak.is_finite() && s.peak > 0.0) {
+            return Err(invalid(format!(
+                "learning rate {}: it must be a finite number > 0 (a negative one ascends the \
+                 loss)",
+                s.peak
+            )));
+        }
+        if !(s.min.is_finite() && s.min >= 0.0) {
+            return Err(invalid(format!(
+                "minimum learning rate {}: it must be a finite number ≥ 0",
+                s.min
+            )));
+        }
+        let a = &self.adamw;
+        for (what, v) in [("beta1", a.beta1), ("beta2", a.beta2)] {
+            if !(0.0..1.0).contains(&v) {
+                return Err(invalid(format!("AdamW's {what} {v}: it must be in [0, 1)")));
+            }
+        }
+        if !(a.eps.is_finite() && a.eps > 0.0) {
+            return Err(invalid(format!("AdamW's eps {}: it must be a finite number > 0", a.eps)));
+        }
+        if !(a.weight_decay.is_finite() && a.weight_decay >= 0.0) {
+            return Err(invalid(format!(
+                "weight decay {}: it must be a finite number ≥ 0",
+                a.weight_decay
+            )));
+        }
+        if let Some(c) = self.clip {
+            if !(c.is_finite() && c > 0.0) {
+                return Err(invalid(format!(
+                    "gradient clipping at {c}: the norm must be a finite number > 0 (no \
+                     clipping is None)"
+                )));
+            }
+        }
+        let (host, compute) = self.step_bytes(config, dtype).ok_or_else(|| {
+            invalid(format!(
+                "a step of {} micro-batches of {} × {} tokens: the sizes' products overflow",
+                self.accum, self.micro_batch, self.seq
+            ))
+        })?;
+        let asked = match device {
+            Device::Cpu => host.checked_add(compute),
+            _ => Some(host),
+        };
+        let asked = asked.ok_or_else(|| invalid("a step's memory overflows u64".into()))?;
+        if let Some(available) = crate::host_memory_available() {
+            if asked > available {
+                return Err(TrainError::TooLarge {
+                    what: format!(
+                        "a step of {} micro-batches of {} × {} tokens",
+                        self.accum, self.micro_batch, self.seq
+                    ),
+                    asked,
+                    available,
+                    hint: "lower the micro-batch, the accumulation or the sequence".into(),
+                }
+                .into_candle());
+            }
         }
         Ok(())
+    }
+
+    /// An upper estimate of the bytes a step holds outside the store: in host memory whatever
+    /// the device (the token batches, the buffers the trainer fills the store from), and on
+    /// candle's device (every micro-batch's hidden state and its gradient, one block's forward
+    /// and backward for one micro-batch, the head's logits, a stage's gradients). `None` when
+    /// a product overflows.
+    fn step_bytes(&self, c: &LlamaConfig, dtype: DType) -> Option<(u64, u64)> {
+        let u = |x: usize| x as u64;
+        let (mb, seq, acc) = (u(self.micro_batch), u(self.seq), u(self.accum));
+        let (h, i, v, heads) =
+            (u(c.hidden_size), u(c.intermediate_size), u(c.vocab_size), u(c.num_attention_heads));
+        let elem = dtype.size_of() as u64;
+        let tokens = mb.checked_mul(seq.checked_add(1)?)?.checked_mul(acc)?;
+        let mb_tokens = mb.checked_mul(seq)?;
+        // Batches, their inputs and targets (u32).
+        let batches = tokens.checked_mul(12)?;
+        // The zeros a checkpoint and a tied head's share are made from.
+        let zeros = mb_tokens.checked_mul(h)?.checked_add(v.checked_mul(h)?)?.checked_mul(elem)?;
+        let host = batches.checked_add(zeros)?;
+        // Every micro-batch's hidden state and its gradient (f32 at most).
+        let hidden = tokens.checked_mul(h)?.checked_mul(8)?;
+        // One block for one micro-batch: about 12 hidden-wide and 6 MLP-wide f32 activations a
+        // token through the forward and the backward, and 4 score-sized ones for attention.
+        let widths = h.checked_mul(12)?.checked_add(i.checked_mul(6)?)?;
+        let block = mb_tokens.checked_mul(widths)?.checked_mul(4)?.checked_add(
+            mb.checked_mul(heads)?.checked_mul(seq)?.checked_mul(seq)?.checked_mul(16)?,
+        )?;
+        // The head's logits, their softmax and gradients.
+        let head = mb_tokens.checked_mul(v)?.checked_mul(16)?;
+        // A stage's gradients summed in f32, twice.
+        let grads = c.block_parameters().max(v.checked_mul(h)?).checked_mul(8)?;
+        let compute = hidden.checked_add(block)?.checked_add(head)?.checked_add(grads)?;
+        Some((host, compute))
     }
 }
 
@@ -192,6 +443,13 @@ pub struct StepReport {
     /// Seconds the step waited for updates (the part of the optimizer not hidden behind
     /// candle's compute).
     pub optimizer_exposed_seconds: f64,
+    /// The step's loss or gradient norm was not finite and [`TrainConfig::skip_nonfinite`]
+    /// skipped it: no parameter or moment changed.
+    pub skipped: bool,
+    /// An update of the step failed when it was queued (a fault): the step is done, and the
+    /// next [`Trainer::step`], [`Trainer::finish`] or [`Trainer::save`] does that update
+    /// again (and returns the error if it fails again). The error, as it read.
+    pub update_error: Option<String>,
 }
 
 impl StepReport {
@@ -428,9 +686,53 @@ pub struct Trainer {
     /// Tied embeddings being trained: the head's share of the table's gradient, per
     /// micro-batch, kept in the store until the embedding's backward adds its own.
     head_shares: Vec<String>,
+    /// Steps done: the next step's number.
     step: u64,
-    /// The stage of each update queued since the last `Optimizer::finish`, in order.
-    queued: Vec<usize>,
+    /// Steps skipped for a non-finite loss or gradient ([`TrainConfig::skip_nonfinite`]).
+    skipped: u64,
+    /// The run's identity, carried by every file of its checkpoints.
+    run: u64,
+    /// The updates of the last step, until `Optimizer::finish` ended them.
+    updates: Option<Updates>,
+    /// A resume that failed after it began writing the trainer's tensors: steps and saves are
+    /// refused until a resume succeeds.
+    torn: Option<PathBuf>,
+    /// The caller's notes on the run, kept in its checkpoints.
+    notes: BTreeMap<String, String>,
+}
+
+/// A step's updates not yet ended: queued behind the next step's forward, failed (to be done
+/// again), or not all queued.
+#[derive(Debug)]
+struct Updates {
+    /// The gradients' clipping factor: what a retried update is scaled by.
+    scale: f32,
+    /// The stage of each update queued, in order (the forward waits for a stage's).
+    stages: Vec<usize>,
+}
+
+/// What [`Trainer::report`] makes a [`StepReport`] of.
+struct Reported<'a> {
+    t0: Instant,
+    stats0: &'a crate::Stats,
+    busy0: f64,
+    loss: f32,
+    lr: f64,
+    grad_norm: f64,
+    clip: f32,
+    exposed: f64,
+    skipped: bool,
+}
+
+/// A new run's identity: 64 random bits (the standard library's per-process random hash keys,
+/// over the time and the process id).
+fn new_run_id() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH);
+    h.write_u128(now.map_or(0, |d| d.as_nanos()));
+    h.write_u32(std::process::id());
+    h.finish()
 }
 
 impl std::fmt::Debug for Trainer {
@@ -461,10 +763,10 @@ impl Trainer {
         train: TrainConfig,
         weights: Vec<(String, TensorId)>,
     ) -> candle_core::Result<Trainer> {
-        train.check(&config)?;
         let by_name: HashMap<String, TensorId> = weights.into_iter().collect();
         let layers_n = config.num_hidden_layers;
-        let mut params = Vec::new();
+        // Every weight checked, and the config with them, before anything moves or is made.
+        let mut infos = Vec::new();
         let mut dtype = None;
         for (name, shape) in config.tensors() {
             let id = *by_name
@@ -478,6 +780,13 @@ impl Trainer {
             if *dtype.get_or_insert(d) != d {
                 candle_core::bail!("{name} is {:?}: every parameter must have one dtype", d);
             }
+            infos.push((name, id, info));
+        }
+        let dtype = dtype.unwrap_or(CDType::F32);
+        let sd = if dtype == CDType::BF16 { DType::BF16 } else { DType::F32 };
+        train.validate(&config, sd, device)?;
+        let mut params = Vec::new();
+        for (name, id, info) in infos {
             let stage = if name == EMBED {
                 0
             } else if name == NORM || name == LM_HEAD {
@@ -506,8 +815,6 @@ impl Trainer {
             store.set_group(id, Group::Param).map_err(|e| strata_err(&name, e))?;
             params.push(Param { trainable: !train.is_frozen(&name), name, id, stage });
         }
-        let dtype = dtype.unwrap_or(CDType::F32);
-        let sd = if dtype == CDType::BF16 { DType::BF16 } else { DType::F32 };
 
         let mut names: Vec<(String, TensorId)> =
             params.iter().map(|p| (p.name.clone(), p.id)).collect();
@@ -566,7 +873,11 @@ impl Trainer {
             checkpoints,
             head_shares,
             step: 0,
-            queued: Vec::new(),
+            skipped: 0,
+            run: new_run_id(),
+            updates: None,
+            torn: None,
+            notes: BTreeMap::new(),
         })
     }
 
@@ -585,9 +896,32 @@ impl Trainer {
         &self.train
     }
 
-    /// Steps done (the next step's number).
+    /// Steps done (the next step's number), skipped ones included.
     pub fn steps(&self) -> u64 {
         self.step
+    }
+
+    /// Steps skipped because their loss or gradient norm was not finite
+    /// ([`TrainConfig::skip_nonfinite`]).
+    pub fn skipped(&self) -> u64 {
+        self.skipped
+    }
+
+    /// The run's identity: random for a new trainer, the checkpoint's after
+    /// [`Trainer::resume`]. Every file of its checkpoints carries it.
+    pub fn run_id(&self) -> u64 {
+        self.run
+    }
+
+    /// Sets the caller's notes on the run (what it trains on, for example), kept in every
+    /// checkpoint's commit record ([`Checkpoint::notes`]) and set back by [`Trainer::resume`].
+    pub fn set_notes(&mut self, notes: BTreeMap<String, String>) {
+        self.notes = notes;
+    }
+
+    /// The caller's notes on the run ([`Trainer::set_notes`]).
+    pub fn notes(&self) -> &BTreeMap<String, String> {
+        &self.notes
     }
 
     /// The optimizer (`None` when every parameter is frozen): its engine, its state tensors.
@@ -617,7 +951,9 @@ impl Trainer {
     /// Waits until the updates writing what stages `stages` read have run; returns the seconds
     /// waited.
     fn wait_for(&mut self, stages: &[usize]) -> candle_core::Result<f64> {
-        let Some(opt) = self.opt.as_mut() else { return Ok(0.0) };
+        let (Some(opt), Some(u)) = (self.opt.as_mut(), self.updates.as_ref()) else {
+            return Ok(0.0);
+        };
         let mut writers = Vec::new();
         for &s in stages {
             let names = match s {
@@ -627,10 +963,10 @@ impl Trainer {
             };
             writers.extend(self.params.iter().filter(|p| names.contains(&p.name)).map(|p| p.stage));
         }
-        let Some(last) = self.queued.iter().rposition(|s| writers.contains(s)) else {
+        let Some(last) = u.stages.iter().rposition(|s| writers.contains(s)) else {
             return Ok(0.0);
         };
-        let left = self.queued.len() - (last + 1);
+        let left = u.stages.len() - (last + 1);
         if opt.pending() <= left {
             return Ok(0.0);
         }
@@ -639,35 +975,60 @@ impl Trainer {
         Ok(t.elapsed().as_secs_f64())
     }
 
-    /// Ends the optimizer's step whose updates were queued last (they have all been waited
-    /// for, or are now), so that the next updates count the next step.
-    fn close_updates(&mut self) -> candle_core::Result<f64> {
-        let Some(opt) = self.opt.as_mut() else { return Ok(0.0) };
-        if self.queued.is_empty() {
-            return Ok(0.0);
-        }
+    /// Ends the last step's updates: waits for those queued, does again those that failed or
+    /// were never queued (the optimizer finishes a half-done update's writes instead of
+    /// stepping it twice, so the result is a clean step's), and ends the optimizer's step.
+    /// Returns the seconds it waited; on an error the updates stay owed, for the next call.
+    fn settle(&mut self) -> candle_core::Result<f64> {
+        let Some(scale) = self.updates.as_ref().map(|u| u.scale) else { return Ok(0.0) };
         let t = Instant::now();
-        let waited = opt.pending() > 0;
-        opt.finish().map_err(candle_core::Error::from)?;
-        self.queued.clear();
+        let mut waited = false;
+        if let Some(opt) = self.opt.as_mut() {
+            waited = opt.pending() > 0;
+            // Failures are kept by the optimizer: `unstepped` lists them once nothing is queued.
+            let _ = opt.wait_pending(0);
+            for id in opt.unstepped() {
+                let name = self.params.iter().find(|p| p.id == id).map_or("?", |p| &p.name);
+                opt.update_scaled(id, scale).map_err(|e| strata_err(name, e))?;
+            }
+            opt.finish().map_err(candle_core::Error::from)?;
+        }
+        self.updates = None;
         Ok(if waited { t.elapsed().as_secs_f64() } else { 0.0 })
     }
 
     /// Waits for every queued update (the last step's, which run behind the next step's
-    /// forward) and ends the optimizer's step; returns the seconds waited. [`Trainer::save`]
-    /// calls it; call it after the last step before reading the weights.
+    /// forward) and ends the optimizer's step; returns the seconds waited. After a failed
+    /// step it does the updates left (a fault that has passed); an error leaves them for the
+    /// next call. [`Trainer::save`] calls it; call it after the last step before reading the
+    /// weights.
     pub fn finish(&mut self) -> candle_core::Result<f64> {
-        self.close_updates()
+        self.settle()
     }
 
-    /// Queues the updates of the trainable parameters of `stage`.
+    /// Queues the updates of the trainable parameters of `stage`, scaled by `scale`.
     fn queue(&mut self, stage: usize, scale: f32) -> candle_core::Result<()> {
         let Some(opt) = self.opt.as_mut() else { return Ok(()) };
+        let u = self.updates.get_or_insert_with(|| Updates { scale, stages: Vec::new() });
         for p in self.params.iter().filter(|p| p.stage == stage && p.trainable) {
             opt.update_scaled(p.id, scale).map_err(|e| strata_err(&p.name, e))?;
-            self.queued.push(stage);
+            u.stages.push(stage);
         }
         Ok(())
+    }
+
+    /// Refuses to go on from a resume that failed half-way.
+    fn check_whole(&self) -> candle_core::Result<()> {
+        match &self.torn {
+            None => Ok(()),
+            Some(dir) => Err(TrainError::BadCheckpoint {
+                path: dir.clone(),
+                why: "resuming from it failed after some of the trainer's tensors were written: \
+                      resume again (the trainer holds a mix until then)"
+                    .into(),
+            }
+            .into_candle()),
+        }
     }
 
     /// Candle `Var`s of the trainable tensors among `w` (frozen ones stay plain tensors).
@@ -705,7 +1066,23 @@ impl Trainer {
 
     /// One training step over `batches`: `accum` micro-batches of `[micro_batch, seq + 1]`
     /// token ids (u32) on the trainer's device. See the [module docs](self).
+    ///
+    /// A step that fails (an error from the store, the optimizer or candle) leaves the trainer
+    /// as it was before it: no parameter or moment has changed, [`Trainer::steps`] is the same,
+    /// and calling `step` again with the same batches gives what a clean step gives (bit for
+    /// bit on the CPU). A step is done once its gradients are whole and finite: its updates
+    /// then run behind the next step's forward (the Cpu engine) or as they are queued (the GPU
+    /// engines), and one that fails is done again, exactly once, by the next `step`,
+    /// [`Trainer::finish`] or [`Trainer::save`] (which return its error while it keeps
+    /// failing; [`StepReport::update_error`] tells of one that failed as it was queued). A
+    /// loss or gradient norm that is not finite fails the step with [`TrainError::NonFinite`]
+    /// before anything is updated (or skips it: [`TrainConfig::skip_nonfinite`]).
     pub fn step(&mut self, batches: &[Tensor]) -> candle_core::Result<StepReport> {
+        self.check_whole()?;
+        if self.updates.is_some() && self.opt.as_ref().is_some_and(|o| !o.unstepped().is_empty()) {
+            // The last step's updates failed: done again before a weight is read.
+            self.settle()?;
+        }
         let t0 = Instant::now();
         let stats0 = self.store.stats();
         let busy0 = self.opt.as_ref().map_or(0.0, |o| o.update_seconds());
@@ -727,6 +1104,7 @@ impl Trainer {
         let mut xs: Vec<Tensor> =
             io.iter().map(|(ids, _)| embed(&table, ids)).collect::<candle_core::Result<_>>()?;
         drop(table);
+        crate::failpoint::check(crate::failpoint::Site::Compute, Path::new("forward"))?;
         for l in 0..n_layers {
             let stage = block_stage(l);
             exposed += self.wait_for(&[stage, stage + 1])?;
@@ -788,17 +1166,35 @@ impl Trainer {
         for l in &losses {
             loss += l.to_scalar::<f32>()?;
         }
-        let mut ss: BTreeMap<String, Tensor> = BTreeMap::new();
-        // Updates of a step are queued after the previous step's have ended.
-        exposed += self.close_updates()?;
         let lr = tc.schedule.lr(self.step);
+        let report = |s: &Self, grad_norm: f64, clip: f32, exposed: f64, skipped: bool| {
+            s.report(Reported {
+                t0,
+                stats0: &stats0,
+                busy0,
+                loss,
+                lr,
+                grad_norm,
+                clip,
+                exposed,
+                skipped,
+            })
+        };
+        if !loss.is_finite() {
+            return self.diverged(
+                "the loss".into(),
+                f64::from(loss),
+                report(self, f64::NAN, 1.0, exposed, true),
+            );
+        }
+        let mut ss: BTreeMap<String, Tensor> = BTreeMap::new();
+        // This step's gradients overwrite the last step's, which its updates read: those end
+        // first.
+        exposed += self.settle()?;
         if let Some(o) = self.opt.as_mut() {
             o.set_lr(lr);
         }
         self.hand_over_all(&mut acc, &mut ss)?;
-        if tc.clip.is_none() {
-            self.queue(head, 1.0)?;
-        }
 
         // Backward, from the last block down.
         for l in (0..n_layers).rev() {
@@ -832,10 +1228,8 @@ impl Trainer {
                 *gy = grad_of(&grads, &xv, "a block's input")?;
             }
             drop((w, vars, bw));
+            crate::failpoint::check(crate::failpoint::Site::Compute, Path::new("backward"))?;
             self.hand_over_all(&mut acc, &mut ss)?;
-            if tc.clip.is_none() {
-                self.queue(stage, 1.0)?;
-            }
         }
 
         // The embedding's backward: the rows each token picked get its gradient (candle's
@@ -860,43 +1254,87 @@ impl Trainer {
             }
             acc.insert(EMBED.to_string(), g_acc);
             self.hand_over_all(&mut acc, &mut ss)?;
-            if tc.clip.is_none() {
-                self.queue(0, 1.0)?;
-            }
         }
         drop(grads_in);
 
-        // The global norm (in the model's tensor order), and with clipping the updates, in the
-        // order the next forward needs them.
-        let ordered: Vec<Tensor> =
-            self.params.iter().filter_map(|p| ss.get(&p.name).cloned()).collect();
-        let (grad_norm, clip) = clip_scale(&ordered, tc.clip)?;
-        if tc.clip.is_some() {
-            for stage in 0..=head {
-                self.queue(stage, clip)?;
+        // The global norm (in the model's tensor order), checked before any update; then the
+        // updates, in the order the next forward needs them, run behind it.
+        let ordered: Vec<(&str, Tensor)> = self
+            .params
+            .iter()
+            .filter_map(|p| ss.get(&p.name).map(|t| (p.name.as_str(), t.clone())))
+            .collect();
+        let sums: Vec<Tensor> = ordered.iter().map(|(_, t)| t.clone()).collect();
+        let (grad_norm, clip) = clip_scale(&sums, tc.clip)?;
+        if !grad_norm.is_finite() {
+            let mut first = "?";
+            for (name, t) in &ordered {
+                if !t.to_scalar::<f32>()?.is_finite() {
+                    first = name;
+                    break;
+                }
+            }
+            let what = format!("the gradient norm (first at {first})");
+            return self.diverged(what, grad_norm, report(self, grad_norm, 1.0, exposed, true));
+        }
+        // From here the step is done: its gradients are whole and finite, and its updates are
+        // owed. One that fails to be queued (the GPU engines run theirs here) is done again by
+        // the next step, finish or save, as one that fails on the optimizer's thread is.
+        self.updates = Some(Updates { scale: clip, stages: Vec::new() });
+        let mut update_error = None;
+        for stage in 0..=head {
+            if let Err(e) = self.queue(stage, clip) {
+                tracing::warn!(step = self.step, error = %e, "an update failed; it is done again by the next call");
+                update_error = Some(e.to_string());
+                break;
             }
         }
+        let mut r = report(self, grad_norm, clip, exposed, false);
+        r.update_error = update_error;
         self.step += 1;
+        Ok(r)
+    }
+
+    /// A step whose `what` is `value`, not finite: skipped (counted) when the config says so,
+    /// else [`TrainError::NonFinite`]. Nothing of the step has been queued.
+    fn diverged(
+        &mut self,
+        what: String,
+        value: f64,
+        report: StepReport,
+    ) -> candle_core::Result<StepReport> {
+        if !self.train.skip_nonfinite {
+            return Err(TrainError::NonFinite { step: self.step, what, value }.into_candle());
+        }
+        self.step += 1;
+        self.skipped += 1;
+        Ok(report)
+    }
+
+    fn report(&self, r: Reported<'_>) -> StepReport {
         let stats = self.store.stats();
         let mut moved = [[0u64; 4]; 4];
         for (f, row) in moved.iter_mut().enumerate() {
             for (t, v) in row.iter_mut().enumerate() {
-                *v = stats.moved[f][t] - stats0.moved[f][t];
+                *v = stats.moved[f][t] - r.stats0.moved[f][t];
             }
         }
-        Ok(StepReport {
-            step: self.step - 1,
-            loss,
-            lr,
-            grad_norm,
-            clip_scale: clip,
+        let tc = &self.train;
+        StepReport {
+            step: self.step,
+            loss: r.loss,
+            lr: r.lr,
+            grad_norm: r.grad_norm,
+            clip_scale: r.clip,
             tokens: (tc.micro_batch * tc.seq * tc.accum) as u64,
-            seconds: t0.elapsed().as_secs_f64(),
+            seconds: r.t0.elapsed().as_secs_f64(),
             moved,
-            stall_seconds: stats.stall_seconds - stats0.stall_seconds,
-            optimizer_seconds: self.opt.as_ref().map_or(0.0, |o| o.update_seconds()) - busy0,
-            optimizer_exposed_seconds: exposed,
-        })
+            stall_seconds: stats.stall_seconds - r.stats0.stall_seconds,
+            optimizer_seconds: self.opt.as_ref().map_or(0.0, |o| o.update_seconds()) - r.busy0,
+            optimizer_exposed_seconds: r.exposed,
+            skipped: r.skipped,
+            update_error: None,
+        }
     }
 
     /// Hands every gradient in `acc` to the store (emptying it), their sums of squares into
@@ -923,167 +1361,137 @@ impl Trainer {
         read_f32(&self.store, name, p.id)
     }
 
-    /// Writes the parameters to `dir` as a Hugging Face checkpoint (`model-*.safetensors`, one
-    /// file a stage, and `model.safetensors.index.json`, plus `config.json`), and the
-    /// optimizer's state (`NAME.master` for bf16 parameters, `NAME.exp_avg`,
-    /// `NAME.exp_avg_sq`) beside it as `optimizer-*.safetensors` and
-    /// `optimizer.safetensors.index.json`; the step and the schedule go in both indexes'
-    /// metadata and every file's `__metadata__`. Waits for the queued updates first. Each file
-    /// is written atomically (`Store::save_safetensors_with`), the indexes last.
-    pub fn save(&mut self, dir: impl AsRef<Path>) -> candle_core::Result<()> {
-        self.finish()?;
-        let dir = dir.as_ref();
-        std::fs::create_dir_all(dir)
-            .map_err(|e| candle_core::Error::Msg(format!("creating {}: {e}", dir.display())))?;
-        let meta = self.metadata();
-        let stages = self.config.num_hidden_layers + 2;
-        let mut model_map = serde_json::Map::new();
-        let mut opt_map = serde_json::Map::new();
-        for stage in 0..stages {
-            let mine: Vec<&Param> = self.params.iter().filter(|p| p.stage == stage).collect();
-            let file = format!("model-{:05}-of-{stages:05}.safetensors", stage + 1);
-            let tensors: Vec<(TensorId, String)> =
-                mine.iter().map(|p| (p.id, p.name.clone())).collect();
-            self.store
-                .save_safetensors_with(dir.join(&file), &tensors, &meta)
-                .map_err(candle_core::Error::from)?;
-            for p in &mine {
-                model_map.insert(p.name.clone(), file.clone().into());
-            }
-            let mut state = Vec::new();
-            for p in mine.iter().filter(|p| p.trainable) {
-                for suffix in ["master", "exp_avg", "exp_avg_sq"] {
-                    let name = format!("{}.{suffix}", p.name);
-                    if let Some(id) = self.store.lookup(&name) {
-                        state.push((id, name));
-                    }
-                }
-            }
-            if !state.is_empty() {
-                let file = format!("optimizer-{:05}-of-{stages:05}.safetensors", stage + 1);
-                self.store
-                    .save_safetensors_with(dir.join(&file), &state, &meta)
-                    .map_err(candle_core::Error::from)?;
-                for (_, name) in state {
-                    opt_map.insert(name, file.clone().into());
-                }
-            }
-        }
-        write_atomic(&dir.join("config.json"), self.config.to_json().as_bytes())?;
-        for (index, map) in [
-            ("model.safetensors.index.json", model_map),
-            ("optimizer.safetensors.index.json", opt_map),
-        ] {
-            let json = serde_json::json!({ "metadata": meta, "weight_map": map });
-            write_atomic(&dir.join(index), json.to_string().as_bytes())?;
-        }
-        Ok(())
+    /// Saves the run as a checkpoint in run directory `dir`: `dir/step-NNNNNNNN` (the steps
+    /// done), keeping the newest two ([`Trainer::save_keeping`] says how it is written);
+    /// returns its path. Ends the last step's updates first (retrying those a fault failed),
+    /// so the last complete step can be saved after a failed one.
+    pub fn save(&mut self, dir: impl AsRef<Path>) -> candle_core::Result<PathBuf> {
+        self.save_keeping(dir, 2)
     }
 
-    fn metadata(&self) -> BTreeMap<String, String> {
-        let s = &self.train.schedule;
-        BTreeMap::from([
-            ("format".to_string(), "pt".to_string()),
-            ("step".to_string(), self.step.to_string()),
-            ("optimizer_steps".to_string(), self.opt.as_ref().map_or(0, |o| o.steps()).to_string()),
-            ("lr_peak".to_string(), s.peak.to_string()),
-            ("lr_min".to_string(), s.min.to_string()),
-            ("lr_warmup".to_string(), s.warmup.to_string()),
-            ("lr_total".to_string(), s.total.to_string()),
-        ])
+    /// [`Trainer::save`], keeping the newest `keep` (≥ 1) checkpoints of the run in `dir`
+    /// (and none of a later step: a run resumed from an earlier checkpoint replaces them).
+    ///
+    /// A checkpoint is a Hugging Face checkpoint of the parameters (`model-*.safetensors`, one
+    /// file a stage, `model.safetensors.index.json` and `config.json`: loadable by
+    /// [`load_weights`] and `LlamaForCausalLM.from_pretrained`), the optimizer's state
+    /// (`NAME.master` for bf16 parameters, `NAME.exp_avg`, `NAME.exp_avg_sq`:
+    /// `optimizer-*.safetensors` and `optimizer.safetensors.index.json`), and its commit record
+    /// `checkpoint.json` ([`Checkpoint`]). It is **whole or absent**: written into a hidden
+    /// directory, every file flushed and read back (its crc32 recorded; a value that is not
+    /// finite refuses the save with [`TrainError::NonFinite`]), the record written last, then
+    /// renamed into place; a process killed at any moment leaves the checkpoints before it as
+    /// they were (what a dead save left is removed by the next). Every file carries the run's
+    /// identity and the step. A directory holding another run's checkpoints is refused
+    /// ([`TrainError::Mismatch`]).
+    pub fn save_keeping(
+        &mut self,
+        dir: impl AsRef<Path>,
+        keep: usize,
+    ) -> candle_core::Result<PathBuf> {
+        self.check_whole()?;
+        self.settle()?;
+        checkpoint::save(self, dir.as_ref(), keep)
     }
 
-    /// Continues from a checkpoint [`Trainer::save`] wrote: the parameters, the optimizer's
-    /// state and the step are set from `dir`, so the next [`Trainer::step`] does what the saved
-    /// run's next step would have done (bit for bit on the CPU). The trainer must be of the same
-    /// model, dtype, frozen parameters and schedule; anything else is an error naming what
-    /// differs, and leaves the trainer as it was only up to the first tensor written.
-    pub fn resume(&mut self, dir: impl AsRef<Path>) -> candle_core::Result<()> {
-        self.finish()?;
-        let dir = dir.as_ref();
-        let index = dir.join("optimizer.safetensors.index.json");
-        let text = std::fs::read_to_string(&index)
-            .map_err(|e| candle_core::Error::Msg(format!("reading {}: {e}", index.display())))?;
-        let v: serde_json::Value = serde_json::from_str(&text)
-            .map_err(|e| candle_core::Error::Msg(format!("{}: {e}", index.display())))?;
-        let meta = |k: &str| -> candle_core::Result<String> {
-            v["metadata"][k].as_str().map(str::to_string).ok_or_else(|| {
-                candle_core::Error::Msg(format!("{}: no metadata {k}", index.display()))
-            })
-        };
-        let mine = self.metadata();
-        for k in ["lr_peak", "lr_min", "lr_warmup", "lr_total"] {
-            if meta(k)? != mine[k] {
-                candle_core::bail!(
-                    "{}: the saved run's {k} is {}, this trainer's {}",
-                    index.display(),
-                    meta(k)?,
-                    mine[k]
-                );
-            }
-        }
-        let step: u64 = meta("step")?
-            .parse()
-            .map_err(|_| candle_core::Error::Msg(format!("{}: a bad step", index.display())))?;
-        let opt_steps: u64 = meta("optimizer_steps")?.parse().map_err(|_| {
-            candle_core::Error::Msg(format!("{}: bad optimizer_steps", index.display()))
-        })?;
-        let opts = LoadOptions { name_prefix: "resume/".into(), ..LoadOptions::default() };
-        let mut loaded = Vec::new();
-        for f in ["model.safetensors.index.json", "optimizer.safetensors.index.json"] {
-            let l = self
-                .store
-                .load_checkpoint(dir.join(f), opts.clone())
-                .map_err(candle_core::Error::from)?;
-            loaded.push(l);
-        }
-        let r = (|| -> candle_core::Result<()> {
-            let find = |name: &str| loaded.iter().find_map(|l| l.get(name));
-            let mut targets: Vec<(String, TensorId)> =
-                self.params.iter().map(|p| (p.name.clone(), p.id)).collect();
-            for p in self.params.iter().filter(|p| p.trainable) {
-                for suffix in ["master", "exp_avg", "exp_avg_sq"] {
-                    let name = format!("{}.{suffix}", p.name);
-                    if let Some(id) = self.store.lookup(&name) {
-                        targets.push((name, id));
-                    }
-                }
-            }
-            for (name, id) in &targets {
-                let src = find(name).ok_or_else(|| {
-                    candle_core::Error::Msg(format!("{}: no tensor {name}", dir.display()))
-                })?;
-                let (a, b) = (
-                    self.store.info(src).map_err(|e| strata_err(name, e))?,
-                    self.store.info(*id).map_err(|e| strata_err(name, e))?,
-                );
-                if (a.dtype, &a.shape) != (b.dtype, &b.shape) {
-                    candle_core::bail!(
-                        "{name} is {} {:?} in {}, {} {:?} here",
-                        a.dtype,
-                        a.shape,
-                        dir.display(),
-                        b.dtype,
-                        b.shape
-                    );
-                }
-                let bytes = self.store.read(src).map_err(|e| strata_err(name, e))?;
-                self.store.write(*id, &bytes).map_err(|e| strata_err(name, e))?;
-            }
-            Ok(())
-        })();
-        for l in &loaded {
-            for t in l.iter() {
-                let _ = self.store.remove(t.id);
-            }
-        }
-        r?;
-        if let Some(o) = self.opt.as_mut() {
-            o.set_steps(opt_steps).map_err(candle_core::Error::from)?;
-        }
-        self.step = step;
-        Ok(())
+    /// Continues from a checkpoint [`Trainer::save`] wrote (`path`: the checkpoint, or a run
+    /// directory: its newest), so that the next [`Trainer::step`] does what the saved run's
+    /// next step would have done (bit for bit on the CPU). Before anything of the trainer is
+    /// touched, every file is checked against the commit record ([`Checkpoint::open`]; a
+    /// mismatch is [`TrainError::BadCheckpoint`] naming the file), each file's identity (run,
+    /// step) against the record's, the optimizer's step count against the step, and the
+    /// checkpoint's own model config, dtype, frozen parameters, batch, optimizer and schedule
+    /// against the trainer's ([`TrainError::Mismatch`] names what differs). The trainer takes
+    /// the run's identity. A store fault while the tensors are copied leaves the trainer
+    /// refusing to step or save until a resume succeeds.
+    pub fn resume(&mut self, path: impl AsRef<Path>) -> candle_core::Result<()> {
+        self.settle()?;
+        checkpoint::resume(self, path.as_ref())
     }
+}
+
+/// Reads a token stream from `path` for a model of `vocab` tokens trained on sequences of
+/// `seq` tokens: u32 ids, the first tensor (by name) of a `.safetensors` file (u32), or else
+/// the whole file as raw little-endian u32s. Bounded before a byte is read: the path must be a
+/// regular file (a FIFO, a device such as `/dev/zero`, a socket or a directory is refused
+/// without being opened for reading, so nothing blocks or reads without end), sized first and
+/// read to that size, and no larger than the host memory available. Fewer than `seq + 1`
+/// tokens (one sequence and its last target), a size that is not whole u32s, and ids past the
+/// vocabulary are [`TrainError::BadData`] too.
+///
+/// ```
+/// # fn main() -> candle_core::Result<()> {
+/// let dir = tempfile::tempdir().unwrap();
+/// let p = dir.path().join("tokens.bin");
+/// std::fs::write(&p, [1u32, 2, 3, 4, 5].iter().flat_map(|t| t.to_le_bytes()).collect::<Vec<u8>>()).unwrap();
+/// assert_eq!(strata::candle::train::load_tokens(&p, 10, 4)?, vec![1, 2, 3, 4, 5]);
+/// // One sequence of 8 needs 9 tokens; /dev/zero is not a regular file.
+/// assert!(strata::candle::train::load_tokens(&p, 10, 8).is_err());
+/// assert!(strata::candle::train::load_tokens("/dev/zero", 10, 4).is_err());
+/// # Ok(()) }
+/// ```
+pub fn load_tokens(
+    path: impl AsRef<Path>,
+    vocab: usize,
+    seq: usize,
+) -> candle_core::Result<Vec<u32>> {
+    use std::io::Read;
+    let path = path.as_ref();
+    let bad = |why: String| TrainError::BadData { path: path.to_path_buf(), why }.into_candle();
+    let file = crate::tiers::file::open_regular(path, 0).map_err(|e| bad(e.chain()))?;
+    let size = file.metadata().map_err(|e| bad(e.to_string()))?.len();
+    // The bytes and the ids decoded from them.
+    let asked = size.saturating_mul(2);
+    if let Some(available) = crate::host_memory_available() {
+        if asked > available {
+            return Err(TrainError::TooLarge {
+                what: format!("the token file {} ({})", path.display(), crate::format_size(size)),
+                asked,
+                available,
+                hint: "train on a smaller file".into(),
+            }
+            .into_candle());
+        }
+    }
+    let len = usize::try_from(size).map_err(|_| bad(format!("{size} bytes")))?;
+    let mut bytes = Vec::with_capacity(len);
+    file.take(size).read_to_end(&mut bytes).map_err(|e| bad(e.to_string()))?;
+    if bytes.len() != len {
+        return Err(bad(format!("{} bytes read of {size}: it changed while read", bytes.len())));
+    }
+    let ids: Vec<u32> = match safetensors::SafeTensors::deserialize(&bytes) {
+        Ok(st) => {
+            let mut names = st.names();
+            names.sort();
+            let name =
+                names.first().ok_or_else(|| bad("a safetensors file with no tensor".into()))?;
+            let t = st.tensor(name).map_err(|e| bad(e.to_string()))?;
+            if t.dtype() != safetensors::Dtype::U32 {
+                return Err(bad(format!("{name} is {:?}: u32 token ids are read", t.dtype())));
+            }
+            t.data().chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+        }
+        Err(_) => {
+            if bytes.len() % 4 != 0 {
+                return Err(bad(format!(
+                    "{} bytes: not a whole number of u32 token ids",
+                    bytes.len()
+                )));
+            }
+            bytes.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+        }
+    };
+    let need = seq.saturating_add(1);
+    if ids.len() < need {
+        return Err(bad(format!(
+            "{} tokens, fewer than one sequence of {seq} and its last target ({need})",
+            ids.len()
+        )));
+    }
+    if let Some((i, bad_id)) = ids.iter().enumerate().find(|(_, &t)| t as usize >= vocab) {
+        return Err(bad(format!("token {i} is {bad_id}, past the vocabulary of {vocab}")));
+    }
+    Ok(ids)
 }
 
 fn refs(v: &[String]) -> Vec<&str> {
@@ -1141,19 +1549,6 @@ fn read_f32(store: &Store, name: &str, id: TensorId) -> candle_core::Result<Vec<
     })
 }
 
-/// Writes `bytes` to `path` through a temporary file in the same directory, renamed over it.
-fn write_atomic(path: &Path, bytes: &[u8]) -> candle_core::Result<()> {
-    let tmp = path.with_extension(format!("tmp-{}", std::process::id()));
-    let r = std::fs::write(&tmp, bytes)
-        .and_then(|()| std::fs::File::open(&tmp)?.sync_all())
-        .and_then(|()| std::fs::rename(&tmp, path));
-    if let Err(e) = r {
-        let _ = std::fs::remove_file(&tmp);
-        candle_core::bail!("writing {}: {e}", path.display());
-    }
-    Ok(())
-}
-
 /// One parameter of [`LlamaTwin`].
 struct TwinParam {
     name: String,
@@ -1195,7 +1590,9 @@ impl LlamaTwin {
         weights: HashMap<String, Tensor>,
         device: &Device,
     ) -> candle_core::Result<LlamaTwin> {
-        train.check(&config)?;
+        let first = weights.values().next().map(|t| t.dtype());
+        let dtype = if first == Some(CDType::BF16) { DType::BF16 } else { DType::F32 };
+        train.validate(&config, dtype, device)?;
         let mut params = Vec::new();
         let mut dtype = None;
         for (name, shape) in config.tensors() {

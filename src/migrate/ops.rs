@@ -226,8 +226,13 @@ pub(crate) fn write(sh: &Shared, id: TensorId, data: &[u8]) -> Result<()> {
         // put's.
         let mut dst = None;
         if !in_user_file && !avoid_device {
-            if let Got::Ext(x) = alloc_in(sh, &mut st, fastest, bytes, id, Level::Demand, true)? {
-                dst = Some((fastest, x));
+            match alloc_in(sh, &mut st, fastest, bytes, id, Level::Demand, true) {
+                Ok(Got::Ext(x)) => dst = Some((fastest, x)),
+                Ok(_) => {}
+                // Room could not be made there (its victims' spills found the file system
+                // full): the write goes on as without room.
+                Err(Error::DiskFull { .. }) => {}
+                Err(e) => return Err(e),
             }
         }
         let dst = match dst {
@@ -250,6 +255,12 @@ pub(crate) fn write(sh: &Shared, id: TensorId, data: &[u8]) -> Result<()> {
                     Ok(done) => Ok((t, Some(ext), done)),
                     Err(e) => {
                         super::release_failed(sh, &mut st, t, ext);
+                        // The books had room on the Disk tier, the file system had none: the
+                        // write reserve's range has its blocks (`SlabBacking`), so the write
+                        // goes that way instead.
+                        if matches!(e, Error::DiskFull { .. }) && t == Tier::Disk && !in_user_file {
+                            return write_via_reserve(sh, &mut st, id, fastest, data, &flight);
+                        }
                         Err(e)
                     }
                 }

@@ -118,6 +118,11 @@ impl DiskSlab {
         Ok((slab, ExtentAllocator::new(len, ALIGN as u64)))
     }
 
+    /// A second handle on the slab for the write reserve's books ([`SlabBacking`]).
+    pub(crate) fn backing(&self) -> io::Result<SlabBacking> {
+        Ok(SlabBacking { file: self.file.try_clone()?, name: self.name() })
+    }
+
     /// Reopens the slab with `O_DIRECT`; `None` where the file system refuses it.
     fn open_direct(&self) -> Option<File> {
         let f = OpenOptions::new()
@@ -234,6 +239,56 @@ impl DiskSlab {
     }
 }
 
+/// A handle on the slab that gives ranges of it blocks of the file system (`fallocate`), so
+/// that a write there cannot fail for want of space: the slab is sparse, and without this a
+/// full file system refuses writes into ranges the books count as free. The write reserve backs
+/// its range with it as it is taken, so that the overwrite it promises succeeds on a full file
+/// system (ext4, XFS, tmpfs: blocks allocated stay allocated, and writing over them needs no
+/// new ones; a copy-on-write file system such as btrfs gives no such promise).
+pub(crate) struct SlabBacking {
+    file: File,
+    name: PathBuf,
+}
+
+impl SlabBacking {
+    /// Allocates file-system blocks for `len` bytes at `offset` of the slab (already allocated
+    /// ones stay as they are, their bytes too). Where the file system has no `fallocate`, the
+    /// range is written with zeros instead: the caller's range holds no tensor's bytes.
+    pub(crate) fn back(&self, offset: u64, len: u64) -> Result<()> {
+        let (Ok(off), Ok(n)) = (i64::try_from(offset), i64::try_from(len)) else {
+            return Err(Error::InvalidArgument(format!("slab range {offset}+{len}")));
+        };
+        crate::failpoint::check(crate::failpoint::Site::DiskWrite, &self.name)?;
+        // SAFETY: `fallocate` only reads its integer arguments; the descriptor is the open
+        // slab file's, valid while `self.file` lives (across the call).
+        let rc = unsafe { libc::fallocate(self.file.as_raw_fd(), 0, off, n) };
+        if rc == 0 {
+            return Ok(());
+        }
+        let e = io::Error::last_os_error();
+        if e.raw_os_error() != Some(libc::EOPNOTSUPP) {
+            return Err(Error::io(&self.name, e));
+        }
+        let zeros = vec![0u8; PIECE.min(len as usize)];
+        let mut at = 0u64;
+        while at < len {
+            let k = (len - at).min(zeros.len() as u64) as usize;
+            self.file
+                .write_all_at(&zeros[..k], offset + at)
+                .map_err(|e| Error::io(&self.name, e))?;
+            at += k as u64;
+        }
+        Ok(())
+    }
+
+    /// Blocks of the file system the slab holds, in bytes (`st_blocks`).
+    #[cfg(test)]
+    pub(crate) fn allocated(&self) -> u64 {
+        use std::os::unix::fs::MetadataExt;
+        self.file.metadata().map_or(0, |m| m.blocks() * 512)
+    }
+}
+
 /// `O_DIRECT` write of `data` at `offset` (aligned) through the bounce buffer, in pieces of at
 /// most [`PIECE`] bytes, the last padded with zeros to 4096 (inside the extent's reserved size).
 fn write_direct(f: &File, offset: u64, data: &[u8]) -> io::Result<()> {
@@ -334,6 +389,24 @@ mod tests {
             let mut out = vec![0; d.len()];
             assert_ne!(t.read(r, &mut out).unwrap(), crc);
         }
+    }
+
+    #[test]
+    fn a_backed_range_holds_blocks_and_keeps_its_bytes() {
+        let (t, mut a) = DiskSlab::open(None, 8 << 20, false).unwrap();
+        let b = t.backing().unwrap();
+        let before = b.allocated();
+        let r = range(&mut a, 1 << 20);
+        b.back(r.offset, 1 << 20).unwrap();
+        assert!(b.allocated() >= before + (1 << 20), "{} -> {}", before, b.allocated());
+        let d = random(1 << 20, 3);
+        t.write(r, &d).unwrap();
+        // Backing it again (the reserve made again in place) keeps what it holds.
+        b.back(r.offset, 1 << 20).unwrap();
+        let mut out = vec![0; d.len()];
+        t.read(r, &mut out).unwrap();
+        assert_eq!(out, d);
+        assert!(b.back(u64::MAX, 1).is_err());
     }
 
     #[test]

@@ -302,14 +302,14 @@ impl TierBooks {
             if t == tier {
                 let size = e.bytes();
                 self.free(t, Ext::Mem(e));
-                let got = self.try_alloc(tier, largest).or_else(|| self.try_alloc(t, size));
+                let got = self.take_backed(tier, largest).or_else(|| self.take_backed(t, size));
                 let fitted = got.as_ref().is_some_and(|x| x.mem_extent().bytes() == largest);
                 self.reserve.held = got.map(|x| (t, x.into_mem_extent()));
                 return if fitted { Ok(()) } else { Err((tier, largest)) };
             }
             other_tier = Some((t, e));
         }
-        match self.try_alloc(tier, largest) {
+        match self.take_backed(tier, largest) {
             Some(x) => {
                 if let Some((t, e)) = other_tier {
                     self.free(t, Ext::Mem(e));
@@ -321,6 +321,20 @@ impl TierBooks {
                 self.reserve.held = other_tier;
                 Err((tier, largest))
             }
+        }
+    }
+
+    /// An extent for the write reserve: taken from the tier's books and, on the Disk tier,
+    /// given its file-system blocks (`None` when either is short).
+    fn take_backed(&mut self, t: Tier, bytes: u64) -> Option<Ext> {
+        let x = self.try_alloc(t, bytes)?;
+        let e = x.mem_extent();
+        let (off, size) = (e.offset(), self.reserved_size(t, bytes));
+        if self.reserve.back(t, off, size) {
+            Some(x)
+        } else {
+            self.free(t, x);
+            None
         }
     }
 

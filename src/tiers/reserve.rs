@@ -15,6 +15,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use super::arena::Extent;
+use super::disk::SlabBacking;
 use crate::sync::Signal;
 use crate::types::Tier;
 
@@ -32,6 +33,9 @@ pub(crate) struct WriteReserve {
     pub(crate) lent: Option<Arc<Signal>>,
     /// While lent: its tier, offset and size, to take it back.
     pub(crate) lent_ext: Option<(Tier, u64, u64)>,
+    /// The Disk tier's slab, to give the reserve's range file-system blocks as it is taken
+    /// (`None` without a Disk tier).
+    pub(crate) backing: Option<SlabBacking>,
 }
 
 impl WriteReserve {
@@ -55,6 +59,22 @@ impl WriteReserve {
     /// The largest tensor covered (0 for none).
     pub(crate) fn largest(&self) -> u64 {
         self.owned.keys().next_back().copied().unwrap_or(0)
+    }
+
+    /// Whether a reserve of `bytes` (its reserved size) at `offset` of `tier` is backed: the
+    /// memory tiers' are (their arenas are reserved whole); the Disk tier's range gets its
+    /// file-system blocks now, or is refused (the file system is full).
+    pub(crate) fn back(&self, tier: Tier, offset: u64, bytes: u64) -> bool {
+        match (&self.backing, tier) {
+            (Some(b), Tier::Disk) => match b.back(offset, bytes) {
+                Ok(()) => true,
+                Err(e) => {
+                    tracing::debug!(error = %e, "no room on the file system for the write reserve");
+                    false
+                }
+            },
+            _ => true,
+        }
     }
 }
 

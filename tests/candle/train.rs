@@ -14,7 +14,7 @@ use strata::candle::{
 use strata::optim::{AdamW, Engine};
 use strata::{Store, Tier};
 
-fn tiny(tied: bool) -> LlamaConfig {
+pub(crate) fn tiny(tied: bool) -> LlamaConfig {
     LlamaConfig::from_json(&format!(
         r#"{{"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3,
             "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 97,
@@ -23,7 +23,7 @@ fn tiny(tied: bool) -> LlamaConfig {
     .unwrap()
 }
 
-fn train_config(clip: Option<f64>, engine: Engine, frozen: &[&str]) -> TrainConfig {
+pub(crate) fn train_config(clip: Option<f64>, engine: Engine, frozen: &[&str]) -> TrainConfig {
     TrainConfig {
         micro_batch: 2,
         seq: 16,
@@ -34,11 +34,12 @@ fn train_config(clip: Option<f64>, engine: Engine, frozen: &[&str]) -> TrainConf
         engine,
         optimizer_threads: 2,
         frozen: frozen.iter().map(|s| s.to_string()).collect(),
+        skip_nonfinite: false,
     }
 }
 
 /// Step `step`'s micro-batches of seeded random tokens.
-fn batches(step: u64, c: &LlamaConfig, t: &TrainConfig) -> Vec<Tensor> {
+pub(crate) fn batches(step: u64, c: &LlamaConfig, t: &TrainConfig) -> Vec<Tensor> {
     let mut rng = SeededRng::new(1000 + step);
     (0..t.accum)
         .map(|_| {
@@ -55,7 +56,7 @@ fn block_bytes(c: &LlamaConfig) -> u64 {
 }
 
 /// A store whose Device tier holds less than two blocks' weights.
-fn store(c: &LlamaConfig) -> Arc<Store> {
+pub(crate) fn store(c: &LlamaConfig) -> Arc<Store> {
     let budget = block_bytes(c) * 3 / 2;
     let builder = Store::builder()
         .capacity(Tier::Device, budget)
@@ -67,7 +68,11 @@ fn store(c: &LlamaConfig) -> Arc<Store> {
     strata::candle::store_for(&Device::Cpu, builder).unwrap()
 }
 
-fn trainer(c: &LlamaConfig, t: &TrainConfig, seed: u64) -> (Trainer, HashMap<String, Tensor>) {
+pub(crate) fn trainer(
+    c: &LlamaConfig,
+    t: &TrainConfig,
+    seed: u64,
+) -> (Trainer, HashMap<String, Tensor>) {
     let s = store(c);
     let weights = put_random_weights(&s, c, seed, strata::DType::F32).unwrap();
     let init = weights
@@ -81,7 +86,7 @@ fn trainer(c: &LlamaConfig, t: &TrainConfig, seed: u64) -> (Trainer, HashMap<Str
     (Trainer::new(s, &Device::Cpu, c.clone(), t.clone(), weights).unwrap(), init)
 }
 
-fn bits(v: &[f32]) -> Vec<u32> {
+pub(crate) fn bits(v: &[f32]) -> Vec<u32> {
     v.iter().map(|x| x.to_bits()).collect()
 }
 
@@ -182,10 +187,16 @@ fn a_run_saved_after_step_3_and_resumed_equals_the_uninterrupted_run() {
     for step in 0..3 {
         assert_eq!(first.step(&batches(step, &c, &t)).unwrap().loss, losses[step as usize]);
     }
-    first.save(dir.path()).unwrap();
+    let saved = first.save(dir.path()).unwrap();
+    assert_eq!(saved, dir.path().join("step-00000003"));
     drop(first);
-    for f in ["model.safetensors.index.json", "optimizer.safetensors.index.json", "config.json"] {
-        assert!(dir.path().join(f).is_file(), "{f}");
+    for f in [
+        "model.safetensors.index.json",
+        "optimizer.safetensors.index.json",
+        "config.json",
+        "checkpoint.json",
+    ] {
+        assert!(saved.join(f).is_file(), "{f}");
     }
     // Another initialisation: resuming replaces every value.
     let (mut resumed, _) = trainer(&c, &t, 99);
@@ -219,7 +230,7 @@ fn a_run_saved_after_step_3_and_resumed_equals_the_uninterrupted_run() {
     other.schedule.total = 50;
     let (mut tr, _) = trainer(&c, &other, 3);
     let e = tr.resume(dir.path()).unwrap_err().to_string();
-    assert!(e.contains("lr_total"), "{e}");
+    assert!(e.contains("horizon"), "{e}");
 }
 
 #[test]

@@ -1,0 +1,432 @@
+//! `examples/candle_train.rs` as a user runs it, in child processes: flags and inputs refused
+//! with an error (never a panic, an abort, a hang or an unbounded read), a run stopped and
+//! resumed, a finished run left alone, a diverging run, and the crash test: the trainer killed
+//! at random moments of its saves and resumed each time, ending bit for bit where the
+//! uninterrupted run ends.
+//!
+//! The example's code is compiled into this test binary (below), and a child runs it when
+//! `STRATA_CANDLE_TRAIN_ARGS` is set: so the test needs no separately built example.
+//! `cargo test --features candle --test candle train_cli -- --nocapture` runs these (and
+//! prints the crash test's figures); the sixty-kill crash test is `cargo test --features
+//! candle --test candle sixty_kills -- --ignored --nocapture`.
+
+use std::collections::BTreeMap;
+use std::io::BufRead;
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use strata::candle::train::Checkpoint;
+
+#[path = "../../examples/candle_train.rs"]
+#[allow(dead_code)]
+mod example;
+
+const ARGS_VAR: &str = "STRATA_CANDLE_TRAIN_ARGS";
+
+/// The child: runs the example with the arguments the parent put in [`ARGS_VAR`] (separated
+/// by 0x1f) and exits with its status. Without the variable, a test that does nothing.
+#[test]
+fn example_child() {
+    let Ok(args) = std::env::var(ARGS_VAR) else { return };
+    let args: Vec<String> = args.split('\x1f').map(str::to_string).collect();
+    let code = example::candle_train_main(args);
+    use std::io::Write;
+    let _ = std::io::stdout().flush();
+    std::process::exit(code);
+}
+
+fn config() -> String {
+    format!("{}/examples/configs/tiny-llama.json", env!("CARGO_MANIFEST_DIR"))
+}
+
+fn child(args: &[String]) -> Command {
+    let mut c = Command::new(std::env::current_exe().unwrap());
+    c.args(["--exact", "train_cli::example_child", "--nocapture", "--test-threads", "1"])
+        .env(ARGS_VAR, args.join("\x1f"))
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    c
+}
+
+/// How a run of the example ended.
+struct Ran {
+    code: Option<i32>,
+    stdout: String,
+    stderr: String,
+}
+
+/// Runs the example with `args`; killed (and the test failed) past `deadline`.
+fn run(args: &[String], deadline: Duration) -> Ran {
+    let mut c = child(args).spawn().unwrap();
+    let start = Instant::now();
+    while c.try_wait().unwrap().is_none() {
+        if start.elapsed() > deadline {
+            let _ = c.kill();
+            let out = c.wait_with_output().unwrap();
+            panic!(
+                "candle_train {args:?} still ran after {deadline:?}:\n{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let out = c.wait_with_output().unwrap();
+    Ran {
+        code: out.status.code(),
+        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    }
+}
+
+fn strings(v: &[&str]) -> Vec<String> {
+    v.iter().map(|s| s.to_string()).collect()
+}
+
+/// A tiny run's flags: 4 blocks of hidden 64, `steps` steps of one sequence of 8 tokens.
+fn tiny_run(steps: u64) -> Vec<String> {
+    let mut v = strings(&["--config", &config(), "--seq", "8", "--micro-batch", "1"]);
+    v.extend(strings(&["--accum", "1", "--steps", &steps.to_string()]));
+    v
+}
+
+/// `step N/M: loss X` lines: step -> the loss as printed.
+fn losses(stdout: &str) -> BTreeMap<u64, String> {
+    stdout
+        .lines()
+        .filter_map(|l| {
+            let rest = l.strip_prefix("step ")?;
+            let (n, rest) = rest.split_once('/')?;
+            let loss = rest.split("loss ").nth(1)?.split_whitespace().next()?;
+            Some((n.parse().ok()?, loss.to_string()))
+        })
+        .collect()
+}
+
+/// Every tensor of a checkpoint's safetensors files, by file kind and name: its dtype, shape
+/// and bytes.
+fn tensors(ck: &Path) -> BTreeMap<String, Vec<u8>> {
+    let mut out = BTreeMap::new();
+    for e in std::fs::read_dir(ck).unwrap() {
+        let p = e.unwrap().path();
+        if p.extension().is_some_and(|x| x == "safetensors") {
+            let bytes = std::fs::read(&p).unwrap();
+            let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+            for (name, t) in st.tensors() {
+                out.insert(format!("{name} {:?} {:?}", t.dtype(), t.shape()), t.data().to_vec());
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn flags_and_inputs_that_cannot_train_are_errors_not_panics_hangs_or_aborts() {
+    let dir = tempfile::tempdir().unwrap();
+    let fifo = dir.path().join("fifo");
+    assert!(Command::new("mkfifo").arg(&fifo).status().unwrap().success());
+    let short = dir.path().join("short.bin");
+    std::fs::write(&short, [1u32, 2, 3].iter().flat_map(|t| t.to_le_bytes()).collect::<Vec<u8>>())
+        .unwrap();
+    let save = dir.path().join("out");
+    let empty = dir.path().join("empty");
+    std::fs::create_dir(&empty).unwrap();
+    let fifo = fifo.display().to_string();
+    let short = short.display().to_string();
+    let cases: Vec<(Vec<&str>, &str)> = vec![
+        (vec!["--data", "/dev/zero"], "character device"),
+        (vec!["--data", &fifo], "FIFO"),
+        (vec!["--data", &short], "fewer than one sequence"),
+        (vec!["--accum", "100000000"], "host memory"),
+        (vec!["--micro-batch", "100000000"], "host memory"),
+        (vec!["--accum", "18446744073709551615"], "overflow"),
+        (vec!["--lr", "-1"], "learning rate -1"),
+        (vec!["--lr", "nan"], "learning rate NaN"),
+        (vec!["--lr", "0"], "learning rate 0"),
+        (vec!["--weight-decay", "nan"], "weight decay NaN"),
+        (vec!["--weight-decay", "-1"], "weight decay -1"),
+        (vec!["--clip", "nan"], "--clip nan"),
+        (vec!["--clip", "-1"], "--clip -1"),
+        (vec!["--min-lr", "-1"], "minimum learning rate"),
+        (vec!["--steps", "0"], "--steps 0"),
+        (vec!["--save-every", "0"], "--save-every 0"),
+        (vec!["--keep", "0"], "--keep 0"),
+        (vec!["--stop-after", "0"], "--stop-after 0"),
+        (vec!["--resume", empty.to_str().unwrap()], "no checkpoint"),
+        (vec!["--resume", dir.path().to_str().unwrap()], "no commit record"),
+    ];
+    for (extra, want) in cases {
+        let mut args = tiny_run(3);
+        args.extend(strings(&["--save", save.to_str().unwrap()]));
+        args.extend(strings(&extra));
+        let r = run(&args, Duration::from_secs(60));
+        assert_eq!(r.code, Some(1), "{extra:?}: {}\n{}", r.stdout, r.stderr);
+        assert!(
+            r.stderr.contains("candle_train: ") && r.stderr.contains(want),
+            "{extra:?}: wanted {want:?} in:\n{}",
+            r.stderr
+        );
+        assert!(!r.stderr.contains("panicked"), "{extra:?}: {}", r.stderr);
+        assert!(!save.exists(), "{extra:?}: something was saved");
+    }
+}
+
+#[test]
+fn a_run_stopped_and_resumed_ends_where_the_whole_run_ends_and_a_finished_one_is_left_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let (whole, part) = (dir.path().join("whole"), dir.path().join("part"));
+    let mut args = tiny_run(5);
+    args.extend(strings(&["--save", whole.to_str().unwrap()]));
+    let w = run(&args, Duration::from_secs(120));
+    assert_eq!(w.code, Some(0), "{}", w.stderr);
+    let want = losses(&w.stdout);
+    assert_eq!(want.len(), 5);
+
+    let mut args = tiny_run(5);
+    args.extend(strings(&["--save", part.to_str().unwrap(), "--save-every", "2"]));
+    args.extend(strings(&["--stop-after", "3"]));
+    let r = run(&args, Duration::from_secs(120));
+    assert_eq!(r.code, Some(0), "{}", r.stderr);
+    assert!(r.stdout.contains("stopped after step 3 of 5"), "{}", r.stdout);
+    let mut got = losses(&r.stdout);
+    assert_eq!(Checkpoint::open(&part).unwrap().step, 3);
+    // Another horizon is refused, saying so; the run's own goes on.
+    let resume = strings(&["--resume", part.to_str().unwrap(), "--save", part.to_str().unwrap()]);
+    let mut longer = resume.clone();
+    longer.extend(strings(&["--steps", "9"]));
+    let r = run(&longer, Duration::from_secs(120));
+    assert_eq!(r.code, Some(1));
+    assert!(r.stderr.contains("horizon"), "{}", r.stderr);
+    let r = run(&resume, Duration::from_secs(120));
+    assert_eq!(r.code, Some(0), "{}", r.stderr);
+    assert!(r.stdout.contains("resumed ") && r.stdout.contains(" at step 3"), "{}", r.stdout);
+    got.extend(losses(&r.stdout));
+    assert_eq!(got, want);
+    let (a, b) = (Checkpoint::open(&whole).unwrap(), Checkpoint::open(&part).unwrap());
+    assert_eq!((a.step, b.step), (5, 5));
+    assert!(tensors(&a.path) == tensors(&b.path), "the resumed run ended elsewhere");
+
+    // Resuming the finished run says so, exits 0, and touches nothing.
+    let before: Vec<_> = std::fs::read_dir(&part)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .map(|p| {
+            (p.clone(), std::fs::metadata(p.join("checkpoint.json")).unwrap().modified().unwrap())
+        })
+        .collect();
+    let r = run(&resume, Duration::from_secs(60));
+    assert_eq!(r.code, Some(0), "{}", r.stderr);
+    assert!(r.stdout.contains("the run is finished (step 5 of 5)"), "{}", r.stdout);
+    let after: Vec<_> = std::fs::read_dir(&part)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .map(|p| {
+            (p.clone(), std::fs::metadata(p.join("checkpoint.json")).unwrap().modified().unwrap())
+        })
+        .collect();
+    assert_eq!(before, after);
+}
+
+#[test]
+fn a_diverging_run_exits_non_zero_without_a_non_finite_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let save = dir.path().join("out");
+    let mut args = tiny_run(4);
+    args.extend(strings(&["--lr", "1e30", "--save", save.to_str().unwrap(), "--save-every", "1"]));
+    let r = run(&args, Duration::from_secs(120));
+    assert_eq!(r.code, Some(1), "{}\n{}", r.stdout, r.stderr);
+    assert!(
+        r.stderr.contains("not finite")
+            || r.stderr.contains(" is NaN")
+            || r.stderr.contains(" is inf"),
+        "{}",
+        r.stderr
+    );
+    assert!(r.stderr.contains("the run diverged"), "{}", r.stderr);
+    // What was saved is whole and finite.
+    if let Some(ck) = Checkpoint::newest(&save).unwrap() {
+        Checkpoint::open(&ck).unwrap();
+        for (name, bytes) in tensors(&ck) {
+            assert!(
+                bytes
+                    .chunks_exact(4)
+                    .all(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]).is_finite()),
+                "{name} is not finite in {}",
+                ck.display()
+            );
+        }
+    }
+    // With --skip-nonfinite the run goes on, counting what it skipped.
+    let mut args = tiny_run(4);
+    args.extend(strings(&["--lr", "1e30", "--skip-nonfinite"]));
+    let r = run(&args, Duration::from_secs(120));
+    assert_eq!(r.code, Some(0), "{}", r.stderr);
+    assert!(r.stdout.contains("(skipped: not finite)"), "{}", r.stdout);
+}
+
+/// The crash test: `kills` times, the example (`--save-every 1`) is killed with SIGKILL at a
+/// random moment of a save (after a random step's line, a random fraction of a save's time
+/// later), then resumed from its run directory. After each kill the newest checkpoint must
+/// verify whole and be the last one the killed run said it saved, or the one after (saved, not
+/// yet said); every step's loss, in every run, must be the uninterrupted run's; a run must end
+/// by the kill or with status 0 (a resume refused with an error would end with 1: none is
+/// expected here); and the run, once finished, must hold the uninterrupted run's tensors bit for
+/// bit. A finished run starts again from scratch until there were `kills` kills.
+fn crash_test(kills: usize, steps: u64) {
+    let dir = tempfile::tempdir().unwrap();
+    let whole = dir.path().join("whole");
+    let mut args = tiny_run(steps);
+    args.extend(strings(&["--save", whole.to_str().unwrap(), "--save-every", "1"]));
+    // The uninterrupted run, timed: how long a save takes (a step's line to its save's).
+    let mut c = child(&args).spawn().unwrap();
+    let lines = lines_of(&mut c);
+    let (mut step_at, mut save_time) = (None, Vec::new());
+    let mut stdout = String::new();
+    while let Ok((at, line)) = lines.recv() {
+        if line.starts_with("step ") {
+            step_at = Some(at);
+        } else if line.starts_with("saved ") {
+            save_time.push(at - step_at.take().expect("a save after a step"));
+        }
+        stdout.push_str(&line);
+        stdout.push('\n');
+    }
+    assert!(c.wait().unwrap().success());
+    let want = losses(&stdout);
+    assert_eq!(want.len() as u64, steps);
+    let save_time = save_time.iter().max().copied().unwrap();
+    let want_tensors = tensors(&Checkpoint::newest(&whole).unwrap().unwrap());
+
+    let mut rng = strata::candle::llama::SeededRng::new(31);
+    let (mut killed, mut finished, mut attempt) = (0, 0, 0);
+    let mut run_dir = dir.path().join("run-0");
+    let mut resumed_at = Vec::new();
+    while killed < kills {
+        attempt += 1;
+        assert!(attempt < kills * 4 + 20, "{killed} kills in {attempt} runs");
+        let newest = Checkpoint::newest(&run_dir).unwrap();
+        let at = newest.as_ref().map_or(0, |p| Checkpoint::open(p).unwrap().step);
+        let mut args = tiny_run(steps);
+        args.extend(strings(&["--save", run_dir.to_str().unwrap(), "--save-every", "1"]));
+        if newest.is_some() {
+            args.extend(strings(&["--resume", run_dir.to_str().unwrap()]));
+        }
+        let mut c = child(&args).spawn().unwrap();
+        let lines = lines_of(&mut c);
+        // Kill after the k-th step line of this run, a fraction of a save's time later.
+        let k = 1 + rng.below(steps - at);
+        let (mut seen, mut out, mut kill_at) = (0, String::new(), None);
+        let mut was_killed = false;
+        loop {
+            let wait = kill_at.map_or(Duration::from_secs(120), |t: Instant| {
+                t.saturating_duration_since(Instant::now())
+            });
+            match lines.recv_timeout(wait) {
+                Ok((_, line)) => {
+                    if line.starts_with("step ") {
+                        seen += 1;
+                        if seen == k {
+                            // Mostly inside the save, sometimes just after it.
+                            let frac = rng.below(1250) as f64 / 1000.0;
+                            kill_at = Some(Instant::now() + save_time.mul_f64(frac));
+                        }
+                    }
+                    out.push_str(&line);
+                    out.push('\n');
+                }
+                Err(mpsc::RecvTimeoutError::Timeout) => {
+                    assert!(kill_at.is_some(), "a run hung:\n{out}");
+                    was_killed = c.try_wait().unwrap().is_none();
+                    let _ = c.kill();
+                    break;
+                }
+                Err(mpsc::RecvTimeoutError::Disconnected) => break,
+            }
+        }
+        let status = c.wait().unwrap();
+        let mut stderr = String::new();
+        if let Some(mut e) = c.stderr.take() {
+            let _ = std::io::Read::read_to_string(&mut e, &mut stderr);
+        }
+        if !was_killed {
+            assert!(status.success(), "a run failed ({status}):\n{out}\n{stderr}");
+        } else {
+            killed += 1;
+        }
+        // Every loss printed is the uninterrupted run's.
+        for (step, loss) in losses(&out) {
+            assert_eq!(want.get(&step), Some(&loss), "step {step}:\n{out}");
+        }
+        if let Some(line) = out.lines().find(|l| l.starts_with("resumed ")) {
+            let from: u64 = line.rsplit(' ').next().unwrap().parse().unwrap();
+            assert!(newest.is_some() && from == at, "resumed at {from}, the newest was {at}");
+            resumed_at.push(from);
+        }
+        // The newest checkpoint is whole: the last one said saved, or the next.
+        let said = out
+            .lines()
+            .filter_map(|l| {
+                l.strip_prefix("saved ")?
+                    .rsplit_once("(step ")?
+                    .1
+                    .strip_suffix(')')?
+                    .parse::<u64>()
+                    .ok()
+            })
+            .max();
+        if let Some(p) = Checkpoint::newest(&run_dir).unwrap() {
+            let ck = Checkpoint::open(&p).unwrap_or_else(|e| panic!("after a kill: {e}"));
+            if let Some(said) = said {
+                assert!(ck.step == said || ck.step == said + 1, "newest {}, said {said}", ck.step);
+            }
+        } else {
+            assert!(said.is_none(), "a save said done is gone");
+        }
+        let done = Checkpoint::newest(&run_dir)
+            .unwrap()
+            .is_some_and(|p| Checkpoint::open(&p).unwrap().finished());
+        if done {
+            let last = Checkpoint::newest(&run_dir).unwrap().unwrap();
+            assert!(tensors(&last) == want_tensors, "a resumed run ended elsewhere");
+            finished += 1;
+            run_dir = dir.path().join(format!("run-{finished}"));
+        }
+    }
+    println!(
+        "crash test: {killed} kills in {attempt} runs ({} resumes, from steps {:?}); {finished} runs \
+         finished, each equal to the uninterrupted run bit for bit",
+        resumed_at.len(),
+        resumed_at
+    );
+}
+
+/// The child's stdout, line by line with the time each came, on a channel that closes at its
+/// end.
+fn lines_of(c: &mut std::process::Child) -> mpsc::Receiver<(Instant, String)> {
+    let out = c.stdout.take().unwrap();
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(out).lines() {
+            let Ok(line) = line else { break };
+            if tx.send((Instant::now(), line)).is_err() {
+                break;
+            }
+        }
+    });
+    rx
+}
+
+/// Twenty kills of a six-step run (in CI: 5 to 10 s on two cores).
+#[test]
+fn a_run_killed_during_its_saves_resumes_from_a_whole_checkpoint() {
+    crash_test(20, 6);
+}
+
+/// Sixty kills (12 to 25 s on two cores, with the load).
+#[test]
+#[ignore = "up to half a minute: cargo test --features candle --test candle sixty_kills -- --ignored --nocapture"]
+fn sixty_kills_during_saves_resume_from_whole_checkpoints() {
+    crash_test(60, 6);
+}

@@ -1,0 +1,361 @@
+//! The candle trainer under every failure site (features `failpoints` and `candle`):
+//!
+//! ```text
+//! cargo test --features failpoints,candle --test faults trainer -- --nocapture
+//! ```
+//! A tiny Llama trains 3 steps (a save after the second) out of core: a Device
+//! tier of about a block, optimizer moments partly on the Disk tier. A clean run gives the
+//! losses and the final weights and moments; a counting run gives how often the steps after the
+//! first and the save pass each site; then, for every site and passes spread over that count, a
+//! fresh run fails that pass, once (transient) or from then on (sticky: through a retry and a
+//! second save). A failed call is followed by a save of the trainer as it stands (which must
+//! succeed, or, while a sticky fault persists, fail with it or with the store's `BackendFailed`
+//! once it declared its backend failed), then the call is retried; a trainer that cannot go on
+//! (its store's backend declared failed) is replaced by a new one resumed from the run's
+//! newest checkpoint. Every run must end with the clean run's losses, weights and moments, bit
+//! for bit.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use candle_core::{Device, Tensor};
+use strata::candle::train::{Checkpoint, TrainError};
+use strata::candle::{put_random_weights, LlamaConfig, LrSchedule, TrainConfig, Trainer};
+use strata::failpoint::{self, Fault, Site};
+use strata::optim::{AdamW, Engine};
+use strata::{Store, Tier};
+
+const STEPS: u64 = 3;
+
+fn config() -> LlamaConfig {
+    LlamaConfig::from_json(
+        r#"{"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 64,
+            "max_position_embeddings": 16}"#,
+    )
+    .unwrap()
+}
+
+fn train(engine: Engine) -> TrainConfig {
+    TrainConfig {
+        micro_batch: 1,
+        seq: 8,
+        accum: 2,
+        adamw: AdamW { weight_decay: 0.1, ..AdamW::default() },
+        schedule: LrSchedule { peak: 3e-3, min: 3e-4, warmup: 1, total: STEPS },
+        clip: Some(1.0),
+        engine,
+        optimizer_threads: 1,
+        frozen: Vec::new(),
+        skip_nonfinite: false,
+    }
+}
+
+fn batches(step: u64, t: &TrainConfig) -> Vec<Tensor> {
+    (0..t.accum as u64)
+        .map(|m| {
+            let v: Vec<u32> = (0..t.micro_batch * (t.seq + 1))
+                .map(|i| ((step * 131 + m * 17 + i as u64 * 7) % 64) as u32)
+                .collect();
+            Tensor::from_vec(v, (t.micro_batch, t.seq + 1), &Device::Cpu).unwrap()
+        })
+        .collect()
+}
+
+/// A store whose Device tier holds about one block, whose Pinned tier cannot hold every moment
+/// (the rest go to the Disk tier).
+fn store(dir: &Path, engine: Engine) -> strata::Result<Arc<Store>> {
+    // GpuResident: room for the moments it brings to the device beside a block's weights.
+    let device = if engine == Engine::GpuResident { 256 << 10 } else { 48 << 10 };
+    Ok(Arc::new(
+        Store::builder()
+            .host_backend()
+            .capacity(Tier::Device, device)
+            .prefetch_budget(48 << 10)
+            .capacity(Tier::Pinned, 200 << 10)
+            .capacity(Tier::Mapped, 0)
+            .capacity(Tier::Disk, 4 << 20)
+            .disk_dir(dir.join("slab"))
+            .staging(2, 16 << 10)
+            .disk_workers(2)
+            .build()?,
+    ))
+}
+
+fn trainer(dir: &Path, engine: Engine) -> candle_core::Result<Trainer> {
+    let s = store(dir, engine)?;
+    let c = config();
+    let w = put_random_weights(&s, &c, 7, strata::DType::F32)?;
+    Trainer::new(s, &Device::Cpu, c, train(engine), w)
+}
+
+/// The weights and moments, after the last updates.
+fn state(tr: &mut Trainer) -> candle_core::Result<Vec<Vec<u8>>> {
+    tr.finish()?;
+    let s = tr.store().clone();
+    let mut out = Vec::new();
+    for (name, id) in tr.params() {
+        out.push(s.read(id)?);
+        for suffix in ["exp_avg", "exp_avg_sq"] {
+            if let Some(m) = s.lookup(&format!("{name}.{suffix}")) {
+                out.push(s.read(m)?);
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// How one faulted run went.
+#[derive(Default)]
+struct Tally {
+    fired: bool,
+    failed_calls: u64,
+    saves_ok: u64,
+    /// Saves refused while the fault persisted (sticky).
+    saves_refused: u64,
+    /// Saves refused by a store whose backend was declared failed (`BackendFailed`).
+    saves_backend_failed: u64,
+    resumed: u64,
+    /// Runs begun again from the first step (no checkpoint to resume from).
+    restarted: u64,
+}
+
+/// One run: the clean one when `arm` arms nothing. The fault is armed once the first step is
+/// done (so that its updates are in flight), and disarmed after the first failed call and the
+/// save that follows it.
+fn run(
+    dir: &Path,
+    engine: Engine,
+    arm: &dyn Fn(),
+    sticky: bool,
+    t: &mut Tally,
+) -> Result<(Vec<u32>, Vec<Vec<u8>>), String> {
+    let err = |what: &str, e: candle_core::Error| format!("{what}: {e}");
+    let ckpts = dir.join("run");
+    let mut tr = trainer(dir, engine).map_err(|e| err("the trainer", e))?;
+    let mut losses = Vec::new();
+    let tc = train(engine);
+    let mut stores = 0;
+    let call = |tr: &mut Trainer, t: &mut Tally, what: u8| -> candle_core::Result<Option<f32>> {
+        match what {
+            0 => tr.step(&batches(tr.steps(), &tc)).map(|r| Some(r.loss)),
+            _ => tr.save(&ckpts).map(|_| None),
+        }
+        .inspect_err(|_| t.failed_calls += 1)
+    };
+    // The calls: step, step, save, step.
+    let script = [0u8, 0, 1, 0];
+    let mut i = 0;
+    let mut tries = 0;
+    while i < script.len() {
+        if i == 1 && tries == 0 {
+            arm();
+        }
+        match call(&mut tr, t, script[i]) {
+            Ok(loss) => {
+                losses.extend(loss.map(f32::to_bits));
+                i += 1;
+                tries = 0;
+            }
+            Err(e) => {
+                tries += 1;
+                if std::env::var_os("STRATA_FAULTS_VERBOSE").is_some() {
+                    eprintln!(
+                        "  call {i} ({} steps done) failed: {}",
+                        tr.steps(),
+                        e.to_string().lines().next().unwrap_or("")
+                    );
+                }
+                if failpoint::fired() {
+                    t.fired = true;
+                }
+                // The trainer as it stands saves (the last complete step), or the fault is
+                // still there, or the store has declared its backend failed.
+                match tr.save(&ckpts) {
+                    Ok(_) => t.saves_ok += 1,
+                    Err(s) if s.to_string().contains("the backend has failed") => {
+                        t.saves_backend_failed += 1
+                    }
+                    Err(s) if sticky => {
+                        if std::env::var_os("STRATA_FAULTS_VERBOSE").is_some() {
+                            eprintln!(
+                                "  a save refused: {}",
+                                s.to_string().lines().next().unwrap_or("")
+                            );
+                        }
+                        t.saves_refused += 1
+                    }
+                    Err(s) => return Err(format!("after {e}\na save failed: {s}")),
+                }
+                // A transient fault is gone; a sticky one stays for a retry and a second save
+                // (on the backend, enough failures in a row to have it declared failed).
+                if !sticky || tries >= 2 {
+                    failpoint::disarm();
+                }
+                if tries > 3 {
+                    // This trainer cannot go on: a new store and trainer, resumed from the
+                    // run's newest checkpoint (or started again when there is none).
+                    stores += 1;
+                    if stores > 2 {
+                        return Err(format!("no way past: {e}"));
+                    }
+                    let fresh = dir.join(format!("store-{stores}"));
+                    tr = trainer(&fresh, engine).map_err(|e| err("a new trainer", e))?;
+                    if Checkpoint::newest(&ckpts).map_err(|e| err("the run", e))?.is_some() {
+                        tr.resume(&ckpts).map_err(|e| err("resuming", e))?;
+                        t.resumed += 1;
+                    } else {
+                        t.restarted += 1;
+                    }
+                    // The steps the checkpoint holds are not done again; the rest are.
+                    let done = tr.steps();
+                    losses.truncate(done as usize);
+                    let steps_before = |k: usize| script[..k].iter().filter(|&&c| c == 0).count();
+                    i = (0..=script.len()).find(|&k| steps_before(k) as u64 >= done).unwrap_or(0);
+                    tries = 1;
+                }
+            }
+        }
+    }
+    // The run is over: the reads below are the test's (and a count stops here).
+    t.fired |= failpoint::fired();
+    failpoint::disarm();
+    let st = state(&mut tr).map_err(|e| err("reading the state", e))?;
+    Ok((losses, st))
+}
+
+/// The survey at `per_site` passes of each site (spread over its count), for both engines.
+fn survey(per_site: u64) {
+    let _turn = super::ARMED.lock().unwrap_or_else(|e| e.into_inner());
+    let sites: Vec<Site> = Site::ALL
+        .into_iter()
+        .filter(|s| !matches!(s, Site::Alloc | Site::DiskOpen | Site::WorkerStart))
+        .collect();
+    let (mut runs, mut faults, mut failed_calls, mut wrong, mut lost) =
+        (0u64, 0u64, 0u64, Vec::new(), Vec::new());
+    let (mut saves_ok, mut saves_refused, mut resumed, mut restarted) = (0u64, 0u64, 0u64, 0u64);
+    let mut saves_backend_failed = 0u64;
+    for engine in [Engine::Cpu, Engine::GpuResident] {
+        let dir = tempfile::tempdir().unwrap();
+        let clean = run(&dir.path().join("clean"), engine, &|| {}, false, &mut Tally::default())
+            .unwrap_or_else(|e| panic!("{engine}: the clean run failed: {e}"));
+        assert_eq!(clean.0.len() as u64, STEPS);
+        let _ =
+            run(&dir.path().join("count"), engine, &failpoint::count, false, &mut Tally::default());
+        let passes: Vec<(Site, u64)> = sites.iter().map(|&s| (s, failpoint::hits(s))).collect();
+        failpoint::disarm();
+        for (site, n) in passes {
+            // Up to `per_site` passes, spread over the count (its middle for one).
+            let ks: Vec<u64> = match (n, per_site) {
+                (0, _) => Vec::new(),
+                (_, 1) => vec![n.div_ceil(2)],
+                (n, p) if n <= p => (1..=n).collect(),
+                (n, p) => (0..p).map(|j| 1 + j * (n - 1) / (p - 1)).collect(),
+            };
+            for k in ks {
+                for sticky in [false, true] {
+                    runs += 1;
+                    let fault = match site {
+                        Site::DiskWrite | Site::SaveWrite => Fault::NoSpace,
+                        Site::DiskRead | Site::FileRead | Site::SaveSync | Site::SaveRename => {
+                            Fault::Io
+                        }
+                        _ => Fault::Backend,
+                    };
+                    let ctx = format!(
+                        "{engine}, {site:?} #{k} of {n}, {}",
+                        if sticky { "sticky" } else { "transient" }
+                    );
+                    let arm = move || {
+                        if sticky {
+                            failpoint::arm_from(site, k, fault)
+                        } else {
+                            failpoint::arm(site, k, fault)
+                        }
+                    };
+                    if let Ok(only) = std::env::var("STRATA_FAULTS_ONLY") {
+                        if !ctx.starts_with(&only) {
+                            continue;
+                        }
+                        eprintln!("run: {ctx}");
+                    }
+                    let d = tempfile::tempdir().unwrap();
+                    let mut t = Tally::default();
+                    let r = run(d.path(), engine, &arm, sticky, &mut t);
+                    failpoint::disarm();
+                    faults += u64::from(t.fired);
+                    failed_calls += t.failed_calls;
+                    saves_ok += t.saves_ok;
+                    saves_refused += t.saves_refused;
+                    saves_backend_failed += t.saves_backend_failed;
+                    resumed += t.resumed;
+                    restarted += t.restarted;
+                    match r {
+                        Ok(got) if got == clean => {}
+                        Ok(got) => wrong.push(format!(
+                            "{ctx}: ended other than the clean run (losses {:?}, clean {:?}; \
+                             state tensors differing: {:?})",
+                            got.0.iter().map(|b| f32::from_bits(*b)).collect::<Vec<_>>(),
+                            clean.0.iter().map(|b| f32::from_bits(*b)).collect::<Vec<_>>(),
+                            (0..got.1.len())
+                                .filter(|&i| got.1[i] != clean.1[i])
+                                .collect::<Vec<_>>()
+                        )),
+                        Err(e) => lost.push(format!("{ctx}: {e}")),
+                    }
+                }
+            }
+        }
+    }
+    println!(
+        "trainer under faults: {runs} runs, {faults} faults injected, {failed_calls} calls failed; \
+         lost {}, wrong {}; saves after a failure: {saves_ok} succeeded, {saves_refused} failed \
+         with the sticky fault still there, {saves_backend_failed} refused with BackendFailed; \
+         {resumed} runs resumed \
+         from a checkpoint in a new store, {restarted} begun again (no checkpoint yet)",
+        lost.len(),
+        wrong.len()
+    );
+    assert!(wrong.is_empty(), "wrong:\n{}", wrong.join("\n"));
+    assert!(lost.is_empty(), "lost:\n{}", lost.join("\n"));
+    assert!(faults > 0);
+}
+
+/// Every site at the middle of its passes, transient and sticky, both engines (in CI).
+#[test]
+fn the_trainer_survives_a_fault_at_every_site() {
+    survey(1);
+}
+
+/// Six passes of every site (about two minutes on two cores).
+#[test]
+#[ignore = "minutes: cargo test --features failpoints,candle --test faults every_site_six -- --ignored --nocapture"]
+fn the_trainer_survives_faults_at_every_site_six_passes_each() {
+    survey(6);
+}
+
+/// A step retried after a transient fault is the clean step, and the last complete step can be
+/// saved after it: checked directly on the trainer the fault hit, for a fault in the
+/// computation itself (an error candle returns).
+#[test]
+fn a_step_that_fails_in_its_computation_leaves_the_trainer_as_it_was() {
+    let _turn = super::ARMED.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = tempfile::tempdir().unwrap();
+    let tc = train(Engine::Cpu);
+    let mut tr = trainer(&dir.path().join("a"), Engine::Cpu).unwrap();
+    let mut clean = trainer(&dir.path().join("b"), Engine::Cpu).unwrap();
+    for step in 0..2 {
+        clean.step(&batches(step, &tc)).unwrap();
+    }
+    tr.step(&batches(0, &tc)).unwrap();
+    failpoint::arm(Site::Compute, 2, Fault::Backend);
+    let e = tr.step(&batches(1, &tc)).unwrap_err();
+    failpoint::disarm();
+    assert!(e.to_string().contains("injected"), "{e}");
+    assert!(TrainError::find(&e).is_none());
+    assert_eq!(tr.steps(), 1);
+    let saved = tr.save(dir.path().join("ck")).unwrap();
+    assert_eq!(Checkpoint::open(&saved).unwrap().step, 1);
+    tr.step(&batches(1, &tc)).unwrap();
+    assert!(state(&mut tr).unwrap() == state(&mut clean).unwrap());
+}
