@@ -1,10 +1,10 @@
 // The fused ops of strata::candle::fused, compiled at run time with NVRTC (bf16.cuh prepended):
 // attention forward and backward (FlashAttention-2's algorithm), RMSNorm, RoPE and SwiGLU with
-// their backwards. The same algorithms as the CPU code of src/candle/fused/: every value widened
-// to f32, combined in f32, rounded once to the storage type; no atomics, so every sum has a fixed
-// order and a run gives the same bits as the last. Launched by src/candle/fused/cuda.rs on
-// candle's stream. No headers: bf16 and f16 are carried as 16-bit patterns (f16 converted with
-// PTX's cvt), -inf written as its bits.
+// their backwards, and gradients summed in place in f32. The same algorithms as the CPU code of
+// src/candle/fused/: every value widened to f32, combined in f32, rounded once to the storage
+// type; no atomics, so every sum has a fixed order and a run gives the same bits as the last.
+// Launched by src/candle/fused/cuda.rs on candle's stream. No headers: bf16 and f16 are carried
+// as 16-bit patterns (f16 converted with PTX's cvt), -inf written as its bits.
 
 #define NEG_INF __int_as_float(0xff800000)
 #define FULL_MASK 0xffffffffu
@@ -517,6 +517,29 @@ __device__ void swiglu_bwd(const T* g, const T* u, const T* dy, T* dg, T* du, lo
     }
 }
 
+// ---------------------------------------------------------------------------------------------
+// Gradients summed in place in f32 (src/candle/fused/accumulate.rs): acc += g element by
+// element; and an embedding's rows, acc[ids[i]] += rows[i] for i in order, one thread per column
+// so that every element's sum runs in the CPU's order (no atomics). An id past the table is
+// left out (the Rust side checks the ids before the step).
+template <typename T> __device__ void grad_acc(float* acc, const T* g, long long n) {
+    GRID_LOOP(i, n) acc[i] = acc[i] + widen(g[i]);
+}
+
+template <typename T>
+__device__ void grad_index_add(float* acc, const unsigned int* ids, const T* rows, long long n,
+                               int hidden, long long vocab) {
+    GRID_LOOP(c, hidden) {
+        for (long long i = 0; i < n; i++) {
+            const long long id = ids[i];
+            if (id < vocab) {
+                float* a = acc + id * hidden + c;
+                *a = *a + widen(rows[i * hidden + c]);
+            }
+        }
+    }
+}
+
 #define POINTWISE_ENTRIES(name, T)                                                                 \
     extern "C" __global__ void strata_attn_delta_##name(const T* dout, const T* o, float* delta,  \
                                                         long long rows, int d) {                  \
@@ -553,6 +576,14 @@ __device__ void swiglu_bwd(const T* g, const T* u, const T* dy, T* dg, T* du, lo
     extern "C" __global__ void strata_swiglu_bwd_##name(const T* g, const T* u, const T* dy,      \
                                                         T* dg, T* du, long long n) {              \
         swiglu_bwd<T>(g, u, dy, dg, du, n);                                                       \
+    }                                                                                              \
+    extern "C" __global__ void strata_grad_acc_##name(float* acc, const T* g, long long n) {      \
+        grad_acc<T>(acc, g, n);                                                                   \
+    }                                                                                              \
+    extern "C" __global__ void strata_grad_index_add_##name(float* acc, const unsigned int* ids,  \
+                                                            const T* rows, long long n,           \
+                                                            int hidden, long long vocab) {        \
+        grad_index_add<T>(acc, ids, rows, n, hidden, vocab);                                      \
     }
 
 // One element type per module (the Rust side defines STRATA_ELEM_<type> before the source, so a

@@ -1,6 +1,7 @@
 //! Trains a Llama-style decoder inside candle with strata holding every byte of its state:
 //! out of core under a device budget (`strata::candle::Trainer`), or in memory
-//! (`--in-memory`: `strata::candle::LlamaTwin`, candle's plain backward).
+//! (`--in-memory`: `strata::candle::LlamaTwin`, every weight, gradient and AdamW state resident
+//! on the device, candle's plain backward), or both in one run (`--resident-twin`).
 //!
 //! ```text
 //! cargo run --release --features candle --example candle_train -- \
@@ -19,18 +20,28 @@
 //! - `--seq N` (32), `--micro-batch N` (2), `--accum N` (2), `--steps N` (5);
 //! - `--lr X` (peak, 1e-3), `--min-lr X` (lr / 10), `--warmup N` (steps / 5), `--weight-decay X`
 //!   (0), `--clip X` (global gradient-norm clipping, 1.0; 0 for none);
-//! - `--device-budget SIZE` (the Device tier; default: the whole model), `--pinned-budget SIZE`
-//!   (default: room for everything host-side), `--engine cpu|gpu-mapped|gpu-resident|auto`;
+//! - `--device-budget SIZE`, `--pinned-budget SIZE` (default: the memory plan's, below),
+//!   `--engine cpu|gpu-mapped|gpu-resident|auto`;
+//! - the machine the plan is made for: this one (measured) or `--machine h100` (the lent
+//!   H100's figures), either changed by `--hbm SIZE`, `--host-memory SIZE`, `--disk SIZE`,
+//!   `--pcie GB/s`, `--host-bandwidth GB/s` (the CPU AdamW's traffic rate), `--disk-bandwidth
+//!   GB/s`, `--tflops X`; `--plan-only`: print the plan and exit, allocating nothing;
 //! - `--freeze PATTERN` (repeatable; `*` matches any run of characters);
 //! - `--save DIR` (a checkpoint after the last step), `--resume DIR` (continue one);
 //! - `--write-inputs DIR`: writes the initial weights (`model.safetensors`, `config.json`) and
 //!   every step's tokens (`tokens.safetensors`, `[steps · accum, micro_batch, seq + 1]`) there,
 //!   for `benches/peers/check_llama_train.py`;
-//! - `--in-memory`: the in-memory twin instead of the out-of-core trainer.
+//! - `--in-memory`: the resident twin instead of the out-of-core trainer;
+//! - `--resident-twin`: the resident twin's steps (as `step` lines), then the out-of-core
+//!   trainer's on the same batches in the same process (as `out of core step` lines), and their
+//!   throughputs' ratio.
 //!
-//! Prints the memory plan (bytes per group and tier), a progress bar (stderr), and per step the
-//! loss, tokens/s, model TFLOPS, bytes moved per tier pair, stall, and optimizer time hidden and
-//! exposed. The last line of stdout is the final loss.
+//! Prints the memory plan (budgets, where each group lives, a step's traffic and floor),
+//! refusing a run that cannot fit; a progress bar (stderr); and per step the loss, tokens/s,
+//! model TFLOPS, bytes moved per tier pair, stall, the optimizer's time (run, hidden, exposed:
+//! one clock, the step's) and the step's floor `max(compute, PCIe bytes / bandwidth, CPU
+//! optimizer time, disk)` with the compute measured. The last line of stdout is the final
+//! loss.
 //!
 //! Flags are parsed here by hand, so the example builds with `--no-default-features --features
 //! candle` (no CLI dependencies).
@@ -41,7 +52,7 @@ use std::time::Instant;
 
 use candle_core::{Device, Tensor};
 use strata::candle::llama::SeededRng;
-use strata::candle::train::{load_tokens, Checkpoint};
+use strata::candle::train::{load_tokens, Budgets, Checkpoint, Floor, Machine, TrainPlan};
 use strata::candle::{
     load_weights, put_random_weights, LlamaConfig, LlamaTwin, LrSchedule, StepReport, TrainConfig,
     Trainer,
@@ -80,6 +91,16 @@ struct Args {
     resume: Option<PathBuf>,
     write_inputs: Option<PathBuf>,
     in_memory: bool,
+    resident_twin: bool,
+    plan_only: bool,
+    h100: bool,
+    hbm: Option<u64>,
+    host_memory: Option<u64>,
+    disk: Option<u64>,
+    pcie: Option<f64>,
+    host_bandwidth: Option<f64>,
+    disk_bandwidth: Option<f64>,
+    tflops: Option<f64>,
 }
 
 const USAGE: &str = "usage: candle_train --config FILE [--model PATH | --init random --seed N] \
@@ -87,7 +108,9 @@ const USAGE: &str = "usage: candle_train --config FILE [--model PATH | --init ra
 [--min-lr X] [--warmup N] [--weight-decay X] [--clip X] [--device-budget SIZE] \
 [--pinned-budget SIZE] [--engine cpu|gpu-mapped|gpu-resident|auto] [--freeze PATTERN]... \
 [--save DIR [--save-every N] [--keep N]] [--stop-after K] [--skip-nonfinite] [--resume DIR] \
-[--write-inputs DIR] [--in-memory]";
+[--write-inputs DIR] [--in-memory | --resident-twin] [--plan-only] [--machine h100] [--hbm SIZE] \
+[--host-memory SIZE] [--disk SIZE] [--pcie GB/s] [--host-bandwidth GB/s] [--disk-bandwidth GB/s] \
+[--tflops X]";
 
 fn parse_args(args: Vec<String>) -> Res<Args> {
     let mut a = Args {
@@ -117,6 +140,16 @@ fn parse_args(args: Vec<String>) -> Res<Args> {
         resume: None,
         write_inputs: None,
         in_memory: false,
+        resident_twin: false,
+        plan_only: false,
+        h100: false,
+        hbm: None,
+        host_memory: None,
+        disk: None,
+        pcie: None,
+        host_bandwidth: None,
+        disk_bandwidth: None,
+        tflops: None,
     };
     let mut it = args.into_iter();
     while let Some(flag) = it.next() {
@@ -127,6 +160,14 @@ fn parse_args(args: Vec<String>) -> Res<Args> {
             }
             "--skip-nonfinite" => {
                 a.skip_nonfinite = true;
+                continue;
+            }
+            "--resident-twin" => {
+                a.resident_twin = true;
+                continue;
+            }
+            "--plan-only" => {
+                a.plan_only = true;
                 continue;
             }
             "-h" | "--help" => {
@@ -153,6 +194,12 @@ fn parse_args(args: Vec<String>) -> Res<Args> {
         };
         let float = || -> Res<f64> {
             value.parse().map_err(|_| format!("{flag} {value}: a number expected").into())
+        };
+        let rate = || -> Res<f64> {
+            match value.parse::<f64>() {
+                Ok(x) if x.is_finite() && x > 0.0 => Ok(x),
+                _ => Err(format!("{flag} {value}: a finite number > 0 expected").into()),
+            }
         };
         match flag.as_str() {
             "--config" => a.config = Some(PathBuf::from(&value)),
@@ -197,13 +244,27 @@ fn parse_args(args: Vec<String>) -> Res<Args> {
             "--stop-after" => a.stop_after = Some(positive()?),
             "--resume" => a.resume = Some(PathBuf::from(&value)),
             "--write-inputs" => a.write_inputs = Some(PathBuf::from(&value)),
+            "--machine" if value == "h100" => a.h100 = true,
+            "--machine" => return Err(format!("--machine {value}: only `h100` (the lent H100's figures; without the flag, this machine's)").into()),
+            "--hbm" => a.hbm = Some(parse_size(&value)?),
+            "--host-memory" => a.host_memory = Some(parse_size(&value)?),
+            "--disk" => a.disk = Some(parse_size(&value)?),
+            "--pcie" => a.pcie = Some(rate()? * 1e9),
+            "--host-bandwidth" => a.host_bandwidth = Some(rate()? * 1e9),
+            "--disk-bandwidth" => a.disk_bandwidth = Some(rate()? * 1e9),
+            "--tflops" => a.tflops = Some(rate()? * 1e12),
             _ => return Err(format!("unknown flag {flag}\n{USAGE}").into()),
         }
     }
     if a.config.is_none() && a.resume.is_none() {
         return Err(format!("--config is required (or --resume DIR)\n{USAGE}").into());
     }
-    if a.in_memory
+    if a.in_memory && a.resident_twin {
+        return Err(
+            "--in-memory runs the resident twin alone, --resident-twin both: one of them".into()
+        );
+    }
+    if (a.in_memory || a.resident_twin)
         && (a.save.is_some()
             || a.resume.is_some()
             || a.save_every.is_some()
@@ -211,7 +272,7 @@ fn parse_args(args: Vec<String>) -> Res<Args> {
             || a.skip_nonfinite)
     {
         return Err("--save, --save-every, --resume, --stop-after and --skip-nonfinite go with \
-                    the out-of-core trainer, not --in-memory"
+                    the out-of-core trainer alone, not --in-memory or --resident-twin"
             .into());
     }
     if a.save_every.is_some() && a.save.is_none() {
@@ -398,6 +459,34 @@ fn run(args: Vec<String>) -> Res<()> {
     let device = candle_device();
     let train = train_config(&a, ck.as_ref().map(|c| &c.train));
     let dtype = ck.as_ref().map_or(a.dtype.unwrap_or(DType::F32), |c| c.dtype);
+    // The memory plan for the machine (this one, or the figures given), made before anything is
+    // allocated: a run that cannot fit is refused here.
+    let mut machine = if a.h100 { Machine::h100() } else { Machine::detect(&device) };
+    let given = [&a.hbm, &a.host_memory, &a.disk].iter().any(|x| x.is_some());
+    machine.device_bytes = a.hbm.unwrap_or(machine.device_bytes);
+    machine.host_bytes = a.host_memory.unwrap_or(machine.host_bytes);
+    machine.disk_bytes = a.disk.unwrap_or(machine.disk_bytes);
+    if let Some(b) = a.pcie {
+        (machine.h2d, machine.d2h) = (b, b);
+    }
+    machine.host_update = a.host_bandwidth.unwrap_or(machine.host_update);
+    machine.disk = a.disk_bandwidth.unwrap_or(machine.disk);
+    machine.flops = a.tflops.or(machine.flops);
+    if given {
+        machine.name = format!(
+            "{} with {} of device memory, {} of host memory, {} of disk",
+            if a.h100 { "the lent H100" } else { "this machine" },
+            format_size(machine.device_bytes),
+            format_size(machine.host_bytes),
+            format_size(machine.disk_bytes)
+        );
+    }
+    let budgets = Budgets { device: a.device_budget, pinned: a.pinned_budget };
+    if a.plan_only {
+        let plan = TrainPlan::new(&config, &train, dtype, &machine, budgets)?;
+        println!("{plan}");
+        return Ok(());
+    }
     // Every size and hyperparameter checked before anything is allocated.
     train.validate(&config, dtype, &device)?;
     let total = train.schedule.total;
@@ -452,35 +541,47 @@ fn run(args: Vec<String>) -> Res<()> {
         train.engine
     );
 
-    // The store: the Device tier at the budget asked for (default: the whole model), host
-    // memory for the rest (weights, fp32 masters and moments, gradients, checkpoints).
-    let elem = dtype.size_of() as u64;
-    let overflow = || format!("a store for {params} parameters overflows u64");
-    let model_bytes = params.checked_mul(elem).ok_or_else(overflow)?;
-    let checkpoints = [config.num_hidden_layers, train.accum, train.micro_batch, train.seq]
-        .iter()
-        .try_fold(config.hidden_size as u64 * elem, |acc, &x| acc.checked_mul(x as u64));
-    let host_need = params
-        .checked_mul(elem + 4 + 4 * 3 + 4)
-        .and_then(|b| b.checked_add(checkpoints?))
-        .and_then(|b| b.checked_add(64 << 20))
-        .ok_or_else(overflow)?;
-    let device_budget = a.device_budget.unwrap_or(model_bytes.saturating_add(16 << 20));
-    let engine = train.engine;
-    let builder = Store::builder()
+    // The store at the plan's budgets: the Device tier, host memory for the weights, the
+    // optimizer's gradients, masters and moments and the checkpoints, Disk for what memory
+    // cannot hold.
+    let out_of_core = !a.in_memory;
+    let [device_budget, pinned, mapped, disk] = if out_of_core {
+        let plan = TrainPlan::new(&config, &train, dtype, &machine, budgets)?;
+        println!("{plan}");
+        plan.budgets
+    } else {
+        // The twin computes outside the store, which only holds the initial weights.
+        let weights = params.checked_mul(dtype.size_of() as u64).ok_or("a model past u64")?;
+        [16 << 20, weights + (64 << 20), 0, 0]
+    };
+    let mut builder = Store::builder()
         .capacity(Tier::Device, device_budget)
         .prefetch_budget(device_budget)
-        .capacity(Tier::Pinned, a.pinned_budget.unwrap_or(host_need))
+        .capacity(Tier::Pinned, pinned)
         .capacity(
             Tier::Mapped,
-            if engine == Engine::GpuMapped {
-                params.checked_mul(12).and_then(|b| b.checked_add(1 << 20)).ok_or_else(overflow)?
-            } else {
-                0
-            },
+            mapped.max(if train.engine == Engine::GpuMapped { 1 << 20 } else { 0 }),
         );
+    if disk > (48 << 30) {
+        builder = builder.capacity(Tier::Disk, disk + (1 << 30));
+    }
     let store = strata::candle::store_for(&device, builder)?;
     println!("candle device: {device:?}; strata: {}", store.backend_description());
+    if out_of_core && (a.pcie.is_none() || a.host_bandwidth.is_none()) {
+        let (pcie, host) = (a.pcie, a.host_bandwidth);
+        machine.measure(&store, train.optimizer_threads)?;
+        machine.h2d = pcie.unwrap_or(machine.h2d);
+        machine.d2h = pcie.unwrap_or(machine.d2h);
+        machine.host_update = host.unwrap_or(machine.host_update);
+    }
+    println!(
+        "bandwidths for the floor: PCIe {:.1} GB/s in, {:.1} GB/s out; host AdamW {:.1} GB/s; disk {:.1} GB/s{}",
+        machine.h2d / 1e9,
+        machine.d2h / 1e9,
+        machine.host_update / 1e9,
+        machine.disk / 1e9,
+        if store.cuda_context().is_none() { " (host backend: the \"PCIe\" copies are memcpys)" } else { "" }
+    );
     let weights = match (&a.model, &ck) {
         (Some(p), _) => load_weights(&store, &config, p)?,
         (None, Some(ck)) => {
@@ -493,9 +594,11 @@ fn run(args: Vec<String>) -> Res<()> {
     }
     let flops_per_step =
         config.training_flops((train.micro_batch * train.seq * train.accum) as u64, train.seq);
+    let tokens = (train.micro_batch * train.seq * train.accum) as f64;
 
     let mut losses = Vec::new();
-    if a.in_memory {
+    let mut twin_times = Vec::new();
+    if a.in_memory || a.resident_twin {
         let mut init = HashMap::new();
         for (name, id) in &weights {
             let info = store.info(*id)?;
@@ -509,9 +612,11 @@ fn run(args: Vec<String>) -> Res<()> {
             };
             init.insert(name.clone(), t);
         }
-        drop(store);
         let mut twin = LlamaTwin::new(config.clone(), train.clone(), init, &device)?;
-        println!("in memory: every weight resident, candle's backward, AdamW in host memory");
+        println!(
+            "resident twin: every weight, gradient and AdamW state on the device, candle's \
+             backward without recompute"
+        );
         for step in 0..total {
             let b = data.batches(step, &train, &device)?;
             let t = Instant::now();
@@ -521,14 +626,17 @@ fn run(args: Vec<String>) -> Res<()> {
             println!(
                 "step {}/{total}: loss {loss:.6}  {:.0} tokens/s  {:.4} TFLOPS  ({:.1} ms)",
                 step + 1,
-                (train.micro_batch * train.seq * train.accum) as f64 / s,
+                tokens / s,
                 flops_per_step / s / 1e12,
                 s * 1e3
             );
             progress(step + 1, total);
             losses.push(loss);
+            twin_times.push(s);
         }
-    } else {
+    }
+    if out_of_core {
+        let prefix = if a.resident_twin { "out of core " } else { "" };
         let mut trainer =
             Trainer::new(store.clone(), &device, config.clone(), train.clone(), weights)?;
         if let Some(ck) = &ck {
@@ -536,7 +644,7 @@ fn run(args: Vec<String>) -> Res<()> {
             println!("resumed {} at step {}", ck.path.display(), trainer.steps());
         }
         trainer.set_notes(data.notes.clone());
-        plan(&store);
+        store_now(&store);
         let end = a.stop_after.map_or(total, |k| k.min(total));
         let mut saved = trainer.steps();
         let save = |trainer: &mut Trainer, dir: &Path| -> Res<()> {
@@ -544,12 +652,18 @@ fn run(args: Vec<String>) -> Res<()> {
             println!("saved {} (step {})", p.display(), trainer.steps());
             Ok(())
         };
+        let cpu_optimizer = trainer.optimizer().is_some_and(|o| o.engine() == Engine::Cpu);
+        let mut ooc_times = Vec::new();
         for step in trainer.steps()..end {
             let b = data.batches(step, &train, &device)?;
             let r = trainer.step(&b)?;
-            report(&r, total, flops_per_step);
+            let floor = Floor::measured(&r, &machine, cpu_optimizer);
+            report(prefix, &r, total, flops_per_step, &floor);
             progress(step + 1, total);
-            losses.push(r.loss);
+            ooc_times.push(r.seconds);
+            if !a.resident_twin {
+                losses.push(r.loss);
+            }
             if let (Some(dir), Some(n)) = (&a.save, a.save_every) {
                 if trainer.steps() % n == 0 {
                     save(&mut trainer, dir)?;
@@ -583,16 +697,44 @@ fn run(args: Vec<String>) -> Res<()> {
             format_size(tr.host_copy_bytes)
         );
         println!("{}", store.stats());
+        if a.resident_twin {
+            against_twin(&config, &train, &twin_times, &ooc_times);
+        }
     }
     let last = losses.last().ok_or("no step ran")?;
     println!("{last}");
     Ok(())
 }
 
+/// The out-of-core steps' throughput against the resident twin's, in one run: the medians of
+/// the steps after the first, and the share of the model's FLOPs in its blocks (what makes the
+/// ratio a per-block one).
+fn against_twin(config: &LlamaConfig, train: &TrainConfig, twin: &[f64], ooc: &[f64]) {
+    let median = |v: &[f64]| {
+        let mut v: Vec<f64> = if v.len() > 1 { v[1..].to_vec() } else { v.to_vec() };
+        v.sort_by(f64::total_cmp);
+        v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+    };
+    let (t, o) = (median(twin), median(ooc));
+    let tokens = (train.micro_batch * train.seq * train.accum) as f64;
+    let blocks = config.num_hidden_layers as f64;
+    let per_block = |s: f64| tokens * blocks / s;
+    let all = config.training_flops(tokens as u64, train.seq);
+    let head = 6.0 * tokens * (config.vocab_size * config.hidden_size) as f64;
+    println!(
+        "per block (same run, medians of steps 2 on): resident twin {:.0} tokens/s, out of core \
+         {:.0} tokens/s: out of core / resident = {:.3} (the blocks are {:.1}% of the model's FLOPs)",
+        per_block(t),
+        per_block(o),
+        t / o,
+        100.0 * (all - head) / all
+    );
+}
+
 /// Bytes per group and tier, as the store holds them before the first step.
-fn plan(store: &Store) {
+fn store_now(store: &Store) {
     let s = store.stats();
-    println!("memory plan (bytes per group and tier):");
+    println!("the store before the first step (bytes per group and tier):");
     println!("{:<12}{:>14}{:>14}{:>14}{:>14}", "group", "device", "pinned", "mapped", "disk");
     for g in Group::ALL {
         let row: Vec<String> =
@@ -603,7 +745,7 @@ fn plan(store: &Store) {
     println!("{:<12}{:>14}{:>14}{:>14}{:>14}", "budget", caps[0], caps[1], caps[2], caps[3]);
 }
 
-fn report(r: &StepReport, total: u64, flops: f64) {
+fn report(prefix: &str, r: &StepReport, total: u64, flops: f64, floor: &Floor) {
     let mut moved = Vec::new();
     for f in Tier::ALL {
         for t in Tier::ALL {
@@ -614,8 +756,9 @@ fn report(r: &StepReport, total: u64, flops: f64) {
         }
     }
     println!(
-        "step {}/{total}: loss {:.6}  lr {:.3e}  grad norm {:.4}{}{}  {:.0} tokens/s  {:.4} TFLOPS  \
-         ({:.1} ms)  moved [{}]  stall {:.2} ms  optimizer {:.2} ms (hidden {:.2}, exposed {:.2})",
+        "{prefix}step {}/{total}: loss {:.6}  lr {:.3e}  grad norm {:.4}{}{}  {:.0} tokens/s  {:.4} TFLOPS  \
+         ({:.1} ms)  moved [{}]  stall {:.2} ms  optimizer {:.2} ms (hidden {:.2}, exposed {:.2})  \
+         {}: step / floor {:.2}",
         r.step + 1,
         r.loss,
         r.lr,
@@ -628,8 +771,10 @@ fn report(r: &StepReport, total: u64, flops: f64) {
         moved.join(", "),
         r.stall_seconds * 1e3,
         r.optimizer_seconds * 1e3,
-        r.optimizer_hidden_seconds() * 1e3,
-        r.optimizer_exposed_seconds * 1e3
+        r.optimizer_hidden_seconds * 1e3,
+        r.optimizer_exposed_seconds * 1e3,
+        floor,
+        r.seconds / floor.seconds()
     );
 }
 

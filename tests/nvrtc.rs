@@ -40,6 +40,8 @@ fn fused_kernels() -> Vec<String> {
             "rope",
             "swiglu_fwd",
             "swiglu_bwd",
+            "grad_acc",
+            "grad_index_add",
         ] {
             v.push(format!("strata_{k}_{t}"));
         }

@@ -40,6 +40,11 @@ impl CopyTimer {
         Ok(())
     }
 
+    /// Whether the end event was recorded.
+    pub(crate) fn stopped(&self) -> bool {
+        self.end.is_some()
+    }
+
     /// Seconds between the two events if the end event has completed, without waiting.
     pub(crate) fn seconds_if_done(&self) -> Option<f64> {
         let end = self.end.as_ref()?;

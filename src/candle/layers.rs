@@ -142,6 +142,12 @@ impl Layers {
         Self::new(store, loaded.iter().map(|t| (t.name.clone(), t.id)), device)
     }
 
+    /// Serves one more tensor of the store under `name` (one made after the [`Layers`], such as
+    /// an optimizer's gradient that needs the [`Layers`]' stream to be made).
+    pub(crate) fn serve(&mut self, name: String, id: TensorId) {
+        self.names.insert(name, id);
+    }
+
     /// The store.
     pub fn store(&self) -> &Arc<Store> {
         &self.store

@@ -281,10 +281,16 @@ impl BlockWeights {
         })
     }
 
-    /// The bias of projection `i` (0: q, 1: k, 2: v) added to `y`, when there is one.
+    /// The bias of projection `i` (0: q, 1: k, 2: v) added to `y`, when there is one. In f32
+    /// for 16-bit values (the same sums, rounded once), so that the bias's gradient, the sum of
+    /// `y`'s over the batch and the positions, is summed in f32.
     fn add_bias(&self, y: Tensor, i: usize) -> candle_core::Result<Tensor> {
         match &self.qkv_bias {
-            Some(b) => y.broadcast_add(&b[i]),
+            Some(b) if y.dtype() == CDType::F32 => y.broadcast_add(&b[i]),
+            Some(b) => y
+                .to_dtype(CDType::F32)?
+                .broadcast_add(&b[i].to_dtype(CDType::F32)?)?
+                .to_dtype(y.dtype()),
             None => Ok(y),
         }
     }
@@ -560,7 +566,8 @@ pub fn head_logits(
     head: &Tensor,
 ) -> candle_core::Result<Tensor> {
     let (b, s, _) = x.dims3()?;
-    let n = rms_norm(x, norm, config.rms_norm_eps)?;
+    // Fused: one pass, and the weight's gradient summed over the positions in f32.
+    let n = fused::rms_norm(x, norm, config.rms_norm_eps)?;
     linear(&n, head)?.reshape((b * s, head.dims2()?.0))?.to_dtype(CDType::F32)
 }
 

@@ -54,12 +54,18 @@ use super::llama::{
 use super::{strata_err, Layers};
 
 mod checkpoint;
-use crate::optim::{
-    cpu_update_scaled, AdamW, Algorithm, Engine, GradSlice, Optimizer, OptimizerConfig,
-};
+mod clock;
+mod device_adamw;
+mod grads;
+mod plan;
+use crate::optim::{AdamW, Algorithm, Engine, Optimizer, OptimizerConfig};
 use crate::types::{DType, Group, TensorId, Tier};
 use crate::{LoadOptions, Store, Stream};
 pub use checkpoint::{Checkpoint, CheckpointFile};
+use clock::{span_seconds, ComputeClock};
+use device_adamw::{DeviceState, Kernels};
+use grads::{add_grad, clip_factor, embedding_backward, loss_and_norm, sum_of_squares};
+pub use plan::{Budgets, Floor, Machine, TrainPlan};
 
 /// The learning rate of each step: linear warmup from `peak / warmup` to `peak` over the first
 /// `warmup` steps, then a cosine from `peak` down to `min` at step `total` (and `min` after).
@@ -433,16 +439,27 @@ pub struct StepReport {
     pub tokens: u64,
     /// Wall-clock seconds of the step.
     pub seconds: f64,
+    /// Seconds candle computed during the step (its blocks, head and embedding, forward,
+    /// recompute and backward, with the gradients' in-place sums): on the CPU the host time of
+    /// those calls, on CUDA the time between events on candle's stream around them. The step's
+    /// compute floor: what it would take with no copy, stall or optimizer wait.
+    pub compute_seconds: f64,
     /// Bytes moved between the store's tiers during the step, `moved[from][to]` by
     /// [`Tier::index`].
     pub moved: [[u64; 4]; 4],
     /// Seconds consumers waited for the store's copies during the step ([`crate::Stats`]).
     pub stall_seconds: f64,
-    /// Seconds of optimizer updates that completed during the step.
+    /// Seconds the optimizer's updates ran within the step's window (from the step's start to
+    /// its end, on the step's clock): the Cpu engine's jobs (the last step's updates, which run
+    /// behind this step's forward), the GPU engines' time to issue theirs.
     pub optimizer_seconds: f64,
-    /// Seconds the step waited for updates (the part of the optimizer not hidden behind
-    /// candle's compute).
+    /// Seconds of the step spent waiting for the optimizer or running it on the step's thread
+    /// (the GPU engines): the step's critical path with these spans less the path without them.
     pub optimizer_exposed_seconds: f64,
+    /// Seconds the optimizer ran within the step's window while the step was not waiting for
+    /// it: `optimizer_seconds` less the optimizer's run time inside the exposed spans. On one
+    /// clock with the others, so hidden + (run time while waited for) = `optimizer_seconds`.
+    pub optimizer_hidden_seconds: f64,
     /// The step's loss or gradient norm was not finite and [`TrainConfig::skip_nonfinite`]
     /// skipped it: no parameter or moment changed.
     pub skipped: bool,
@@ -450,13 +467,6 @@ pub struct StepReport {
     /// next [`Trainer::step`], [`Trainer::finish`] or [`Trainer::save`] does that update
     /// again (and returns the error if it fails again). The error, as it read.
     pub update_error: Option<String>,
-}
-
-impl StepReport {
-    /// Optimizer seconds that ran while candle computed.
-    pub fn optimizer_hidden_seconds(&self) -> f64 {
-        (self.optimizer_seconds - self.optimizer_exposed_seconds).max(0.0)
-    }
 }
 
 /// Puts random initial weights of `config` ([`super::llama::random_weights`]) into `store`
@@ -539,6 +549,41 @@ pub(super) fn put_host(
     }
 }
 
+/// An activation checkpoint's home: Pinned when it has room, else the Device tier while that
+/// keeps `keep` bytes free, else Disk (never a Device tier filled with checkpoints, which would
+/// leave the stages no room to stream through).
+fn put_checkpoint(
+    store: &Store,
+    name: &str,
+    dtype: DType,
+    shape: &[usize],
+    bytes: &[u8],
+    keep: u64,
+) -> crate::Result<TensorId> {
+    let group = Group::Activation;
+    let short = |e: &crate::Error| {
+        matches!(
+            e,
+            crate::Error::OutOfMemory { .. }
+                | crate::Error::TooLarge { .. }
+                | crate::Error::TierDisabled { .. }
+        )
+    };
+    match store.put_in(Tier::Pinned, name, group, dtype, shape, bytes) {
+        Err(e) if short(&e) => {}
+        r => return r,
+    }
+    let s = store.stats();
+    let free = s.capacity(Tier::Device).saturating_sub(s.used(Tier::Device));
+    if free >= keep + store.footprint(Tier::Device, bytes.len() as u64) {
+        match store.put_in(Tier::Device, name, group, dtype, shape, bytes) {
+            Err(e) if short(&e) => {}
+            r => return r,
+        }
+    }
+    store.put_in(Tier::Disk, name, group, dtype, shape, bytes)
+}
+
 /// The candle dtype of a trained parameter's store dtype.
 fn compute_dtype(d: DType) -> candle_core::Result<CDType> {
     match d {
@@ -546,32 +591,6 @@ fn compute_dtype(d: DType) -> candle_core::Result<CDType> {
         DType::BF16 => Ok(CDType::BF16),
         other => candle_core::bail!("{other} parameters: f32 or bf16 are trained"),
     }
-}
-
-/// `acc + g` in f32 (`g` converted), or `g` for the first micro-batch.
-fn accumulate(acc: &mut Option<Tensor>, g: &Tensor) -> candle_core::Result<()> {
-    let g = g.to_dtype(CDType::F32)?;
-    *acc = Some(match acc.take() {
-        None => g,
-        Some(a) => a.add(&g)?,
-    });
-    Ok(())
-}
-
-/// The global norm of gradients whose sums of squares are `ss` (f32 scalars, in the model's
-/// tensor order), added in f64, and clipping's factor for `clip` (torch's
-/// `min(1, max_norm / (norm + 1e-6))`, in f32).
-fn clip_scale(ss: &[Tensor], clip: Option<f64>) -> candle_core::Result<(f64, f32)> {
-    let mut total = 0.0f64;
-    for s in ss {
-        total += f64::from(s.to_scalar::<f32>()?);
-    }
-    let norm = total.sqrt();
-    let scale = match clip {
-        Some(max) => (max / (norm + 1e-6)).min(1.0) as f32,
-        None => 1.0,
-    };
-    Ok((norm, scale))
 }
 
 /// A candle tensor's values written into the store tensor `id` (same dtype and element count).
@@ -683,9 +702,10 @@ pub struct Trainer {
     opt: Option<Optimizer>,
     /// Activation checkpoints: `[block][micro-batch]` names.
     checkpoints: Vec<Vec<String>>,
-    /// Tied embeddings being trained: the head's share of the table's gradient, per
-    /// micro-batch, kept in the store until the embedding's backward adds its own.
-    head_shares: Vec<String>,
+    /// Tied embeddings being trained: the name under which `layers` serves the table's
+    /// gradient (the optimizer's, f32), which holds the head's share (summed over the
+    /// micro-batches) from the head's backward until the embedding's backward adds its rows.
+    embed_grad: Option<String>,
     /// Steps done: the next step's number.
     step: u64,
     /// Steps skipped for a non-finite loss or gradient ([`TrainConfig::skip_nonfinite`]).
@@ -694,6 +714,8 @@ pub struct Trainer {
     run: u64,
     /// The updates of the last step, until `Optimizer::finish` ended them.
     updates: Option<Updates>,
+    /// The spans the current step waited for the optimizer (or ran it, the GPU engines).
+    waits: Vec<(Instant, Instant)>,
     /// A resume that failed after it began writing the trainer's tensors: steps and saves are
     /// refused until a resume succeeds.
     torn: Option<PathBuf>,
@@ -715,12 +737,11 @@ struct Updates {
 struct Reported<'a> {
     t0: Instant,
     stats0: &'a crate::Stats,
-    busy0: f64,
     loss: f32,
     lr: f64,
     grad_norm: f64,
     clip: f32,
-    exposed: f64,
+    compute: f64,
     skipped: bool,
 }
 
@@ -816,36 +837,11 @@ impl Trainer {
             params.push(Param { trainable: !train.is_frozen(&name), name, id, stage });
         }
 
-        let mut names: Vec<(String, TensorId)> =
+        let names: Vec<(String, TensorId)> =
             params.iter().map(|p| (p.name.clone(), p.id)).collect();
-        let act = [train.micro_batch, train.seq, config.hidden_size];
-        let act_bytes = vec![0u8; act.iter().product::<usize>() * sd.size_of()];
-        let mut checkpoints = Vec::with_capacity(layers_n);
-        for l in 0..layers_n {
-            let mut per = Vec::with_capacity(train.accum);
-            for m in 0..train.accum {
-                let name = format!("checkpoint.layers.{l}.micro_batch.{m}");
-                let id = put_host(&store, &name, Group::Activation, sd, &act, &act_bytes)
-                    .map_err(|e| strata_err(&name, e))?;
-                names.push((name.clone(), id));
-                per.push(name);
-            }
-            checkpoints.push(per);
-        }
-        let mut head_shares = Vec::new();
-        let embed_trainable = params.iter().any(|p| p.name == EMBED && p.trainable);
-        if config.tie_word_embeddings && embed_trainable {
-            let shape = [config.vocab_size, config.hidden_size];
-            let zeros = vec![0u8; shape.iter().product::<usize>() * sd.size_of()];
-            for m in 0..train.accum {
-                let name = format!("{EMBED}.head_grad.micro_batch.{m}");
-                let id = put_host(&store, &name, Group::Grad, sd, &shape, &zeros)
-                    .map_err(|e| strata_err(&name, e))?;
-                names.push((name.clone(), id));
-                head_shares.push(name);
-            }
-        }
-        let layers = Layers::new(store.clone(), names, device)?;
+        let mut layers = Layers::new(store.clone(), names, device)?;
+        // The optimizer's state first, then the checkpoints: host memory holds the state, which
+        // every step reads and writes, before the checkpoints, which can live on the device.
         let trainable: Vec<TensorId> =
             params.iter().filter(|p| p.trainable).map(|p| p.id).collect();
         let opt = if trainable.is_empty() {
@@ -860,6 +856,33 @@ impl Trainer {
                     .map_err(candle_core::Error::from)?,
             )
         };
+        let act = [train.micro_batch, train.seq, config.hidden_size];
+        let act_bytes = vec![0u8; act.iter().product::<usize>() * sd.size_of()];
+        // Where the host has no room for a checkpoint, the Device tier takes it while it keeps
+        // room for two stages' weights and a block's checkpoints (what a step streams).
+        let stage = config.block_parameters().max((config.vocab_size * config.hidden_size) as u64);
+        let keep = 2 * (stage * sd.size_of() as u64 + (act_bytes.len() * train.accum) as u64);
+        let mut checkpoints = Vec::with_capacity(layers_n);
+        for l in 0..layers_n {
+            let mut per = Vec::with_capacity(train.accum);
+            for m in 0..train.accum {
+                let name = format!("checkpoint.layers.{l}.micro_batch.{m}");
+                let id = put_checkpoint(&store, &name, sd, &act, &act_bytes, keep)
+                    .map_err(|e| strata_err(&name, e))?;
+                layers.serve(name.clone(), id);
+                per.push(name);
+            }
+            checkpoints.push(per);
+        }
+        let embed = params.iter().find(|p| p.name == EMBED && p.trainable);
+        let embed_grad = match (embed, &opt) {
+            (Some(p), Some(o)) if config.tie_word_embeddings => {
+                let name = format!("{EMBED}.grad");
+                layers.serve(name.clone(), o.grad(p.id).map_err(|e| strata_err(&name, e))?);
+                Some(name)
+            }
+            _ => None,
+        };
         let rope = Rope::new(&config, train.seq, device)?;
         Ok(Trainer {
             config,
@@ -871,11 +894,12 @@ impl Trainer {
             params,
             opt,
             checkpoints,
-            head_shares,
+            embed_grad,
             step: 0,
             skipped: 0,
             run: new_run_id(),
             updates: None,
+            waits: Vec::new(),
             torn: None,
             notes: BTreeMap::new(),
         })
@@ -972,7 +996,9 @@ impl Trainer {
         }
         let t = Instant::now();
         opt.wait_pending(left).map_err(candle_core::Error::from)?;
-        Ok(t.elapsed().as_secs_f64())
+        let end = Instant::now();
+        self.waits.push((t, end));
+        Ok((end - t).as_secs_f64())
     }
 
     /// Ends the last step's updates: waits for those queued, does again those that failed or
@@ -984,7 +1010,7 @@ impl Trainer {
         let t = Instant::now();
         let mut waited = false;
         if let Some(opt) = self.opt.as_mut() {
-            waited = opt.pending() > 0;
+            waited = opt.pending() > 0 || !opt.unstepped().is_empty();
             // Failures are kept by the optimizer: `unstepped` lists them once nothing is queued.
             let _ = opt.wait_pending(0);
             for id in opt.unstepped() {
@@ -994,7 +1020,12 @@ impl Trainer {
             opt.finish().map_err(candle_core::Error::from)?;
         }
         self.updates = None;
-        Ok(if waited { t.elapsed().as_secs_f64() } else { 0.0 })
+        if !waited {
+            return Ok(0.0);
+        }
+        let end = Instant::now();
+        self.waits.push((t, end));
+        Ok((end - t).as_secs_f64())
     }
 
     /// Waits for every queued update (the last step's, which run behind the next step's
@@ -1054,14 +1085,12 @@ impl Trainer {
         Ok(out)
     }
 
-    /// Hands a parameter's accumulated gradient (f32) to the store, and returns its sum of
-    /// squares.
-    fn hand_over(&self, name: &str, grad: &Tensor) -> candle_core::Result<Tensor> {
+    /// Writes a parameter's gradient buffer (f32) into the optimizer's gradient tensor.
+    fn hand_over(&self, name: &str, grad: &Tensor) -> candle_core::Result<()> {
         let p = self.params.iter().find(|p| p.name == name).expect("a parameter");
         let opt = self.opt.as_ref().expect("trainable parameters have an optimizer");
         let gid = opt.grad(p.id).map_err(|e| strata_err(name, e))?;
-        candle_to_store(&self.store, self.layers.stream(), &format!("{name}.grad"), gid, grad)?;
-        grad.sqr()?.sum_all()
+        candle_to_store(&self.store, self.layers.stream(), &format!("{name}.grad"), gid, grad)
     }
 
     /// One training step over `batches`: `accum` micro-batches of `[micro_batch, seq + 1]`
@@ -1079,35 +1108,37 @@ impl Trainer {
     /// before anything is updated (or skips it: [`TrainConfig::skip_nonfinite`]).
     pub fn step(&mut self, batches: &[Tensor]) -> candle_core::Result<StepReport> {
         self.check_whole()?;
+        let t0 = Instant::now();
+        self.waits.clear();
         if self.updates.is_some() && self.opt.as_ref().is_some_and(|o| !o.unstepped().is_empty()) {
             // The last step's updates failed: done again before a weight is read.
             self.settle()?;
         }
-        let t0 = Instant::now();
         let stats0 = self.store.stats();
-        let busy0 = self.opt.as_ref().map_or(0.0, |o| o.update_seconds());
         let (tc, cfg) = (self.train.clone(), self.config.clone());
         check_batches(&tc, &cfg, batches)?;
         let n_layers = cfg.num_hidden_layers;
         let head = n_layers + 1;
-        let mut exposed = 0.0;
+        let mut clock = ComputeClock::new(self.layers.device());
         let io: Vec<(Tensor, Tensor)> =
             batches.iter().map(inputs_and_targets).collect::<candle_core::Result<_>>()?;
         let names = |s: &Self, stage: usize| s.stage_names(stage);
 
         // Forward, stage by stage, every micro-batch through a stage before the next.
-        exposed += self.wait_for(&[0, 1])?;
+        self.wait_for(&[0, 1])?;
         let next = names(self, 1);
         let w = self.layers.fetch(&[EMBED], &refs(&next))?;
         let table = w.get(EMBED).expect("fetched").clone();
         drop(w);
+        clock.start()?;
         let mut xs: Vec<Tensor> =
             io.iter().map(|(ids, _)| embed(&table, ids)).collect::<candle_core::Result<_>>()?;
+        clock.stop()?;
         drop(table);
         crate::failpoint::check(crate::failpoint::Site::Compute, Path::new("forward"))?;
         for l in 0..n_layers {
             let stage = block_stage(l);
-            exposed += self.wait_for(&[stage, stage + 1])?;
+            self.wait_for(&[stage, stage + 1])?;
             let (this, next) = (names(self, stage), names(self, stage + 1));
             let w = self.layers.fetch(&refs(&this), &refs(&next))?;
             let prefix = LlamaConfig::block_prefix(l);
@@ -1120,12 +1151,15 @@ impl Trainer {
                 let ck = &self.checkpoints[l][m];
                 let id = self.layers.id(ck).expect("checkpoint");
                 candle_to_store(&self.store, self.layers.stream(), ck, id, x)?;
+                clock.start()?;
                 *x = block_forward(&cfg, &bw, x, &self.rope, 0, None)?;
+                clock.stop()?;
             }
         }
 
-        // The head: forward and backward at once; its loss is the step's.
-        exposed += self.wait_for(&[head])?;
+        // The head: forward and backward at once; its losses stay on the device until the
+        // step's one sync.
+        self.wait_for(&[head])?;
         let head_names: Vec<String> = cfg.head_names().iter().map(|s| s.to_string()).collect();
         let mut next = if n_layers > 0 { names(self, n_layers) } else { Vec::new() };
         if let Some(last) = self.checkpoints.last() {
@@ -1135,10 +1169,12 @@ impl Trainer {
         let vars = self.as_vars(&w, &head_names)?;
         drop(w);
         let scale = 1.0 / (tc.micro_batch * tc.seq * tc.accum) as f64;
-        // The micro-batches' losses, read once the stage is issued (no host wait per micro-batch).
         let mut losses = Vec::with_capacity(tc.accum);
+        // One f32 buffer per parameter of the stage, each micro-batch's gradient added in place
+        // (a tied embedding's: the head's share, until the embedding's backward adds its rows).
         let mut acc: BTreeMap<String, Option<Tensor>> = BTreeMap::new();
         let mut grads_in: Vec<Tensor> = Vec::with_capacity(tc.accum);
+        clock.start()?;
         for (m, x) in xs.drain(..).enumerate() {
             let xv = Var::from_tensor(&x)?;
             let logits =
@@ -1148,51 +1184,24 @@ impl Trainer {
             losses.push(l);
             grads_in.push(grad_of(&grads, &xv, "the head's input")?);
             for (name, (_, var)) in &vars {
-                let Some(v) = var else { continue };
-                let g = grad_of(&grads, v, name)?;
-                if name == EMBED {
-                    // Tied: the head's share of the table's gradient, until the embedding's
-                    // backward adds its own (as candle's backward adds them).
-                    let share = &self.head_shares[m];
-                    let id = self.layers.id(share).expect("head share");
-                    candle_to_store(&self.store, self.layers.stream(), share, id, &g)?;
-                } else {
-                    accumulate(acc.entry(name.clone()).or_default(), &g)?;
+                if let Some(v) = var {
+                    add_grad(acc.entry(name.clone()).or_default(), &grad_of(&grads, v, name)?)?;
                 }
             }
         }
+        clock.stop()?;
         drop(vars);
-        let mut loss = 0f32;
-        for l in &losses {
-            loss += l.to_scalar::<f32>()?;
-        }
         let lr = tc.schedule.lr(self.step);
-        let report = |s: &Self, grad_norm: f64, clip: f32, exposed: f64, skipped: bool| {
-            s.report(Reported {
-                t0,
-                stats0: &stats0,
-                busy0,
-                loss,
-                lr,
-                grad_norm,
-                clip,
-                exposed,
-                skipped,
-            })
-        };
-        if !loss.is_finite() {
-            return self.diverged(
-                "the loss".into(),
-                f64::from(loss),
-                report(self, f64::NAN, 1.0, exposed, true),
-            );
-        }
         let mut ss: BTreeMap<String, Tensor> = BTreeMap::new();
         // This step's gradients overwrite the last step's, which its updates read: those end
         // first.
-        exposed += self.settle()?;
+        self.settle()?;
         if let Some(o) = self.opt.as_mut() {
             o.set_lr(lr);
+        }
+        if let Some(share) = acc.remove(EMBED).flatten() {
+            // Tied: parked in the embedding's gradient until its own backward.
+            self.hand_over(EMBED, &share)?;
         }
         self.hand_over_all(&mut acc, &mut ss)?;
 
@@ -1207,65 +1216,71 @@ impl Trainer {
                 v.extend(self.checkpoints[l - 1].iter().cloned());
                 v
             } else {
-                self.head_shares.clone()
+                self.embed_grad.iter().cloned().collect()
             };
             let w = self.layers.fetch(&refs(&this), &refs(&next))?.into_tensors();
             let vars = self.as_vars(&w, &this[..weights_n])?;
             let prefix = LlamaConfig::block_prefix(l);
             let bw = BlockWeights::from_fn(&cfg, |s| Ok(vars[&format!("{prefix}{s}")].0.clone()))?;
+            clock.start()?;
             for (m, gy) in grads_in.iter_mut().enumerate() {
                 let xv = Var::from_tensor(&w[&self.checkpoints[l][m]])?;
                 let y = block_forward(&cfg, &bw, xv.as_tensor(), &self.rope, 0, None)?;
                 let grads = y.mul(gy)?.sum_all()?.backward()?;
                 for (name, (_, var)) in &vars {
                     if let Some(v) = var {
-                        accumulate(
-                            acc.entry(name.clone()).or_default(),
-                            &grad_of(&grads, v, name)?,
-                        )?;
+                        add_grad(acc.entry(name.clone()).or_default(), &grad_of(&grads, v, name)?)?;
                     }
                 }
                 *gy = grad_of(&grads, &xv, "a block's input")?;
             }
+            clock.stop()?;
             drop((w, vars, bw));
             crate::failpoint::check(crate::failpoint::Site::Compute, Path::new("backward"))?;
             self.hand_over_all(&mut acc, &mut ss)?;
         }
 
         // The embedding's backward: the rows each token picked get its gradient (candle's
-        // index_select backward), after the head's share when tied.
+        // index_select backward), in f32, into one buffer: the head's share when tied.
         if self.params.iter().any(|p| p.name == EMBED && p.trainable) {
-            let shares = if self.head_shares.is_empty() {
-                None
-            } else {
-                Some(self.layers.fetch(&refs(&self.head_shares), &[])?.into_tensors())
+            let table = match &self.embed_grad {
+                Some(name) => {
+                    let mut w = self.layers.fetch(&[name.as_str()], &[])?.into_tensors();
+                    w.remove(name).expect("fetched")
+                }
+                None => Tensor::zeros(
+                    (cfg.vocab_size, cfg.hidden_size),
+                    CDType::F32,
+                    self.layers.device(),
+                )?,
             };
-            let mut g_acc = None;
-            for (m, gy) in grads_in.iter().enumerate() {
-                let base = match &shares {
-                    Some(s) => s[&self.head_shares[m]].clone(),
-                    None => {
-                        Tensor::zeros((cfg.vocab_size, cfg.hidden_size), self.dtype, gy.device())?
-                    }
-                };
-                let ids = io[m].0.flatten_all()?.contiguous()?;
-                let g = base.index_add(&ids, &gy.reshape((ids.dims1()?, cfg.hidden_size))?, 0)?;
-                accumulate(&mut g_acc, &g)?;
-            }
-            acc.insert(EMBED.to_string(), g_acc);
+            clock.start()?;
+            let mb: Vec<(&Tensor, &Tensor)> =
+                io.iter().map(|(ids, _)| ids).zip(&grads_in).collect();
+            embedding_backward(&table, &mb)?;
+            clock.stop()?;
+            acc.insert(EMBED.to_string(), Some(table));
             self.hand_over_all(&mut acc, &mut ss)?;
         }
         drop(grads_in);
 
-        // The global norm (in the model's tensor order), checked before any update; then the
-        // updates, in the order the next forward needs them, run behind it.
+        // The loss and the global norm (in the model's tensor order): one host sync, before any
+        // update; then the updates, in the order the next forward needs them, run behind it.
         let ordered: Vec<(&str, Tensor)> = self
             .params
             .iter()
             .filter_map(|p| ss.get(&p.name).map(|t| (p.name.as_str(), t.clone())))
             .collect();
         let sums: Vec<Tensor> = ordered.iter().map(|(_, t)| t.clone()).collect();
-        let (grad_norm, clip) = clip_scale(&sums, tc.clip)?;
+        let (loss, grad_norm) = loss_and_norm(&losses, &sums)?;
+        let compute = clock.seconds()?;
+        let report = |s: &Self, grad_norm: f64, clip: f32, skipped: bool| {
+            s.report(Reported { t0, stats0: &stats0, loss, lr, grad_norm, clip, compute, skipped })
+        };
+        if !loss.is_finite() {
+            let r = report(self, grad_norm, 1.0, true);
+            return self.diverged("the loss".into(), f64::from(loss), r);
+        }
         if !grad_norm.is_finite() {
             let mut first = "?";
             for (name, t) in &ordered {
@@ -1275,13 +1290,15 @@ impl Trainer {
                 }
             }
             let what = format!("the gradient norm (first at {first})");
-            return self.diverged(what, grad_norm, report(self, grad_norm, 1.0, exposed, true));
+            return self.diverged(what, grad_norm, report(self, grad_norm, 1.0, true));
         }
+        let clip = clip_factor(grad_norm, tc.clip);
         // From here the step is done: its gradients are whole and finite, and its updates are
         // owed. One that fails to be queued (the GPU engines run theirs here) is done again by
         // the next step, finish or save, as one that fails on the optimizer's thread is.
         self.updates = Some(Updates { scale: clip, stages: Vec::new() });
         let mut update_error = None;
+        let queued = Instant::now();
         for stage in 0..=head {
             if let Err(e) = self.queue(stage, clip) {
                 tracing::warn!(step = self.step, error = %e, "an update failed; it is done again by the next call");
@@ -1289,7 +1306,11 @@ impl Trainer {
                 break;
             }
         }
-        let mut r = report(self, grad_norm, clip, exposed, false);
+        if self.opt.as_ref().is_some_and(|o| o.engine() != Engine::Cpu) {
+            // The GPU engines run their updates as they are queued, on the step's thread.
+            self.waits.push((queued, Instant::now()));
+        }
+        let mut r = report(self, grad_norm, clip, false);
         r.update_error = update_error;
         self.step += 1;
         Ok(r)
@@ -1320,6 +1341,14 @@ impl Trainer {
             }
         }
         let tc = &self.train;
+        let t1 = Instant::now();
+        // One clock, the step's: the optimizer's run time within the step's window, and within
+        // the spans the step waited for it.
+        let mut spans = vec![(r.t0, t1)];
+        spans.extend(self.waits.iter().copied());
+        let busy =
+            self.opt.as_ref().map_or_else(|| vec![0.0; spans.len()], |o| o.busy_within(&spans));
+        let during_waits: f64 = busy[1..].iter().sum();
         StepReport {
             step: self.step,
             loss: r.loss,
@@ -1327,11 +1356,13 @@ impl Trainer {
             grad_norm: r.grad_norm,
             clip_scale: r.clip,
             tokens: (tc.micro_batch * tc.seq * tc.accum) as u64,
-            seconds: r.t0.elapsed().as_secs_f64(),
+            seconds: (t1 - r.t0).as_secs_f64(),
+            compute_seconds: r.compute,
             moved,
             stall_seconds: stats.stall_seconds - r.stats0.stall_seconds,
-            optimizer_seconds: self.opt.as_ref().map_or(0.0, |o| o.update_seconds()) - r.busy0,
-            optimizer_exposed_seconds: r.exposed,
+            optimizer_seconds: busy[0],
+            optimizer_exposed_seconds: span_seconds(&self.waits),
+            optimizer_hidden_seconds: (busy[0] - during_waits).max(0.0),
             skipped: r.skipped,
             update_error: None,
         }
@@ -1346,7 +1377,8 @@ impl Trainer {
     ) -> candle_core::Result<()> {
         for (name, g) in std::mem::take(acc) {
             if let Some(g) = g {
-                ss.insert(name.clone(), self.hand_over(&name, &g)?);
+                self.hand_over(&name, &g)?;
+                ss.insert(name, sum_of_squares(&g)?);
             }
         }
         Ok(())
@@ -1517,6 +1549,7 @@ fn check_batches(
     if batches.len() != tc.accum {
         candle_core::bail!("{} micro-batches for a step of {}", batches.len(), tc.accum);
     }
+    let mut maxes = Vec::with_capacity(batches.len());
     for b in batches {
         if b.dims() != [tc.micro_batch, tc.seq + 1] || b.dtype() != CDType::U32 {
             candle_core::bail!(
@@ -1527,10 +1560,12 @@ fn check_batches(
                 tc.seq + 1
             );
         }
-        let max = b.max_all()?.to_scalar::<u32>()?;
-        if max as usize >= cfg.vocab_size {
-            candle_core::bail!("token id {max} in a vocabulary of {}", cfg.vocab_size);
-        }
+        maxes.push(b.max_all()?);
+    }
+    // Read in one go: one host sync for the step's tokens, before any of them is used.
+    let max = Tensor::stack(&maxes, 0)?.max_all()?.to_scalar::<u32>()?;
+    if max as usize >= cfg.vocab_size {
+        candle_core::bail!("token id {max} in a vocabulary of {}", cfg.vocab_size);
     }
     Ok(())
 }
@@ -1556,16 +1591,19 @@ struct TwinParam {
     /// The candle tensor the model computes with, a `Var` when trainable.
     var: Option<Var>,
     tensor: Tensor,
-    master: Vec<f32>,
-    m: Vec<f32>,
-    v: Vec<f32>,
+    /// The f32 master weights and moments, on the device (trainable parameters).
+    state: Option<DeviceState>,
 }
 
-/// The in-memory twin of [`Trainer`]: the same model code with every weight a resident candle
-/// tensor (`Var`s for the trainable ones), each micro-batch's loss run through candle's plain
-/// `backward`, the gradients summed over micro-batches in f32, and AdamW with fp32 masters and
-/// moments in host vectors, updated by the same arithmetic as strata's optimizer
-/// ([`cpu_update_scaled`]). On the CPU its losses and weights are the trainer's, bit for bit.
+/// The in-memory twin of [`Trainer`], resident on candle's device: the same model code with
+/// every weight a resident candle tensor (`Var`s for the trainable ones), each micro-batch's
+/// loss run through candle's plain `backward` (no recompute), the gradients summed over
+/// micro-batches into one f32 buffer per parameter on the device, and AdamW with fp32 masters
+/// and moments on the device too, updated in place by strata's optimizer arithmetic (its host
+/// loop [`cpu_update_scaled`](crate::optim::cpu_update_scaled) on the CPU, its `strata_adamw` kernel on CUDA): nothing crosses
+/// to the host but the loss and the gradient norm, read in one sync a step. It is the
+/// trainer's reference (on the CPU its losses and weights are the trainer's, bit for bit) and
+/// its baseline (what out of core is measured against on a GPU).
 pub struct LlamaTwin {
     config: LlamaConfig,
     train: TrainConfig,
@@ -1573,6 +1611,7 @@ pub struct LlamaTwin {
     rope: Rope,
     dtype: CDType,
     step: u64,
+    kernels: Kernels,
 }
 
 impl std::fmt::Debug for LlamaTwin {
@@ -1608,39 +1647,30 @@ impl LlamaTwin {
                 candle_core::bail!("{name} is {d:?}: one dtype, f32 or bf16, for every parameter");
             }
             let trainable = !train.is_frozen(&name);
-            let master = t.flatten_all()?.to_dtype(CDType::F32)?.to_vec1::<f32>()?;
-            let n = master.len();
-            let (var, tensor) = if trainable {
+            let (var, tensor, state) = if trainable {
                 let v = Var::from_tensor(&t)?;
                 let tensor = v.as_tensor().clone();
-                (Some(v), tensor)
+                (Some(v), tensor, Some(DeviceState::new(&t)?))
             } else {
-                (None, t)
+                (None, t, None)
             };
-            let zeros = if trainable { vec![0.0; n] } else { Vec::new() };
-            params.push(TwinParam {
-                name,
-                shape,
-                var,
-                tensor,
-                master: if trainable { master } else { Vec::new() },
-                m: zeros.clone(),
-                v: zeros,
-            });
+            params.push(TwinParam { name, shape, var, tensor, state });
         }
         let rope = Rope::new(&config, train.seq, device)?;
-        Ok(LlamaTwin { config, train, params, rope, dtype: dtype.unwrap_or(CDType::F32), step: 0 })
+        let kernels = Kernels::for_device(device)?;
+        let dtype = dtype.unwrap_or(CDType::F32);
+        Ok(LlamaTwin { config, train, params, rope, dtype, step: 0, kernels })
     }
 
     fn tensor(&self, name: &str) -> &Tensor {
         &self.params.iter().find(|p| p.name == name).expect("a parameter").tensor
     }
 
-    /// The loss of one micro-batch (`[micro_batch, seq + 1]` tokens), scaled as a step's share.
-    fn loss(&self, tokens: &Tensor) -> candle_core::Result<Tensor> {
+    /// The loss of one micro-batch from the embedding's output `x` (`[micro_batch, seq,
+    /// hidden]`) and its `targets`, scaled as a step's share.
+    fn loss(&self, x: &Tensor, targets: &Tensor) -> candle_core::Result<Tensor> {
         let cfg = &self.config;
-        let (ids, targets) = inputs_and_targets(tokens)?;
-        let mut x = embed(self.tensor(EMBED), &ids)?;
+        let mut x = x.clone();
         for l in 0..cfg.num_hidden_layers {
             let prefix = LlamaConfig::block_prefix(l);
             let bw =
@@ -1650,52 +1680,67 @@ impl LlamaTwin {
         let [norm, head] = cfg.head_names();
         let logits = head_logits(cfg, &x, self.tensor(norm), self.tensor(head))?;
         let t = &self.train;
-        next_token_loss(&logits, &targets, 1.0 / (t.micro_batch * t.seq * t.accum) as f64)
+        next_token_loss(&logits, targets, 1.0 / (t.micro_batch * t.seq * t.accum) as f64)
     }
 
     /// One step over `batches`, as [`Trainer::step`]; returns the loss.
+    ///
+    /// Each micro-batch runs through candle's plain backward over the whole model, from the
+    /// embedding's output on: the gradients are summed into one f32 buffer per parameter in
+    /// place, and the embedding's rows added into its buffer (after the head's share when the
+    /// embeddings are tied) in f32, as the trainer makes them.
     pub fn step(&mut self, batches: &[Tensor]) -> candle_core::Result<f32> {
         check_batches(&self.train, &self.config, batches)?;
         let mut acc: Vec<Option<Tensor>> = self.params.iter().map(|_| None).collect();
-        let mut loss = 0f32;
+        let mut losses = Vec::with_capacity(batches.len());
+        let mut rows = Vec::with_capacity(batches.len());
         for b in batches {
-            let l = self.loss(b)?;
-            loss += l.to_scalar::<f32>()?;
+            let (ids, targets) = inputs_and_targets(b)?;
+            // The embedding's backward is the trainer's (below), so its output is a leaf here.
+            let x = Var::from_tensor(&embed(&self.tensor(EMBED).detach(), &ids)?)?;
+            let l = self.loss(x.as_tensor(), &targets)?;
             let grads = l.backward()?;
+            losses.push(l);
             for (p, a) in self.params.iter().zip(acc.iter_mut()) {
-                if let Some(v) = &p.var {
-                    accumulate(a, &grad_of(&grads, v, &p.name)?)?;
+                let Some(v) = &p.var else { continue };
+                match grads.get(v) {
+                    Some(g) => add_grad(a, g)?,
+                    // An untied embedding: no gradient but its rows' (below).
+                    None if p.name == EMBED => {}
+                    None => candle_core::bail!("no gradient reached {}", p.name),
                 }
             }
+            rows.push((ids, grad_of(&grads, x.as_tensor(), "the embedding's output")?));
         }
+        if let Some((p, a)) = self.params.iter().zip(acc.iter_mut()).find(|(p, _)| p.name == EMBED)
+        {
+            if p.var.is_some() {
+                let (v, h) = (self.config.vocab_size, self.config.hidden_size);
+                let dev = p.tensor.device();
+                let table = match a.take() {
+                    Some(t) => t,
+                    None => Tensor::zeros((v, h), CDType::F32, dev)?,
+                };
+                let mb: Vec<(&Tensor, &Tensor)> = rows.iter().map(|(i, g)| (i, g)).collect();
+                embedding_backward(&table, &mb)?;
+                *a = Some(table);
+            }
+        }
+        drop(rows);
         let ss: Vec<Tensor> =
-            acc.iter().flatten().map(|g| g.sqr()?.sum_all()).collect::<candle_core::Result<_>>()?;
-        let (_, scale) = clip_scale(&ss, self.train.clip)?;
+            acc.iter().flatten().map(sum_of_squares).collect::<candle_core::Result<_>>()?;
+        let (loss, norm) = loss_and_norm(&losses, &ss)?;
+        let scale = clip_factor(norm, self.train.clip);
         let lr = self.train.schedule.lr(self.step);
-        let alg = Algorithm::AdamW(AdamW { lr, ..self.train.adamw });
+        let h = AdamW { lr, ..self.train.adamw };
         let t = self.step + 1;
-        for (p, a) in self.params.iter_mut().zip(acc) {
-            let (Some(var), Some(g)) = (&p.var, a) else { continue };
-            let g = g.flatten_all()?.to_vec1::<f32>()?;
-            let mut out = (self.dtype == CDType::BF16).then(|| vec![half::bf16::ZERO; g.len()]);
-            cpu_update_scaled(
-                &alg,
-                t,
-                1,
-                &mut p.master,
-                &mut p.m,
-                &mut p.v,
-                GradSlice::F32(&g),
-                scale,
-                out.as_deref_mut(),
-            )
-            .map_err(candle_core::Error::from)?;
-            let dev = p.tensor.device().clone();
-            let new = match out {
-                Some(o) => Tensor::from_vec(o, p.shape.as_slice(), &dev)?,
-                None => Tensor::from_vec(p.master.clone(), p.shape.as_slice(), &dev)?,
-            };
-            var.set(&new)?;
+        for (p, a) in self.params.iter().zip(acc) {
+            let (Some(var), Some(state), Some(g)) = (&p.var, &p.state, a) else { continue };
+            state.step(&g, &h, t, scale, &self.kernels)?;
+            // The compute copy: the master rounded to the weights' dtype (to nearest, ties to
+            // even, as the trainer's optimizer rounds it).
+            let master = state.master()?.reshape(p.shape.as_slice())?;
+            var.set(&master.to_dtype(self.dtype)?)?;
         }
         self.step += 1;
         Ok(loss)
@@ -1706,8 +1751,12 @@ impl LlamaTwin {
         self.tensor(name).flatten_all()?.to_dtype(CDType::F32)?.to_vec1::<f32>()
     }
 
-    /// A trainable parameter's fp32 master weights.
-    pub fn master(&self, name: &str) -> Option<&[f32]> {
-        self.params.iter().find(|p| p.name == name && p.var.is_some()).map(|p| p.master.as_slice())
+    /// A trainable parameter's fp32 master weights (`None` for a frozen one), read from the
+    /// device.
+    pub fn master(&self, name: &str) -> candle_core::Result<Option<Vec<f32>>> {
+        match self.params.iter().find(|p| p.name == name).and_then(|p| p.state.as_ref()) {
+            Some(s) => Ok(Some(s.master()?.to_vec1::<f32>()?)),
+            None => Ok(None),
+        }
     }
 }

@@ -462,6 +462,23 @@ impl AdamScalars {
     }
 }
 
+/// AdamW's step `t` (1-based) as `strata_adamw` (`cuda/optim.cu`) takes its scalars: the
+/// numbers the host loop uses, rounded to f32 the same way.
+pub(crate) fn adam_args(h: &AdamW, t: u64) -> AdamArgs {
+    let a = AdamScalars::new(h, t);
+    AdamArgs {
+        decay: a.decay,
+        w: a.w,
+        w_rest: a.w_rest,
+        w_hi: a.w_hi,
+        b2: a.b2,
+        one_minus_b2: a.one_minus_b2,
+        step_size: a.step_size,
+        bc2_sqrt: a.bc2_sqrt,
+        eps: a.eps,
+    }
+}
+
 /// Elements per block of the CPU loops: the update of a block and its bf16 rounding run while
 /// the block is in L1.
 const BLOCK: usize = 4096;
@@ -643,6 +660,10 @@ struct CpuJob {
     grad_scale: f32,
 }
 
+/// When the updates ran: one `(start, end)` a job (`end` `None` while it runs), oldest first,
+/// kept until a caller's window has passed them ([`Optimizer::busy_within`]).
+type BusyLog = Arc<parking_lot::Mutex<std::collections::VecDeque<(Instant, Option<Instant>)>>>;
+
 struct CpuWorker {
     tx: Option<Sender<CpuJob>>,
     /// Each job's outcome and the seconds it ran, in the order the jobs were queued.
@@ -691,12 +712,14 @@ pub struct Optimizer {
     worker: Option<CpuWorker>,
     /// Seconds the updates ran (the Cpu worker's jobs; the GPU engines' host time to issue).
     busy: f64,
+    /// When they ran, on the host's clock.
+    log: BusyLog,
     /// This step's bookkeeping, so that a step can be retried after a failure.
     step: StepBook,
 }
 
 /// What the current step has done, per parameter: updated (never twice), queued on the Cpu
-/// worker, failed after its arithmetic with writes left, or with its gradient already scaled.
+/// worker, or failed after its arithmetic with writes left.
 #[derive(Default)]
 struct StepBook {
     stepped: std::collections::HashSet<TensorId>,
@@ -704,7 +727,6 @@ struct StepBook {
     /// Updates that failed and were not redone yet (with the writes left, where the
     /// arithmetic was done): the step cannot finish while there are any.
     failed: std::collections::HashMap<TensorId, Commit>,
-    scaled: std::collections::HashMap<TensorId, f32>,
 }
 
 impl std::fmt::Debug for Optimizer {
@@ -789,26 +811,39 @@ impl Optimizer {
             worker: None,
             step: StepBook::default(),
             busy: 0.0,
+            log: BusyLog::default(),
         };
-        for info in infos {
-            if opt.index.contains_key(&info.id) {
-                let e = Error::InvalidArgument(format!("{} is given twice", info.name));
-                opt.remove_state();
-                return Err(e);
+        let mut seen = std::collections::HashSet::new();
+        if let Some(twice) = infos.iter().find(|i| !seen.insert(i.id)) {
+            return Err(Error::InvalidArgument(format!("{} is given twice", twice.name)));
+        }
+        // Every gradient first, then the masters and moments: host memory takes the gradients
+        // (written and read every step) before the state, which spills to Disk when it is short.
+        let mut grads = Vec::with_capacity(infos.len());
+        for info in &infos {
+            match opt.put_grad(info) {
+                Ok(g) => grads.push(g),
+                Err(e) => {
+                    opt.remove_ids(&grads);
+                    return Err(e);
+                }
             }
-            match opt.add(info) {
+        }
+        for (i, info) in infos.into_iter().enumerate() {
+            match opt.add(info, grads[i]) {
                 Ok(st) => {
                     opt.index.insert(st.param, opt.params.len());
                     opt.params.push(st);
                 }
                 Err(e) => {
+                    opt.remove_ids(&grads[i + 1..]);
                     opt.remove_state();
                     return Err(e);
                 }
             }
         }
         if engine == Engine::Cpu {
-            opt.worker = Some(spawn_worker(opt.store.clone(), opt.cfg.threads));
+            opt.worker = Some(spawn_worker(opt.store.clone(), opt.cfg.threads, opt.log.clone()));
         }
         Ok(opt)
     }
@@ -837,21 +872,36 @@ impl Optimizer {
         }
     }
 
-    fn add(&self, info: crate::TensorInfo) -> Result<ParamState> {
+    /// A parameter's gradient: in Pinned, else wherever `put` places it.
+    fn put_grad(&self, info: &crate::TensorInfo) -> Result<TensorId> {
         let s = &self.store;
         let elems: usize = info.shape.iter().product();
-        let id = s.lookup(&info.name).ok_or_else(|| Error::InvalidArgument(info.name.clone()))?;
         let grad_dtype = self.cfg.grad_dtype.unwrap_or(info.dtype);
         let zeros = vec![0u8; elems * grad_dtype.size_of()];
         let gname = format!("{}.grad", info.name);
-        let grad =
-            match s.put_in(Tier::Pinned, &gname, Group::Grad, grad_dtype, &info.shape, &zeros) {
-                Ok(g) => g,
-                Err(
-                    Error::OutOfMemory { .. } | Error::TooLarge { .. } | Error::TierDisabled { .. },
-                ) => s.put_group(&gname, Group::Grad, grad_dtype, &info.shape, &zeros)?,
-                Err(e) => return Err(e),
-            };
+        match s.put_in(Tier::Pinned, &gname, Group::Grad, grad_dtype, &info.shape, &zeros) {
+            Ok(g) => Ok(g),
+            Err(
+                Error::OutOfMemory { .. } | Error::TooLarge { .. } | Error::TierDisabled { .. },
+            ) => s.put_group(&gname, Group::Grad, grad_dtype, &info.shape, &zeros),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Removes tensors made for parameters not yet added (a failed `new`).
+    fn remove_ids(&self, ids: &[TensorId]) {
+        for &id in ids {
+            if let Err(e) = self.store.remove(id) {
+                self.store.shared.defer_err(e);
+            }
+        }
+    }
+
+    /// A parameter's master weights (bf16 parameters) and moments, beside its gradient `grad`.
+    fn add(&self, info: crate::TensorInfo, grad: TensorId) -> Result<ParamState> {
+        let s = &self.store;
+        let elems: usize = info.shape.iter().product();
+        let id = s.lookup(&info.name).ok_or_else(|| Error::InvalidArgument(info.name.clone()))?;
         let mut st =
             ParamState { param: id, dtype: info.dtype, elems, grad, master: None, moments: None };
         let r = (|| -> Result<()> {
@@ -1006,10 +1056,11 @@ impl Optimizer {
     }
 
     /// [`Optimizer::update`] with the gradient multiplied by `grad_scale` (global gradient-norm
-    /// clipping's coefficient, as `torch.nn.utils.clip_grad_norm_` applies it): the Cpu engine
-    /// and the GPU engines on the host backend scale each value as they read it; the GPU
-    /// kernels, which take no scale, get the gradient scaled through the store first (a read and
-    /// a write of it: only when `grad_scale` is not 1). A scale of 1 is [`Optimizer::update`].
+    /// clipping's coefficient, as `torch.nn.utils.clip_grad_norm_` applies it): every engine
+    /// scales each value as it reads it (the Cpu engine in its loop, the GPU kernels by their
+    /// `grad_scale` argument, their emulation on the host backend as the Cpu engine), so
+    /// clipping costs no pass over the gradient and no host round trip. A scale of 1 is
+    /// [`Optimizer::update`].
     ///
     /// A step can be retried after a failure: a parameter whose update failed is not stepped,
     /// and updating it again gives what a clean update gives (where the failure came after the
@@ -1066,6 +1117,7 @@ impl Optimizer {
                 let mut left = Commit::default();
                 let r = self.gpu_update(&st, t, grad_scale, &mut left);
                 self.busy += t0.elapsed().as_secs_f64();
+                self.log.lock().push_back((t0, Some(Instant::now())));
                 match r {
                     Ok(()) => {
                         self.step.stepped.insert(param);
@@ -1166,6 +1218,35 @@ impl Optimizer {
         self.busy
     }
 
+    /// Seconds the updates ran within each of `spans` (`(start, end)` on the host's clock), on
+    /// the one clock of the caller's own: the Cpu engine's jobs from their start to their end
+    /// (one still running counts up to now), the GPU engines' host time to issue theirs. Spans
+    /// only move forward: what ended before the earliest span's start is forgotten.
+    ///
+    /// A trainer measures its step's window and the spans it waited for the optimizer: the run
+    /// time within the window less the run time within its waits is the optimizer's time
+    /// hidden behind the step's own work, and the waits are its time exposed.
+    pub fn busy_within(&self, spans: &[(Instant, Instant)]) -> Vec<f64> {
+        let now = Instant::now();
+        let mut log = self.log.lock();
+        if let Some(first) = spans.iter().map(|s| s.0).min() {
+            while log.front().is_some_and(|(_, end)| end.is_some_and(|e| e < first)) {
+                log.pop_front();
+            }
+        }
+        spans
+            .iter()
+            .map(|&(a, b)| {
+                log.iter()
+                    .map(|&(s, e)| {
+                        let (s, e) = (s.max(a), e.unwrap_or(now).min(b));
+                        e.saturating_duration_since(s).as_secs_f64()
+                    })
+                    .sum()
+            })
+            .collect()
+    }
+
     /// Ends the step: waits for queued updates (Cpu) and returns the first error. A step with
     /// a failed update does not end: update the parameters [`Optimizer::unstepped`] lists again
     /// (a transient fault), then call `finish` again.
@@ -1192,30 +1273,6 @@ impl Optimizer {
     ) -> Result<()> {
         let s = &self.store;
         let stream = &self.stream;
-        // Scaled once per step: a retry after a failure below must not scale it again.
-        if grad_scale != 1.0 && self.gpu.is_some() && !self.step.scaled.contains_key(&st.param) {
-            // The kernels take no scale: scale the gradient where it is, through the store.
-            let scaled: Vec<u8> = match s.info(st.grad)?.dtype {
-                DType::F32 => f32_bytes(
-                    &<f32 as Float>::from_ne_bytes(&s.read(st.grad)?)
-                        .iter()
-                        .map(|g| g * grad_scale)
-                        .collect::<Vec<f32>>(),
-                ),
-                _ => {
-                    let g: Vec<bf16> = <bf16 as Float>::from_ne_bytes(&s.read(st.grad)?)
-                        .iter()
-                        .map(|g| <bf16 as Float>::from_f32(g.to_f32() * grad_scale))
-                        .collect();
-                    let mut b = vec![0u8; g.len() * 2];
-                    bf16::write_ne_bytes(&g, &mut b);
-                    b
-                }
-            };
-            s.write(st.grad, &scaled)?;
-            self.step.scaled.insert(st.param, grad_scale);
-        }
-        let emulated_scale = if self.gpu.is_some() { 1.0 } else { grad_scale };
         let state_view = |id: TensorId| -> Result<DeviceView> {
             match self.engine {
                 Engine::GpuMapped => s.mapped_view(id, stream).map(|v| v.into_inner()),
@@ -1244,10 +1301,8 @@ impl Optimizer {
             v.mark_dirty();
         }
         let r = match &self.gpu {
-            Some(k) => self.launch(k, t, &grad, &mut p, out.as_mut(), mv.as_mut()),
-            None => {
-                self.emulate(st, t, emulated_scale, &grad, &mut p, out.as_mut(), mv.as_mut(), left)
-            }
+            Some(k) => self.launch(k, t, grad_scale, &grad, &mut p, out.as_mut(), mv.as_mut()),
+            None => self.emulate(st, t, grad_scale, &grad, &mut p, out.as_mut(), mv.as_mut(), left),
         };
         drop((grad, p, out, mv));
         r?;
@@ -1264,6 +1319,7 @@ impl Optimizer {
         &self,
         k: &OptimKernels,
         t: u64,
+        grad_scale: f32,
         grad: &DeviceView,
         p: &mut DeviceView,
         out: Option<&mut DeviceView>,
@@ -1287,25 +1343,20 @@ impl Optimizer {
         };
         match (&self.cfg.algorithm, mv) {
             (Algorithm::AdamW(h), Some((m, v))) => {
-                let a = AdamScalars::new(h, t);
                 let mut mv = m.cuda_view_mut::<f32>().ok_or_else(not_cuda)?;
                 let mut vv = v.cuda_view_mut::<f32>().ok_or_else(not_cuda)?;
-                let args = AdamArgs {
-                    decay: a.decay,
-                    w: a.w,
-                    w_rest: a.w_rest,
-                    w_hi: a.w_hi,
-                    b2: a.b2,
-                    one_minus_b2: a.one_minus_b2,
-                    step_size: a.step_size,
-                    bc2_sqrt: a.bc2_sqrt,
-                    eps: a.eps,
-                };
-                k.adamw(cs, [&mut pv, &mut mv, &mut vv], grad, ov.as_mut(), args)
+                let args = adam_args(h, t);
+                k.adamw(cs, [&mut pv, &mut mv, &mut vv], grad, grad_scale, ov.as_mut(), args)
             }
-            (Algorithm::Sgd(h), _) => {
-                k.sgd(cs, &mut pv, grad, ov.as_mut(), h.lr as f32, h.weight_decay as f32)
-            }
+            (Algorithm::Sgd(h), _) => k.sgd(
+                cs,
+                &mut pv,
+                grad,
+                grad_scale,
+                ov.as_mut(),
+                h.lr as f32,
+                h.weight_decay as f32,
+            ),
             (Algorithm::AdamW(_), None) => Err(Error::InvalidArgument(
                 "an AdamW parameter without its moments (internal error)".into(),
             )),
@@ -1395,7 +1446,7 @@ impl Drop for Optimizer {
     }
 }
 
-fn spawn_worker(store: Arc<Store>, threads: usize) -> CpuWorker {
+fn spawn_worker(store: Arc<Store>, threads: usize, log: BusyLog) -> CpuWorker {
     let (tx, rx) = unbounded::<CpuJob>();
     let (done_tx, done) = unbounded();
     let handle = std::thread::Builder::new()
@@ -1403,6 +1454,7 @@ fn spawn_worker(store: Arc<Store>, threads: usize) -> CpuWorker {
         .spawn(move || {
             for job in rx {
                 let t0 = Instant::now();
+                log.lock().push_back((t0, None));
                 // A panic in a job (a bug) is reported as an error; the worker lives on.
                 let mut left = Commit::default();
                 let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
@@ -1413,6 +1465,9 @@ fn spawn_worker(store: Arc<Store>, threads: usize) -> CpuWorker {
                 });
                 let out =
                     Outcome { param: job.st.param, left: r.is_err().then_some(left), result: r };
+                if let Some(last) = log.lock().back_mut() {
+                    last.1 = Some(Instant::now());
+                }
                 if done_tx.send((out, t0.elapsed().as_secs_f64())).is_err() {
                     break;
                 }

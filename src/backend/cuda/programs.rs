@@ -492,12 +492,14 @@ impl OptimKernels {
     }
 
     /// One AdamW step over every element of `p` (f32 masters), `m`, `v` (its moments), reading
-    /// `grad` and writing `out` (the bf16 weights) when given.
+    /// `grad` (each value times `grad_scale`: clipping's factor, 1 for none) and writing `out`
+    /// (the bf16 weights) when given.
     pub(crate) fn adamw(
         &self,
         s: &Arc<CudaStream>,
         [p, m, v]: [&mut CudaViewMut<'_, f32>; 3],
         grad: GradView<'_, '_>,
+        grad_scale: f32,
         out: Option<&mut CudaViewMut<'_, bf16>>,
         a: AdamArgs,
     ) -> Result<()> {
@@ -512,7 +514,7 @@ impl OptimKernels {
             GradView::F32(g) => b.arg(g),
             GradView::Bf16(g) => b.arg(g),
         };
-        b.arg(&grad_bf16);
+        b.arg(&grad_bf16).arg(&grad_scale);
         let null = 0u64;
         match out {
             Some(o) => b.arg(o),
@@ -522,19 +524,21 @@ impl OptimKernels {
         b.arg(&n).arg(&a.decay).arg(&a.w).arg(&a.w_rest).arg(&w_hi).arg(&a.b2);
         b.arg(&a.one_minus_b2).arg(&a.step_size).arg(&a.bc2_sqrt).arg(&a.eps);
         // SAFETY: strata_adamw(float* p, float* m, float* v, const void* grad, int grad_bf16,
-        // u16* out, u64 n, float x3, int, float x5): `n` elements of p, m, v, grad (of the type
-        // grad_bf16 says) and out or a null pointer (all checked above).
+        // float grad_scale, u16* out, u64 n, float x3, int, float x5): `n` elements of p, m, v,
+        // grad (of the type grad_bf16 says) and out or a null pointer (all checked above).
         unsafe { b.launch(grid(n)) }.map_err(launch_err)?;
         Ok(())
     }
 
-    /// One SGD step (`p -= lr · (grad + weight_decay · p)` as `strata_sgd` does) over every
-    /// element of `p`, writing `out` when given.
+    /// One SGD step (`p -= lr · (grad · grad_scale + weight_decay · p)` as `strata_sgd` does)
+    /// over every element of `p`, writing `out` when given.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn sgd(
         &self,
         s: &Arc<CudaStream>,
         p: &mut CudaViewMut<'_, f32>,
         grad: GradView<'_, '_>,
+        grad_scale: f32,
         out: Option<&mut CudaViewMut<'_, bf16>>,
         lr: f32,
         weight_decay: f32,
@@ -548,15 +552,16 @@ impl OptimKernels {
             GradView::F32(g) => b.arg(g),
             GradView::Bf16(g) => b.arg(g),
         };
-        b.arg(&grad_bf16);
+        b.arg(&grad_bf16).arg(&grad_scale);
         let null = 0u64;
         match out {
             Some(o) => b.arg(o),
             None => b.arg(&null),
         };
         b.arg(&n).arg(&lr).arg(&weight_decay);
-        // SAFETY: strata_sgd(float* p, const void* grad, int grad_bf16, u16* out, u64 n, float,
-        // float): `n` elements of p, grad and out or a null pointer (checked above).
+        // SAFETY: strata_sgd(float* p, const void* grad, int grad_bf16, float grad_scale, u16*
+        // out, u64 n, float, float): `n` elements of p, grad and out or a null pointer (checked
+        // above).
         unsafe { b.launch(grid(n)) }.map_err(launch_err)?;
         Ok(())
     }

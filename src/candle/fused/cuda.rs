@@ -483,3 +483,72 @@ pub(super) fn swiglu_backward(
         Ok((wrap(dg), wrap(du)))
     })
 }
+
+type ArgMut<'a> = (&'a mut CudaStorage, &'a Layout);
+
+/// The f32 elements of a contiguous sum, writable, from its layout's start.
+fn sum_view<'a>(
+    acc: &'a mut CudaStorage,
+    l: &Layout,
+    what: &str,
+) -> candle_core::Result<cudarc::driver::CudaViewMut<'a, f32>> {
+    let (start, end) = l.contiguous_offsets().ok_or_else(|| {
+        candle_core::Error::Msg(format!("{what}: a contiguous sum is needed")).bt()
+    })?;
+    Ok(acc.as_cuda_slice_mut::<f32>()?.slice_mut(start..end))
+}
+
+/// `acc += g` in f32, in place (`fused::accumulate`).
+pub(super) fn grad_accumulate(acc: ArgMut, g: Arg) -> candle_core::Result<()> {
+    let dev = g.0.device().clone();
+    let n = g.1.shape().elem_count();
+    if acc.1.shape().elem_count() != n {
+        candle_core::bail!("accumulate: {n} elements into a sum of {:?}", acc.1.dims());
+    }
+    with_elem!(g.0, "accumulate", |T| {
+        let gv = dense::<T>(g.0, g.1, "accumulate's gradient")?;
+        let mut av = sum_view(acc.0, acc.1, "accumulate")?;
+        if n > 0 {
+            let f = func::<T>(&dev, &format!("strata_grad_acc_{}", T::NAME))?;
+            let cfg = config(&f, (stride_blocks(n), 1, 1), 256, 0)?;
+            let len = n as i64;
+            let stream = dev.cuda_stream();
+            let mut b = stream.launch_builder(&f);
+            b.arg(&mut av).arg(&gv).arg(&len);
+            // SAFETY: strata_grad_acc_*(float* acc, const T* g, long long n): acc holds n f32
+            // elements from its offset (its layout is contiguous of n elements, checked above),
+            // g n elements of T.
+            unsafe { b.launch(cfg) }.w()?;
+        }
+        Ok(())
+    })
+}
+
+/// `acc[ids[i]] += rows[i]` in f32 for `i` in order, in place (`fused::index_add_rows`).
+pub(super) fn grad_index_add(acc: ArgMut, ids: Arg, rows: Arg) -> candle_core::Result<()> {
+    let dev = rows.0.device().clone();
+    let (vocab, hidden) = acc.1.shape().dims2()?;
+    let n = ids.1.shape().elem_count();
+    if rows.1.shape().elem_count() != n * hidden {
+        candle_core::bail!("index_add_rows: rows of {:?} for {n} ids", rows.1.dims());
+    }
+    with_elem!(rows.0, "index_add_rows", |T| {
+        let iv = dense::<u32>(ids.0, ids.1, "index_add_rows' ids")?;
+        let rv = dense::<T>(rows.0, rows.1, "index_add_rows' rows")?;
+        let mut av = sum_view(acc.0, acc.1, "index_add_rows")?;
+        if n > 0 && hidden > 0 {
+            let f = func::<T>(&dev, &format!("strata_grad_index_add_{}", T::NAME))?;
+            let cfg = config(&f, (hidden.div_ceil(128), 1, 1), 128, 0)?;
+            let (len, h, v) = (n as i64, int(hidden, "a row")?, vocab as i64);
+            let stream = dev.cuda_stream();
+            let mut b = stream.launch_builder(&f);
+            b.arg(&mut av).arg(&iv).arg(&rv).arg(&len).arg(&h).arg(&v);
+            // SAFETY: strata_grad_index_add_*(float* acc, const unsigned int* ids, const T*
+            // rows, long long n, int hidden, long long vocab): acc holds vocab·hidden f32
+            // elements (its contiguous layout's), ids n u32, rows n·hidden elements of T (both
+            // checked above); rows whose id is past vocab are not written.
+            unsafe { b.launch(cfg) }.w()?;
+        }
+        Ok(())
+    })
+}

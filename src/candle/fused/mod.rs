@@ -1,7 +1,8 @@
 //! Fused operations of the Llama block, each one candle op with its own backward: attention
 //! ([`attention`], FlashAttention-2's algorithm: causal, grouped-query, an optional sliding
 //! window, never a `seq × seq` tensor), RMSNorm ([`rms_norm`]), the rotary embedding ([`rope`])
-//! and SwiGLU's gate ([`swiglu`]).
+//! and SwiGLU's gate ([`swiglu`]); and gradients summed in place in f32 ([`accumulate`],
+//! [`index_add_rows`]).
 //!
 //! Each is a candle `CustomOp` (`Tensor::apply_op*`), so candle's autograd runs its backward:
 //! the forward saves what the backward needs (attention: the log-sum-exp of each query row;
@@ -34,6 +35,7 @@
 //! # Ok(()) }
 //! ```
 
+mod accumulate;
 mod attention;
 #[cfg(feature = "candle-cuda")]
 mod cuda;
@@ -41,6 +43,7 @@ mod norm;
 mod rope;
 mod swiglu;
 
+pub use accumulate::{accumulate, index_add_rows};
 pub use attention::attention;
 pub use norm::rms_norm;
 pub use rope::rope;

@@ -1,0 +1,105 @@
+//! The clocks of a step's report: the time candle computed (the compute floor of the step), and
+//! the spans the step waited for the optimizer (its exposed time), so that the optimizer's time
+//! hidden and exposed are measured on one clock, the step's own.
+
+use std::time::Instant;
+
+use candle_core::Device;
+
+/// Sums the spans of a step in which candle computed: on the CPU the host time of the calls
+/// (candle computes as it is called), on CUDA the time between events recorded on candle's
+/// stream around them (the kernels' time, not the host's time to issue them). Read once the
+/// stream has run past the last span (the trainer reads it after its one sync of the step).
+pub(super) struct ComputeClock {
+    device: Device,
+    host: f64,
+    open: Option<Instant>,
+    #[cfg(feature = "candle-cuda")]
+    timers: Vec<crate::candle::cuda::CopyTimer>,
+}
+
+impl ComputeClock {
+    pub(super) fn new(device: &Device) -> ComputeClock {
+        ComputeClock {
+            device: device.clone(),
+            host: 0.0,
+            open: None,
+            #[cfg(feature = "candle-cuda")]
+            timers: Vec::new(),
+        }
+    }
+
+    /// Starts a span (a span already open goes on).
+    pub(super) fn start(&mut self) -> candle_core::Result<()> {
+        match &self.device {
+            #[cfg(feature = "candle-cuda")]
+            Device::Cuda(d) => {
+                if self.timers.last().is_none_or(|t| t.stopped()) {
+                    let t = crate::candle::cuda::CopyTimer::start(d.cuda_stream())?;
+                    self.timers.push(t);
+                }
+            }
+            _ => {
+                self.open.get_or_insert_with(Instant::now);
+            }
+        }
+        Ok(())
+    }
+
+    /// Ends the open span.
+    pub(super) fn stop(&mut self) -> candle_core::Result<()> {
+        match &self.device {
+            #[cfg(feature = "candle-cuda")]
+            Device::Cuda(d) => {
+                if let Some(t) = self.timers.last_mut().filter(|t| !t.stopped()) {
+                    t.stop(d.cuda_stream())?;
+                }
+            }
+            _ => {
+                if let Some(t) = self.open.take() {
+                    self.host += t.elapsed().as_secs_f64();
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The seconds of every span, an open one ended now.
+    pub(super) fn seconds(&mut self) -> candle_core::Result<f64> {
+        self.stop()?;
+        #[cfg(feature = "candle-cuda")]
+        for t in &self.timers {
+            self.host += t.seconds()?;
+        }
+        #[cfg(feature = "candle-cuda")]
+        self.timers.clear();
+        Ok(self.host)
+    }
+}
+
+/// Seconds of `spans` (each `(start, end)`), summed.
+pub(super) fn span_seconds(spans: &[(Instant, Instant)]) -> f64 {
+    spans.iter().map(|(a, b)| b.saturating_duration_since(*a).as_secs_f64()).sum()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_cpu_clock_sums_its_spans_only() {
+        let mut c = ComputeClock::new(&Device::Cpu);
+        c.start().unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        c.stop().unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        c.start().unwrap();
+        c.start().unwrap(); // goes on
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        let s = c.seconds().unwrap();
+        // The 100 ms between the spans is not counted (sleeps may overrun on a loaded machine).
+        assert!((0.04..0.12).contains(&s), "{s}");
+        let t = Instant::now();
+        assert_eq!(span_seconds(&[(t, t)]), 0.0);
+    }
+}

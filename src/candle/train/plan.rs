@@ -1,0 +1,542 @@
+//! A memory plan for [`Trainer`](super::Trainer) on a given machine: the store's budgets, where
+//! each group of the run's state lands (in the order the trainer makes it, as the store places
+//! it), the bytes a step moves, and the step's floor
+//! `max(compute, PCIe bytes / bandwidth, CPU optimizer time, disk time)`. Made before anything
+//! is allocated, so a run that cannot fit is refused rather than left to thrash.
+//!
+//! ```
+//! use strata::candle::train::{Machine, TrainPlan};
+//! use strata::candle::{LlamaConfig, TrainConfig};
+//!
+//! let c = LlamaConfig::from_file("examples/configs/llama2-7b.json").unwrap();
+//! let t = TrainConfig { micro_batch: 1, seq: 2048, accum: 32, ..TrainConfig::default() };
+//! let plan = TrainPlan::new(&c, &t, strata::DType::BF16, &Machine::h100(), Default::default()).unwrap();
+//! // The weights, gradients and optimizer state in pinned memory, the checkpoints past it on
+//! // the device, nothing on disk.
+//! assert_eq!(plan.on_disk(), 0);
+//! // A host of 32 GiB cannot hold the weights and gradients: refused, saying why.
+//! let small = Machine { host_bytes: 32 << 30, ..Machine::h100() };
+//! assert!(TrainPlan::new(&c, &t, strata::DType::BF16, &small, Default::default()).is_err());
+//! ```
+
+use std::fmt;
+
+use super::{TrainConfig, TrainError};
+use crate::candle::llama::LlamaConfig;
+use crate::optim::{update_bytes, AdamW, Algorithm, Engine};
+use crate::types::{format_size, DType, Group, Tier};
+
+const GIB: u64 = 1 << 30;
+
+/// The machine a plan is made for: its memories and the bandwidths and compute rate the
+/// step's floor is figured with.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Machine {
+    /// What the machine is, for the plan's first line.
+    pub name: String,
+    /// Device memory (HBM), bytes: the Device tier and candle's working set.
+    pub device_bytes: u64,
+    /// The device's memory is the host's (CPU candle on the host backend): the Device tier and
+    /// candle's working set come out of host memory.
+    pub device_is_host: bool,
+    /// Host memory, bytes: the Pinned tier, and the system's and the process's own.
+    pub host_bytes: u64,
+    /// Free disk where the Disk tier's files go, bytes.
+    pub disk_bytes: u64,
+    /// PCIe bandwidth host to device, bytes/s.
+    pub h2d: f64,
+    /// PCIe bandwidth device to host, bytes/s.
+    pub d2h: f64,
+    /// The host's AdamW rate: bytes of an update's traffic ([`update_bytes`]) per second.
+    pub host_update: f64,
+    /// Disk bandwidth, bytes/s (read and write alike).
+    pub disk: f64,
+    /// Model FLOP/s the step's compute is figured at, where it is not measured.
+    pub flops: Option<f64>,
+}
+
+impl Machine {
+    /// The lent H100 machine: 80 GB of HBM, 125 GiB of host memory, 64 GiB of disk; PCIe
+    /// Gen5's 55 GB/s each way (measured, `docs/design.md`), the virtual disk's 1.5 GB/s
+    /// (measured), a host AdamW of 50 GB/s (the host's memory bandwidth, an estimate) and
+    /// 400 TFLOPS (issue 32's target, not a measurement).
+    pub fn h100() -> Machine {
+        Machine {
+            name: "the lent H100 (80 GB HBM, 125 GiB host, 64 GiB disk)".into(),
+            device_bytes: 80_000_000_000,
+            device_is_host: false,
+            host_bytes: 125 * GIB,
+            disk_bytes: 64 * GIB,
+            h2d: 55e9,
+            d2h: 55e9,
+            host_update: 50e9,
+            disk: 1.5e9,
+            flops: Some(400e12),
+        }
+    }
+
+    /// This machine's memories: the device's (a CUDA device's total memory; for the CPU, host
+    /// memory, which the Device tier then shares), the host memory available now
+    /// (`MemAvailable`), the free disk under the temporary directory (where the Disk tier's
+    /// files go). The bandwidths are the lent machine's until [`Machine::measure`] measures
+    /// them; the disk's stays as given; the compute rate is left unknown (a run measures its
+    /// compute).
+    pub fn detect(device: &candle_core::Device) -> Machine {
+        let host = crate::host_memory_available().unwrap_or(0);
+        let disk = crate::tiers::file::free_space(&std::env::temp_dir()).unwrap_or(0);
+        let (device_bytes, device_is_host) = match device {
+            #[cfg(feature = "candle-cuda")]
+            candle_core::Device::Cuda(d) => {
+                (d.cuda_stream().context().total_mem().map_or(0, |b| b as u64), false)
+            }
+            _ => (host, true),
+        };
+        Machine {
+            name: format!(
+                "this machine ({} device memory{}, {} host memory available, {} free disk)",
+                format_size(device_bytes),
+                if device_is_host { " shared with the host" } else { "" },
+                format_size(host),
+                format_size(disk)
+            ),
+            device_bytes,
+            device_is_host,
+            host_bytes: host,
+            disk_bytes: disk,
+            flops: None,
+            ..Machine::h100()
+        }
+    }
+
+    /// Measures the PCIe bandwidths (pinned copies of 256 MiB on a CUDA store, a memcpy of
+    /// 32 MiB on the host backend) and the host's AdamW rate (an in-place update of 64 MiB over
+    /// `threads` threads), in well under a second ([`crate::optim::Bandwidths::measure`],
+    /// [`crate::optim::host_update_bandwidth`]).
+    pub fn measure(&mut self, store: &crate::Store, threads: usize) -> crate::Result<()> {
+        if store.cuda_context().is_some() {
+            let bw = crate::optim::Bandwidths::measure(store, threads)?;
+            (self.h2d, self.d2h) = (bw.h2d, bw.d2h);
+        } else {
+            // The host backend's "PCIe" is a memcpy on one thread: its read and write.
+            let copy = crate::optim::host_copy_bandwidth(1, 32 << 20)? / 2.0;
+            (self.h2d, self.d2h) = (copy, copy);
+        }
+        self.host_update = crate::optim::host_update_bandwidth(threads, 64 << 20);
+        Ok(())
+    }
+}
+
+/// Budgets given by the caller; those left `None` the plan chooses.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Budgets {
+    /// The Device tier.
+    pub device: Option<u64>,
+    /// The Pinned tier.
+    pub pinned: Option<u64>,
+}
+
+/// Bytes of one group by tier (Device, Pinned, Mapped, Disk).
+type ByTier = [u64; 4];
+
+/// The plan: budgets, placement, traffic and floor (see the [module docs](self)).
+#[derive(Clone, Debug, PartialEq)]
+pub struct TrainPlan {
+    machine: Machine,
+    /// The store's budgets: Device, Pinned, Mapped, Disk.
+    pub budgets: [u64; 4],
+    /// Bytes of each group ([`Group::ALL`]'s order) by tier.
+    pub placed: [ByTier; 5],
+    /// candle's own device memory for a step (outside the store), estimated.
+    pub working_set: u64,
+    /// Host memory kept out of the Pinned tier for the system and the process.
+    pub host_reserve: u64,
+    /// Bytes a step moves host to device and device to host.
+    pub pcie: (u64, u64),
+    /// Bytes a step reads and writes on disk.
+    pub disk_io: u64,
+    /// Bytes of the CPU optimizer's traffic a step (0 for the GPU engines).
+    pub optimizer_bytes: u64,
+    /// Model FLOPs of a step.
+    pub flops: f64,
+}
+
+/// What the trainer makes, in order, for the placement: `(group, bytes, where it may go)`.
+#[derive(Clone, Copy, PartialEq)]
+enum Home {
+    /// Pinned, else the error (weights and gradients must be in host memory).
+    PinnedOnly,
+    /// Pinned, else Disk (the Cpu and GpuResident engines' state).
+    PinnedThenDisk,
+    /// Mapped only (the GpuMapped engine's state).
+    Mapped,
+}
+
+impl TrainPlan {
+    /// The plan for training a model of `config` with `train` and `dtype` weights on `machine`,
+    /// with the budgets `given` (the others chosen). Errors ([`TrainError::Invalid`]) say what
+    /// cannot fit and what to change: the Device tier smaller than two stages' weights and
+    /// checkpoints (every fetch would evict what the next needs), the weights and gradients
+    /// past the Pinned tier, what spills past the free disk.
+    pub fn new(
+        config: &LlamaConfig,
+        train: &TrainConfig,
+        dtype: DType,
+        machine: &Machine,
+        given: Budgets,
+    ) -> candle_core::Result<TrainPlan> {
+        let refuse = |why: String| TrainError::Invalid(why).into_candle();
+        let elem = dtype.size_of() as u64;
+        let (mb, seq, accum) = (train.micro_batch as u64, train.seq as u64, train.accum as u64);
+        let (h, v) = (config.hidden_size as u64, config.vocab_size as u64);
+        let (layers, inter) = (config.num_hidden_layers as u64, config.intermediate_size as u64);
+        // The largest products below, checked once: past them plain arithmetic cannot overflow.
+        let widths = [12, 6, 4]
+            .iter()
+            .zip([h, inter, v])
+            .try_fold(0u64, |a, (k, x)| x.checked_mul(*k).and_then(|x| a.checked_add(x)));
+        let fits = [mb, seq, accum, layers.max(1), h, 16]
+            .iter()
+            .try_fold(1u64, |a, &x| a.checked_mul(x))
+            .zip(widths.and_then(|w| w.checked_mul(mb)?.checked_mul(seq)?.checked_mul(16)))
+            .is_some();
+        if !fits || elem == 0 {
+            return Err(refuse(format!(
+                "a step of {accum} micro-batches of {mb} × {seq} tokens: the sizes' products                  overflow"
+            )));
+        }
+        let tokens_mb = mb * seq;
+        let tensors = config.tensors();
+        let numel = |s: &[usize]| s.iter().product::<usize>() as u64;
+        let stage_max = (config.block_parameters()).max(v * h) * elem;
+        let block_ck = accum * tokens_mb * h * elem;
+        let checkpoint = tokens_mb * h * elem;
+
+        // candle's working set on the device: a stage's weights twice (fetched, and as Vars),
+        // its f32 gradients, every micro-batch's hidden state and its gradient, one block's
+        // forward and backward for a micro-batch (fused attention: no seq × seq), the head's
+        // logits and their softmax and gradients, the embedding's f32 gradient.
+        let working_set = 2 * stage_max
+            + stage_max / elem * 4
+            + 2 * accum * tokens_mb * h * elem
+            + tokens_mb * (12 * h + 6 * inter) * 4
+            + tokens_mb * v * 16
+            + v * h * 4;
+        let cuda_reserve = if machine.device_is_host { 0 } else { GIB };
+        let streaming = 2 * stage_max + 2 * block_ck;
+        let params: u64 = tensors.iter().map(|(_, s)| numel(s) * elem).sum();
+        let ck_total = layers * block_ck;
+        let device_budget = match given.device {
+            Some(d) => d,
+            None => {
+                let room = machine.device_bytes.saturating_sub(working_set + cuda_reserve);
+                // No more than the model's weights, its checkpoints and a stage to spare.
+                room.min(params + ck_total + stage_max + (64 << 20))
+            }
+        };
+        if device_budget < streaming {
+            return Err(refuse(format!(
+                "a Device tier of {} cannot hold two stages' weights and checkpoints ({}): every \
+                 fetch would evict what the next one needs; give it at least that much, or \
+                 lower the micro-batches or the sequence",
+                format_size(device_budget),
+                format_size(streaming)
+            )));
+        }
+        let host_reserve = (8 * GIB).max(machine.host_bytes / 16).min(machine.host_bytes / 4);
+        let host_left = machine
+            .host_bytes
+            .saturating_sub(host_reserve)
+            .saturating_sub(if machine.device_is_host { device_budget + working_set } else { 0 });
+
+        // What the trainer makes, in its order: the weights (moved to Pinned), the optimizer's
+        // gradients then its masters and moments, then the activation checkpoints.
+        let mut made: Vec<(Group, u64, Home)> = Vec::new();
+        for (_, s) in &tensors {
+            made.push((Group::Param, numel(s) * elem, Home::PinnedOnly));
+        }
+        let trainable: Vec<u64> =
+            tensors.iter().filter(|(n, _)| !train.is_frozen(n)).map(|(_, s)| numel(s)).collect();
+        for &n in &trainable {
+            made.push((Group::Grad, 4 * n, Home::PinnedOnly));
+        }
+        let state_home = match train.engine {
+            Engine::GpuMapped => Home::Mapped,
+            _ => Home::PinnedThenDisk,
+        };
+        let per_state = if dtype == DType::F32 { 2 } else { 3 };
+        for &n in &trainable {
+            for _ in 0..per_state {
+                made.push((Group::OptimizerState, 4 * n, state_home));
+            }
+        }
+        let state_bytes: u64 =
+            made.iter().filter(|m| m.0 == Group::OptimizerState).map(|m| m.1).sum();
+        let mapped = if state_home == Home::Mapped { state_bytes } else { 0 };
+        let pinned_budget = given.pinned.unwrap_or_else(|| {
+            let need: u64 = made.iter().filter(|m| m.2 != Home::Mapped).map(|m| m.1).sum();
+            host_left.saturating_sub(mapped).min(need + ck_total + (64 << 20))
+        });
+
+        let mut placed = [[0u64; 4]; 5];
+        let mut used = [0u64; 4];
+        let caps =
+            [device_budget.saturating_sub(streaming), pinned_budget, mapped, machine.disk_bytes];
+        for &(group, bytes, home) in &made {
+            let fits = |t: Tier, used: &[u64; 4]| used[t.index()] + bytes <= caps[t.index()];
+            let order: &[Tier] = match home {
+                Home::PinnedOnly => &[Tier::Pinned],
+                Home::PinnedThenDisk => &[Tier::Pinned, Tier::Disk],
+                Home::Mapped => &[Tier::Mapped],
+            };
+            let Some(&t) = order.iter().find(|&&t| fits(t, &used)) else {
+                let what = match group {
+                    Group::Param | Group::Grad => format!(
+                        "the weights and gradients ({}) do not fit the Pinned tier of {}: they \
+                         cross PCIe every step, so they are kept in host memory",
+                        format_size(
+                            made.iter()
+                                .filter(|m| matches!(m.0, Group::Param | Group::Grad))
+                                .map(|m| m.1)
+                                .sum()
+                        ),
+                        format_size(pinned_budget)
+                    ),
+                    _ => format!(
+                        "the {} that host memory cannot hold do not fit the {} of free disk",
+                        group.name(),
+                        format_size(machine.disk_bytes)
+                    ),
+                };
+                return Err(refuse(format!(
+                    "{} cannot train on {}: {what} (host memory {}, of which {} is kept for the \
+                     system and the process)",
+                    config_name(config),
+                    machine.name,
+                    format_size(machine.host_bytes),
+                    format_size(host_reserve)
+                )));
+            };
+            used[t.index()] += bytes;
+            placed[group.index()][t.index()] += bytes;
+        }
+        // Then the activation checkpoints, all of one size: as many as fit in Pinned, then on
+        // the device beside the streaming set, then on Disk.
+        let mut left = layers * accum;
+        for t in [Tier::Pinned, Tier::Device, Tier::Disk] {
+            let i = t.index();
+            let n = (caps[i].saturating_sub(used[i]) / checkpoint.max(1)).min(left);
+            used[i] += n * checkpoint;
+            placed[Group::Activation.index()][i] += n * checkpoint;
+            left -= n;
+        }
+        if left > 0 {
+            return Err(refuse(format!(
+                "{} cannot train on {}: {} of activation checkpoints do not fit in memory beside                  the rest, nor on the {} of free disk: lower the micro-batches or the sequence",
+                config_name(config),
+                machine.name,
+                format_size(left * checkpoint),
+                format_size(machine.disk_bytes)
+            )));
+        }
+
+        // A step's traffic: each stage's weights cross twice; checkpoints homed in host memory
+        // go out in the forward and back in the backward; the gradients go out once (the Cpu
+        // engine reads them in host memory), a tied table's twice more (its head share parked
+        // and fetched back); the GpuResident engine brings its state in and out.
+        let ck = &placed[Group::Activation.index()];
+        let ck_host = ck[Tier::Pinned.index()] + ck[Tier::Disk.index()];
+        let tied = if config.tie_word_embeddings { v * h * 4 } else { 0 };
+        let grads: u64 = placed[Group::Grad.index()].iter().sum();
+        let (mut h2d, mut d2h) = (2 * params + ck_host + tied, grads + ck_host + tied);
+        if train.engine == Engine::GpuResident {
+            h2d += state_bytes + grads;
+            d2h += state_bytes;
+        }
+        let st = &placed[Group::OptimizerState.index()];
+        let disk_io = 2 * (st[Tier::Disk.index()] + ck[Tier::Disk.index()]);
+        let alg = Algorithm::AdamW(AdamW::default());
+        let optimizer_bytes = match train.engine {
+            Engine::Cpu => {
+                trainable.iter().map(|&n| update_bytes(&alg, n, dtype, DType::F32)).sum()
+            }
+            _ => 0,
+        };
+        let flops = config.training_flops(accum * tokens_mb, train.seq);
+        let mut budgets = [device_budget, pinned_budget, mapped, 0];
+        budgets[Tier::Disk.index()] = used[Tier::Disk.index()];
+        Ok(TrainPlan {
+            machine: machine.clone(),
+            budgets,
+            placed,
+            working_set,
+            host_reserve,
+            pcie: (h2d, d2h),
+            disk_io,
+            optimizer_bytes,
+            flops,
+        })
+    }
+
+    /// Bytes the plan puts on disk.
+    pub fn on_disk(&self) -> u64 {
+        self.placed.iter().map(|g| g[Tier::Disk.index()]).sum()
+    }
+
+    /// The step's floor from the machine's figures, and what bounds it: seconds of compute
+    /// (`compute`, measured, or the machine's FLOP/s), PCIe, the CPU optimizer (with the state
+    /// it reads from disk) and the checkpoints' disk I/O.
+    pub fn floor(&self, compute: Option<f64>) -> Floor {
+        let m = &self.machine;
+        let compute = compute.or_else(|| m.flops.map(|f| self.flops / f));
+        let pcie = (self.pcie.0 as f64 / m.h2d).max(self.pcie.1 as f64 / m.d2h);
+        let st_disk = 2 * self.placed[Group::OptimizerState.index()][Tier::Disk.index()];
+        let optimizer = self.optimizer_bytes as f64 / m.host_update + st_disk as f64 / m.disk;
+        let disk = self.disk_io.saturating_sub(st_disk) as f64 / m.disk;
+        Floor { compute, pcie, optimizer, disk }
+    }
+}
+
+/// A step's floor, in seconds, by what bounds it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Floor {
+    /// Candle's compute (`None` where neither measured nor given a rate).
+    pub compute: Option<f64>,
+    /// The PCIe bytes over the bandwidth, the busier direction.
+    pub pcie: f64,
+    /// The CPU optimizer: its traffic over the host's rate, plus the state it reads from and
+    /// writes to disk.
+    pub optimizer: f64,
+    /// The checkpoints' disk I/O.
+    pub disk: f64,
+}
+
+impl Floor {
+    /// The floor of a step that ran: its compute as measured ([`StepReport::compute_seconds`]),
+    /// the bytes it moved between the Device tier and the others over `machine`'s PCIe
+    /// bandwidths, the optimizer's run time in the step (the Cpu engine's,
+    /// [`StepReport::optimizer_seconds`]; the GPU engines' runs on the device, inside the
+    /// compute), and what it moved to and from Disk over the disk's bandwidth.
+    pub fn measured(r: &super::StepReport, machine: &Machine, cpu_optimizer: bool) -> Floor {
+        let d = Tier::Device.index();
+        let (mut h2d, mut d2h, mut disk) = (0u64, 0u64, 0u64);
+        for t in Tier::ALL {
+            let i = t.index();
+            if i != d {
+                h2d += r.moved[i][d];
+                d2h += r.moved[d][i];
+            }
+            let k = Tier::Disk.index();
+            if i != k {
+                disk += r.moved[i][k] + r.moved[k][i];
+            }
+        }
+        Floor {
+            compute: Some(r.compute_seconds),
+            pcie: (h2d as f64 / machine.h2d).max(d2h as f64 / machine.d2h),
+            optimizer: if cpu_optimizer { r.optimizer_seconds } else { 0.0 },
+            disk: disk as f64 / machine.disk,
+        }
+    }
+
+    /// The floor: the largest of the four.
+    pub fn seconds(&self) -> f64 {
+        self.compute.unwrap_or(0.0).max(self.pcie).max(self.optimizer).max(self.disk)
+    }
+
+    /// What bounds the step: `compute`, `PCIe`, `the CPU optimizer` or `disk`.
+    pub fn bound(&self) -> &'static str {
+        let s = self.seconds();
+        if self.compute == Some(s) {
+            "compute"
+        } else if self.pcie == s {
+            "PCIe"
+        } else if self.optimizer == s {
+            "the CPU optimizer"
+        } else {
+            "disk"
+        }
+    }
+}
+
+impl fmt::Display for Floor {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let c = self.compute.map_or("not known".into(), |c| format!("{:.1} ms", c * 1e3));
+        write!(
+            f,
+            "floor {:.1} ms, bound by {} (compute {c}, PCIe {:.1} ms, CPU optimizer {:.1} ms, \
+             disk {:.1} ms)",
+            self.seconds() * 1e3,
+            self.bound(),
+            self.pcie * 1e3,
+            self.optimizer * 1e3,
+            self.disk * 1e3
+        )
+    }
+}
+
+fn config_name(c: &LlamaConfig) -> String {
+    format!(
+        "a model of {:.2} B parameters ({} blocks of hidden {})",
+        c.parameters() as f64 / 1e9,
+        c.num_hidden_layers,
+        c.hidden_size
+    )
+}
+
+impl fmt::Display for TrainPlan {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let m = &self.machine;
+        writeln!(f, "memory plan on {}:", m.name)?;
+        writeln!(
+            f,
+            "{:<12}{:>14}{:>14}{:>14}{:>14}",
+            "group", "device", "pinned", "mapped", "disk"
+        )?;
+        for g in Group::ALL {
+            let row = self.placed[g.index()];
+            if row.iter().all(|&b| b == 0) {
+                continue;
+            }
+            let r: Vec<String> = row.iter().map(|&b| format_size(b)).collect();
+            writeln!(f, "{:<12}{:>14}{:>14}{:>14}{:>14}", g.name(), r[0], r[1], r[2], r[3])?;
+        }
+        let b: Vec<String> = self.budgets.iter().map(|&b| format_size(b)).collect();
+        writeln!(f, "{:<12}{:>14}{:>14}{:>14}{:>14}", "budget", b[0], b[1], b[2], b[3])?;
+        writeln!(
+            f,
+            "device: candle's working set about {} beside the Device tier; host: {} kept for the \
+             system and the process",
+            format_size(self.working_set),
+            format_size(self.host_reserve)
+        )?;
+        let disk = self.on_disk();
+        if disk == 0 {
+            writeln!(f, "disk: nothing (everything fits in memory)")?;
+        } else {
+            writeln!(
+                f,
+                "disk: {} that memory cannot hold, {} of disk I/O a step",
+                format_size(disk),
+                format_size(self.disk_io)
+            )?;
+        }
+        writeln!(
+            f,
+            "per step: PCIe {} in, {} out; CPU optimizer {} of host traffic; {:.3} PFLOP",
+            format_size(self.pcie.0),
+            format_size(self.pcie.1),
+            format_size(self.optimizer_bytes),
+            self.flops / 1e15
+        )?;
+        write!(
+            f,
+            "{} (PCIe at {:.0}/{:.0} GB/s, host AdamW at {:.0} GB/s, disk at {:.1} GB/s{})",
+            self.floor(None),
+            m.h2d / 1e9,
+            m.d2h / 1e9,
+            m.host_update / 1e9,
+            m.disk / 1e9,
+            m.flops.map_or(String::new(), |x| format!(", compute at {:.0} TFLOPS", x / 1e12))
+        )
+    }
+}
