@@ -484,7 +484,7 @@ fn run(args: Vec<String>) -> Res<()> {
     let budgets = Budgets { device: a.device_budget, pinned: a.pinned_budget };
     if a.plan_only {
         let plan = TrainPlan::new(&config, &train, dtype, &machine, budgets)?;
-        println!("{plan}");
+        println!("{plan}\nplan's {} ({})", plan.floor(&machine, None), machine.rates());
         return Ok(());
     }
     // Every size and hyperparameter checked before anything is allocated.
@@ -545,9 +545,14 @@ fn run(args: Vec<String>) -> Res<()> {
     // optimizer's gradients, masters and moments and the checkpoints, Disk for what memory
     // cannot hold.
     let out_of_core = !a.in_memory;
-    let [device_budget, pinned, mapped, disk] = if out_of_core {
+    let plan = if out_of_core {
         let plan = TrainPlan::new(&config, &train, dtype, &machine, budgets)?;
         println!("{plan}");
+        Some(plan)
+    } else {
+        None
+    };
+    let [device_budget, pinned, mapped, disk] = if let Some(plan) = &plan {
         plan.budgets
     } else {
         // The twin computes outside the store, which only holds the initial weights.
@@ -574,14 +579,18 @@ fn run(args: Vec<String>) -> Res<()> {
         machine.d2h = pcie.unwrap_or(machine.d2h);
         machine.host_update = host.unwrap_or(machine.host_update);
     }
-    println!(
-        "bandwidths for the floor: PCIe {:.1} GB/s in, {:.1} GB/s out; host AdamW {:.1} GB/s; disk {:.1} GB/s{}",
-        machine.h2d / 1e9,
-        machine.d2h / 1e9,
-        machine.host_update / 1e9,
-        machine.disk / 1e9,
-        if store.cuda_context().is_none() { " (host backend: the \"PCIe\" copies are memcpys)" } else { "" }
-    );
+    if let Some(plan) = &plan {
+        println!(
+            "plan's {} ({}{}; the steps below measure their compute)",
+            plan.floor(&machine, None),
+            machine.rates(),
+            if store.cuda_context().is_none() {
+                "; host backend: \"PCIe\" is a memcpy"
+            } else {
+                ""
+            }
+        );
+    }
     let weights = match (&a.model, &ck) {
         (Some(p), _) => load_weights(&store, &config, p)?,
         (None, Some(ck)) => {

@@ -12,7 +12,22 @@ It shares no code with candle or strata. Float32 implementations do not agree bi
 order of every sum differs), so the figure is the size of the difference, beside the size of
 torch float32's own difference from float64:
   loss: max |strata - torch| over the steps, relative to the loss;
-  weights: the largest relative L2 difference over the tensors, ||a - b|| / ||b||.
+  weights: the largest relative L2 difference over the tensors, ||a - b|| / ||b||;
+  updates: the largest relative L2 difference of what training changed, over the tensors,
+    ||dw_strata - dw_torch|| / ||dw_torch|| with dw = final - initial (fp32 masters for bf16
+    weights), and the same over all the tensors at once ("whole"). The weights' figure is
+    dominated by the initial weights both runs share; the updates' is not.
+
+A bf16 run (`--dtype bf16`: the initial weights in the inputs are bf16) is compared with
+PyTorch's mixed precision as it is used: fp32 parameters (the bf16 initial weights, exactly),
+the forward and backward under `torch.autocast("cpu", dtype=torch.bfloat16)`, fp32 gradients and
+AdamW; strata's updates are its fp32 masters' (read from the checkpoint's optimizer files). The
+noise floor is bf16 itself: torch's autocast run against torch's float32 run from the same
+weights, printed beside. Tolerances (exit 1 past them), strata against torch:
+  float32: loss 1e-4 and weights 1e-4 (--tol), updates 1e-3 (--update-tol);
+  bf16: loss 1e-3 (--bf16-loss-tol), and the whole update no further from autocast's than
+    --bf16-factor (2) times autocast's own distance from float32 (bf16 rounding, which
+    strata and autocast apply at different places, sets the size of both).
 
 Usage (the example writes the inputs and saves its final weights):
   cargo run --release --features candle --example candle_train -- --config CONFIG \\
@@ -22,6 +37,7 @@ Usage (the example writes the inputs and saves its final weights):
       --steps 5 [--lr 1e-3 --min-lr 1e-4 --warmup 1 --weight-decay 0 --clip 1.0] [--tol 1e-4]
       [--f32-only]
 It prints torch's float32 step times; --f32-only skips the float64 run (to time torch alone).
+For a bf16 run, add `--dtype bf16` to the example's flags; the script sees it in the inputs.
 The hyperparameters must be the example's (its defaults are the defaults here: --warmup is
 steps / 5, --min-lr lr / 10). Exits 1 when a float32 difference exceeds --tol.
 """
@@ -130,9 +146,12 @@ def build(cfg, weights, dtype, plain):
     return model, f"transformers {transformers.__version__} LlamaForCausalLM (eager attention)"
 
 
-def train(cfg, init, tokens, a, dtype, plain):
+def train(cfg, init, tokens, a, dtype, plain, autocast=False):
+    """Trains `a.steps` steps in `dtype` (with autocast: fp32 parameters, bf16 autocast)."""
     torch.manual_seed(0)
     model, what = build(cfg, init, dtype, plain)
+    if autocast:
+        what += ", bf16 autocast"
     params = [p for p in model.parameters()]
     opt = torch.optim.AdamW(params, lr=a.lr, betas=(0.9, 0.999), eps=1e-8,
                             weight_decay=a.weight_decay, foreach=False)
@@ -146,7 +165,8 @@ def train(cfg, init, tokens, a, dtype, plain):
         for m in range(accum):
             t = tokens[step * accum + m].long()
             ids, targets = t[:, :-1], t[:, 1:]
-            out = model(ids)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                out = model(ids)
             logits = out.logits if hasattr(out, "logits") else out
             loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).to(dtype), targets.reshape(-1)) / accum
             loss.backward()
@@ -175,27 +195,51 @@ def strata_result(a):
         if not steps:
             sys.exit(f"{result}: no checkpoint (model.safetensors.index.json or step-N/)")
         result = os.path.join(result, steps[-1][1])
-    index = os.path.join(result, "model.safetensors.index.json")
-    files = set(json.load(open(index))["weight_map"].values())
-    out = {}
-    for f in files:
-        out.update({k: v.double() for k, v in load_file(os.path.join(result, f)).items()})
+    def tensors(index):
+        files = set(json.load(open(os.path.join(result, index)))["weight_map"].values())
+        out = {}
+        for f in files:
+            out.update({k: v.double() for k, v in load_file(os.path.join(result, f)).items()})
+        return out
+
+    out = tensors("model.safetensors.index.json")
+    # bf16 weights train fp32 masters: those are what the updates are compared on.
+    state = tensors("optimizer.safetensors.index.json")
+    masters = {k: state[k + ".master"] for k in out if k + ".master" in state}
     losses = []
     for line in open(a.log):
         m = re.match(r"step (\d+)/\d+: loss ([-0-9.eE+]+)", line)
         if m:
             losses.append(float(m.group(2)))
-    return losses, out
+    return losses, out, masters
+
+
+def rel(a, b):
+    return (a - b).norm().item() / max(b.norm().item(), 1e-30)
 
 
 def diffs(losses, weights, ref_losses, ref_weights):
     dl = max(abs(x - y) / abs(y) for x, y in zip(losses, ref_losses))
     dw, worst = 0.0, ""
     for k, v in ref_weights.items():
-        r = (weights[k] - v).norm().item() / max(v.norm().item(), 1e-30)
+        r = rel(weights[k], v)
         if r > dw:
             dw, worst = r, k
     return dl, dw, worst
+
+
+def update_diffs(init, weights, ref_weights):
+    """The updates' differences: the worst tensor's relative L2 (and its name), and all the
+    tensors' at once."""
+    worst, name, num, den = 0.0, "", 0.0, 0.0
+    for k, v in ref_weights.items():
+        du, ref = weights[k] - init[k].double(), v - init[k].double()
+        r = rel(du, ref)
+        num += (du - ref).pow(2).sum().item()
+        den += ref.pow(2).sum().item()
+        if r > worst:
+            worst, name = r, k
+    return worst, name, math.sqrt(num / max(den, 1e-300))
 
 
 def main():
@@ -211,6 +255,11 @@ def main():
     ap.add_argument("--clip", type=float, default=1.0)
     ap.add_argument("--plain", action="store_true", help="plain torch even where transformers is installed")
     ap.add_argument("--tol", type=float, default=1e-4)
+    ap.add_argument("--update-tol", type=float, default=1e-3,
+                    help="float32: the worst tensor's update against torch's")
+    ap.add_argument("--bf16-loss-tol", type=float, default=1e-3)
+    ap.add_argument("--bf16-factor", type=float, default=2.0,
+                    help="bf16: the whole update within this many times autocast's own distance from f32")
     ap.add_argument("--f32-only", action="store_true",
                     help="skip the float64 run (to time torch's float32 training alone)")
     a = ap.parse_args()
@@ -227,9 +276,11 @@ def main():
     if tokens.shape[0] % a.steps:
         sys.exit(f"tokens for {tokens.shape[0]} micro-batches do not split in {a.steps} steps")
 
-    s_losses, s_weights = strata_result(a)
+    s_losses, s_weights, s_masters = strata_result(a)
     if len(s_losses) != a.steps:
         sys.exit(f"{a.log}: {len(s_losses)} step losses, {a.steps} expected")
+    if any(v.dtype == torch.bfloat16 for v in init.values()):
+        sys.exit(bf16_check(a, cfg, init, tokens, s_losses, s_masters))
     t32, w32, what, sec32 = train(cfg, {k: v.float() for k, v in init.items()}, tokens, a, torch.float32, a.plain)
     print(f"reference: {what}, torch {torch.__version__}, AdamW(foreach=False)")
     print(f"torch f32 step times ({torch.get_num_threads()} threads): "
@@ -247,9 +298,40 @@ def main():
     print(f"strata vs torch f32: loss rel {st[0]:.2e}, weights rel L2 {st[1]:.2e} (worst {st[2]})")
     print(f"strata vs torch f64: loss rel {s64[0]:.2e}, weights rel L2 {s64[1]:.2e} (worst {s64[2]})")
     print(f"torch f32 vs torch f64: loss rel {t_64[0]:.2e}, weights rel L2 {t_64[1]:.2e} (worst {t_64[2]})")
-    ok = st[0] <= a.tol and st[1] <= a.tol
-    print(f"{'within' if ok else 'NOT within'} tolerance {a.tol:g} (strata vs torch f32)")
+    u32, u64, ut = (update_diffs(init, s_weights, w32), update_diffs(init, s_weights, w64),
+                    update_diffs(init, w32, w64))
+    for who, u in (("strata vs torch f32", u32), ("strata vs torch f64", u64), ("torch f32 vs torch f64", ut)):
+        print(f"{who}: updates rel L2 worst {u[0]:.2e} ({u[1]}), whole {u[2]:.2e}")
+    ok = st[0] <= a.tol and st[1] <= a.tol and u32[0] <= a.update_tol
+    print(f"{'within' if ok else 'NOT within'} tolerance {a.tol:g} (loss, weights), {a.update_tol:g} "
+          f"(updates) (strata vs torch f32)")
     sys.exit(0 if ok else 1)
+
+
+def bf16_check(a, cfg, init, tokens, s_losses, s_masters):
+    """strata's bf16 run against torch's bf16 autocast training and its float32 training from
+    the same (bf16) initial weights; returns the exit status."""
+    f32 = {k: v.float() for k, v in init.items()}
+    if set(s_masters) != set(init):
+        return f"{a.result}: fp32 masters for {len(s_masters)} of {len(init)} tensors (a bf16 run saves them all)"
+    tb, wb, what, secb = train(cfg, f32, tokens, a, torch.float32, a.plain, autocast=True)
+    t32, w32, _, _ = train(cfg, f32, tokens, a, torch.float32, a.plain)
+    print(f"reference: {what}, torch {torch.__version__}, AdamW(foreach=False), fp32 parameters")
+    print(f"torch bf16 autocast step times ({torch.get_num_threads()} threads): "
+          + ", ".join(f"{x * 1e3:.1f}" for x in secb) + " ms")
+    for i, (s, x, y) in enumerate(zip(s_losses, tb, t32)):
+        print(f"step {i + 1}: loss strata bf16 {s:.6f}  torch autocast {x:.6f}  torch f32 {y:.6f}")
+    lb = max(abs(x - y) / abs(y) for x, y in zip(s_losses, tb))
+    l32 = max(abs(x - y) / abs(y) for x, y in zip(tb, t32))
+    ub, u32, ut = (update_diffs(init, s_masters, wb), update_diffs(init, s_masters, w32),
+                   update_diffs(init, wb, w32))
+    print(f"strata bf16 vs torch autocast: loss rel {lb:.2e}; updates rel L2 worst {ub[0]:.2e} ({ub[1]}), whole {ub[2]:.2e}")
+    print(f"strata bf16 vs torch f32: updates rel L2 worst {u32[0]:.2e} ({u32[1]}), whole {u32[2]:.2e}")
+    print(f"torch autocast vs torch f32 (bf16's own size): loss rel {l32:.2e}; updates rel L2 worst {ut[0]:.2e} ({ut[1]}), whole {ut[2]:.2e}")
+    ok = lb <= a.bf16_loss_tol and ub[2] <= a.bf16_factor * ut[2]
+    print(f"{'within' if ok else 'NOT within'} tolerance: loss {a.bf16_loss_tol:g}, whole update "
+          f"{a.bf16_factor:g} x autocast's own distance from f32 ({a.bf16_factor * ut[2]:.2e})")
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

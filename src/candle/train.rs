@@ -1348,7 +1348,7 @@ impl Trainer {
         spans.extend(self.waits.iter().copied());
         let busy =
             self.opt.as_ref().map_or_else(|| vec![0.0; spans.len()], |o| o.busy_within(&spans));
-        let during_waits: f64 = busy[1..].iter().sum();
+        let during_waits = busy[1..].iter().fold(0.0, |a, b| a + b);
         StepReport {
             step: self.step,
             loss: r.loss,

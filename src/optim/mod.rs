@@ -1242,7 +1242,7 @@ impl Optimizer {
                         let (s, e) = (s.max(a), e.unwrap_or(now).min(b));
                         e.saturating_duration_since(s).as_secs_f64()
                     })
-                    .sum()
+                    .fold(0.0, |a, b| a + b)
             })
             .collect()
     }

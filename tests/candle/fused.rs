@@ -2,8 +2,8 @@
 //! replace: values and gradients at several shapes (grouped-query heads, odd lengths, key tiles
 //! crossed, sliding windows, queries after a KV cache, strided keys), in f32, bf16 and f16; their
 //! gradients against finite differences; a whole block fused against decomposed; the same bits
-//! on one thread and on several; errors for what they cannot take; and with `candle-cuda` on a
-//! GPU, the CUDA kernels against the CPU code.
+//! on one thread and on several; errors for what they cannot take; gradients summed in place in
+//! f32; and with `candle-cuda` on a GPU, the CUDA kernels against the CPU code.
 //!
 //! Tolerances, as the largest difference over the largest reference value (measured on
 //! 2026-11-26, in brackets): f32 4e-6 (7.4e-7: the fused ops sum in another order than
@@ -405,6 +405,64 @@ fn what_the_fused_ops_cannot_take_is_an_error() {
     }
 }
 
+/// Gradients summed in place on `dev`: random bf16 gradients into an f32 buffer, then rows of an
+/// embedding's gradient added where repeated ids say; the two sums read back.
+fn sums_in_place(dev: &Device) -> (Vec<f32>, Vec<f32>) {
+    let mut rng = SeededRng::new(11);
+    let acc = randn(&mut rng, &[33, 70]).to_device(dev).unwrap();
+    for _ in 0..5 {
+        let g = randn(&mut rng, &[33, 70]).to_dtype(DType::BF16).unwrap().to_device(dev).unwrap();
+        fused::accumulate(&acc, &g).unwrap();
+    }
+    let table = Tensor::zeros((7, 70), DType::F32, dev).unwrap();
+    let ids: Vec<u32> = (0..40).map(|_| rng.below(7) as u32).collect();
+    let ids = Tensor::new(ids.as_slice(), dev).unwrap();
+    let rows = randn(&mut rng, &[40, 70]).to_dtype(DType::BF16).unwrap().to_device(dev).unwrap();
+    fused::index_add_rows(&table, &ids, &rows).unwrap();
+    let flat = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    (flat(&acc), flat(&table))
+}
+
+#[test]
+fn gradients_sum_in_place_in_f32_and_bad_operands_are_errors() {
+    let dev = Device::Cpu;
+    // A thousand bf16 gradients of ones: 1000 in the f32 buffer, where a bf16 sum stops at 256.
+    let ones = Tensor::ones((3, 4), DType::BF16, &dev).unwrap();
+    let acc = Tensor::zeros((3, 4), DType::F32, &dev).unwrap();
+    let mut in_bf16 = Tensor::zeros((3, 4), DType::BF16, &dev).unwrap();
+    for _ in 0..1000 {
+        fused::accumulate(&acc, &ones).unwrap();
+        in_bf16 = (&in_bf16 + &ones).unwrap();
+    }
+    assert_eq!(acc.to_vec2::<f32>().unwrap(), [[1000.0; 4]; 3]);
+    assert_eq!(in_bf16.to_dtype(DType::F32).unwrap().to_vec2::<f32>().unwrap(), [[256.0; 4]; 3]);
+    // An embedding's rows: a thousand tokens of one id, in f32, and the others' rows untouched.
+    let table = Tensor::zeros((5, 4), DType::F32, &dev).unwrap();
+    let ids = Tensor::new(&[2u32; 1000], &dev).unwrap();
+    fused::index_add_rows(&table, &ids, &Tensor::ones((1000, 4), DType::BF16, &dev).unwrap())
+        .unwrap();
+    let t = table.to_vec2::<f32>().unwrap();
+    assert_eq!(t[2], [1000.0; 4]);
+    assert!(t[0] == [0.0; 4] && t[4] == [0.0; 4]);
+    // The same sums, gradient by gradient and row by row, as the reference order gives them.
+    let (a, b) = sums_in_place(&dev);
+    assert_eq!((a.len(), b.len()), (33 * 70, 7 * 70));
+
+    let err = |r: candle_core::Result<()>| r.unwrap_err().to_string();
+    let bf16_acc = Tensor::zeros((3, 4), DType::BF16, &dev).unwrap();
+    assert!(err(fused::accumulate(&bf16_acc, &ones)).contains("f32"));
+    let other = Tensor::ones((4, 3), DType::BF16, &dev).unwrap();
+    assert!(err(fused::accumulate(&acc, &other)).contains("[4, 3]"));
+    let strided = Tensor::zeros((4, 3), DType::F32, &dev).unwrap().t().unwrap();
+    assert!(err(fused::accumulate(&strided, &ones)).contains("contiguous"));
+    let past = Tensor::new(&[1u32, 5], &dev).unwrap();
+    let two = Tensor::ones((2, 4), DType::F32, &dev).unwrap();
+    assert!(err(fused::index_add_rows(&table, &past, &two)).contains("id 5 in a table of 5"));
+    assert!(err(fused::index_add_rows(&table, &past, &ones)).contains("rows"));
+    // A refused id changed nothing.
+    assert_eq!(table.to_vec2::<f32>().unwrap(), t);
+}
+
 /// Every fused op on `dev` against the same op on the CPU, values and gradients: f32 within
 /// 1e-5, bf16 within 1e-2 (the two sum in other orders; bf16 rounds each once). Attention at
 /// head widths of each of the CUDA kernels' three sizes (64, 128, 256), grouped, windowed,
@@ -461,6 +519,8 @@ fn ops_on_device_equal_the_cpu_ops(dev: &Device) {
     compare("rope of a transposed view", vec![x], &|t| {
         rope(&t[0]).apply_fused(&t[0].transpose(1, 2).unwrap(), 7).unwrap()
     });
+    // Gradients summed in place: the same order, so the same bits.
+    assert!(sums_in_place(dev) == sums_in_place(&Device::Cpu), "sums in place");
 }
 
 /// On a GPU (feature `candle-cuda`): the CUDA kernels of the fused ops against their CPU code.

@@ -430,3 +430,55 @@ fn a_run_killed_during_its_saves_resumes_from_a_whole_checkpoint() {
 fn sixty_kills_during_saves_resume_from_whole_checkpoints() {
     crash_test(60, 6);
 }
+
+/// The memory plan for Llama 2 7B on the lent H100, printed without running (nothing is
+/// allocated: this machine has neither the memory nor the device): every byte in memory, the
+/// checkpoints past the Pinned tier on the device, and the floor bound by compute; a host too
+/// small for the weights and gradients is refused, saying so; a Pinned tier of 100 GiB (the
+/// plan the lease once gave) sends optimizer state to disk, and the plan says how much.
+#[test]
+fn the_plan_for_7b_on_the_h100_fits_and_one_that_cannot_is_refused() {
+    let c = format!("{}/examples/configs/llama2-7b.json", env!("CARGO_MANIFEST_DIR"));
+    let base = strings(&[
+        "--config",
+        &c,
+        "--dtype",
+        "bf16",
+        "--seq",
+        "2048",
+        "--micro-batch",
+        "1",
+        "--accum",
+        "32",
+        "--plan-only",
+        "--machine",
+        "h100",
+    ]);
+    let r = run(&base, Duration::from_secs(60));
+    assert_eq!(r.code, Some(0), "{}{}", r.stdout, r.stderr);
+    assert!(r.stdout.contains("disk: nothing (everything fits in memory)"), "{}", r.stdout);
+    assert!(r.stdout.contains("bound by compute"), "{}", r.stdout);
+    let row = |name: &str| {
+        r.stdout
+            .lines()
+            .find(|l| l.starts_with(name))
+            .unwrap_or_else(|| panic!("{name}"))
+            .to_string()
+    };
+    // The checkpoints (16 GiB) do not all fit beside the state in pinned memory: the rest live
+    // on the device. A row: the group, then (value, unit) for device, pinned, mapped, disk.
+    let ck: Vec<String> = row("activation").split_whitespace().map(str::to_string).collect();
+    assert!(ck[1] != "0" && ck[3] != "0" && ck[7] == "0", "{}", r.stdout);
+
+    let mut small = base.clone();
+    small.extend(strings(&["--host-memory", "32GiB"]));
+    let r = run(&small, Duration::from_secs(60));
+    assert_eq!(r.code, Some(1), "{}", r.stdout);
+    assert!(r.stderr.contains("do not fit the Pinned tier"), "{}", r.stderr);
+
+    let mut pinned = base;
+    pinned.extend(strings(&["--pinned-budget", "100GiB"]));
+    let r = run(&pinned, Duration::from_secs(60));
+    assert_eq!(r.code, Some(0), "{}", r.stderr);
+    assert!(r.stdout.contains("disk: ") && !r.stdout.contains("disk: nothing"), "{}", r.stdout);
+}

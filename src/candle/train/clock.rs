@@ -35,7 +35,7 @@ impl ComputeClock {
             #[cfg(feature = "candle-cuda")]
             Device::Cuda(d) => {
                 if self.timers.last().is_none_or(|t| t.stopped()) {
-                    let t = crate::candle::cuda::CopyTimer::start(d.cuda_stream())?;
+                    let t = crate::candle::cuda::CopyTimer::start(&d.cuda_stream())?;
                     self.timers.push(t);
                 }
             }
@@ -52,7 +52,7 @@ impl ComputeClock {
             #[cfg(feature = "candle-cuda")]
             Device::Cuda(d) => {
                 if let Some(t) = self.timers.last_mut().filter(|t| !t.stopped()) {
-                    t.stop(d.cuda_stream())?;
+                    t.stop(&d.cuda_stream())?;
                 }
             }
             _ => {
@@ -79,7 +79,8 @@ impl ComputeClock {
 
 /// Seconds of `spans` (each `(start, end)`), summed.
 pub(super) fn span_seconds(spans: &[(Instant, Instant)]) -> f64 {
-    spans.iter().map(|(a, b)| b.saturating_duration_since(*a).as_secs_f64()).sum()
+    // From +0 (an empty f64 sum is -0, which prints as "-0.00").
+    spans.iter().map(|(a, b)| b.saturating_duration_since(*a).as_secs_f64()).fold(0.0, |a, b| a + b)
 }
 
 #[cfg(test)]

@@ -174,9 +174,10 @@ enum Home {
 impl TrainPlan {
     /// The plan for training a model of `config` with `train` and `dtype` weights on `machine`,
     /// with the budgets `given` (the others chosen). Errors ([`TrainError::Invalid`]) say what
-    /// cannot fit and what to change: the Device tier smaller than two stages' weights and
-    /// checkpoints (every fetch would evict what the next needs), the weights and gradients
-    /// past the Pinned tier, what spills past the free disk.
+    /// cannot fit and what to change: a Device tier smaller than one block's weights (every
+    /// block read from host memory at every pass), the weights and gradients past the Pinned
+    /// tier, what spills past the free disk. (A tensor larger than the Device tier, such as a
+    /// large embedding table, is read from host memory: slower, not refused.)
     pub fn new(
         config: &LlamaConfig,
         train: &TrainConfig,
@@ -233,12 +234,14 @@ impl TrainPlan {
                 room.min(params + ck_total + stage_max + (64 << 20))
             }
         };
-        if device_budget < streaming {
+        let block = config.block_parameters() * elem;
+        if device_budget < block {
             return Err(refuse(format!(
-                "a Device tier of {} cannot hold two stages' weights and checkpoints ({}): every \
-                 fetch would evict what the next one needs; give it at least that much, or \
-                 lower the micro-batches or the sequence",
+                "a Device tier of {} cannot hold one block's weights ({}): every block would be \
+                 read from host memory at every pass; give it at least that much ({} holds two \
+                 stages and a block's checkpoints, so that the next streams in while one computes)",
                 format_size(device_budget),
+                format_size(block),
                 format_size(streaming)
             )));
         }
@@ -382,11 +385,11 @@ impl TrainPlan {
         self.placed.iter().map(|g| g[Tier::Disk.index()]).sum()
     }
 
-    /// The step's floor from the machine's figures, and what bounds it: seconds of compute
-    /// (`compute`, measured, or the machine's FLOP/s), PCIe, the CPU optimizer (with the state
-    /// it reads from disk) and the checkpoints' disk I/O.
-    pub fn floor(&self, compute: Option<f64>) -> Floor {
-        let m = &self.machine;
+    /// The step's floor from `m`'s figures (the plan's machine, or the same one with measured
+    /// bandwidths), and what bounds it: seconds of compute (`compute`, measured, or the
+    /// machine's FLOP/s), PCIe, the CPU optimizer (with the state it reads from disk) and the
+    /// checkpoints' disk I/O.
+    pub fn floor(&self, m: &Machine, compute: Option<f64>) -> Floor {
         let compute = compute.or_else(|| m.flops.map(|f| self.flops / f));
         let pcie = (self.pcie.0 as f64 / m.h2d).max(self.pcie.1 as f64 / m.d2h);
         let st_disk = 2 * self.placed[Group::OptimizerState.index()][Tier::Disk.index()];
@@ -438,7 +441,7 @@ impl Floor {
         }
     }
 
-    /// The floor: the largest of the four.
+    /// The floor: the largest of the four (of the three known, where compute is not).
     pub fn seconds(&self) -> f64 {
         self.compute.unwrap_or(0.0).max(self.pcie).max(self.optimizer).max(self.disk)
     }
@@ -460,7 +463,7 @@ impl Floor {
 
 impl fmt::Display for Floor {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let c = self.compute.map_or("not known".into(), |c| format!("{:.1} ms", c * 1e3));
+        let c = self.compute.map_or("not known, left out".into(), |c| format!("{:.1} ms", c * 1e3));
         write!(
             f,
             "floor {:.1} ms, bound by {} (compute {c}, PCIe {:.1} ms, CPU optimizer {:.1} ms, \
@@ -485,8 +488,7 @@ fn config_name(c: &LlamaConfig) -> String {
 
 impl fmt::Display for TrainPlan {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let m = &self.machine;
-        writeln!(f, "memory plan on {}:", m.name)?;
+        writeln!(f, "memory plan on {}:", self.machine.name)?;
         writeln!(
             f,
             "{:<12}{:>14}{:>14}{:>14}{:>14}",
@@ -520,23 +522,27 @@ impl fmt::Display for TrainPlan {
                 format_size(self.disk_io)
             )?;
         }
-        writeln!(
+        write!(
             f,
-            "per step: PCIe {} in, {} out; CPU optimizer {} of host traffic; {:.3} PFLOP",
+            "per step: PCIe {} in, {} out; CPU optimizer {} of host traffic; {:.3e} model FLOP",
             format_size(self.pcie.0),
             format_size(self.pcie.1),
             format_size(self.optimizer_bytes),
-            self.flops / 1e15
-        )?;
-        write!(
-            f,
-            "{} (PCIe at {:.0}/{:.0} GB/s, host AdamW at {:.0} GB/s, disk at {:.1} GB/s{})",
-            self.floor(None),
-            m.h2d / 1e9,
-            m.d2h / 1e9,
-            m.host_update / 1e9,
-            m.disk / 1e9,
-            m.flops.map_or(String::new(), |x| format!(", compute at {:.0} TFLOPS", x / 1e12))
+            self.flops
+        )
+    }
+}
+
+impl Machine {
+    /// The figures a floor is made with, for the line that prints it.
+    pub fn rates(&self) -> String {
+        format!(
+            "PCIe at {:.1}/{:.1} GB/s, host AdamW at {:.1} GB/s, disk at {:.1} GB/s{}",
+            self.h2d / 1e9,
+            self.d2h / 1e9,
+            self.host_update / 1e9,
+            self.disk / 1e9,
+            self.flops.map_or(String::new(), |x| format!(", compute at {:.0} TFLOPS", x / 1e12))
         )
     }
 }
