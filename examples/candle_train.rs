@@ -563,10 +563,8 @@ fn run(args: Vec<String>) -> Res<()> {
         .capacity(Tier::Device, device_budget)
         .prefetch_budget(device_budget)
         .capacity(Tier::Pinned, pinned)
-        .capacity(
-            Tier::Mapped,
-            mapped.max(if train.engine == Engine::GpuMapped { 1 << 20 } else { 0 }),
-        );
+        // Mapped holds the GpuMapped engine's state: its bytes, and room for each tensor's pages.
+        .capacity(Tier::Mapped, if mapped > 0 { mapped + mapped / 64 + (1 << 20) } else { 0 });
     if disk > (48 << 30) {
         builder = builder.capacity(Tier::Disk, disk + (1 << 30));
     }
@@ -731,8 +729,9 @@ fn against_twin(config: &LlamaConfig, train: &TrainConfig, twin: &[f64], ooc: &[
     let all = config.training_flops(tokens as u64, train.seq);
     let head = 6.0 * tokens * (config.vocab_size * config.hidden_size) as f64;
     println!(
-        "per block (same run, medians of steps 2 on): resident twin {:.0} tokens/s, out of core \
-         {:.0} tokens/s: out of core / resident = {:.3} (the blocks are {:.1}% of the model's FLOPs)",
+        "per block (same run, medians of steps 2 on): resident twin {:.0} tokens/s through each \
+         block, out of core {:.0}: out of core / resident = {:.3} (the blocks are {:.1}% of the \
+         model's FLOPs)",
         per_block(t),
         per_block(o),
         t / o,

@@ -6,7 +6,7 @@
 //! | a candle-nn `VarBuilder` over a store | [`StoreBackend`] | each tensor, once, from its fastest replica (in place in the checkpoint file, or a memory tier) into a candle-owned buffer on the candle device; the store keeps no extra copy |
 //! | one layer's weights at a time | [`Layers`], [`LayerWeights`] | the layer's tensors through device views: on the CPU from the host memory of the store's Device tier (host backend), on CUDA device to device from the store's Device tier into candle-owned memory, on candle's stream; the next layer is prefetched meanwhile |
 //! | candle-transformers' BERT run layer by layer | [`OutOfCoreBert`] | as [`Layers`]; the word-embedding rows the input uses are gathered from a host replica |
-//! | a Llama-style decoder trained out of core | [`Trainer`] (model: [`llama`]; in-memory reference: [`LlamaTwin`]) | each stage's weights as [`Layers`] hands them, twice a step (forward, backward); activation checkpoints and f32 gradients from candle into store tensors; the optimizer's state never leaves the store |
+//! | a Llama-style decoder trained out of core | [`Trainer`] (model: [`llama`]; its reference and baseline, resident on the device: [`LlamaTwin`]; budgets for a machine: [`train::TrainPlan`]) | each stage's weights as [`Layers`] hands them, twice a step (forward, backward); activation checkpoints and f32 gradients from candle into store tensors; the optimizer's state never leaves the store |
 //!
 //! A model built from [`StoreBackend`] computes what the same model built with candle's own
 //! `VarBuilder::from_mmaped_safetensors` computes, bit for bit: the same dtype conversions

@@ -1,6 +1,7 @@
 //! Out-of-core training of a Llama-style decoder inside candle: [`Trainer`] runs the model stage
 //! by stage with every byte of its state in a strata store, and [`LlamaTwin`] is the same model
-//! trained in memory with candle's plain `backward`, its reference.
+//! trained resident on candle's device with candle's plain `backward`, its reference and its
+//! baseline; [`TrainPlan`] chooses the store's budgets for a machine.
 //!
 //! A step of [`Trainer::step`] over `accum` micro-batches, **layer-major** (all micro-batches
 //! pass a stage before the next stage's weights are fetched, so each block's weights cross to
@@ -13,11 +14,13 @@
 //!    forward and backward at once (candle's autograd, the head's weights as `Var`s);
 //! 3. *backward*, from the last block down: each block recomputed from its checkpoint with its
 //!    weights as `Var`s, its weight and input gradients from the backward of
-//!    `sum(output · grad_output)`; the weight gradients summed over the micro-batches in f32 and
-//!    handed to the store (group `Grad`), where the optimizer takes them;
+//!    `sum(output · grad_output)`; the weight gradients summed over the micro-batches in place,
+//!    one f32 buffer a parameter (a tied table's starting as the head's share), and handed to
+//!    the store (group `Grad`), where the optimizer takes them;
 //! 4. *update*: [`strata::optim`](crate::optim)'s AdamW (fp32 masters and moments in the store,
 //!    group `OptimizerState`; the Cpu engine by default). No update starts before the loss and
-//!    the global gradient norm are known to be finite (a step that diverged changes nothing:
+//!    the global gradient norm, summed on the device and read in one host sync, are known to be
+//!    finite (a step that diverged changes nothing:
 //!    [`TrainError::NonFinite`], or a skip); the updates are then queued in the order the next
 //!    forward needs them and run while that forward goes on with the stages already updated (a
 //!    stage's weights are fetched only after its update has run).

@@ -96,6 +96,8 @@ fn out_of_core_training_equals_the_in_memory_twin_bit_for_bit() {
         (false, Some(0.5), Engine::Cpu),
         (true, None, Engine::Cpu),
         (false, None, Engine::GpuResident),
+        // Clipping on a GPU engine: the kernels' scale argument, emulated on the host backend.
+        (true, Some(0.5), Engine::GpuResident),
     ] {
         let what = format!("tied {tied}, clip {clip:?}, engine {engine}");
         let c = tiny(tied);
