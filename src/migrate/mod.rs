@@ -15,7 +15,6 @@
 //! for that flight, without the lock.
 
 pub(crate) mod copy;
-pub(crate) mod workers;
 #[cfg(test)]
 mod invariants;
 pub(crate) mod load;
@@ -24,6 +23,7 @@ pub(crate) mod prefetch;
 pub(crate) mod room;
 mod state;
 pub(crate) mod timeline;
+pub(crate) mod workers;
 
 pub(crate) use state::{Counters, Locked, Shared, State};
 

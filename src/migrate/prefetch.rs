@@ -6,8 +6,8 @@
 //! or one that needs victims spilled first, becomes an engine job, and the tensor is in flight
 //! until it has run (a view waits for that job only, moved to the front of the queue).
 
-use super::workers::{JobKind, Runner};
 use super::room::Got;
+use super::workers::{JobKind, Runner};
 use super::{copy_replica, ops, prepare_copy, run_copy};
 use super::{Locked, Shared};
 use crate::error::{Error, Result};

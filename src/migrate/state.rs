@@ -4,8 +4,8 @@ use std::sync::{Arc, OnceLock};
 
 use parking_lot::{Mutex, MutexGuard};
 
-use super::workers::Workers;
 use super::timeline::{Span, TimePoint, Timeline, Track};
+use super::workers::Workers;
 use crate::backend::{Backend, Pending, RawEvent};
 use crate::error::Error;
 use crate::placement::victims::Level;
