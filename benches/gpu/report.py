@@ -292,7 +292,7 @@ MLP_STEP = re.compile(r"^step\s+(\d+):\s+(" + NUM + r") ms\s+h2d\s+(" + SIZE + r
 
 
 def parse_mlp(text, step):
-    """strata::mlp (examples/out_of_core.rs --mode forward, or train --optimizer device-sgd)."""
+    """strata::mlp (`strata train-demo --mode forward`, or train --optimizer device-sgd)."""
     meta = step.get("meta", {})
     label = meta.get("label", step["name"])
     group = meta.get("group", GROUPS["mlp"])
@@ -345,7 +345,7 @@ ENGINE_LINE = re.compile(r"^engine (\S+)\s+ran (\S+)\s+(" + NUM + r") ms per ste
 
 
 def parse_train(text, step):
-    """strata::train (examples/out_of_core.rs --mode train): engines, floors, Auto's choice."""
+    """strata::train (`strata train-demo --mode train`): engines, floors, Auto's choice."""
     meta = step.get("meta", {})
     label = meta.get("label", step["name"])
     group = meta.get("group", GROUPS["train"])
