@@ -53,9 +53,6 @@ use half::{bf16, f16};
 /// An element type the fused ops read and write: widened to f32 to compute, rounded back (to
 /// nearest, ties to even, as candle's `to_dtype` rounds) to store.
 pub(crate) trait Elem: candle_core::WithDType {
-    /// The suffix of the CUDA kernels for this type (`cuda/fused.cu`).
-    #[cfg_attr(not(feature = "candle-cuda"), allow(dead_code))]
-    const NAME: &'static str;
     /// The value as f32.
     fn widen(self) -> f32;
     /// `x` rounded to this type.
@@ -63,7 +60,6 @@ pub(crate) trait Elem: candle_core::WithDType {
 }
 
 impl Elem for f32 {
-    const NAME: &'static str = "f32";
     fn widen(self) -> f32 {
         self
     }
@@ -73,7 +69,6 @@ impl Elem for f32 {
 }
 
 impl Elem for bf16 {
-    const NAME: &'static str = "bf16";
     fn widen(self) -> f32 {
         self.to_f32()
     }
@@ -83,7 +78,6 @@ impl Elem for bf16 {
 }
 
 impl Elem for f16 {
-    const NAME: &'static str = "f16";
     fn widen(self) -> f32 {
         self.to_f32()
     }
