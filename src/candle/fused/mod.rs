@@ -9,7 +9,7 @@
 //! rather than candle ops. On the CPU each runs on candle's thread pool (rayon), over work
 //! items whose outputs do not overlap and whose sums run in a fixed order, so a result has the
 //! same bits whatever the number of threads. On candle's CUDA device (feature `candle-cuda`)
-//! each is a kernel of `cuda/attention.cu` or `cuda/fused.cu`, compiled once per device with
+//! each is a kernel of `cuda/fused.cu`, compiled once per device with
 //! NVRTC and launched on candle's stream: nothing is built on the host per call and nothing
 //! waits for the device.
 //!
