@@ -5,7 +5,11 @@
 //! ```text
 //! cargo run --release --example hit_during_miss -- [--mib 256] [--host]
 //! ```
-//! Prints the miss's time and the hits' median, 99th percentile and worst case.
+//! Prints the miss's time and the hits' median, 99th percentile and worst case, and how often the
+//! hitting thread blocked meanwhile (voluntary context switches: a lock, a futex, a page fault
+//! waiting for the kernel's mmap lock), which, unlike the worst case, does not depend on what
+//! else the machine runs: a loaded machine preempts the thread (involuntary switches, also
+//! printed) and makes any hit slow.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -40,6 +44,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         drop(store.device_view(small, &s)?);
     }
     s.synchronize()?;
+    // Room for every hit, its pages touched before the clock runs: growing the vector in the
+    // loop would fault pages there.
+    let mut hits = vec![Duration::ZERO; 1 << 22];
+    hits.clear();
     let st = store.clone();
     let miss = std::thread::spawn(move || -> strata::Result<Duration> {
         let s = st.stream()?;
@@ -50,15 +58,19 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         s.synchronize()?;
         Ok(took)
     });
-    let mut hits = Vec::new();
-    while !miss.is_finished() {
+    let before = switches();
+    while !miss.is_finished() && hits.len() < hits.capacity() {
         let t = Instant::now();
         drop(store.device_view(small, &s)?);
         hits.push(t.elapsed());
     }
+    let after = switches();
     let miss_took = miss.join().map_err(|_| "the miss panicked")??;
     s.synchronize()?;
     store.check_err()?;
+    if hits.is_empty() {
+        return Err("the miss ended before the first hit".into());
+    }
     hits.sort();
     let q = |p: f64| hits[((hits.len() - 1) as f64 * p) as usize];
     println!("miss of a {mib} MiB tensor on disk: {:.1} ms", miss_took.as_secs_f64() * 1e3);
@@ -70,5 +82,24 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         q(0.99).as_secs_f64() * 1e6,
         hits.last().map_or(0.0, |w| w.as_secs_f64() * 1e3)
     );
+    println!(
+        "the hitting thread meanwhile: blocked {} times (voluntary context switches), preempted \
+         {} times",
+        after.0 - before.0,
+        after.1 - before.1
+    );
     Ok(())
+}
+
+/// This thread's voluntary and involuntary context switches so far (`getrusage(RUSAGE_THREAD)`).
+fn switches() -> (i64, i64) {
+    let mut u = std::mem::MaybeUninit::<libc::rusage>::zeroed();
+    // SAFETY: getrusage writes one rusage into the zeroed buffer, which outlives the call.
+    let r = unsafe { libc::getrusage(libc::RUSAGE_THREAD, u.as_mut_ptr()) };
+    if r != 0 {
+        return (0, 0);
+    }
+    // SAFETY: zeroed, then filled by a successful getrusage.
+    let u = unsafe { u.assume_init() };
+    (u.ru_nvcsw, u.ru_nivcsw)
 }

@@ -53,54 +53,54 @@
 //! `strata::candle` serves a store's tensors to candle models (`docs/candle.md`).
 //!
 //! ## Inside
-//! The store is layered; each layer is a folder, and `docs/architecture.md` describes each
-//! layer and its files:
+//! The crate is layered in the order its calls run; each layer is a folder (or a few files) and
+//! imports only the layers below it (a test, `tests/layers.rs`, fails on any other import).
+//! `docs/architecture.md` says what each layer does and how a device-view miss and a training
+//! step go through them. `unsafe` lives only in the backend and the tier arenas. The `strata`
+//! binary's code sits behind the `cli` feature (on by default) with its dependencies (clap,
+//! indicatif, plotters, csv; `docs/dependencies.md`); everything else builds with
+//! `default-features = false`.
 //!
-//! | layer | what | where |
-//! |---|---|---|
-//! | public API | [`Store`], [`StoreBuilder`], views, [`Stream`], hints, files, [`Stats`] | `api/` |
-//! | residency | tensors (a slab by [`TensorId`]), replicas, holds, flights, per-stream uses; the lock | `residency/` |
-//! | placement | victim ranks and order, policies, admission, the prefetch budget | `placement/` |
-//! | migration | plan, execute (without the lock), commit; the engine's workers; prefetching | `migrate/` |
-//! | tiers | arenas and their leases, the extent allocator, staging, the disk slab, user files | `tiers/` |
-//! | backend | host emulation (optionally in simulated time) or CUDA; events, streams | `backend/` |
-//!
-//! The `strata` binary's code (the bench, the MLP and trainer demos) sits behind the `cli`
-//! feature (on by default) with its dependencies (clap, indicatif, plotters, csv;
-//! `docs/dependencies.md`); everything else builds with `default-features = false`.
-
+#![doc = include_str!("../docs/layers.md")]
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]
 
-mod api;
-// The `strata` binary's commands: public so that the binary reaches them, hidden from the docs
-// because they are not an API for library users.
-mod backend;
+// The layers, in call order (docs/layers.md).
+#[cfg(feature = "cli")]
+#[doc(hidden)] // the `strata` binary's commands: public for the binary, not an API
+pub mod cli;
+
 #[cfg(feature = "candle")]
 pub mod candle;
-#[cfg(feature = "cli")]
-#[doc(hidden)]
-pub mod cli;
-mod element;
-mod error;
-// Fault injection for strata's own tests (feature `failpoints`); not an API for users.
-#[doc(hidden)]
-pub mod failpoint;
-mod migrate;
-mod placement;
-mod residency;
-mod sync;
-#[cfg(test)]
-mod testutil;
-mod tiers;
-mod types;
-pub use backend::sim::{LinkSharing, Simulation};
+
 pub mod kernels;
 pub mod linalg;
 pub mod optim;
 pub mod plan;
 pub mod probe;
+
+mod api;
+
+mod migrate;
+
+mod placement;
 pub use placement::policy;
+
+mod residency;
+
+mod tiers;
+
+mod backend;
+pub use backend::sim::{LinkSharing, Simulation};
+
+mod element;
+mod error;
+#[doc(hidden)] // fault injection for strata's own tests (feature `failpoints`); not an API
+pub mod failpoint;
+mod sync;
+#[cfg(test)]
+mod testutil;
+mod types;
 
 pub use api::{
     host_memory_available, DeviceView, HostRead, HostView, LayerScope, LoadOptions, MappedView,

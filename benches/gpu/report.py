@@ -292,7 +292,7 @@ MLP_STEP = re.compile(r"^step\s+(\d+):\s+(" + NUM + r") ms\s+h2d\s+(" + SIZE + r
 
 
 def parse_mlp(text, step):
-    """strata::mlp (examples/out_of_core.rs --mode forward, or train --optimizer device-sgd)."""
+    """strata::mlp (`strata train-demo --mode forward`, or train --optimizer device-sgd)."""
     meta = step.get("meta", {})
     label = meta.get("label", step["name"])
     group = meta.get("group", GROUPS["mlp"])
@@ -345,7 +345,7 @@ ENGINE_LINE = re.compile(r"^engine (\S+)\s+ran (\S+)\s+(" + NUM + r") ms per ste
 
 
 def parse_train(text, step):
-    """strata::train (examples/out_of_core.rs --mode train): engines, floors, Auto's choice."""
+    """strata::train (`strata train-demo --mode train`): engines, floors, Auto's choice."""
     meta = step.get("meta", {})
     label = meta.get("label", step["name"])
     group = meta.get("group", GROUPS["train"])
@@ -458,6 +458,36 @@ def parse_optim_step(text, step):
         figs.append(fig(f"{label}: step time", round(ms, 3), "ms", group=group,
                         key=meta.get("key"), peer_key=meta.get("peer_key"),
                         target=parse_target(meta.get("target"), meta.get("target_text"), "peer_ratio")))
+    return figs
+
+
+def parse_fused_attention(text, step):
+    """examples/fused_attention.rs and benches/peers/sdpa.py: their JSON lines (time, and
+    strata's largest error against torch's SDPA on the same tensors)."""
+    meta = step.get("meta", {})
+    label = meta.get("label", step["name"])
+    group = meta.get("group", GROUPS["fused-attention"])
+    figs = []
+    for j in json_lines(text):
+        if j.get("bench") == "strata-fused-attention":
+            figs.append(fig(f"{label}: forward + backward", round(j["fwd_bwd_ms"], 3), "ms", group=group,
+                            key=meta.get("key"), peer_key=meta.get("peer_key"),
+                            note=(f"forward {j['fwd_ms']:.3f} ms ({j['fwd_tflops']:.1f} TFLOPS), forward + "
+                                  f"backward {j['fwd_bwd_tflops']:.1f} TFLOPS, on {j['device']}")))
+        elif j.get("peer") == "torch-sdpa":
+            if "error" in j and "fwd_ms" not in j:
+                figs.append(fig(label, None, "ms", group=group, verdict="not-run", note=j["error"]))
+                continue
+            figs.append(fig(f"{label}: forward + backward", round(j["fwd_bwd_ms"], 3), "ms", group=group,
+                            key=meta.get("key"),
+                            note=f"forward {j['fwd_ms']:.3f} ms, on {j['device']}"))
+            worst = max(j[f"err_{n}"] for n in ("o", "dq", "dk", "dv"))
+            tol = 2e-2 if j["dtype"] in ("bf16", "f16") else 1e-5
+            figs.append(fig(f"strata's fused attention against it, seq {j['seq']} {j['dtype']}: largest error "
+                            f"(output and gradients, relative to torch's largest value)", worst, "relative",
+                            group=group, target=target(f"≤ {tol:g}", "<=", tol, "value"),
+                            verdict="failed" if "error" in j else None,
+                            note=", ".join(f"{n} {j[f'err_{n}']:.2e}" for n in ("o", "dq", "dk", "dv"))))
     return figs
 
 
@@ -866,7 +896,8 @@ def parse_twin(text, step):
 
 PARSERS = {"libtest": parse_libtest, "sanitizer": parse_sanitizer, "criterion": parse_criterion,
            "store-bandwidth": parse_store_bandwidth, "layered": parse_layered, "mlp": parse_mlp,
-           "train": parse_train, "offload-peers": parse_offload_peers, "optim-step": parse_optim_step,
+           "train": parse_train, "fused-attention": parse_fused_attention,
+           "offload-peers": parse_offload_peers, "optim-step": parse_optim_step,
            "optim-peers": parse_optim_peers, "strata-bench": parse_strata_bench, "anchors": parse_anchors,
            "core-bench": parse_core_bench, "hit-during-miss": parse_hit_during_miss,
            "many-tensors": parse_many_tensors, "strata-load": parse_strata_load,
@@ -887,7 +918,8 @@ GROUPS = {"libtest": "GPU test suite", "sanitizer": "compute-sanitizer",
           "strata-load": "store core: a checkpoint of many small tensors",
           "eviction-scale": "store core: making room when victims must spill, at scale",
           "candle-train": "training inside candle (a Llama-style decoder)",
-          "twin": "out of core against in memory"}
+          "twin": "out of core against in memory",
+          "fused-attention": "fused attention against PyTorch's SDPA"}
 
 
 # ------------------------------------------------------------------------------------------------

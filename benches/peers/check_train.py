@@ -31,7 +31,7 @@ Usage:
   python3 benches/peers/check_train.py make --layers 4 --hidden 32 --rows 16 --seed 0 --out DIR
   python3 benches/peers/check_train.py reference --init DIR/init.safetensors \
       --data DIR/data.safetensors --steps 5 --lr 0.01 --optimizer adamw --out DIR/ref.safetensors
-  python3 benches/peers/check_train.py check --strata target/release/examples/out_of_core \
+  python3 benches/peers/check_train.py check --strata target/release/strata \
       --layers 4 --hidden 32 --rows 16 --steps 5 --lr 0.01 --optimizer adamw --dir /tmp/ck1 \
       [--accumulate 4] [--dtype bf16] [--extra "--activations recompute --checkpoint-every 2"]
 Needs only numpy (safetensors files are read and written here, BF16 included).
@@ -182,7 +182,7 @@ def check(a):
     save = os.path.join(a.dir, "strata.safetensors")
     if os.path.exists(save):
         os.remove(save)
-    cmd = [a.strata, "--mode", "train", "--init", init, "--data", data, "--save", save,
+    cmd = [a.strata, "train-demo", "--mode", "train", "--init", init, "--data", data, "--save", save,
            "--host", "--compare", "off", "--steps", str(a.steps), "--lr", repr(a.lr),
            "--optimizer", a.optimizer, "--accumulate", str(a.accumulate),
            "--weight-decay", repr(a.weight_decay), "--beta1", repr(a.beta1),
@@ -257,7 +257,7 @@ def main():
     p = sub.add_parser("check", help="run strata and the reference, compare")
     model(p)
     train(p)
-    p.add_argument("--strata", required=True, help="the out_of_core example binary")
+    p.add_argument("--strata", required=True, help="the strata binary (target/release/strata); the check runs its train-demo")
     p.add_argument("--extra", default="", help="more strata flags, one string")
     p.add_argument("--dtype", choices=["f32", "bf16"], default="f32", help="strata's compute dtype")
     p.add_argument("--tol", type=float, default=None)

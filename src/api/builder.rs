@@ -13,8 +13,8 @@ use crate::backend::host::HostBackend;
 use crate::backend::sim::{SimClock, Simulation};
 use crate::backend::Backend;
 use crate::error::{Error, Result};
-use crate::migrate::engine::Engine;
 use crate::migrate::timeline::{Clock, Timeline};
+use crate::migrate::workers::Workers;
 use crate::migrate::{Counters, Shared, State};
 use crate::placement::policy::{Policy, PolicyKind};
 use crate::placement::Placement;
@@ -376,17 +376,17 @@ impl StoreBuilder {
             state: parking_lot::Mutex::new(state),
             deferred: Mutex::new(Vec::new()),
             note,
-            engine: OnceLock::new(),
+            workers: OnceLock::new(),
             worker_staging,
             timing: self.timeline,
             health: Default::default(),
         });
         let engine = if threads {
-            Engine::start(self.disk_workers, Arc::downgrade(&shared))?
+            Workers::start(self.disk_workers, Arc::downgrade(&shared))?
         } else {
-            Engine::inline()
+            Workers::inline()
         };
-        let _ = shared.engine.set(engine);
+        let _ = shared.workers.set(engine);
         Ok(Store { shared })
     }
 

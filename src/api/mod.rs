@@ -4,6 +4,8 @@
 mod builder;
 mod files;
 mod hints;
+#[cfg(test)]
+mod invariants;
 mod stats;
 mod store;
 mod views;

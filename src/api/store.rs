@@ -573,7 +573,7 @@ impl Store {
 impl Drop for Store {
     fn drop(&mut self) {
         // The workers first: a running job finishes, queued ones are cancelled.
-        if let Some(engine) = self.shared.engine.get() {
+        if let Some(engine) = self.shared.workers.get() {
             engine.stop(&*self.shared);
         }
         // Views hold the shared state alive; when the last goes, memory is freed after the

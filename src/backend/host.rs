@@ -11,6 +11,7 @@
 //! would need and the host's clock only advances by a launch overhead per operation and by
 //! waiting. Events complete at their simulated times. See [`Simulation`] for the model.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
@@ -93,10 +94,23 @@ pub(crate) fn kind_tier(kind: MemKind) -> crate::Tier {
 
 type Job = Box<dyn FnOnce() + Send>;
 
+/// Counts a stream's job as run when dropped (after the job, panicking or not).
+struct DoneGuard<'a>(&'a AtomicU64);
+
+impl Drop for DoneGuard<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Release);
+    }
+}
+
 /// A worker thread that runs jobs in issue order: the host stand-in for a CUDA stream. A
 /// simulated stream has no thread (see the module docs).
 pub(crate) struct HostStream {
     tx: Option<Sender<Job>>,
+    /// Jobs issued and not yet run: an event recorded while it is 0 is complete at once, and
+    /// recording it wakes no thread (a view's drop records one under the store's lock, and
+    /// waking the stream's thread there lets the scheduler run it in the lock holder's place).
+    pending: Arc<AtomicU64>,
     thread: Option<JoinHandle<()>>,
     sim: Option<SimLane>,
 }
@@ -140,10 +154,13 @@ fn host_ptr(a: Addr) -> *mut u8 {
 impl HostStream {
     pub(crate) fn new(name: &str) -> Result<Arc<HostStream>> {
         let (tx, rx) = unbounded::<Job>();
+        let pending = Arc::new(AtomicU64::new(0));
+        let left = pending.clone();
         let thread = std::thread::Builder::new()
             .name(name.to_string())
             .spawn(move || {
                 for job in rx {
+                    let _done = DoneGuard(&left);
                     // A panicking job (a user's `launch_host` closure) must not stop the
                     // stream: the events queued behind it would never complete, and every wait
                     // on them would hang. The panic is reported (the hook printed it) and the
@@ -156,13 +173,14 @@ impl HostStream {
                 }
             })
             .map_err(|e| Error::io("<thread spawn>", e))?;
-        Ok(Arc::new(HostStream { tx: Some(tx), thread: Some(thread), sim: None }))
+        Ok(Arc::new(HostStream { tx: Some(tx), pending, thread: Some(thread), sim: None }))
     }
 
     /// A stream that runs its work at once and places it in `clock`'s simulated time.
     pub(crate) fn simulated(clock: &Arc<SimClock>, lane: Lane) -> Arc<HostStream> {
         Arc::new(HostStream {
             tx: None,
+            pending: Arc::new(AtomicU64::new(0)),
             thread: None,
             sim: Some(SimLane { clock: clock.clone(), lane, free_at: Mutex::new(0.0) }),
         })
@@ -189,7 +207,9 @@ impl HostStream {
         // The receiver lives until this stream is dropped, so send cannot fail while `self` is
         // alive; if the thread died (a job panicked), run the job here rather than lose it.
         if let Some(tx) = &self.tx {
+            self.pending.fetch_add(1, Ordering::AcqRel);
             if let Err(e) = tx.send(job) {
+                self.pending.fetch_sub(1, Ordering::AcqRel);
                 (e.into_inner())();
             }
         }
@@ -228,6 +248,11 @@ impl HostStream {
             return Arc::new(HostEvent::simulated(lane.clock.clone(), at));
         }
         let ev = Arc::new(HostEvent::default());
+        if self.pending.load(Ordering::Acquire) == 0 {
+            // Everything issued so far has run: complete now, no job, no thread woken.
+            ev.set();
+            return ev;
+        }
         let e = ev.clone();
         self.submit(Box::new(move || e.set()));
         ev

@@ -1,4 +1,4 @@
-//! Copies of a tensor's bytes, planned under the store's lock and carried out after.
+//! Copies of a tensor's bytes, prepared under the store's lock and carried out after.
 //!
 //! A [`Copy`] names its source and destination by leases and plain ranges (never by the extent
 //! tokens, which stay with the tensor), and the events it must wait for. Copies between host
@@ -42,8 +42,8 @@ pub(crate) enum Dst {
     Disk(DiskRange),
 }
 
-/// One planned copy of tensor `id`.
-pub(crate) struct Copy<'a> {
+/// One prepared copy of tensor `id`.
+pub(crate) struct HostCopy<'a> {
     pub(crate) id: TensorId,
     pub(crate) name: Arc<str>,
     pub(crate) src: Src<'a>,
@@ -67,7 +67,7 @@ pub(crate) struct Done {
     pub(crate) use_by: Option<(RawStream, RawEvent)>,
 }
 
-impl Copy<'_> {
+impl HostCopy<'_> {
     fn source_tier(&self) -> Option<Tier> {
         match &self.src {
             Src::Mem(t, _) => Some(*t),
@@ -183,7 +183,7 @@ impl Copy<'_> {
 
     fn run_host(self, shared: &Shared, staging: Option<&mut [StagingBuf]>) -> Result<Done> {
         let be = &shared.backend;
-        let Copy { id, name, src, mut dst, waits, lane } = self;
+        let HostCopy { id, name, src, mut dst, waits, lane } = self;
         let mut spans = Vec::new();
         let corrupt = |found: u32, expected: u32| Error::Corrupt {
             id,

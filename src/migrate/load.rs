@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use super::ops;
 use super::room::Got;
-use super::{plan_copy, release_failed, run_copy, Shared};
+use super::{prepare_copy, release_failed, run_copy, Shared};
 use crate::error::{Error, Result};
 use crate::placement::victims::Level;
 use crate::residency::{Meta, Replica};
@@ -87,7 +87,7 @@ pub(crate) fn register(
                     Got::Ext(x) => x,
                     _ => return Err(Error::OutOfMemory { tier: t, bytes }),
                 };
-                let copy = match plan_copy(sh, &st, id, Tier::Disk, t, &ext) {
+                let copy = match prepare_copy(sh, &st, id, Tier::Disk, t, &ext) {
                     Ok(c) => c,
                     Err(e) => {
                         release_failed(sh, &mut st, t, ext);

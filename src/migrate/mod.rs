@@ -1,11 +1,13 @@
-//! Migration: carrying out what placement decided, in three steps.
+//! Migration: carrying out what placement decided, in three steps, under the one lock this
+//! layer owns ([`State`], [`Shared`], [`Locked`]).
 //!
-//! 1. **Plan**, under the store's lock: pick the replica to copy from, allocate the destination
-//!    (making room, see [`room`]), and mark the tensors involved in flight.
+//! 1. **Prepare**, under the store's lock: pick the replica to copy from, allocate the
+//!    destination (making room, see [`room`]), and mark the tensors involved in flight
+//!    ([`prepare_copy`], [`prepare_fill`]).
 //! 2. **Execute**, without the lock: disk reads and writes, host copies, staging through pinned
-//!    buffers, and every host wait ([`copy::Copy::run`]). DMA between host memory and the device
-//!    is only issued, asynchronously, so it needs no execute step: it is planned and issued in
-//!    one go, and whoever uses the bytes waits for its event (a stream by stream wait).
+//!    buffers, and every host wait ([`copy::HostCopy::run`]). DMA between host memory and the
+//!    device is only issued, asynchronously, so it needs no execute step: it is prepared and
+//!    issued in one go, and whoever uses the bytes waits for its event (a stream by stream wait).
 //! 3. **Commit**, under the lock again: the new replica is recorded (or, on failure, the
 //!    destination freed, leaving the tensor as it was), the flight ends, waiters wake.
 //!
@@ -13,7 +15,6 @@
 //! for that flight, without the lock.
 
 pub(crate) mod copy;
-pub(crate) mod engine;
 #[cfg(test)]
 mod invariants;
 pub(crate) mod load;
@@ -22,6 +23,7 @@ pub(crate) mod prefetch;
 pub(crate) mod room;
 mod state;
 pub(crate) mod timeline;
+pub(crate) mod workers;
 
 pub(crate) use state::{Counters, Locked, Shared, State};
 
@@ -35,14 +37,14 @@ use crate::error::{Error, Result};
 use crate::residency::{Flight, Replica};
 use crate::tiers::Ext;
 use crate::types::{TensorId, Tier};
-use copy::{Copy, Done, Dst, Src};
+use copy::{Done, Dst, HostCopy, Src};
 
 impl Shared {
     /// Waits, without the lock, for a flight to end; a queued engine job is moved to the front
     /// (or, on an inline engine, run here). Returns the seconds waited.
     pub(crate) fn wait_flight(&self, f: &Arc<Flight>) -> f64 {
         let t = Instant::now();
-        if let (Some(job), Some(engine)) = (f.job, self.engine.get()) {
+        if let (Some(job), Some(engine)) = (f.job, self.workers.get()) {
             engine.expedite(job, self);
         }
         f.done.wait();
@@ -170,15 +172,15 @@ impl Locked<'_> {
 }
 
 /// Plans a copy of `id`'s replica in `from` into `dst` (an extent of `to`), under the lock.
-pub(crate) fn plan_copy(
+pub(crate) fn prepare_copy(
     sh: &Shared,
     st: &State,
     id: TensorId,
     from: Tier,
     to: Tier,
     dst: &Ext,
-) -> Result<Copy<'static>> {
-    plan_copy_into(sh, st, id, from, dst_of(sh, to, dst)?)
+) -> Result<HostCopy<'static>> {
+    prepare_copy_into(sh, st, id, from, dst_of(sh, to, dst)?)
 }
 
 /// The destination of a copy into `ext`, an extent of `to`.
@@ -198,13 +200,13 @@ pub(crate) fn dst_of(sh: &Shared, to: Tier, ext: &Ext) -> Result<Dst> {
 }
 
 /// Plans a copy of `id`'s replica in `from` into `dst`, under the lock.
-pub(crate) fn plan_copy_into(
+pub(crate) fn prepare_copy_into(
     sh: &Shared,
     st: &State,
     id: TensorId,
     from: Tier,
     dst: Dst,
-) -> Result<Copy<'static>> {
+) -> Result<HostCopy<'static>> {
     let e = st.res.get(id)?;
     let r = e.replicas[from.index()].as_ref().ok_or(Error::NotInTier { id, tier: from })?;
     let src = match &r.ext {
@@ -219,21 +221,21 @@ pub(crate) fn plan_copy_into(
     // reading it) may still touch it.
     let mut waits: SmallVec<[RawEvent; 2]> = r.ready.iter().cloned().collect();
     waits.extend(e.uses.pending().cloned());
-    Ok(Copy { id, name: e.meta.name.clone(), src, dst, waits, lane: 0 })
+    Ok(HostCopy { id, name: e.meta.name.clone(), src, dst, waits, lane: 0 })
 }
 
 /// Plans a copy of the caller's bytes into `dst` (an extent of `to`).
-pub(crate) fn plan_fill<'a>(
+pub(crate) fn prepare_fill<'a>(
     sh: &Shared,
     st: &State,
     id: TensorId,
     to: Tier,
     dst: &Ext,
     data: &'a [u8],
-) -> Result<Copy<'a>> {
+) -> Result<HostCopy<'a>> {
     let name = st.res.get(id)?.meta.name.clone();
     let dst = dst_of(sh, to, dst)?;
-    Ok(Copy { id, name, src: Src::User(data), dst, waits: SmallVec::new(), lane: 0 })
+    Ok(HostCopy { id, name, src: Src::User(data), dst, waits: SmallVec::new(), lane: 0 })
 }
 
 impl State {
@@ -319,8 +321,8 @@ pub(crate) fn copy_replica(
     to: Tier,
     ext: Ext,
 ) -> Result<Option<RawEvent>> {
-    let planned = plan_copy(sh, st, id, from, to, &ext);
-    finish_copy(sh, st, id, Some(from), to, ext, planned)
+    let prepared = prepare_copy(sh, st, id, from, to, &ext);
+    finish_copy(sh, st, id, Some(from), to, ext, prepared)
 }
 
 /// Writes the caller's bytes into `ext`, a new extent of `to`, and records the new replica
@@ -335,8 +337,8 @@ pub(crate) fn fill_replica(
     data: &[u8],
     counted_from: Option<Tier>,
 ) -> Result<Option<RawEvent>> {
-    let planned = plan_fill(sh, st, id, to, &ext, data);
-    finish_copy(sh, st, id, counted_from, to, ext, planned)
+    let prepared = prepare_fill(sh, st, id, to, &ext, data);
+    finish_copy(sh, st, id, counted_from, to, ext, prepared)
 }
 
 fn finish_copy(
@@ -346,13 +348,13 @@ fn finish_copy(
     from: Option<Tier>,
     to: Tier,
     ext: Ext,
-    planned: Result<Copy<'_>>,
+    prepared: Result<HostCopy<'_>>,
 ) -> Result<Option<RawEvent>> {
     // A copy into host memory that the CPU carries out (not a DMA) is over when `run_copy`
     // returns: nothing else writes `ext`, so a failure frees it at once (a failed move leaves
     // the tiers' usage as it was, not waiting on a stream).
     let mut by_host = to != Tier::Device;
-    let done = planned.and_then(|copy| {
+    let done = prepared.and_then(|copy| {
         by_host &= !copy.is_dma(sh);
         run_copy(sh, st, copy)
     });
@@ -424,9 +426,9 @@ pub(crate) fn drop_torn(sh: &Shared, st: &mut State, id: TensorId, t: Tier) {
     st.reindex(id);
 }
 
-/// Runs a planned copy: issued at once when it is a DMA (under the lock), else carried out
+/// Runs a prepared copy: issued at once when it is a DMA (under the lock), else carried out
 /// without the lock. `id` must be in flight when the copy needs the host.
-pub(crate) fn run_copy(sh: &Shared, st: &mut Locked<'_>, copy: Copy<'_>) -> Result<Done> {
+pub(crate) fn run_copy(sh: &Shared, st: &mut Locked<'_>, copy: HostCopy<'_>) -> Result<Done> {
     if copy.is_dma(sh) {
         copy.issue(sh)
     } else {

@@ -1,4 +1,4 @@
-//! The store's operations, each planned, executed and committed as the module docs of
+//! The store's operations, each prepared, executed and committed as the module docs of
 //! [`migrate`](super) describe: puts, writes, reads (and the promotions they lead to), moves,
 //! removals, making a tensor resident for a view, and the settling of a host view.
 
@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use super::copy::{self, Src};
 use super::room::{self, Got};
-use super::{copy_replica, fill_replica, plan_fill, run_copy};
+use super::{copy_replica, fill_replica, prepare_fill, run_copy};
 use super::{Locked, Shared, State};
 use crate::backend::{RawEvent, RawStream};
 use crate::element::Element;
@@ -250,7 +250,7 @@ pub(crate) fn write(sh: &Shared, id: TensorId, data: &[u8]) -> Result<()> {
         };
         match dst {
             Some((t, ext)) => {
-                let copy = plan_fill(sh, &st, id, t, &ext, data)?;
+                let copy = prepare_fill(sh, &st, id, t, &ext, data)?;
                 match run_copy(sh, &mut st, copy) {
                     Ok(done) => Ok((t, Some(ext), done)),
                     Err(e) => {
@@ -270,7 +270,7 @@ pub(crate) fn write(sh: &Shared, id: TensorId, data: &[u8]) -> Result<()> {
                 let pending = st.res.get(id)?.pending();
                 let e = st.res.get(id)?;
                 let r = e.replicas[fastest.index()].as_ref().expect("fastest");
-                let copy = plan_fill(sh, &st, id, fastest, &r.ext, data)?;
+                let copy = prepare_fill(sh, &st, id, fastest, &r.ext, data)?;
                 let own = flight.done.clone();
                 st.unlocked(|| {
                     for p in pending.iter().filter(
@@ -372,7 +372,7 @@ fn write_via_reserve(
         }
     };
     // 1. The new bytes, whole, in the reserve.
-    let first = plan_fill(sh, st, id, rt, &rext, data).and_then(|c| run_copy(sh, st, c));
+    let first = prepare_fill(sh, st, id, rt, &rext, data).and_then(|c| run_copy(sh, st, c));
     let first = match first {
         Ok(done) => done,
         Err(e) => {
@@ -404,7 +404,7 @@ fn write_via_reserve(
         let e = st.res.get(id)?;
         let r =
             e.replicas[fastest.index()].as_ref().ok_or(Error::NotInTier { id, tier: fastest })?;
-        let copy = plan_fill(sh, st, id, fastest, &r.ext, data)?;
+        let copy = prepare_fill(sh, st, id, fastest, &r.ext, data)?;
         run_copy(sh, st, copy)
     })();
     match second {

@@ -6,9 +6,9 @@
 //! or one that needs victims spilled first, becomes an engine job, and the tensor is in flight
 //! until it has run (a view waits for that job only, moved to the front of the queue).
 
-use super::engine::{JobKind, Runner};
 use super::room::Got;
-use super::{copy_replica, ops, plan_copy, run_copy};
+use super::workers::{JobKind, Runner};
+use super::{copy_replica, ops, prepare_copy, run_copy};
 use super::{Locked, Shared};
 use crate::error::{Error, Result};
 use crate::placement::victims::Level;
@@ -101,7 +101,7 @@ pub(crate) fn prefetch_one(
         Got::NoRoom => return Ok(Outcome::Wait),
         Got::Slow => {
             // Room needs spills or waits: the engine does it all, without the lock.
-            let Some(engine) = sh.engine.get() else { return Ok(Outcome::Wait) };
+            let Some(engine) = sh.workers.get() else { return Ok(Outcome::Wait) };
             let job = engine.submit(JobKind::Bring(id, source));
             st.start_job(id, job);
             st.mark_prefetched(id, source, true);
@@ -110,7 +110,7 @@ pub(crate) fn prefetch_one(
         }
     };
     let src = st.res.get(id)?.fastest_readable().ok_or(Error::UnknownId(id))?;
-    let copy = match plan_copy(sh, st, id, src, Tier::Device, &ext) {
+    let copy = match prepare_copy(sh, st, id, src, Tier::Device, &ext) {
         Ok(c) => c,
         Err(e) => {
             super::release_failed(sh, st, Tier::Device, ext);
@@ -128,7 +128,7 @@ pub(crate) fn prefetch_one(
     } else {
         // From disk: the replica is reserved now and filled by a worker without the lock;
         // views wait for its job.
-        let Some(engine) = sh.engine.get() else {
+        let Some(engine) = sh.workers.get() else {
             super::release_failed(sh, st, Tier::Device, ext);
             return Ok(Outcome::Wait);
         };
@@ -235,7 +235,7 @@ pub(crate) fn release_one(sh: &Shared, st: &mut Locked<'_>, id: TensorId) -> Res
     }
     for t in [Tier::Pinned, Tier::Mapped] {
         let Some(ext) = st.books.try_alloc(t, bytes) else { continue };
-        let copy = match plan_copy(sh, st, id, Tier::Device, t, &ext) {
+        let copy = match prepare_copy(sh, st, id, Tier::Device, t, &ext) {
             Ok(c) if c.is_dma(sh) => c,
             Ok(_) | Err(_) => {
                 st.books.free(t, ext);
@@ -301,7 +301,7 @@ pub(crate) fn revoke_queued(sh: &Shared, st: &mut Locked<'_>, id: TensorId) -> b
     else {
         return false;
     };
-    match sh.engine.get() {
+    match sh.workers.get() {
         Some(engine) if engine.revoke(jobno) => {
             undo_job(sh, st, id, jobno);
             true
@@ -347,7 +347,7 @@ impl Shared {
                 return Err(e);
             }
         };
-        let copy = match super::plan_copy_into(
+        let copy = match super::prepare_copy_into(
             self,
             &st,
             id,

@@ -8,8 +8,8 @@
 //! not waited for: the caller holds a flight of its own, and two threads each waiting for the
 //! other's flight would wait forever. Memory they hold counts as taken.
 
-use super::copy::Copy;
-use super::{plan_copy, run_copy};
+use super::copy::HostCopy;
+use super::{prepare_copy, run_copy};
 use super::{Locked, Shared};
 use crate::error::Result;
 use crate::placement::victims::{Cursor, Level};
@@ -35,7 +35,7 @@ struct Spill {
     from: Tier,
     to: Tier,
     dst: Ext,
-    copy: Copy<'static>,
+    copy: HostCopy<'static>,
     flight: Arc<Flight>,
 }
 
@@ -307,7 +307,7 @@ fn demote(
             st.drop_replica(v, from);
             return Ok(Demoted::Now);
         }
-        let copy = plan_copy(sh, st, v, from, to, &dst)?;
+        let copy = prepare_copy(sh, st, v, from, to, &dst)?;
         if copy.is_dma(sh) {
             // Device to host memory: issued now, no host wait; the device memory is reused once
             // the copy has read it (stream order).

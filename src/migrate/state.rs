@@ -4,8 +4,8 @@ use std::sync::{Arc, OnceLock};
 
 use parking_lot::{Mutex, MutexGuard};
 
-use super::engine::Engine;
 use super::timeline::{Span, TimePoint, Timeline, Track};
+use super::workers::Workers;
 use crate::backend::{Backend, Pending, RawEvent};
 use crate::error::Error;
 use crate::placement::victims::Level;
@@ -343,7 +343,7 @@ pub(crate) struct Shared {
     /// Why the host backend runs where a GPU was not found.
     pub(crate) note: Option<String>,
     /// The migration engine's workers.
-    pub(crate) engine: OnceLock<Engine>,
+    pub(crate) workers: OnceLock<Workers>,
     /// Each worker's own staging buffers.
     pub(crate) worker_staging: Vec<Mutex<Vec<StagingBuf>>>,
     /// Whether copies and waits are timed (the store keeps a timeline).
@@ -406,7 +406,7 @@ impl Locked<'_> {
             drop(g);
             crate::sync::note_unlocked();
         }
-        if let Some(e) = self.shared.engine.get() {
+        if let Some(e) = self.shared.workers.get() {
             e.run_inline(self.shared);
         }
     }
@@ -426,7 +426,7 @@ impl Drop for Locked<'_> {
             drop(g);
             crate::sync::note_unlocked();
         }
-        if let Some(e) = self.shared.engine.get() {
+        if let Some(e) = self.shared.workers.get() {
             e.run_inline(self.shared);
         }
     }

@@ -33,13 +33,16 @@ const OPTIM: &str = include_str!("../../../cuda/optim.cu");
 
 /// Every CUDA C source strata compiles, with the helpers it is compiled with: what a compile
 /// check (NVRTC without a GPU) goes through.
+/// `cuda/fused.cu` (the fused ops' kernels) is compiled once per element type, as it runs.
 fn sources() -> Vec<(&'static str, String)> {
-    vec![
+    let mut v = vec![
         ("cuda/verify.cu", VERIFY.to_string()),
         ("cuda/mlp.cu", format!("{BF16_H}{MLP}")),
         ("cuda/optim.cu", format!("{BF16_H}{OPTIM}")),
         ("cuda/bench.cu", super::probe::BENCH_SOURCE.to_string()),
-    ]
+    ];
+    v.extend(super::fused::sources());
+    v
 }
 
 /// Compiles every CUDA C source strata launches with NVRTC for `arch` (`compute_90`, say),
@@ -582,6 +585,17 @@ mod tests {
     #[test]
     fn every_source_is_listed_for_the_compile_check() {
         let names: Vec<_> = sources().into_iter().map(|(n, _)| n).collect();
-        assert_eq!(names, ["cuda/verify.cu", "cuda/mlp.cu", "cuda/optim.cu", "cuda/bench.cu"]);
+        assert_eq!(
+            names,
+            [
+                "cuda/verify.cu",
+                "cuda/mlp.cu",
+                "cuda/optim.cu",
+                "cuda/bench.cu",
+                "cuda/fused.cu (f32)",
+                "cuda/fused.cu (bf16)",
+                "cuda/fused.cu (f16)"
+            ]
+        );
     }
 }

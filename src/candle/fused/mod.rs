@@ -10,7 +10,7 @@
 //! rather than candle ops. On the CPU each runs on candle's thread pool (rayon), over work
 //! items whose outputs do not overlap and whose sums run in a fixed order, so a result has the
 //! same bits whatever the number of threads. On candle's CUDA device (feature `candle-cuda`)
-//! each is a kernel of `cuda/attention.cu` or `cuda/fused.cu`, compiled once per device with
+//! each is a kernel of `cuda/fused.cu`, compiled once per device with
 //! NVRTC and launched on candle's stream: nothing is built on the host per call and nothing
 //! waits for the device.
 //!
@@ -56,9 +56,6 @@ use half::{bf16, f16};
 /// An element type the fused ops read and write: widened to f32 to compute, rounded back (to
 /// nearest, ties to even, as candle's `to_dtype` rounds) to store.
 pub(crate) trait Elem: candle_core::WithDType {
-    /// The suffix of the CUDA kernels for this type (`cuda/fused.cu`).
-    #[cfg_attr(not(feature = "candle-cuda"), allow(dead_code))]
-    const NAME: &'static str;
     /// The value as f32.
     fn widen(self) -> f32;
     /// `x` rounded to this type.
@@ -66,7 +63,6 @@ pub(crate) trait Elem: candle_core::WithDType {
 }
 
 impl Elem for f32 {
-    const NAME: &'static str = "f32";
     fn widen(self) -> f32 {
         self
     }
@@ -76,7 +72,6 @@ impl Elem for f32 {
 }
 
 impl Elem for bf16 {
-    const NAME: &'static str = "bf16";
     fn widen(self) -> f32 {
         self.to_f32()
     }
@@ -86,7 +81,6 @@ impl Elem for bf16 {
 }
 
 impl Elem for f16 {
-    const NAME: &'static str = "f16";
     fn widen(self) -> f32 {
         self.to_f32()
     }

@@ -134,9 +134,16 @@ impl InplaceOp2 for AdamStep<'_> {
         let (gs, ge) = lg.contiguous_offsets().ok_or_else(|| {
             candle_core::Error::Msg("AdamW on the device: a contiguous gradient is needed".into())
         })?;
-        let g = grad.as_cuda_slice::<f32>()?.slice(gs..ge);
+        let out_of = |what: &str| {
+            candle_core::Error::Msg(format!("AdamW on the device: {what} past its buffer")).bt()
+        };
+        let g =
+            grad.as_cuda_slice::<f32>()?.try_slice(gs..ge).ok_or_else(|| out_of("a gradient"))?;
         let n = self.n;
-        let mut s = state.as_cuda_slice_mut::<f32>()?.slice_mut(start..start + 3 * n);
+        let mut s = state
+            .as_cuda_slice_mut::<f32>()?
+            .try_slice_mut(start..start + 3 * n)
+            .ok_or_else(|| out_of("a state"))?;
         let (mut p, mut rest) = s.split_at_mut(n);
         let (mut m, mut v) = rest.split_at_mut(n);
         let args = crate::optim::adam_args(&self.h, self.t);

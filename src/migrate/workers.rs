@@ -1,4 +1,4 @@
-//! The migration engine: a pool of worker threads that carry out moves needing the host
+//! The migration workers: a pool of threads that carry out moves needing the host
 //! (reading the disk into pinned staging and on to the device, spilling victims to make room for
 //! a prefetch), ordered by when they are needed.
 //!
@@ -90,7 +90,7 @@ thread_local! {
 }
 
 /// The worker pool (or the inline queue).
-pub(crate) struct Engine {
+pub(crate) struct Workers {
     queue: Arc<(Mutex<Queue>, Condvar)>,
     workers: Mutex<Vec<JoinHandle<()>>>,
     stopped: AtomicBool,
@@ -99,9 +99,9 @@ pub(crate) struct Engine {
     queued: Arc<AtomicUsize>,
 }
 
-impl Engine {
-    fn empty(inline: bool) -> Engine {
-        Engine {
+impl Workers {
+    fn empty(inline: bool) -> Workers {
+        Workers {
             queue: Arc::new((
                 Mutex::new(Queue {
                     heap: BinaryHeap::new(),
@@ -120,14 +120,14 @@ impl Engine {
     }
 
     /// An engine whose jobs run on the threads that queue or wait for them.
-    pub(crate) fn inline() -> Engine {
-        Engine::empty(true)
+    pub(crate) fn inline() -> Workers {
+        Workers::empty(true)
     }
 
     /// Starts `workers` threads that run jobs through `runner` (held weakly: the pool must not
     /// keep the store alive).
-    pub(crate) fn start<R: Runner>(workers: usize, runner: Weak<R>) -> Result<Engine> {
-        let engine = Engine::empty(false);
+    pub(crate) fn start<R: Runner>(workers: usize, runner: Weak<R>) -> Result<Workers> {
+        let engine = Workers::empty(false);
         let mut handles = Vec::new();
         for w in 0..workers.max(1) {
             let (q, r, n) = (engine.queue.clone(), runner.clone(), engine.queued.clone());
