@@ -255,6 +255,7 @@ fn train_config(a: &Args, saved: Option<&TrainConfig>) -> TrainConfig {
             optimizer_threads: 0,
             frozen: Vec::new(),
             skip_nonfinite: false,
+            lora: None,
         }
     });
     let mut t = base;
