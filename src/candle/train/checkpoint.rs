@@ -832,6 +832,20 @@ fn check_compatible(tr: &Trainer, ck: &Checkpoint) -> candle_core::Result<()> {
     if ck.dtype != dtype {
         return mismatch("dtype", ck.dtype.to_string(), dtype.to_string(), FRESH);
     }
+    let show_lora = |l: &Option<LoraConfig>| match l {
+        None => "none".to_string(),
+        Some(l) => format!(
+            "rank {}, alpha {}, targets {}, rslora {}",
+            l.rank,
+            l.alpha,
+            l.targets.join(","),
+            l.rslora
+        ),
+    };
+    let (saved_lora, lora) = (show_lora(&ck.train.lora), show_lora(&tr.train.lora));
+    if saved_lora != lora {
+        return mismatch("LoRA adapters", saved_lora, lora, FRESH);
+    }
     let mut frozen: Vec<String> =
         tr.params.iter().filter(|p| !p.trainable).map(|p| p.name.clone()).collect();
     let mut saved = ck.frozen.clone();
@@ -844,18 +858,7 @@ fn check_compatible(tr: &Trainer, ck: &Checkpoint) -> candle_core::Result<()> {
     let (a, b) = (&ck.train, &tr.train);
     let horizon = "a run goes on to the horizon it planned (the example's --steps): to train \
                    further, start a new run from the checkpoint's weights";
-    let show_lora = |l: &Option<LoraConfig>| match l {
-        None => "none".to_string(),
-        Some(l) => format!(
-            "rank {}, alpha {}, targets {}, rslora {}",
-            l.rank,
-            l.alpha,
-            l.targets.join(","),
-            l.rslora
-        ),
-    };
-    let fields: [(&str, String, String, &str); 12] = [
-        ("LoRA adapters", show_lora(&a.lora), show_lora(&b.lora), FRESH),
+    let fields: [(&str, String, String, &str); 11] = [
         ("micro_batch", a.micro_batch.to_string(), b.micro_batch.to_string(), FRESH),
         ("seq", a.seq.to_string(), b.seq.to_string(), FRESH),
         ("accum", a.accum.to_string(), b.accum.to_string(), FRESH),
