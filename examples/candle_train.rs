@@ -870,6 +870,33 @@ fn run(args: Vec<String>) -> Res<()> {
         if trainer.skipped() > 0 {
             println!("skipped {} steps whose loss or gradient was not finite", trainer.skipped());
         }
+        if let (Some(first), true, None) = (losses.first(), trainer.steps() == total, &ck) {
+            // The first step's batch again, through the trained model: what the run learnt.
+            let t = Instant::now();
+            let b = data.batches(0, &train, &device)?;
+            let m = data.masks(0, &train, &device)?;
+            let counted = m.as_ref().map_or(Ok(b.len() * train.micro_batch * train.seq), |m| {
+                m.iter().try_fold(0usize, |n, x| {
+                    Ok::<_, candle_core::Error>(n + x.sum_all()?.to_scalar::<f32>()? as usize)
+                })
+            })?;
+            let mut after = 0f32;
+            for (i, tokens) in b.iter().enumerate() {
+                let (ids, targets) = strata::candle::llama::inputs_and_targets(tokens)?;
+                let mask = m.as_ref().map(|m| m[i].flatten_all()).transpose()?;
+                let l = strata::candle::llama::next_token_loss_masked(
+                    &trainer.logits(&ids)?,
+                    &targets,
+                    mask.as_ref(),
+                    1.0 / counted as f64,
+                )?;
+                after += l.to_scalar::<f32>()?;
+            }
+            println!(
+                "the first step's batch through the trained model: loss {after:.6} (it was {first:.6} at step 1; {:.1} s)",
+                t.elapsed().as_secs_f64()
+            );
+        }
         if let Some(dir) = &a.export_merged {
             let t = Instant::now();
             trainer.save_merged(dir)?;

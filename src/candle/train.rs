@@ -689,7 +689,7 @@ fn clip_scale(ss: &[Tensor], clip: Option<f64>) -> candle_core::Result<(f64, f32
 /// CPU: through the host (`Store::write`). CUDA: device to device into a
 /// `device_view_for_overwrite` on candle's stream, then released (written back to host memory
 /// when the Device tier needs the room).
-fn candle_to_store(
+pub(crate) fn candle_to_store(
     store: &Store,
     stream: &Stream,
     name: &str,
