@@ -29,7 +29,10 @@ Usage:
       --export-merged /tmp/merged | tee /tmp/out.log
   python3 check_lora.py --inputs /tmp/in --result /tmp/out --log /tmp/out.log --steps 5 \\
       [--merged /tmp/merged] [--lr 1e-3 --min-lr 1e-4 --warmup 1 --weight-decay 0 --clip 1.0] \\
-      [--tol 1e-4] [--adapter-tol 1e-3] [--logit-tol 1e-5]
+      [--tol 1e-4] [--adapter-tol 1e-3] [--logit-tol 1e-5] [--save-peft DIR]
+With --save-peft DIR it saves PEFT's trained adapter (`save_pretrained`) and prints the loss of
+the first step's batch through it: `candle_train` with the same flags and `--adapter DIR` (and no
+--lora-* flags: the adapter's config gives them) prints that loss at its step 1.
 The hyperparameters must be the example's (its defaults are the defaults here). Exits 1 when a
 float32 difference exceeds its tolerance.
 """
@@ -122,6 +125,23 @@ def train(a, tokens, masks, dtype):
     for k, v in model.named_parameters():
         if not v.requires_grad and not torch.equal(v, frozen_before[k]):
             sys.exit(f"PEFT changed the frozen {k}")
+    if a.save_peft and dtype == torch.float32:
+        # PEFT's own adapter, for strata to load (candle_train --adapter DIR): the loss of the
+        # first step's batch through it is what strata's first step must print.
+        model.save_pretrained(a.save_peft)
+        with torch.no_grad():
+            total = 0.0
+            counted = sum(float(masks[i].sum()) for i in range(accum)) if masks is not None else \
+                float(accum * tokens.shape[1] * (tokens.shape[2] - 1))
+            for i in range(accum):
+                t = tokens[i].long()
+                logits = model(input_ids=t[:, :-1]).logits
+                ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), t[:, 1:].reshape(-1), reduction="none")
+                if masks is not None:
+                    ce = ce * masks[i].reshape(-1)
+                total += (ce.sum() / counted).item()
+        print(f"PEFT's trained adapter saved to {a.save_peft} (save_pretrained): the first step's batch "
+              f"through it: loss {total:.6f}")
     return losses, {k: v.detach().double() for k, v in adapters(model).items()}, seconds
 
 
@@ -168,6 +188,7 @@ def main():
     ap.add_argument("--log", required=True, help="the example's stdout")
     ap.add_argument("--steps", type=int, required=True)
     ap.add_argument("--merged", help="the example's --export-merged folder")
+    ap.add_argument("--save-peft", help="save PEFT's trained adapter there (for candle_train --adapter)")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--min-lr", type=float)
     ap.add_argument("--warmup", type=int)

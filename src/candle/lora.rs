@@ -28,6 +28,42 @@ pub const ADAPTER_CONFIG: &str = "adapter_config.json";
 /// What PEFT puts before a model's own tensor names in its files.
 const PEFT_PREFIX: &str = "base_model.model.";
 
+/// The fields of an `adapter_config.json` that [`LoraConfig::from_peft_json`] reads (or checks).
+const PEFT_READ: [&str; 14] = [
+    "peft_type",
+    "r",
+    "lora_alpha",
+    "lora_dropout",
+    "target_modules",
+    "use_rslora",
+    "use_dora",
+    "fan_in_fan_out",
+    "bias",
+    "rank_pattern",
+    "alpha_pattern",
+    "layers_to_transform",
+    "modules_to_save",
+    "layers_pattern",
+];
+
+/// Fields that change nothing of the computation when an adapter is loaded: where it came from,
+/// how PEFT initialised it, the PEFT version, and settings of variants that are off.
+const PEFT_HARMLESS: [&str; 13] = [
+    "base_model_name_or_path",
+    "revision",
+    "task_type",
+    "peft_version",
+    "inference_mode",
+    "init_lora_weights",
+    "auto_mapping",
+    "megatron_core",
+    "qalora_group_size",
+    "loftq_config",
+    "corda_config",
+    "eva_config",
+    "lora_ga_config",
+];
+
 /// Which linears get adapters, and their rank and scale. PEFT's `LoraConfig` without dropout
 /// (strata trains without it) and without DoRA.
 ///
@@ -146,6 +182,21 @@ impl LoraConfig {
             };
             if !empty {
                 return refuse(k, "not supported: every layer's targets get adapters here");
+            }
+        }
+        // Any other field that is set may change the computation (PEFT adds variants often):
+        // refused, naming it, unless it is known to change nothing here.
+        if let Some(map) = v.as_object() {
+            for (k, x) in map {
+                let set = match x {
+                    Value::Null | Value::Bool(false) => false,
+                    Value::Array(a) => !a.is_empty(),
+                    Value::Object(o) => !o.is_empty(),
+                    _ => true,
+                };
+                if set && !PEFT_READ.contains(&k.as_str()) && !PEFT_HARMLESS.contains(&k.as_str()) {
+                    return refuse(k, "not supported: it may change the computation");
+                }
             }
         }
         let dropout = v["lora_dropout"].as_f64().unwrap_or(0.0);

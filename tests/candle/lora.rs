@@ -277,6 +277,13 @@ fn peft_configs_that_change_the_computation_are_refused_naming_the_field() {
     let c = LoraConfig::from_peft_json(ok).unwrap();
     assert_eq!((c.rank, c.alpha, c.rslora), (8, 16.0, true));
     assert_eq!(c.targets, ["q_proj", "v_proj"]);
+    // What peft 0.21.2's save_pretrained wrote (tiny Llama, r 4, q_proj and v_proj) reads.
+    let saved = r#"{"alora_invocation_tokens": null, "alpha_pattern": {}, "arrow_config": null, "auto_mapping": null, "base_model_name_or_path": null, "bias": "none", "corda_config": null, "ensure_weight_tying": false, "eva_config": null, "exclude_modules": null, "fan_in_fan_out": false, "inference_mode": true, "init_lora_weights": true, "kasa_config": null, "layer_replication": null, "layers_pattern": null, "layers_to_transform": null, "loftq_config": {}, "lora_alpha": 8, "lora_bias": false, "lora_dropout": 0.0, "lora_ga_config": null, "megatron_config": null, "megatron_core": "megatron.core", "modules_to_save": null, "monteclora_config": null, "peft_type": "LORA", "peft_version": "0.21.2", "qalora_group_size": 16, "r": 4, "rank_pattern": {}, "revision": null, "target_modules": ["q_proj", "v_proj"], "target_parameters": null, "task_type": "CAUSAL_LM", "trainable_token_indices": null, "use_bdlora": null, "use_dora": false, "use_qalora": false, "use_rslora": false, "velora_config": null}"#;
+    let c = LoraConfig::from_peft_json(saved).unwrap();
+    assert_eq!(
+        (c.rank, c.alpha, c.rslora, c.targets.join(",")),
+        (4, 8.0, false, "q_proj,v_proj".into())
+    );
     for (field, value) in [
         ("lora_dropout", "0.05"),
         ("use_dora", "true"),
@@ -286,6 +293,10 @@ fn peft_configs_that_change_the_computation_are_refused_naming_the_field() {
         ("rank_pattern", "{\"q_proj\": 4}"),
         ("modules_to_save", "[\"lm_head\"]"),
         ("peft_type", "\"IA3\""),
+        ("lora_bias", "true"),
+        ("exclude_modules", "[\"q_proj\"]"),
+        ("layer_replication", "[[0, 2]]"),
+        ("some_future_variant", "{\"on\": true}"),
     ] {
         let mut v: serde_json::Value = serde_json::from_str(ok).unwrap();
         v[field] = serde_json::from_str(value).unwrap();
