@@ -25,6 +25,12 @@
 //! Frozen parameters (by name pattern) get no gradient and no state. The learning rate follows
 //! [`LrSchedule`] (linear warmup, cosine decay).
 //!
+//! The blocks are a [`Block`] ([`Trainer::with_block`]: a block of your own; [`LlamaBlock`] by
+//! default). With [`TrainConfig::lora`] the model is a frozen base and LoRA adapters are
+//! trained over it, saved in PEFT's format ([`Trainer::save_adapter`], and every checkpoint),
+//! started from PEFT's ([`Trainer::load_adapter`]) and merged into a plain checkpoint
+//! ([`Trainer::save_merged`]). [`Trainer::step_masked`] puts the loss on some targets only.
+//!
 //! **A run you can trust with days of work.** A step that fails (the store, the optimizer,
 //! candle) leaves the trainer as it was, and retrying it gives the clean step; updates that
 //! fail are done again exactly once by the next call, and the last complete step can be saved
