@@ -35,6 +35,16 @@
 //! - `--resident-twin`: the resident twin's steps (as `step` lines), then the out-of-core
 //!   trainer's on the same batches in the same process (as `out of core step` lines), and their
 //!   throughputs' ratio.
+//! - LoRA: `--lora-rank R` (adapters of rank R over a frozen base: only they are trained),
+//!   `--lora-alpha A` (2R), `--lora-targets q_proj,v_proj` (the default; any of `q_proj,
+//!   k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj`), `--rslora`, `--adapter DIR` (start
+//!   from a PEFT adapter; its config gives the rank, alpha and targets), `--export-merged DIR`
+//!   (after the last step, the model with the adapters merged, a plain Hugging Face
+//!   checkpoint); a LoRA run's `--save` checkpoints are PEFT adapter directories too;
+//! - text (feature `text`): `--text FILE` (a document: tokenized, packed into rows of `seq + 1`)
+//!   or `--jsonl FILE` (one example a line: `{"messages": [...]}` with the chat template beside
+//!   the tokenizer, `{"prompt", "completion"}` or `{"text"}`; the loss on the responses only),
+//!   with `--tokenizer FILE` (a `tokenizer.json`).
 //!
 //! Prints the memory plan (budgets, where each group lives, a step's traffic and floor),
 //! refusing a run that cannot fit; a progress bar (stderr); and per step the loss, tokens/s,
@@ -54,8 +64,8 @@ use candle_core::{Device, Tensor};
 use strata::candle::llama::SeededRng;
 use strata::candle::train::{load_tokens, Budgets, Checkpoint, Floor, Machine, TrainPlan};
 use strata::candle::{
-    load_weights, put_random_weights, LlamaConfig, LlamaTwin, LrSchedule, StepReport, TrainConfig,
-    Trainer,
+    load_weights, put_random_weights, LlamaConfig, LlamaTwin, LoraConfig, LrSchedule, StepReport,
+    TrainConfig, Trainer,
 };
 use strata::optim::{AdamW, Engine};
 use strata::{format_size, parse_size, DType, Group, Store, Tier};
@@ -101,6 +111,15 @@ struct Args {
     host_bandwidth: Option<f64>,
     disk_bandwidth: Option<f64>,
     tflops: Option<f64>,
+    lora_rank: Option<usize>,
+    lora_alpha: Option<f64>,
+    lora_targets: Option<Vec<String>>,
+    rslora: bool,
+    adapter: Option<PathBuf>,
+    export_merged: Option<PathBuf>,
+    text: Option<PathBuf>,
+    jsonl: Option<PathBuf>,
+    tokenizer: Option<PathBuf>,
 }
 
 const USAGE: &str = "usage: candle_train --config FILE [--model PATH | --init random --seed N] \
@@ -110,7 +129,8 @@ const USAGE: &str = "usage: candle_train --config FILE [--model PATH | --init ra
 [--save DIR [--save-every N] [--keep N]] [--stop-after K] [--skip-nonfinite] [--resume DIR] \
 [--write-inputs DIR] [--in-memory | --resident-twin] [--plan-only] [--machine h100] [--hbm SIZE] \
 [--host-memory SIZE] [--disk SIZE] [--pcie GB/s] [--host-bandwidth GB/s] [--disk-bandwidth GB/s] \
-[--tflops X]";
+[--tflops X] [--lora-rank R [--lora-alpha A] [--lora-targets LIST] [--rslora] [--adapter DIR] \
+[--export-merged DIR]] [(--text FILE | --jsonl FILE) --tokenizer FILE]";
 
 fn parse_args(args: Vec<String>) -> Res<Args> {
     let mut a = Args {
@@ -150,6 +170,15 @@ fn parse_args(args: Vec<String>) -> Res<Args> {
         host_bandwidth: None,
         disk_bandwidth: None,
         tflops: None,
+        lora_rank: None,
+        lora_alpha: None,
+        lora_targets: None,
+        rslora: false,
+        adapter: None,
+        export_merged: None,
+        text: None,
+        jsonl: None,
+        tokenizer: None,
     };
     let mut it = args.into_iter();
     while let Some(flag) = it.next() {
@@ -164,6 +193,10 @@ fn parse_args(args: Vec<String>) -> Res<Args> {
             }
             "--resident-twin" => {
                 a.resident_twin = true;
+                continue;
+            }
+            "--rslora" => {
+                a.rslora = true;
                 continue;
             }
             "--plan-only" => {
@@ -253,11 +286,49 @@ fn parse_args(args: Vec<String>) -> Res<Args> {
             "--host-bandwidth" => a.host_bandwidth = Some(rate()? * 1e9),
             "--disk-bandwidth" => a.disk_bandwidth = Some(rate()? * 1e9),
             "--tflops" => a.tflops = Some(rate()? * 1e12),
+            "--lora-rank" => a.lora_rank = Some(count()?),
+            "--lora-alpha" => a.lora_alpha = Some(float()?),
+            "--lora-targets" => {
+                a.lora_targets = Some(value.split(',').map(|t| t.trim().to_string()).collect())
+            }
+            "--adapter" => a.adapter = Some(PathBuf::from(&value)),
+            "--export-merged" => a.export_merged = Some(PathBuf::from(&value)),
+            "--text" => a.text = Some(PathBuf::from(&value)),
+            "--jsonl" => a.jsonl = Some(PathBuf::from(&value)),
+            "--tokenizer" => a.tokenizer = Some(PathBuf::from(&value)),
             _ => return Err(format!("unknown flag {flag}\n{USAGE}").into()),
         }
     }
-    if a.config.is_none() && a.resume.is_none() {
-        return Err(format!("--config is required (or --resume DIR)\n{USAGE}").into());
+    if a.config.is_none() && a.resume.is_none() && a.model.as_ref().is_none_or(|m| !m.is_dir()) {
+        return Err(format!(
+            "--config is required (or --model DIR with its config.json, or --resume DIR)\n{USAGE}"
+        )
+        .into());
+    }
+    let lora_flag = a.lora_alpha.is_some() || a.lora_targets.is_some() || a.rslora;
+    if lora_flag && a.lora_rank.is_none() && a.adapter.is_none() {
+        return Err("--lora-alpha, --lora-targets and --rslora go with --lora-rank R".into());
+    }
+    if a.export_merged.is_some()
+        && a.lora_rank.is_none()
+        && a.adapter.is_none()
+        && a.resume.is_none()
+    {
+        return Err("--export-merged DIR merges LoRA adapters: it goes with --lora-rank R".into());
+    }
+    if a.in_memory && (a.export_merged.is_some() || a.adapter.is_some()) {
+        return Err(
+            "--export-merged and --adapter go with the out-of-core trainer, not --in-memory".into(),
+        );
+    }
+    let texts = [a.text.is_some(), a.jsonl.is_some(), a.data.is_some()];
+    if texts.iter().filter(|&&x| x).count() > 1 {
+        return Err("--data, --text and --jsonl: one of them".into());
+    }
+    if (a.text.is_some() || a.jsonl.is_some()) != a.tokenizer.is_some() {
+        return Err(
+            "--text FILE and --jsonl FILE go with --tokenizer FILE (a tokenizer.json)".into()
+        );
     }
     if a.in_memory && a.resident_twin {
         return Err(
@@ -278,9 +349,9 @@ fn parse_args(args: Vec<String>) -> Res<Args> {
     if a.save_every.is_some() && a.save.is_none() {
         return Err("--save-every N needs --save DIR".into());
     }
-    if a.resume.is_some() && (a.model.is_some() || a.write_inputs.is_some()) {
-        return Err("--resume DIR continues a run from its checkpoint's weights: --model and \
-                    --write-inputs go with a new run"
+    if a.resume.is_some() && (a.write_inputs.is_some() || a.adapter.is_some()) {
+        return Err("--resume DIR continues a run from its checkpoint: --write-inputs and \
+                    --adapter go with a new run"
             .into());
     }
     Ok(a)
@@ -316,6 +387,7 @@ fn train_config(a: &Args, saved: Option<&TrainConfig>) -> TrainConfig {
             optimizer_threads: 0,
             frozen: Vec::new(),
             skip_nonfinite: false,
+            lora: None,
         }
     });
     let mut t = base;
@@ -339,9 +411,64 @@ fn train_config(a: &Args, saved: Option<&TrainConfig>) -> TrainConfig {
     t
 }
 
-/// The step's micro-batches: windows of a token stream, or the synthetic stream.
+/// The LoRA config the flags ask for: `--adapter`'s (the flags given must agree), the flags',
+/// or none; a resumed run keeps its own (flags given must agree).
+fn lora_config(a: &Args, saved: Option<&TrainConfig>) -> Res<Option<LoraConfig>> {
+    let from_adapter = a.adapter.as_ref().map(LoraConfig::from_peft).transpose()?;
+    let base = match (saved, from_adapter) {
+        (Some(t), _) => t.lora.clone(),
+        (None, Some(c)) => Some(c),
+        (None, None) => a.lora_rank.map(|r| LoraConfig {
+            seed: a.seed.unwrap_or(1),
+            ..LoraConfig::new(r, 2.0 * r as f64, &["q_proj", "v_proj"])
+        }),
+    };
+    let Some(mut c) = base else {
+        if a.lora_rank.is_some() {
+            return Err(
+                "--lora-rank: the run being resumed trains every weight, not adapters".into()
+            );
+        }
+        return Ok(None);
+    };
+    let source = if saved.is_some() { "the run's" } else { "the adapter's" };
+    let fixed = saved.is_some() || a.adapter.is_some();
+    if let Some(r) = a.lora_rank.filter(|&r| r != c.rank) {
+        if fixed {
+            return Err(format!("--lora-rank {r}: {source} rank is {}", c.rank).into());
+        }
+    }
+    match a.lora_alpha {
+        Some(x) if fixed && x != c.alpha => {
+            return Err(format!("--lora-alpha {x}: {source} alpha is {}", c.alpha).into())
+        }
+        Some(x) => c.alpha = x,
+        None => {}
+    }
+    if let Some(t) = &a.lora_targets {
+        let (mut want, mut have) = (t.clone(), c.targets.clone());
+        want.sort();
+        have.sort();
+        if fixed && want != have {
+            return Err(
+                format!("--lora-targets {}: {source} are {}", t.join(","), have.join(",")).into()
+            );
+        }
+        c.targets = t.clone();
+    }
+    if a.rslora && fixed && !c.rslora {
+        return Err(format!("--rslora: {source} adapters are not rsLoRA").into());
+    }
+    c.rslora |= a.rslora;
+    Ok(Some(c))
+}
+
+/// The step's micro-batches: windows of a token stream, rows of tokenized text (with their
+/// loss masks), or the synthetic stream.
 struct Data {
     stream: Option<Vec<u32>>,
+    /// Rows of `seq + 1` tokens and `seq` loss flags (`--text`, `--jsonl`).
+    rows: Option<Vec<(Vec<u32>, Vec<bool>)>>,
     seed: u64,
     vocab: usize,
     /// What a checkpoint's notes say of it (the file, its size and crc32, or the seed).
@@ -366,7 +493,107 @@ impl Data {
                 Some(ids)
             }
         };
-        Ok(Data { stream, seed, vocab, notes })
+        Ok(Data { stream, rows: None, seed, vocab, notes })
+    }
+
+    /// Rows of tokenized text: `--text FILE` (one document, every target counted) or `--jsonl
+    /// FILE` (examples with their loss masks), packed into rows of `seq + 1`; rows with no
+    /// target counted are left out.
+    #[cfg(feature = "text")]
+    fn text(a: &Args, vocab: usize, seq: usize) -> Res<Data> {
+        use strata::candle::text::{eos_tokens, pack, read_jsonl, ChatTemplate, Tokenizer, Tokens};
+        let tok_path = a.tokenizer.as_ref().ok_or("--tokenizer FILE is needed")?;
+        let tokenizer = Tokenizer::from_file(tok_path)?;
+        let dir = tok_path.parent().unwrap_or(Path::new("."));
+        let eos = eos_tokens(dir, &tokenizer)?.and_then(|e| e.ids.first().copied());
+        let (path, examples) = match (&a.text, &a.jsonl) {
+            (Some(p), _) => {
+                let text =
+                    std::fs::read_to_string(p).map_err(|e| format!("{}: {e}", p.display()))?;
+                (p, vec![Tokens::document(&tokenizer, &text, eos)?])
+            }
+            (None, Some(p)) => {
+                let text =
+                    std::fs::read_to_string(p).map_err(|e| format!("{}: {e}", p.display()))?;
+                let template = ChatTemplate::from_file(dir.join("tokenizer_config.json")).ok();
+                (p, read_jsonl(&text, &tokenizer, template.as_ref(), eos)?)
+            }
+            _ => return Err("--text FILE or --jsonl FILE".into()),
+        };
+        let (rows, left) = pack(&examples, seq)?;
+        let all = rows.len();
+        let rows: Vec<(Vec<u32>, Vec<bool>)> = rows
+            .into_iter()
+            .filter(|r| r.loss.iter().any(|&l| l))
+            .map(|r| (r.tokens, r.loss))
+            .collect();
+        if rows.is_empty() {
+            return Err(format!("{}: no row has a target in the loss", path.display()).into());
+        }
+        if let Some(bad) = rows.iter().flat_map(|r| r.0.iter()).find(|&&t| t as usize >= vocab) {
+            return Err(format!(
+                "the tokenizer gave id {bad}, past the model's vocabulary of {vocab}"
+            )
+            .into());
+        }
+        let tokens: usize = examples.iter().map(|e| e.ids.len()).sum();
+        let counted: usize = rows.iter().map(|r| r.1.iter().filter(|&&l| l).count()).sum();
+        println!(
+            "data: {} ({} examples), {tokens} tokens in {all} rows of {} ({left} left over), {} rows with targets in the loss, {counted} targets counted",
+            path.display(),
+            examples.len(),
+            seq + 1,
+            rows.len()
+        );
+        let bytes: Vec<u8> = rows
+            .iter()
+            .flat_map(|(t, l)| {
+                t.iter().flat_map(|x| x.to_le_bytes()).chain(l.iter().map(|&b| b as u8))
+            })
+            .collect();
+        let notes = BTreeMap::from([
+            ("data".to_string(), path.display().to_string()),
+            ("data_tokens".to_string(), tokens.to_string()),
+            ("data_crc32".to_string(), format!("{:08x}", crc32fast::hash(&bytes))),
+            (
+                "data_format".to_string(),
+                if a.text.is_some() { "text" } else { "jsonl" }.to_string(),
+            ),
+        ]);
+        Ok(Data { stream: None, rows: Some(rows), seed: 0, vocab, notes })
+    }
+
+    #[cfg(not(feature = "text"))]
+    fn text(_: &Args, _: usize, _: usize) -> Res<Data> {
+        Err("--text and --jsonl need the example built with --features text".into())
+    }
+
+    /// The step's loss masks (`None`: every target counts).
+    fn masks(&self, step: u64, t: &TrainConfig, device: &Device) -> Res<Option<Vec<Tensor>>> {
+        let Some(rows) = &self.rows else { return Ok(None) };
+        if rows.iter().all(|r| r.1.iter().all(|&l| l)) {
+            return Ok(None);
+        }
+        let mut out = Vec::with_capacity(t.accum);
+        for m in 0..t.accum {
+            let mut v = Vec::with_capacity(t.micro_batch * t.seq);
+            for r in 0..t.micro_batch {
+                let row = &rows[self.row(step, t, m, r) % rows.len()];
+                v.extend(row.1.iter().map(|&l| if l { 1f32 } else { 0.0 }));
+            }
+            out.push(Tensor::from_vec(v, (t.micro_batch, t.seq), device)?);
+        }
+        Ok(Some(out))
+    }
+
+    /// Sequence number k of the run (micro-batch `m`, row `r` of step `step`).
+    fn row(&self, step: u64, t: &TrainConfig, m: usize, r: usize) -> usize {
+        let k =
+            (u128::from(step) * t.accum as u128 + m as u128) * t.micro_batch as u128 + r as u128;
+        match &self.rows {
+            Some(rows) => (k % rows.len() as u128) as usize,
+            None => k as usize,
+        }
     }
 
     fn batches(&self, step: u64, t: &TrainConfig, device: &Device) -> Res<Vec<Tensor>> {
@@ -378,6 +605,10 @@ impl Data {
                 // Sequence number k of the run, in u128: no step number overflows it.
                 let k = (u128::from(step) * t.accum as u128 + m as u128) * t.micro_batch as u128
                     + r as u128;
+                if let Some(rows) = &self.rows {
+                    v.extend_from_slice(&rows[self.row(step, t, m, r)].0);
+                    continue;
+                }
                 match &self.stream {
                     Some(s) => {
                         let n = s.len() as u128;
@@ -451,13 +682,15 @@ fn run(args: Vec<String>) -> Res<()> {
             return Ok(());
         }
     }
-    let config = match (&a.config, &ck) {
-        (Some(p), _) => LlamaConfig::from_file(p)?,
-        (None, Some(ck)) => ck.config.clone(),
-        (None, None) => return Err("--config is required".into()),
+    let config = match (&a.config, &ck, &a.model) {
+        (Some(p), _, _) => LlamaConfig::from_file(p)?,
+        (None, Some(ck), _) => ck.config.clone(),
+        (None, None, Some(m)) => LlamaConfig::from_file(m.join("config.json"))?,
+        (None, None, None) => return Err("--config is required".into()),
     };
     let device = candle_device();
-    let train = train_config(&a, ck.as_ref().map(|c| &c.train));
+    let mut train = train_config(&a, ck.as_ref().map(|c| &c.train));
+    train.lora = lora_config(&a, ck.as_ref().map(|c| &c.train))?;
     let dtype = ck.as_ref().map_or(a.dtype.unwrap_or(DType::F32), |c| c.dtype);
     // The memory plan for the machine (this one, or the figures given), made before anything is
     // allocated: a run that cannot fit is refused here.
@@ -503,7 +736,17 @@ fn run(args: Vec<String>) -> Res<()> {
         .clone()
         .or_else(|| saved_notes.get("data").filter(|d| *d != "synthetic").map(PathBuf::from));
     let seed = a.seed.or_else(|| saved_notes.get("seed").and_then(|s| s.parse().ok())).unwrap_or(1);
-    let data = Data::load(data_path.as_ref(), seed, config.vocab_size, train.seq)?;
+    let text_run = a.text.is_some()
+        || a.jsonl.is_some()
+        || saved_notes.get("data_format").is_some_and(|f| f == "text" || f == "jsonl");
+    let data = if text_run {
+        if a.tokenizer.is_none() {
+            return Err("the run trains on text: give its --text or --jsonl FILE and --tokenizer FILE again".into());
+        }
+        Data::text(&a, config.vocab_size, train.seq)?
+    } else {
+        Data::load(data_path.as_ref(), seed, config.vocab_size, train.seq)?
+    };
     if ck.is_some() {
         // The same tokens (a file's may have moved: its content is what counts).
         for k in ["seed", "data_tokens", "data_crc32"] {
@@ -522,6 +765,13 @@ fn run(args: Vec<String>) -> Res<()> {
         }
     }
     let params = config.parameters();
+    let mut notes = data.notes.clone();
+    // A LoRA run's checkpoints hold the adapters only: its base is named here.
+    let base_model = a.model.clone().or_else(|| saved_notes.get("base_model").map(PathBuf::from));
+    match &base_model {
+        Some(m) => notes.insert("base_model".into(), m.display().to_string()),
+        None => notes.insert("base_seed".into(), seed.to_string()),
+    };
     println!(
         "model: {} blocks, hidden {}, {} heads ({} key/value), intermediate {}, vocab {}{}: {:.2} M parameters",
         config.num_hidden_layers,
@@ -540,6 +790,29 @@ fn run(args: Vec<String>) -> Res<()> {
         train.clip.map_or("none".to_string(), |c| c.to_string()),
         train.engine
     );
+    if let Some(l) = &train.lora {
+        let per_block: u64 = [
+            ("q_proj", config.num_attention_heads * config.head_dim, config.hidden_size),
+            ("k_proj", config.num_key_value_heads * config.head_dim, config.hidden_size),
+            ("v_proj", config.num_key_value_heads * config.head_dim, config.hidden_size),
+            ("o_proj", config.hidden_size, config.num_attention_heads * config.head_dim),
+            ("gate_proj", config.intermediate_size, config.hidden_size),
+            ("up_proj", config.intermediate_size, config.hidden_size),
+            ("down_proj", config.hidden_size, config.intermediate_size),
+        ]
+        .iter()
+        .filter(|(n, ..)| l.targets_linear(n))
+        .map(|(_, o, i)| (l.rank * (o + i)) as u64)
+        .sum();
+        let trained = per_block * config.num_hidden_layers as u64;
+        println!(
+            "LoRA: rank {}, alpha {} (scale {}), targets {}{}: {} trainable parameters ({:.3}% of the model), the base frozen",
+            l.rank, l.alpha, l.scale(), l.targets.join(","),
+            if l.rslora { ", rsLoRA" } else { "" },
+            trained,
+            100.0 * trained as f64 / params as f64
+        );
+    }
 
     // The store at the plan's budgets: the Device tier, host memory for the weights, the
     // optimizer's gradients, masters and moments and the checkpoints, Disk for what memory
@@ -589,19 +862,29 @@ fn run(args: Vec<String>) -> Res<()> {
             }
         );
     }
-    let weights = match (&a.model, &ck) {
-        (Some(p), _) => load_weights(&store, &config, p)?,
-        (None, Some(ck)) => {
+    // A LoRA run's checkpoint holds no base: the base is the run's --model (or its seed).
+    let lora_resume = ck.as_ref().is_some_and(|c| c.train.lora.is_some());
+    let weights = match (&base_model, &ck) {
+        (Some(p), _) if ck.is_none() || lora_resume => load_weights(&store, &config, p)?,
+        (_, Some(ck)) if !lora_resume => {
             load_weights(&store, &config, ck.path.join("model.safetensors.index.json"))?
         }
-        (None, None) => put_random_weights(&store, &config, seed, dtype)?,
+        _ => put_random_weights(&store, &config, seed, dtype)?,
     };
     if let Some(dir) = &a.write_inputs {
         write_inputs(dir, &store, &config, &weights, &data, &train, total)?;
     }
-    let flops_per_step =
-        config.training_flops((train.micro_batch * train.seq * train.accum) as u64, train.seq);
-    let tokens = (train.micro_batch * train.seq * train.accum) as f64;
+    let first_ids = data.batches(0, &train, &device)?[0].narrow(1, 0, train.seq)?;
+    let step_tokens = (train.micro_batch * train.seq * train.accum) as u64;
+    let mut flops_per_step = config.training_flops(step_tokens, train.seq);
+    if train.lora.is_some() {
+        // A frozen base's weight gradients are not computed: 2 of the 6 FLOPs a parameter
+        // and token.
+        let matmul = config.block_parameters() * config.num_hidden_layers as u64
+            + (config.vocab_size * config.hidden_size) as u64;
+        flops_per_step -= 2.0 * matmul as f64 * step_tokens as f64;
+    }
+    let tokens = step_tokens as f64;
 
     let mut losses = Vec::new();
     let mut twin_times = Vec::new();
@@ -626,8 +909,9 @@ fn run(args: Vec<String>) -> Res<()> {
         );
         for step in 0..total {
             let b = data.batches(step, &train, &device)?;
+            let m = data.masks(step, &train, &device)?;
             let t = Instant::now();
-            let loss = twin.step(&b)?;
+            let loss = twin.step_masked(&b, m.as_deref())?;
             device.synchronize()?;
             let s = t.elapsed().as_secs_f64();
             println!(
@@ -650,7 +934,17 @@ fn run(args: Vec<String>) -> Res<()> {
             trainer.resume(&ck.path)?;
             println!("resumed {} at step {}", ck.path.display(), trainer.steps());
         }
-        trainer.set_notes(data.notes.clone());
+        trainer.set_notes(notes);
+        if let Some(dir) = &a.adapter {
+            trainer.load_adapter(dir)?;
+            println!("adapters from {}", dir.display());
+        }
+        if let Some(dir) = &a.write_inputs {
+            if train.lora.is_some() {
+                trainer.save_adapter(dir.join("adapter"))?;
+                println!("wrote the initial adapters to {}", dir.join("adapter").display());
+            }
+        }
         store_now(&store);
         let end = a.stop_after.map_or(total, |k| k.min(total));
         let mut saved = trainer.steps();
@@ -663,7 +957,8 @@ fn run(args: Vec<String>) -> Res<()> {
         let mut ooc_times = Vec::new();
         for step in trainer.steps()..end {
             let b = data.batches(step, &train, &device)?;
-            let r = trainer.step(&b)?;
+            let m = data.masks(step, &train, &device)?;
+            let r = trainer.step_masked(&b, m.as_deref())?;
             let floor = Floor::measured(&r, &machine, cpu_optimizer);
             report(prefix, &r, total, flops_per_step, &floor);
             progress(step + 1, total);
@@ -692,6 +987,58 @@ fn run(args: Vec<String>) -> Res<()> {
         }
         if trainer.skipped() > 0 {
             println!("skipped {} steps whose loss or gradient was not finite", trainer.skipped());
+        }
+        if let (Some(first), true, None) = (losses.first(), trainer.steps() == total, &ck) {
+            // The first step's batch again, through the trained model: what the run learnt.
+            let t = Instant::now();
+            let b = data.batches(0, &train, &device)?;
+            let m = data.masks(0, &train, &device)?;
+            let counted = m.as_ref().map_or(Ok(b.len() * train.micro_batch * train.seq), |m| {
+                m.iter().try_fold(0usize, |n, x| {
+                    Ok::<_, candle_core::Error>(n + x.sum_all()?.to_scalar::<f32>()? as usize)
+                })
+            })?;
+            let mut after = 0f32;
+            for (i, tokens) in b.iter().enumerate() {
+                let (ids, targets) = strata::candle::llama::inputs_and_targets(tokens)?;
+                let mask = m.as_ref().map(|m| m[i].flatten_all()).transpose()?;
+                let l = strata::candle::llama::next_token_loss_masked(
+                    &trainer.logits(&ids)?,
+                    &targets,
+                    mask.as_ref(),
+                    1.0 / counted as f64,
+                )?;
+                after += l.to_scalar::<f32>()?;
+            }
+            println!(
+                "the first step's batch through the trained model: loss {after:.6} (it was {first:.6} at step 1; {:.1} s)",
+                t.elapsed().as_secs_f64()
+            );
+        }
+        if let Some(dir) = &a.export_merged {
+            let t = Instant::now();
+            trainer.save_merged(dir)?;
+            println!(
+                "merged the adapters into the base: {} ({:.1} s)",
+                dir.display(),
+                t.elapsed().as_secs_f64()
+            );
+        }
+        if let (Some(dir), true) = (&a.write_inputs, train.lora.is_some()) {
+            // The trained model's logits of the first micro-batch's inputs, for the PEFT check.
+            let logits = trainer.logits(&first_ids)?;
+            let v = logits.flatten_all()?.to_vec1::<f32>()?;
+            let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+            let view = safetensors::tensor::TensorView::new(
+                safetensors::Dtype::F32,
+                logits.dims().to_vec(),
+                &bytes,
+            )?;
+            safetensors::serialize_to_file(
+                [("logits", view)],
+                None,
+                &dir.join("final_logits.safetensors"),
+            )?;
         }
         if end < total {
             println!("stopped after step {end} of {total} (--stop-after)");
@@ -840,6 +1187,19 @@ fn write_inputs(
     let view =
         safetensors::tensor::TensorView::new(safetensors::Dtype::U32, shape.to_vec(), &bytes)?;
     safetensors::serialize_to_file([("tokens", view)], None, &dir.join("tokens.safetensors"))?;
+    if data.masks(0, train, &Device::Cpu)?.is_some() {
+        let mut masks = Vec::new();
+        for step in 0..steps {
+            for m in data.masks(step, train, &Device::Cpu)?.unwrap_or_default() {
+                masks.extend(m.flatten_all()?.to_vec1::<f32>()?);
+            }
+        }
+        let shape = [micro_batches.unwrap_or(0), train.micro_batch, train.seq];
+        let bytes: Vec<u8> = masks.iter().flat_map(|t| t.to_le_bytes()).collect();
+        let view =
+            safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.to_vec(), &bytes)?;
+        safetensors::serialize_to_file([("masks", view)], None, &dir.join("masks.safetensors"))?;
+    }
     println!("wrote the initial weights and {} steps' tokens to {}", steps, dir.display());
     Ok(())
 }

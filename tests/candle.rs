@@ -553,10 +553,14 @@ fn strata_errors_in_candle_keep_the_chain_and_the_tensor_name() {
     let e = put_twice(&store).unwrap_err().to_string();
     assert!(e.contains("\"w\" already exists"), "{e}");
 }
+#[path = "candle/blocks.rs"]
+mod blocks;
 #[path = "candle/configs.rs"]
 mod configs;
 #[path = "candle/generate.rs"]
 mod generate;
+#[path = "candle/lora.rs"]
+mod lora;
 #[cfg(feature = "text")]
 #[path = "candle/text.rs"]
 mod text;

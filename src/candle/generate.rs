@@ -465,6 +465,28 @@ impl InMemoryLlama {
         })
     }
 
+    /// The model from its parts, computing in their dtype on their device (the trainer's
+    /// in-memory twin hands its own tensors: [`LlamaTwin::generator`](super::LlamaTwin::generator)).
+    pub(crate) fn from_parts(
+        config: &LlamaConfig,
+        embed: Tensor,
+        blocks: Vec<BlockWeights>,
+        norm: Tensor,
+        head: Tensor,
+    ) -> candle_core::Result<InMemoryLlama> {
+        let dtype = embed.dtype();
+        compute_dtype(dtype)?;
+        Ok(InMemoryLlama {
+            config: config.clone(),
+            dtype,
+            device: embed.device().clone(),
+            embed,
+            blocks,
+            norm,
+            head,
+        })
+    }
+
     /// The model of `config` with the random initial weights of
     /// [`random_weights`](super::llama::random_weights) (`seed`).
     pub fn random(

@@ -349,6 +349,41 @@ impl Layers {
         }
     }
 
+    /// Writes the values of candle tensor `t` into the store tensor served under `name` (same
+    /// dtype, f32 or bf16, and element count; any shape): the path the trainer writes its
+    /// activation checkpoints and gradients by, for a step of your own. On the CPU through the
+    /// host (`Store::write`); on CUDA device to device on candle's stream into a view taken for
+    /// overwrite, then released (the store writes it back to host memory when the Device tier
+    /// needs the room): no host round trip, no host wait.
+    ///
+    /// ```
+    /// # fn main() -> candle_core::Result<()> {
+    /// use candle_core::{Device, Tensor};
+    /// use strata as st;
+    /// let store = st::candle::store_for(&Device::Cpu, st::Store::builder())?;
+    /// let id = store.put_group("grad", st::Group::Grad, st::DType::F32, &[2, 2], &[0u8; 16])?;
+    /// let layers = st::candle::Layers::new(store.clone(), [("grad".to_string(), id)], &Device::Cpu)?;
+    /// layers.write("grad", &Tensor::new(&[[1f32, 2.], [3., 4.]], &Device::Cpu)?)?;
+    /// assert_eq!(store.read_vec::<f32>(id)?, [1., 2., 3., 4.]);
+    /// # Ok(()) }
+    /// ```
+    pub fn write(&self, name: &str, t: &Tensor) -> candle_core::Result<()> {
+        let id = self.resolve(&[name])?[0];
+        let info = self.store.info(id).map_err(|e| strata_err(name, e))?;
+        if info.shape.iter().product::<usize>() != t.elem_count()
+            || candle_dtype(info.dtype) != Some(t.dtype())
+        {
+            candle_core::bail!(
+                "{name} is {} {:?}: a candle tensor of {:?} {:?} cannot be written into it",
+                info.dtype,
+                info.shape,
+                t.dtype(),
+                t.dims()
+            );
+        }
+        super::train::candle_to_store(&self.store, &self.stream, name, id, t)
+    }
+
     /// Rows `rows` of the 2-D tensor `name` (an embedding table), as a `[rows.len(), columns]`
     /// candle tensor on the candle device, in its stored dtype: only those rows cross to the
     /// device. They are gathered on the host from the tensor's copy in host memory, through a

@@ -16,8 +16,11 @@
 //! Tensor names are Hugging Face's (`model.layers.3.self_attn.q_proj.weight`, ...):
 //! [`LlamaConfig::tensors`] lists them with their shapes.
 
+use std::collections::HashMap;
+
 use candle_core::{DType as CDType, Device, Tensor, D};
 
+use super::block::{Adapter, Weights};
 use super::fused;
 pub use super::llama_config::{LlamaConfig, RopeScaling};
 
@@ -139,7 +142,16 @@ pub fn random_weights(
     config: &LlamaConfig,
     seed: u64,
 ) -> impl Iterator<Item = (String, Vec<usize>, Vec<f32>)> {
-    config.tensors().into_iter().enumerate().map(move |(i, (name, shape))| {
+    random_weights_of(config.tensors(), seed)
+}
+
+/// [`random_weights`] of any tensors (a model of a [`Block`](super::Block) of your own:
+/// [`model_tensors`](super::model_tensors)), by their place in `tensors`.
+pub fn random_weights_of(
+    tensors: Vec<(String, Vec<usize>)>,
+    seed: u64,
+) -> impl Iterator<Item = (String, Vec<usize>, Vec<f32>)> {
+    tensors.into_iter().enumerate().map(move |(i, (name, shape))| {
         let values = match name.ends_with(".bias") {
             true => vec![0.0; shape.iter().product()],
             false => random_tensor(seed, i, &shape),
@@ -239,6 +251,9 @@ pub struct BlockWeights {
     pub down: Tensor,
     /// `self_attn.q_proj.bias`, `k_proj.bias`, `v_proj.bias` ([`LlamaConfig::qkv_bias`]).
     pub qkv_bias: Option<[Tensor; 3]>,
+    /// LoRA adapters on the projections, by their weight's name in [`BLOCK_TENSORS`]
+    /// (`self_attn.q_proj.weight`): none unless a run adds them.
+    pub adapters: HashMap<String, Adapter>,
 }
 
 impl BlockWeights {
@@ -278,7 +293,26 @@ impl BlockWeights {
                 true => Some([get(qb)?, get(kb)?, get(vb)?]),
                 false => None,
             },
+            adapters: HashMap::new(),
         })
+    }
+
+    /// The weights of a [`Weights`] (a [`Block`](super::Block)'s view of them), its
+    /// adapters included.
+    pub fn from_weights(config: &LlamaConfig, w: &Weights) -> candle_core::Result<BlockWeights> {
+        let mut bw = Self::from_fn(config, |s| w.get(s).cloned())?;
+        bw.adapters = w.adapters().clone();
+        Ok(bw)
+    }
+
+    /// The projection whose weight is `w`, named `name` in [`BLOCK_TENSORS`], of `x`, with its
+    /// adapter when it has one.
+    fn project(&self, name: &str, w: &Tensor, x: &Tensor) -> candle_core::Result<Tensor> {
+        let y = linear(x, w)?;
+        match self.adapters.get(name) {
+            Some(a) => a.add_to(y, x),
+            None => Ok(y),
+        }
     }
 
     /// The bias of projection `i` (0: q, 1: k, 2: v) added to `y`, when there is one. In f32
@@ -354,11 +388,11 @@ pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> candle_core::Result<Te
     xf.broadcast_mul(&inv)?.to_dtype(dtype)?.broadcast_mul(weight)
 }
 
-/// `x · wᵀ` for `x` of `[batch, seq, in]` and a weight of `[out, in]`.
+/// `x · wᵀ` for `x` of `[batch, seq, in]` and a weight of `[out, in]`; a weight without a
+/// gradient gets none computed ([`super::block::linear`]).
 pub fn linear(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
-    let (b, s, i) = x.dims3()?;
-    let out = w.dims2()?.0;
-    x.reshape((b * s, i))?.matmul(&w.t()?)?.reshape((b, s, out))
+    x.dims3()?;
+    super::block::linear(x, w)
 }
 
 /// Softmax over the last dimension in f32, with the row maximum taken out first (detached: the
@@ -452,23 +486,24 @@ pub fn block_forward_with(
         Compute::Decomposed => rms_norm(x, w, eps),
     };
 
+    let [_, qn, kn, vn, on, _, gn, un, dn] = BLOCK_TENSORS;
     let n = norm(x, &w.input_norm)?;
-    let q = w.add_bias(linear(&n, &w.q)?, 0)?.reshape((b, s, nh, hd))?;
-    let k = w.add_bias(linear(&n, &w.k)?, 1)?.reshape((b, s, nkv, hd))?;
-    let v = w.add_bias(linear(&n, &w.v)?, 2)?.reshape((b, s, nkv, hd))?;
+    let q = w.add_bias(w.project(qn, &w.q, &n)?, 0)?.reshape((b, s, nh, hd))?;
+    let k = w.add_bias(w.project(kn, &w.k, &n)?, 1)?.reshape((b, s, nkv, hd))?;
+    let v = w.add_bias(w.project(vn, &w.v, &n)?, 2)?.reshape((b, s, nkv, hd))?;
     let attn = match compute {
         Compute::Fused => fused_attention(config, rope, &q, &k, &v, offset, cache)?,
         Compute::Decomposed => decomposed_attention(config, rope, &q, &k, &v, offset, cache)?,
     };
-    let h = x.add(&linear(&attn.reshape((b, s, nh * hd))?, &w.o)?)?;
+    let h = x.add(&w.project(on, &w.o, &attn.reshape((b, s, nh * hd))?)?)?;
 
     let n = norm(&h, &w.post_norm)?;
-    let (gate, up) = (linear(&n, &w.gate)?, linear(&n, &w.up)?);
+    let (gate, up) = (w.project(gn, &w.gate, &n)?, w.project(un, &w.up, &n)?);
     let act = match compute {
         Compute::Fused => fused::swiglu(&gate, &up)?,
         Compute::Decomposed => gate.silu()?.mul(&up)?,
     };
-    h.add(&linear(&act, &w.down)?)
+    h.add(&w.project(dn, &w.down, &act)?)
 }
 
 /// Appends keys and values (`[batch, kv_heads, seq, head_dim]`) to `cache` when there is one
@@ -579,11 +614,28 @@ pub fn next_token_loss(
     targets: &Tensor,
     scale: f64,
 ) -> candle_core::Result<Tensor> {
+    next_token_loss_masked(logits, targets, None, scale)
+}
+
+/// [`next_token_loss`] counting only the targets whose `mask` (`[n]`, f32, each 0 or 1) is 1:
+/// the others' log-probabilities are multiplied by 0, so they add nothing to the loss and get
+/// no gradient. `scale` is then `1 / (targets counted over the step)`: instruction data with
+/// the loss on the responses only. Without a mask, every target counts.
+pub fn next_token_loss_masked(
+    logits: &Tensor,
+    targets: &Tensor,
+    mask: Option<&Tensor>,
+    scale: f64,
+) -> candle_core::Result<Tensor> {
     let max = logits.max_keepdim(D::Minus1)?.detach();
     let shifted = logits.broadcast_sub(&max)?;
     let lse = shifted.exp()?.sum_keepdim(D::Minus1)?.log()?;
     let logp = shifted.broadcast_sub(&lse)?;
     let picked = logp.gather(&targets.unsqueeze(1)?.contiguous()?, 1)?;
+    let picked = match mask {
+        Some(m) => picked.squeeze(1)?.mul(m)?,
+        None => picked,
+    };
     picked.sum_all()?.neg()?.affine(scale, 0.0)
 }
 

@@ -28,6 +28,12 @@
 //! Frozen parameters (by name pattern) get no gradient and no state. The learning rate follows
 //! [`LrSchedule`] (linear warmup, cosine decay).
 //!
+//! The blocks are a [`Block`] ([`Trainer::with_block`]: a block of your own; [`LlamaBlock`] by
+//! default). With [`TrainConfig::lora`] the model is a frozen base and LoRA adapters are
+//! trained over it, saved in PEFT's format ([`Trainer::save_adapter`], and every checkpoint),
+//! started from PEFT's ([`Trainer::load_adapter`]) and merged into a plain checkpoint
+//! ([`Trainer::save_merged`]). [`Trainer::step_masked`] puts the loss on some targets only.
+//!
 //! **A run you can trust with days of work.** A step that fails (the store, the optimizer,
 //! candle) leaves the trainer as it was, and retrying it gives the clean step; updates that
 //! fail are done again exactly once by the next call, and the last complete step can be saved
@@ -50,12 +56,15 @@ use std::time::Instant;
 
 use candle_core::{DType as CDType, Device, Tensor, Var};
 
+use super::block::{model_tensors, Adapter, Block, LlamaBlock, Weights};
 use super::llama::{
-    block_forward, embed, head_logits, inputs_and_targets, next_token_loss, BlockWeights,
-    LlamaConfig, Rope, EMBED, LM_HEAD, NORM,
+    embed, head_logits, inputs_and_targets, next_token_loss_masked, LlamaConfig, EMBED, LM_HEAD,
+    NORM,
 };
+use super::lora::{adapter_specs, init_a, AdapterSpec, LoraConfig};
 use super::{strata_err, Layers};
 
+mod adapters;
 mod checkpoint;
 mod clock;
 mod device_adamw;
@@ -248,6 +257,10 @@ pub struct TrainConfig {
     /// [`Trainer::skipped`] and [`StepReport::skipped`]) instead of failing with
     /// [`TrainError::NonFinite`], as torch's `GradScaler` skips them.
     pub skip_nonfinite: bool,
+    /// LoRA: adapters on the linears it names, trained over a frozen base (every parameter of
+    /// the model frozen: no gradient, no optimizer state; the adapters f32, with their own
+    /// gradients and AdamW state in the store). `None`: the parameters are trained.
+    pub lora: Option<LoraConfig>,
 }
 
 impl Default for TrainConfig {
@@ -263,6 +276,7 @@ impl Default for TrainConfig {
             optimizer_threads: 0,
             frozen: Vec::new(),
             skip_nonfinite: false,
+            lora: None,
         }
     }
 }
@@ -271,6 +285,13 @@ impl TrainConfig {
     /// Whether `name` matches a frozen pattern.
     pub fn is_frozen(&self, name: &str) -> bool {
         self.frozen.iter().any(|p| glob(p, name))
+    }
+
+    /// Whether parameter `name` of the model is trained: with LoRA only the adapters are (and
+    /// not those a frozen pattern names), else every parameter no frozen pattern names.
+    pub fn is_trained(&self, name: &str) -> bool {
+        let adapter = name.ends_with(".lora_A.weight") || name.ends_with(".lora_B.weight");
+        !self.is_frozen(name) && (self.lora.is_none() || adapter)
     }
 
     /// Checks that this config can train a model of `config` with `dtype` weights on
@@ -349,6 +370,9 @@ impl TrainConfig {
                      clipping is None)"
                 )));
             }
+        }
+        if let Some(l) = &self.lora {
+            l.validate().map_err(|e| invalid(e.to_string()))?;
         }
         let (host, compute) = self.step_bytes(config, dtype).ok_or_else(|| {
             invalid(format!(
@@ -481,7 +505,19 @@ pub fn put_random_weights(
     seed: u64,
     dtype: DType,
 ) -> candle_core::Result<Vec<(String, TensorId)>> {
-    super::llama::random_weights(config, seed)
+    put_random_tensors(store, &config.tensors(), seed, dtype)
+}
+
+/// [`put_random_weights`] of any tensors, `(name, shape)`: a model of a [`Block`] of your own
+/// ([`model_tensors`]). A matrix gets normal values of deviation 0.02, a vector ones, a name
+/// ending `.bias` zeros ([`super::llama::random_weights_of`]).
+pub fn put_random_tensors(
+    store: &Store,
+    tensors: &[(String, Vec<usize>)],
+    seed: u64,
+    dtype: DType,
+) -> candle_core::Result<Vec<(String, TensorId)>> {
+    super::llama::random_weights_of(tensors.to_vec(), seed)
         .map(|(name, shape, values)| {
             let bytes = match dtype {
                 DType::F32 => bytemuck::cast_slice::<f32, u8>(&values).to_vec(),
@@ -508,10 +544,20 @@ pub fn load_weights(
     config: &LlamaConfig,
     path: impl AsRef<Path>,
 ) -> candle_core::Result<Vec<(String, TensorId)>> {
+    load_tensors(store, &config.tensors(), path)
+}
+
+/// [`load_weights`] of any tensors, `(name, shape)`: a model of a [`Block`] of your own
+/// ([`model_tensors`]).
+pub fn load_tensors(
+    store: &Store,
+    tensors: &[(String, Vec<usize>)],
+    path: impl AsRef<Path>,
+) -> candle_core::Result<Vec<(String, TensorId)>> {
     let opts = LoadOptions { group: Group::Param, ..LoadOptions::default() };
     let loaded = store.load_checkpoint(path.as_ref(), opts).map_err(candle_core::Error::from)?;
     let mut out = Vec::new();
-    for (name, shape) in config.tensors() {
+    for (name, shape) in tensors.iter().cloned() {
         let id = loaded
             .get(&name)
             .ok_or_else(|| candle_core::Error::CannotFindTensor { path: name.clone() }.bt())?;
@@ -530,6 +576,77 @@ pub fn load_weights(
         }
     }
     Ok(out)
+}
+
+/// How a parameter of a run gets its first value.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Init {
+    /// The model's weights, given.
+    Given,
+    /// A LoRA `A`: [`init_a`] of this adapter's number.
+    LoraA(usize),
+    /// Zeros (a LoRA `B`).
+    Zero,
+}
+
+/// The block a parameter's name is in (`model.layers.N.`).
+fn layer_of(name: &str) -> Option<usize> {
+    name.strip_prefix("model.layers.")?.split('.').next()?.parse().ok()
+}
+
+/// Every parameter of a run, `(name, shape, first value)`: the model's tensors (`base`, in
+/// stage order), each block's LoRA adapters (`A` then `B`, in `specs`' order) after its own
+/// tensors. The trainer and its twin order their parameters (and so the gradient norm's sum)
+/// alike.
+fn run_params(
+    base: &[(String, Vec<usize>)],
+    specs: &[AdapterSpec],
+) -> Vec<(String, Vec<usize>, Init)> {
+    let mut out = Vec::with_capacity(base.len() + 2 * specs.len());
+    for (k, (name, shape)) in base.iter().enumerate() {
+        out.push((name.clone(), shape.clone(), Init::Given));
+        let l = layer_of(name);
+        if l.is_some() && base.get(k + 1).map(|(n, _)| layer_of(n)) != Some(l) {
+            for (i, s) in specs.iter().enumerate().filter(|(_, s)| Some(s.layer) == l) {
+                out.push((s.a.0.clone(), s.a.1.clone(), Init::LoraA(i)));
+                out.push((s.b.0.clone(), s.b.1.clone(), Init::Zero));
+            }
+        }
+    }
+    out
+}
+
+/// The f32 values a parameter starts from when it is not given (a LoRA adapter's).
+fn init_values(init: Init, shape: &[usize], lora: Option<&LoraConfig>) -> Vec<f32> {
+    match init {
+        Init::LoraA(i) => init_a(lora.map_or(0, |l| l.seed), i, shape),
+        _ => vec![0.0; shape.iter().product()],
+    }
+}
+
+/// Block `l`'s [`Weights`]: its tensors (`names`, within the block) and its adapters, from
+/// `get(full name)`.
+fn block_weights(
+    names: &[(String, Vec<usize>)],
+    specs: &[AdapterSpec],
+    scale: f64,
+    l: usize,
+    get: impl Fn(&str) -> Option<Tensor>,
+) -> candle_core::Result<Weights> {
+    let p = LlamaConfig::block_prefix(l);
+    let find = |n: &str| {
+        get(n).ok_or_else(|| candle_core::Error::CannotFindTensor { path: n.to_string() }.bt())
+    };
+    let mut t = HashMap::with_capacity(names.len());
+    for (s, _) in names {
+        t.insert(s.clone(), find(&format!("{p}{s}"))?);
+    }
+    let mut w = Weights::new(t);
+    for s in specs.iter().filter(|s| s.layer == l) {
+        let adapter = Adapter { a: find(&s.a.0)?, b: find(&s.b.0)?, scale };
+        w = w.with_adapter(s.linear.clone(), adapter);
+    }
+    Ok(w)
 }
 
 /// A tensor homed in host memory: Pinned when it has room, else wherever `put` places it.
@@ -600,7 +717,7 @@ fn compute_dtype(d: DType) -> candle_core::Result<CDType> {
 /// CPU: through the host (`Store::write`). CUDA: device to device into a
 /// `device_view_for_overwrite` on candle's stream, then released (written back to host memory
 /// when the Device tier needs the room).
-fn candle_to_store(
+pub(crate) fn candle_to_store(
     store: &Store,
     stream: &Stream,
     name: &str,
@@ -698,7 +815,16 @@ pub struct Trainer {
     train: TrainConfig,
     store: Arc<Store>,
     layers: Layers,
-    rope: Rope,
+    /// The blocks' code, and their tensors (names within a block).
+    block: Arc<dyn Block>,
+    block_tensors: Vec<(String, Vec<usize>)>,
+    /// The LoRA adapters (none without LoRA).
+    specs: Vec<AdapterSpec>,
+    /// Each stage's parameters' names (a block's: its tensors, then its adapters).
+    stages: Vec<Vec<String>>,
+    /// A LoRA run's frozen base: the crc32 of its values (computed once; its checkpoints
+    /// record it, and a resume checks it).
+    base_crc: Option<u32>,
     dtype: CDType,
     params: Vec<Param>,
     /// The trainable parameters' ids, for the optimizer (`None` when all are frozen).
@@ -779,7 +905,9 @@ impl Trainer {
     /// (Hugging Face's names: [`load_weights`] or [`put_random_weights`] make them), on candle
     /// device `device` (the store must go with it: [`store_for`](super::store_for)). Moves the
     /// parameters to host memory (Pinned, where there is room), creates the optimizer's state
-    /// for the trainable ones (gradients in f32) and the activation checkpoints.
+    /// for the trainable ones (gradients in f32) and the activation checkpoints; with
+    /// [`TrainConfig::lora`], the adapters (f32, `A` as PEFT initialises it, `B` zero) and
+    /// their state, the model's own parameters all frozen.
     pub fn new(
         store: Arc<Store>,
         device: &Device,
@@ -787,12 +915,31 @@ impl Trainer {
         train: TrainConfig,
         weights: Vec<(String, TensorId)>,
     ) -> candle_core::Result<Trainer> {
+        // Tables for the sequence (a seq past the model's positions is refused by validate).
+        let positions = train.seq.min(config.max_position_embeddings);
+        let block = Arc::new(LlamaBlock::new(&config, positions, device)?);
+        Self::with_block(store, device, config, block, train, weights)
+    }
+
+    /// [`Trainer::new`] for a model whose blocks are `block`, a [`Block`] of your own
+    /// (`config` then gives the skeleton around them: the vocabulary, the width, the number of
+    /// blocks, the final RMSNorm's epsilon, tied embeddings, the positions; the model's
+    /// tensors are [`model_tensors`]). The [`block`](super::block) module has an example.
+    pub fn with_block(
+        store: Arc<Store>,
+        device: &Device,
+        config: LlamaConfig,
+        block: Arc<dyn Block>,
+        train: TrainConfig,
+        weights: Vec<(String, TensorId)>,
+    ) -> candle_core::Result<Trainer> {
         let by_name: HashMap<String, TensorId> = weights.into_iter().collect();
         let layers_n = config.num_hidden_layers;
+        let base = model_tensors(&config, block.as_ref());
         // Every weight checked, and the config with them, before anything moves or is made.
         let mut infos = Vec::new();
         let mut dtype = None;
-        for (name, shape) in config.tensors() {
+        for (name, shape) in base.iter().cloned() {
             let id = *by_name
                 .get(&name)
                 .ok_or_else(|| candle_core::Error::CannotFindTensor { path: name.clone() }.bt())?;
@@ -809,20 +956,48 @@ impl Trainer {
         let dtype = dtype.unwrap_or(CDType::F32);
         let sd = if dtype == CDType::BF16 { DType::BF16 } else { DType::F32 };
         train.validate(&config, sd, device)?;
+        let specs = match &train.lora {
+            Some(l) => adapter_specs(&config, block.as_ref(), l)?,
+            None => Vec::new(),
+        };
+        // The adapters, f32 in host memory, placed among the parameters after their block's.
+        let mut infos: HashMap<String, (TensorId, crate::TensorInfo)> =
+            infos.into_iter().map(|(n, id, info)| (n, (id, info))).collect();
+        let mut ordered = Vec::new();
+        let mut made: Vec<TensorId> = Vec::new();
+        for (name, shape, init) in run_params(&base, &specs) {
+            if init == Init::Given {
+                let (id, info) = infos.remove(&name).expect("checked above");
+                ordered.push((name, id, info));
+                continue;
+            }
+            let values = init_values(init, &shape, train.lora.as_ref());
+            let bytes = bytemuck::cast_slice::<f32, u8>(&values);
+            let made_id = put_host(&store, &name, Group::Param, DType::F32, &shape, bytes);
+            let id = match made_id {
+                Ok(id) => id,
+                Err(e) => {
+                    for id in made {
+                        let _ = store.remove(id);
+                    }
+                    return Err(strata_err(&name, e));
+                }
+            };
+            made.push(id);
+            let info = store.info(id).map_err(|e| strata_err(&name, e))?;
+            ordered.push((name, id, info));
+        }
         let mut params = Vec::new();
-        for (name, id, info) in infos {
+        let mut stages = vec![Vec::new(); layers_n + 2];
+        for (name, id, info) in ordered {
             let stage = if name == EMBED {
                 0
             } else if name == NORM || name == LM_HEAD {
                 layers_n + 1
             } else {
-                let l: usize = name
-                    .strip_prefix("model.layers.")
-                    .and_then(|r| r.split('.').next())
-                    .and_then(|n| n.parse().ok())
-                    .unwrap_or(0);
-                block_stage(l)
+                block_stage(layer_of(&name).unwrap_or(0))
             };
+            stages[stage].push(name.clone());
             // Home in host memory: the Cpu engine updates it there, and the device tier only
             // caches what a stage uses.
             if !info.tiers.iter().any(|t| matches!(t, Tier::Pinned | Tier::Mapped)) {
@@ -837,7 +1012,7 @@ impl Trainer {
                 }
             }
             store.set_group(id, Group::Param).map_err(|e| strata_err(&name, e))?;
-            params.push(Param { trainable: !train.is_frozen(&name), name, id, stage });
+            params.push(Param { trainable: train.is_trained(&name), name, id, stage });
         }
 
         let names: Vec<(String, TensorId)> =
@@ -886,13 +1061,17 @@ impl Trainer {
             }
             _ => None,
         };
-        let rope = Rope::new(&config, train.seq, device)?;
+        let block_tensors = block.tensors();
         Ok(Trainer {
             config,
             train,
             store,
             layers,
-            rope,
+            block,
+            block_tensors,
+            specs,
+            stages,
+            base_crc: None,
             dtype,
             params,
             opt,
@@ -966,30 +1145,46 @@ impl Trainer {
         self.params.iter().map(|p| (p.name.clone(), p.id)).collect()
     }
 
+    /// The tensors stage `stage` reads: a block's, its adapters', the head's (the embedding
+    /// table's when tied).
     fn stage_names(&self, stage: usize) -> Vec<String> {
-        let n = self.config.num_hidden_layers;
         match stage {
-            0 => vec![EMBED.to_string()],
-            s if s <= n => self.config.block_names(s - 1),
+            s if s <= self.config.num_hidden_layers => self.stages[s].clone(),
             _ => self.config.head_names().iter().map(|s| s.to_string()).collect(),
         }
+    }
+
+    /// The block's kind ([`Block::kind`]).
+    pub fn block_kind(&self) -> String {
+        self.block.kind()
+    }
+
+    /// The LoRA adapters (none without [`TrainConfig::lora`]).
+    pub fn adapters(&self) -> &[AdapterSpec] {
+        &self.specs
+    }
+
+    /// Block `l`'s weights for its forward, from `get(name)`.
+    fn weights_of(
+        &self,
+        l: usize,
+        get: impl Fn(&str) -> Option<Tensor>,
+    ) -> candle_core::Result<Weights> {
+        let scale = self.train.lora.as_ref().map_or(1.0, LoraConfig::scale);
+        block_weights(&self.block_tensors, &self.specs, scale, l, get)
     }
 
     /// Waits until the updates writing what stages `stages` read have run; returns the seconds
     /// waited.
     fn wait_for(&mut self, stages: &[usize]) -> candle_core::Result<f64> {
+        let mut writers = Vec::new();
+        for &s in stages {
+            let names = self.stage_names(s);
+            writers.extend(self.params.iter().filter(|p| names.contains(&p.name)).map(|p| p.stage));
+        }
         let (Some(opt), Some(u)) = (self.opt.as_mut(), self.updates.as_ref()) else {
             return Ok(0.0);
         };
-        let mut writers = Vec::new();
-        for &s in stages {
-            let names = match s {
-                0 => vec![EMBED.to_string()],
-                s if s <= self.config.num_hidden_layers => self.config.block_names(s - 1),
-                _ => self.config.head_names().iter().map(|s| s.to_string()).collect(),
-            };
-            writers.extend(self.params.iter().filter(|p| names.contains(&p.name)).map(|p| p.stage));
-        }
         let Some(last) = u.stages.iter().rposition(|s| writers.contains(s)) else {
             return Ok(0.0);
         };
@@ -1110,6 +1305,18 @@ impl Trainer {
     /// loss or gradient norm that is not finite fails the step with [`TrainError::NonFinite`]
     /// before anything is updated (or skips it: [`TrainConfig::skip_nonfinite`]).
     pub fn step(&mut self, batches: &[Tensor]) -> candle_core::Result<StepReport> {
+        self.step_masked(batches, None)
+    }
+
+    /// [`Trainer::step`] with the loss on some targets only: `masks` has one `[micro_batch,
+    /// seq]` tensor a micro-batch, 1 where the target (the next token) counts and 0 where it
+    /// does not (a prompt, for instruction data whose loss is on the responses). The loss is
+    /// the mean over the step's counted targets; a step with none is refused.
+    pub fn step_masked(
+        &mut self,
+        batches: &[Tensor],
+        masks: Option<&[Tensor]>,
+    ) -> candle_core::Result<StepReport> {
         self.check_whole()?;
         let t0 = Instant::now();
         self.waits.clear();
@@ -1120,6 +1327,7 @@ impl Trainer {
         let stats0 = self.store.stats();
         let (tc, cfg) = (self.train.clone(), self.config.clone());
         check_batches(&tc, &cfg, batches)?;
+        let masks = masks.map(|m| prepare_masks(&tc, m)).transpose()?;
         let n_layers = cfg.num_hidden_layers;
         let head = n_layers + 1;
         let mut clock = ComputeClock::new(self.layers.device());
@@ -1144,18 +1352,13 @@ impl Trainer {
             self.wait_for(&[stage, stage + 1])?;
             let (this, next) = (names(self, stage), names(self, stage + 1));
             let w = self.layers.fetch(&refs(&this), &refs(&next))?;
-            let prefix = LlamaConfig::block_prefix(l);
-            let bw = BlockWeights::from_fn(&cfg, |s| {
-                w.get(&format!("{prefix}{s}")).cloned().ok_or_else(|| {
-                    candle_core::Error::CannotFindTensor { path: format!("{prefix}{s}") }.bt()
-                })
-            })?;
+            let bw = self.weights_of(l, |n| w.get(n).cloned())?;
             for (m, x) in xs.iter_mut().enumerate() {
                 let ck = &self.checkpoints[l][m];
                 let id = self.layers.id(ck).expect("checkpoint");
                 candle_to_store(&self.store, self.layers.stream(), ck, id, x)?;
                 clock.start()?;
-                *x = block_forward(&cfg, &bw, x, &self.rope, 0, None)?;
+                *x = self.block.forward(l, &bw, x)?;
                 clock.stop()?;
             }
         }
@@ -1171,7 +1374,8 @@ impl Trainer {
         let w = self.layers.fetch(&refs(&head_names), &refs(&next))?.into_tensors();
         let vars = self.as_vars(&w, &head_names)?;
         drop(w);
-        let scale = 1.0 / (tc.micro_batch * tc.seq * tc.accum) as f64;
+        let counted = masks.as_ref().map_or(tc.micro_batch * tc.seq * tc.accum, |m| m.1);
+        let scale = 1.0 / counted as f64;
         let mut losses = Vec::with_capacity(tc.accum);
         // One f32 buffer per parameter of the stage, each micro-batch's gradient added in place
         // (a tied embedding's: the head's share, until the embedding's backward adds its rows).
@@ -1182,7 +1386,8 @@ impl Trainer {
             let xv = Var::from_tensor(&x)?;
             let logits =
                 head_logits(&cfg, xv.as_tensor(), &vars[NORM].0, &vars[head_names[1].as_str()].0)?;
-            let l = next_token_loss(&logits, &io[m].1, scale)?;
+            let mask = masks.as_ref().map(|ms| &ms.0[m]);
+            let l = next_token_loss_masked(&logits, &io[m].1, mask, scale)?;
             let grads = l.backward()?;
             losses.push(l);
             grads_in.push(grad_of(&grads, &xv, "the head's input")?);
@@ -1223,12 +1428,11 @@ impl Trainer {
             };
             let w = self.layers.fetch(&refs(&this), &refs(&next))?.into_tensors();
             let vars = self.as_vars(&w, &this[..weights_n])?;
-            let prefix = LlamaConfig::block_prefix(l);
-            let bw = BlockWeights::from_fn(&cfg, |s| Ok(vars[&format!("{prefix}{s}")].0.clone()))?;
+            let bw = self.weights_of(l, |n| vars.get(n).map(|v| v.0.clone()))?;
             clock.start()?;
             for (m, gy) in grads_in.iter_mut().enumerate() {
                 let xv = Var::from_tensor(&w[&self.checkpoints[l][m]])?;
-                let y = block_forward(&cfg, &bw, xv.as_tensor(), &self.rope, 0, None)?;
+                let y = self.block.forward(l, &bw, xv.as_tensor())?;
                 let grads = y.mul(gy)?.sum_all()?.backward()?;
                 for (name, (_, var)) in &vars {
                     if let Some(v) = var {
@@ -1426,6 +1630,9 @@ impl Trainer {
     ) -> candle_core::Result<PathBuf> {
         self.check_whole()?;
         self.settle()?;
+        if self.train.lora.is_some() {
+            self.base_crc()?;
+        }
         checkpoint::save(self, dir.as_ref(), keep)
     }
 
@@ -1573,6 +1780,41 @@ fn check_batches(
     Ok(())
 }
 
+/// A step's loss masks, checked: one `[micro_batch, seq]` a micro-batch, every value 0 (the
+/// target does not count) or 1, at least one target counted in the step. Gives them as f32
+/// `[micro_batch · seq]` (what the loss multiplies by) and how many targets count.
+fn prepare_masks(tc: &TrainConfig, masks: &[Tensor]) -> candle_core::Result<(Vec<Tensor>, usize)> {
+    if masks.len() != tc.accum {
+        candle_core::bail!("{} loss masks for a step of {} micro-batches", masks.len(), tc.accum);
+    }
+    let mut out = Vec::with_capacity(masks.len());
+    let mut count = 0usize;
+    for m in masks {
+        if m.dims() != [tc.micro_batch, tc.seq] {
+            candle_core::bail!(
+                "a loss mask of {:?}: [{}, {}] (one flag a target) is needed",
+                m.dims(),
+                tc.micro_batch,
+                tc.seq
+            );
+        }
+        let f = m.to_dtype(CDType::F32)?.flatten_all()?.contiguous()?;
+        let v = f.to_vec1::<f32>()?;
+        if let Some(x) = v.iter().find(|&&x| x != 0.0 && x != 1.0) {
+            candle_core::bail!("a loss mask holds {x}: 0 (not counted) or 1 (counted)");
+        }
+        count += v.iter().filter(|&&x| x == 1.0).count();
+        out.push(f);
+    }
+    if count == 0 {
+        return Err(invalid(
+            "no target of the step counts in the loss (every mask is 0): leave such rows out"
+                .into(),
+        ));
+    }
+    Ok((out, count))
+}
+
 fn read_f32(store: &Store, name: &str, id: TensorId) -> candle_core::Result<Vec<f32>> {
     let info = store.info(id).map_err(|e| strata_err(name, e))?;
     Ok(match info.dtype {
@@ -1603,16 +1845,26 @@ struct TwinParam {
 /// loss run through candle's plain `backward` (no recompute), the gradients summed over
 /// micro-batches into one f32 buffer per parameter on the device, and AdamW with fp32 masters
 /// and moments on the device too, updated in place by strata's optimizer arithmetic (its host
-/// loop [`cpu_update_scaled`](crate::optim::cpu_update_scaled) on the CPU, its `strata_adamw` kernel on CUDA): nothing crosses
-/// to the host but the loss and the gradient norm, read in one sync a step. It is the
-/// trainer's reference (on the CPU its losses and weights are the trainer's, bit for bit) and
-/// its baseline (what out of core is measured against on a GPU).
+/// loop [`cpu_update_scaled`](crate::optim::cpu_update_scaled) on the CPU, its `strata_adamw`
+/// kernel on CUDA): nothing crosses to the host but the loss and the gradient norm, read in one
+/// sync a step. It is the trainer's reference (on the CPU its losses and weights are the
+/// trainer's, bit for bit: with the Llama block or a [`Block`] of your own
+/// ([`LlamaTwin::with_block`]), with LoRA adapters, with loss masks) and its baseline (what out
+/// of core is measured against on a GPU).
+///
+/// **Training and generation.** The twin's Llama weights serve generation too:
+/// [`LlamaTwin::generator`] is an [`InMemoryLlama`](super::InMemoryLlama) over the very same
+/// tensors (no copy; each step updates them in place, adapters included), with its KV cache.
+/// They stay two types because they hold different things: the twin holds `Var`s, fp32 masters
+/// and moments and rotary tables for the training sequence; the generator a KV cache, tables
+/// for the cache's positions, and may compute in f16.
 pub struct LlamaTwin {
     config: LlamaConfig,
     train: TrainConfig,
+    block: Arc<dyn Block>,
+    block_tensors: Vec<(String, Vec<usize>)>,
+    specs: Vec<AdapterSpec>,
     params: Vec<TwinParam>,
-    rope: Rope,
-    dtype: CDType,
     step: u64,
     kernels: Kernels,
 }
@@ -1625,9 +1877,23 @@ impl std::fmt::Debug for LlamaTwin {
 
 impl LlamaTwin {
     /// A twin of a model of `config` from its weights (every tensor [`LlamaConfig::tensors`]
-    /// names, f32 or bf16, on `device`).
+    /// names, f32 or bf16, on `device`); with [`TrainConfig::lora`], the adapters the trainer
+    /// makes (the same initial values).
     pub fn new(
         config: LlamaConfig,
+        train: TrainConfig,
+        weights: HashMap<String, Tensor>,
+        device: &Device,
+    ) -> candle_core::Result<LlamaTwin> {
+        let positions = train.seq.min(config.max_position_embeddings);
+        let block = Arc::new(LlamaBlock::new(&config, positions, device)?);
+        Self::with_block(config, block, train, weights, device)
+    }
+
+    /// [`LlamaTwin::new`] for a model whose blocks are `block` ([`Trainer::with_block`]).
+    pub fn with_block(
+        config: LlamaConfig,
+        block: Arc<dyn Block>,
         train: TrainConfig,
         weights: HashMap<String, Tensor>,
         device: &Device,
@@ -1635,21 +1901,40 @@ impl LlamaTwin {
         let first = weights.values().next().map(|t| t.dtype());
         let dtype = if first == Some(CDType::BF16) { DType::BF16 } else { DType::F32 };
         train.validate(&config, dtype, device)?;
+        let base = model_tensors(&config, block.as_ref());
+        let specs = match &train.lora {
+            Some(l) => adapter_specs(&config, block.as_ref(), l)?,
+            None => Vec::new(),
+        };
         let mut params = Vec::new();
         let mut dtype = None;
-        for (name, shape) in config.tensors() {
-            let t = weights
-                .get(&name)
-                .ok_or_else(|| candle_core::Error::CannotFindTensor { path: name.clone() }.bt())?
-                .to_device(device)?;
+        for (name, shape, init) in run_params(&base, &specs) {
+            let t = match init {
+                Init::Given => {
+                    let t = weights
+                        .get(&name)
+                        .ok_or_else(|| {
+                            candle_core::Error::CannotFindTensor { path: name.clone() }.bt()
+                        })?
+                        .to_device(device)?;
+                    let d = t.dtype();
+                    if *dtype.get_or_insert(d) != d || !matches!(d, CDType::F32 | CDType::BF16) {
+                        candle_core::bail!(
+                            "{name} is {d:?}: one dtype, f32 or bf16, for every parameter"
+                        );
+                    }
+                    t
+                }
+                _ => Tensor::from_vec(
+                    init_values(init, &shape, train.lora.as_ref()),
+                    shape.as_slice(),
+                    device,
+                )?,
+            };
             if t.dims() != shape.as_slice() {
                 candle_core::bail!("{name} has shape {:?}, the config says {shape:?}", t.dims());
             }
-            let d = t.dtype();
-            if *dtype.get_or_insert(d) != d || !matches!(d, CDType::F32 | CDType::BF16) {
-                candle_core::bail!("{name} is {d:?}: one dtype, f32 or bf16, for every parameter");
-            }
-            let trainable = !train.is_frozen(&name);
+            let trainable = train.is_trained(&name);
             let (var, tensor, state) = if trainable {
                 let v = Var::from_tensor(&t)?;
                 let tensor = v.as_tensor().clone();
@@ -1659,31 +1944,39 @@ impl LlamaTwin {
             };
             params.push(TwinParam { name, shape, var, tensor, state });
         }
-        let rope = Rope::new(&config, train.seq, device)?;
         let kernels = Kernels::for_device(device)?;
-        let dtype = dtype.unwrap_or(CDType::F32);
-        Ok(LlamaTwin { config, train, params, rope, dtype, step: 0, kernels })
+        let block_tensors = block.tensors();
+        Ok(LlamaTwin { config, train, block, block_tensors, specs, params, step: 0, kernels })
     }
 
-    fn tensor(&self, name: &str) -> &Tensor {
-        &self.params.iter().find(|p| p.name == name).expect("a parameter").tensor
+    fn tensor(&self, name: &str) -> Option<&Tensor> {
+        self.params.iter().find(|p| p.name == name).map(|p| &p.tensor)
     }
 
-    /// The loss of one micro-batch from the embedding's output `x` (`[micro_batch, seq,
-    /// hidden]`) and its `targets`, scaled as a step's share.
-    fn loss(&self, x: &Tensor, targets: &Tensor) -> candle_core::Result<Tensor> {
+    fn needed(&self, name: &str) -> candle_core::Result<&Tensor> {
+        self.tensor(name)
+            .ok_or_else(|| candle_core::Error::CannotFindTensor { path: name.to_string() }.bt())
+    }
+
+    /// The f32 logits (`[batch · seq, vocab]`) of `ids` (`[batch, seq]`, u32).
+    pub fn logits(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
+        self.logits_from(&embed(self.needed(EMBED)?, ids)?)
+    }
+
+    /// The f32 logits from the embedding's output `x` (`[batch, seq, hidden]`): the blocks, the
+    /// final norm and the head.
+    fn logits_from(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let cfg = &self.config;
+        let scale = self.train.lora.as_ref().map_or(1.0, LoraConfig::scale);
         let mut x = x.clone();
         for l in 0..cfg.num_hidden_layers {
-            let prefix = LlamaConfig::block_prefix(l);
-            let bw =
-                BlockWeights::from_fn(cfg, |s| Ok(self.tensor(&format!("{prefix}{s}")).clone()))?;
-            x = block_forward(cfg, &bw, &x, &self.rope, 0, None)?;
+            let w = block_weights(&self.block_tensors, &self.specs, scale, l, |n| {
+                self.tensor(n).cloned()
+            })?;
+            x = self.block.forward(l, &w, &x)?;
         }
         let [norm, head] = cfg.head_names();
-        let logits = head_logits(cfg, &x, self.tensor(norm), self.tensor(head))?;
-        let t = &self.train;
-        next_token_loss(&logits, targets, 1.0 / (t.micro_batch * t.seq * t.accum) as f64)
+        head_logits(cfg, &x, self.needed(norm)?, self.needed(head)?)
     }
 
     /// One step over `batches`, as [`Trainer::step`]; returns the loss.
@@ -1693,15 +1986,29 @@ impl LlamaTwin {
     /// place, and the embedding's rows added into its buffer (after the head's share when the
     /// embeddings are tied) in f32, as the trainer makes them.
     pub fn step(&mut self, batches: &[Tensor]) -> candle_core::Result<f32> {
-        check_batches(&self.train, &self.config, batches)?;
+        self.step_masked(batches, None)
+    }
+
+    /// One step over `batches` with loss masks, as [`Trainer::step_masked`]; returns the loss.
+    pub fn step_masked(
+        &mut self,
+        batches: &[Tensor],
+        masks: Option<&[Tensor]>,
+    ) -> candle_core::Result<f32> {
+        let t = &self.train;
+        check_batches(t, &self.config, batches)?;
+        let masks = masks.map(|m| prepare_masks(t, m)).transpose()?;
+        let counted = masks.as_ref().map_or(t.micro_batch * t.seq * t.accum, |m| m.1);
         let mut acc: Vec<Option<Tensor>> = self.params.iter().map(|_| None).collect();
         let mut losses = Vec::with_capacity(batches.len());
         let mut rows = Vec::with_capacity(batches.len());
-        for b in batches {
+        for (m, b) in batches.iter().enumerate() {
             let (ids, targets) = inputs_and_targets(b)?;
+            let mask = masks.as_ref().map(|ms| &ms.0[m]);
             // The embedding's backward is the trainer's (below), so its output is a leaf here.
-            let x = Var::from_tensor(&embed(&self.tensor(EMBED).detach(), &ids)?)?;
-            let l = self.loss(x.as_tensor(), &targets)?;
+            let x = Var::from_tensor(&embed(&self.needed(EMBED)?.detach(), &ids)?)?;
+            let logits = self.logits_from(x.as_tensor())?;
+            let l = next_token_loss_masked(&logits, &targets, mask, 1.0 / counted as f64)?;
             let grads = l.backward()?;
             losses.push(l);
             for (p, a) in self.params.iter().zip(acc.iter_mut()) {
@@ -1740,18 +2047,18 @@ impl LlamaTwin {
         for (p, a) in self.params.iter().zip(acc) {
             let (Some(var), Some(state), Some(g)) = (&p.var, &p.state, a) else { continue };
             state.step(&g, &h, t, scale, &self.kernels)?;
-            // The compute copy: the master rounded to the weights' dtype (to nearest, ties to
-            // even, as the trainer's optimizer rounds it).
+            // The compute copy: the master rounded to the parameter's dtype (to nearest, ties
+            // to even, as the trainer's optimizer rounds it).
             let master = state.master()?.reshape(p.shape.as_slice())?;
-            var.set(&master.to_dtype(self.dtype)?)?;
+            var.set(&master.to_dtype(p.tensor.dtype())?)?;
         }
         self.step += 1;
         Ok(loss)
     }
 
-    /// A parameter's values (f32).
+    /// A parameter's values (f32): the model's, or a LoRA adapter's.
     pub fn param(&self, name: &str) -> candle_core::Result<Vec<f32>> {
-        self.tensor(name).flatten_all()?.to_dtype(CDType::F32)?.to_vec1::<f32>()
+        self.needed(name)?.flatten_all()?.to_dtype(CDType::F32)?.to_vec1::<f32>()
     }
 
     /// A trainable parameter's fp32 master weights (`None` for a frozen one), read from the
@@ -1761,5 +2068,34 @@ impl LlamaTwin {
             Some(s) => Ok(Some(s.master()?.to_vec1::<f32>()?)),
             None => Ok(None),
         }
+    }
+
+    /// The twin's model as an [`InMemoryLlama`](super::InMemoryLlama) that generates: the
+    /// twin's own tensors (no copy: what later steps change, it sees), its adapters applied
+    /// unmerged, computing in the weights' dtype. Only for the Llama block (a [`Block`] of your
+    /// own has no KV cache to generate with).
+    pub fn generator(&self) -> candle_core::Result<super::InMemoryLlama> {
+        if self.block.kind() != "llama" {
+            candle_core::bail!(
+                "a twin of {} blocks: generation runs the Llama block only",
+                self.block.kind()
+            );
+        }
+        let scale = self.train.lora.as_ref().map_or(1.0, LoraConfig::scale);
+        let mut blocks = Vec::with_capacity(self.config.num_hidden_layers);
+        for l in 0..self.config.num_hidden_layers {
+            let w = block_weights(&self.block_tensors, &self.specs, scale, l, |n| {
+                self.tensor(n).cloned()
+            })?;
+            blocks.push(super::llama::BlockWeights::from_weights(&self.config, &w)?);
+        }
+        let [norm, head] = self.config.head_names();
+        super::InMemoryLlama::from_parts(
+            &self.config,
+            self.needed(EMBED)?.clone(),
+            blocks,
+            self.needed(norm)?.clone(),
+            self.needed(head)?.clone(),
+        )
     }
 }

@@ -35,6 +35,7 @@ pub(crate) fn train_config(clip: Option<f64>, engine: Engine, frozen: &[&str]) -
         optimizer_threads: 2,
         frozen: frozen.iter().map(|s| s.to_string()).collect(),
         skip_nonfinite: false,
+        lora: None,
     }
 }
 

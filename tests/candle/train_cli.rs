@@ -476,9 +476,63 @@ fn the_plan_for_7b_on_the_h100_fits_and_one_that_cannot_is_refused() {
     assert_eq!(r.code, Some(1), "{}", r.stdout);
     assert!(r.stderr.contains("do not fit the Pinned tier"), "{}", r.stderr);
 
+    // LoRA over the same base: only the adapters' gradients and state, so the host that could
+    // not hold a full fine-tune holds it.
+    let mut lora = small.clone();
+    lora.extend(strings(&["--lora-rank", "16"]));
+    let r = run(&lora, Duration::from_secs(60));
+    assert_eq!(r.code, Some(0), "{}{}", r.stdout, r.stderr);
+    assert!(r.stdout.contains("disk: nothing"), "{}", r.stdout);
+
     let mut pinned = base;
     pinned.extend(strings(&["--pinned-budget", "100GiB"]));
     let r = run(&pinned, Duration::from_secs(60));
     assert_eq!(r.code, Some(0), "{}", r.stderr);
     assert!(r.stdout.contains("disk: ") && !r.stdout.contains("disk: nothing"), "{}", r.stdout);
+}
+
+/// A LoRA run of the example stopped and resumed (its base found again from the run's notes:
+/// the seed) ends where the whole run ends, adapters and their state bit for bit; its
+/// checkpoints are PEFT adapter directories; LoRA flags that disagree with the run, or come
+/// without a rank, are refused.
+#[test]
+fn a_lora_run_stopped_and_resumed_ends_where_the_whole_run_ends() {
+    let dir = tempfile::tempdir().unwrap();
+    let (whole, part, merged) =
+        (dir.path().join("whole"), dir.path().join("part"), dir.path().join("merged"));
+    let mut lora = tiny_run(4);
+    lora.extend(strings(&["--lora-rank", "4", "--lora-targets", "q_proj,o_proj,down_proj"]));
+    let mut args = lora.clone();
+    args.extend(strings(&["--save", whole.to_str().unwrap(), "--export-merged"]));
+    args.push(merged.to_str().unwrap().to_string());
+    let w = run(&args, Duration::from_secs(120));
+    assert_eq!(w.code, Some(0), "{}", w.stderr);
+    assert!(w.stdout.contains("LoRA: rank 4, alpha 8 (scale 2)"), "{}", w.stdout);
+    assert!(merged.join("model.safetensors.index.json").is_file());
+    let want = losses(&w.stdout);
+    assert_eq!(want.len(), 4, "{}", w.stdout);
+    let mut args = lora.clone();
+    args.extend(strings(&["--save", part.to_str().unwrap(), "--stop-after", "2"]));
+    let r = run(&args, Duration::from_secs(120));
+    assert_eq!(r.code, Some(0), "{}", r.stderr);
+    let mut got = losses(&r.stdout);
+    let resume = strings(&["--resume", part.to_str().unwrap(), "--save", part.to_str().unwrap()]);
+    let mut other = resume.clone();
+    other.extend(strings(&["--lora-rank", "8"]));
+    let r = run(&other, Duration::from_secs(60));
+    assert_eq!(r.code, Some(1));
+    assert!(r.stderr.contains("--lora-rank 8: the run's rank is 4"), "{}", r.stderr);
+    let r = run(&resume, Duration::from_secs(120));
+    assert_eq!(r.code, Some(0), "{}", r.stderr);
+    got.extend(losses(&r.stdout));
+    assert_eq!(got, want);
+    let (a, b) = (Checkpoint::open(&whole).unwrap(), Checkpoint::open(&part).unwrap());
+    assert!(a.path.join("adapter_config.json").is_file() && a.base_crc32.is_some());
+    assert!(tensors(&a.path) == tensors(&b.path), "the resumed run ended elsewhere");
+
+    let mut alone = tiny_run(2);
+    alone.extend(strings(&["--lora-alpha", "16"]));
+    let r = run(&alone, Duration::from_secs(60));
+    assert_eq!(r.code, Some(1));
+    assert!(r.stderr.contains("go with --lora-rank R"), "{}", r.stderr);
 }

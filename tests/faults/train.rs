@@ -48,6 +48,7 @@ fn train(engine: Engine) -> TrainConfig {
         optimizer_threads: 1,
         frozen: Vec::new(),
         skip_nonfinite: false,
+        lora: None,
     }
 }
 

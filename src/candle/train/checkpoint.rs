@@ -19,7 +19,9 @@ use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
-use super::{LlamaConfig, LrSchedule, TrainConfig, TrainError, Trainer};
+use super::adapters::is_adapter;
+use super::{LlamaConfig, LoraConfig, LrSchedule, TrainConfig, TrainError, Trainer};
+use crate::candle::lora::{peft_name, ADAPTER_CONFIG, ADAPTER_FILE};
 use crate::optim::{AdamW, Engine};
 use crate::types::{DType, TensorId};
 use crate::LoadOptions;
@@ -86,6 +88,11 @@ pub struct Checkpoint {
     pub files: Vec<CheckpointFile>,
     /// The caller's notes on the run ([`Trainer::set_notes`]).
     pub notes: BTreeMap<String, String>,
+    /// The kind of the model's blocks ([`Block::kind`](crate::candle::Block::kind)).
+    pub block: String,
+    /// A LoRA run's frozen base, which its checkpoints do not hold: the crc32 of its values
+    /// (a resume checks the trainer's base against it).
+    pub base_crc32: Option<u32>,
 }
 
 fn bad(path: &Path, why: impl Into<String>) -> candle_core::Error {
@@ -249,11 +256,23 @@ fn read_record(dir: &Path) -> candle_core::Result<Checkpoint> {
             .ok_or_else(|| miss("files[].crc32"))?;
         files.push(CheckpointFile { name: name.to_string(), bytes, crc32 });
     }
-    for required in [CONFIG, MODEL_INDEX] {
+    let lora = train.lora.is_some();
+    for required in [CONFIG, if lora { ADAPTER_FILE } else { MODEL_INDEX }] {
         if !files.iter().any(|f| f.name == required) {
             return Err(bad(&p, format!("does not list {required}")));
         }
     }
+    let base_crc32 = match lora {
+        false => None,
+        true => Some(
+            v["base_crc32"]
+                .as_str()
+                .and_then(|c| u32::from_str_radix(c, 16).ok())
+                .ok_or_else(|| miss("base_crc32 (a LoRA run's base)"))?,
+        ),
+    };
+    // Records from before blocks of one's own were Llama's.
+    let block = v["block"].as_str().unwrap_or("llama").to_string();
     let mut notes = BTreeMap::new();
     for (k, n) in v["notes"].as_object().ok_or_else(|| miss("notes"))? {
         notes.insert(k.clone(), n.as_str().ok_or_else(|| miss("notes (strings)"))?.to_string());
@@ -280,6 +299,8 @@ fn read_record(dir: &Path) -> candle_core::Result<Checkpoint> {
         frozen,
         files,
         notes,
+        block,
+        base_crc32,
     })
 }
 
@@ -323,7 +344,24 @@ fn train_json(t: &TrainConfig) -> serde_json::Value {
         "clip": t.clip.map(float),
         "engine": t.engine.name(), "optimizer_threads": t.optimizer_threads,
         "frozen": t.frozen, "skip_nonfinite": t.skip_nonfinite,
+        "lora": t.lora.as_ref().map(|l| serde_json::json!({
+            "rank": l.rank, "alpha": float(l.alpha), "targets": l.targets, "rslora": l.rslora,
+            "seed": l.seed,
+        })),
     })
+}
+
+fn lora_from(v: &serde_json::Value) -> Option<Option<LoraConfig>> {
+    if v.is_null() {
+        return Some(None);
+    }
+    Some(Some(LoraConfig {
+        rank: usize::try_from(v["rank"].as_u64()?).ok()?,
+        alpha: v["alpha"].as_str()?.parse().ok()?,
+        targets: strings(&v["targets"])?,
+        rslora: v["rslora"].as_bool()?,
+        seed: v["seed"].as_u64()?,
+    }))
 }
 
 fn train_from(v: &serde_json::Value) -> Option<TrainConfig> {
@@ -353,6 +391,7 @@ fn train_from(v: &serde_json::Value) -> Option<TrainConfig> {
         optimizer_threads: us("optimizer_threads")?,
         frozen: strings(&v["frozen"])?,
         skip_nonfinite: v["skip_nonfinite"].as_bool()?,
+        lora: lora_from(&v["lora"])?,
     })
 }
 
@@ -609,16 +648,26 @@ fn write_checkpoint(tr: &Trainer, tmp: &Path) -> candle_core::Result<()> {
     let mut model_map = serde_json::Map::new();
     let mut opt_map = serde_json::Map::new();
     let mut names = Vec::new();
+    let lora = tr.train.lora.is_some();
+    if lora {
+        // The adapters in PEFT's format (PeftModel.from_pretrained loads the checkpoint); the
+        // frozen base does not change and is not written (the record names it by its crc32).
+        tr.write_adapter(tmp, &meta)?;
+        names.push(ADAPTER_FILE.into());
+        names.push(ADAPTER_CONFIG.into());
+    }
     for stage in 0..stages {
         let mine: Vec<&super::Param> = tr.params.iter().filter(|p| p.stage == stage).collect();
-        let file = format!("model-{:05}-of-{stages:05}.safetensors", stage + 1);
-        let tensors: Vec<(TensorId, String)> =
-            mine.iter().map(|p| (p.id, p.name.clone())).collect();
-        tr.store.save_safetensors_with(tmp.join(&file), &tensors, &meta)?;
-        for p in &mine {
-            model_map.insert(p.name.clone(), file.clone().into());
+        if !lora {
+            let file = format!("model-{:05}-of-{stages:05}.safetensors", stage + 1);
+            let tensors: Vec<(TensorId, String)> =
+                mine.iter().map(|p| (p.id, p.name.clone())).collect();
+            tr.store.save_safetensors_with(tmp.join(&file), &tensors, &meta)?;
+            for p in &mine {
+                model_map.insert(p.name.clone(), file.clone().into());
+            }
+            names.push(file);
         }
-        names.push(file);
         let mut state = Vec::new();
         for p in mine.iter().filter(|p| p.trainable) {
             for suffix in ["master", "exp_avg", "exp_avg_sq"] {
@@ -670,7 +719,7 @@ fn write_checkpoint(tr: &Trainer, tmp: &Path) -> candle_core::Result<()> {
     }
     let frozen: Vec<&str> =
         tr.params.iter().filter(|p| !p.trainable).map(|p| p.name.as_str()).collect();
-    let record = serde_json::json!({
+    let mut record = serde_json::json!({
         "format": FORMAT,
         "version": VERSION,
         "run": meta["strata_run"],
@@ -686,7 +735,11 @@ fn write_checkpoint(tr: &Trainer, tmp: &Path) -> candle_core::Result<()> {
         "frozen": frozen,
         "notes": tr.notes,
         "files": files,
+        "block": tr.block.kind(),
     });
+    if let Some(c) = tr.base_crc.filter(|_| lora) {
+        record["base_crc32"] = format!("{c:08x}").into();
+    }
     write_synced(
         &tmp.join(RECORD),
         serde_json::to_string_pretty(&record).unwrap_or_default().as_bytes(),
@@ -767,9 +820,31 @@ fn check_compatible(tr: &Trainer, ck: &Checkpoint) -> candle_core::Result<()> {
             "the checkpoint is of another architecture",
         );
     }
+    if ck.block != tr.block.kind() {
+        return mismatch(
+            "blocks",
+            ck.block.clone(),
+            tr.block.kind(),
+            "the checkpoint is of another architecture",
+        );
+    }
     let dtype = if tr.dtype == candle_core::DType::BF16 { DType::BF16 } else { DType::F32 };
     if ck.dtype != dtype {
         return mismatch("dtype", ck.dtype.to_string(), dtype.to_string(), FRESH);
+    }
+    let show_lora = |l: &Option<LoraConfig>| match l {
+        None => "none".to_string(),
+        Some(l) => format!(
+            "rank {}, alpha {}, targets {}, rslora {}",
+            l.rank,
+            l.alpha,
+            l.targets.join(","),
+            l.rslora
+        ),
+    };
+    let (saved_lora, lora) = (show_lora(&ck.train.lora), show_lora(&tr.train.lora));
+    if saved_lora != lora {
+        return mismatch("LoRA adapters", saved_lora, lora, FRESH);
     }
     let mut frozen: Vec<String> =
         tr.params.iter().filter(|p| !p.trainable).map(|p| p.name.clone()).collect();
@@ -811,17 +886,31 @@ fn check_compatible(tr: &Trainer, ck: &Checkpoint) -> candle_core::Result<()> {
             return mismatch(what, saved, here, hint);
         }
     }
+    if let (Some(saved), Some(here)) = (ck.base_crc32, tr.base_crc) {
+        if saved != here {
+            return mismatch(
+                "frozen base (crc32 of its values)",
+                format!("{saved:08x}"),
+                format!("{here:08x}"),
+                "a LoRA checkpoint holds the adapters only: resume it over the base it was \
+                 trained on (the run's --model, or its --init random --seed)",
+            );
+        }
+    }
     Ok(())
 }
 
 /// [`Trainer::resume`]: the trainer's updates are done.
 pub(super) fn resume(tr: &mut Trainer, path: &Path) -> candle_core::Result<()> {
     let ck = Checkpoint::open(path)?;
+    if tr.train.lora.is_some() {
+        tr.base_crc()?;
+    }
     check_compatible(tr, &ck)?;
     let opts = LoadOptions { name_prefix: "resume/".into(), ..LoadOptions::default() };
     let mut loaded = Vec::new();
     let mut r = Ok(());
-    for f in [MODEL_INDEX, OPT_INDEX] {
+    for f in [MODEL_INDEX, OPT_INDEX, ADAPTER_FILE] {
         if r.is_ok() && ck.files.iter().any(|x| x.name == f) {
             match tr.store.load_checkpoint(ck.path.join(f), opts.clone()) {
                 Ok(l) => loaded.push(l),
@@ -876,9 +965,18 @@ fn copy_state(
             }
         }
     }
-    let find = |name: &str| loaded.iter().find_map(|l| l.get(name));
-    let mut targets: Vec<(String, TensorId)> =
-        tr.params.iter().map(|p| (p.name.clone(), p.id)).collect();
+    let find = |name: &str| {
+        let peft = peft_name(name);
+        loaded.iter().find_map(|l| l.get(name).or_else(|| l.get(&peft)))
+    };
+    // A LoRA checkpoint holds the adapters, not the frozen base.
+    let lora = tr.train.lora.is_some();
+    let mut targets: Vec<(String, TensorId)> = tr
+        .params
+        .iter()
+        .filter(|p| !lora || is_adapter(&p.name))
+        .map(|p| (p.name.clone(), p.id))
+        .collect();
     for p in tr.params.iter().filter(|p| p.trainable) {
         for suffix in ["master", "exp_avg", "exp_avg_sq"] {
             let name = format!("{}.{suffix}", p.name);

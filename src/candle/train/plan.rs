@@ -257,8 +257,18 @@ impl TrainPlan {
         for (_, s) in &tensors {
             made.push((Group::Param, numel(s) * elem, Home::PinnedOnly));
         }
-        let trainable: Vec<u64> =
-            tensors.iter().filter(|(n, _)| !train.is_frozen(n)).map(|(_, s)| numel(s)).collect();
+        // What trains: every parameter no frozen pattern names, or with LoRA the adapters alone
+        // (A `[r, in]` and B `[out, r]` of each targeted 2-D weight, in f32).
+        let trainable: Vec<u64> = match &train.lora {
+            None => {
+                tensors.iter().filter(|(n, _)| !train.is_frozen(n)).map(|(_, s)| numel(s)).collect()
+            }
+            Some(l) => tensors
+                .iter()
+                .filter(|(n, s)| s.len() == 2 && n.contains(".layers.") && l.targets_linear(n))
+                .flat_map(|(_, s)| [(l.rank * s[1]) as u64, (s[0] * l.rank) as u64])
+                .collect(),
+        };
         for &n in &trainable {
             made.push((Group::Grad, 4 * n, Home::PinnedOnly));
         }
@@ -266,7 +276,8 @@ impl TrainPlan {
             Engine::GpuMapped => Home::Mapped,
             _ => Home::PinnedThenDisk,
         };
-        let per_state = if dtype == DType::F32 { 2 } else { 3 };
+        // The moments, and a master where the trained weights are not f32 (adapters are).
+        let per_state = if dtype == DType::F32 || train.lora.is_some() { 2 } else { 3 };
         for &n in &trainable {
             for _ in 0..per_state {
                 made.push((Group::OptimizerState, 4 * n, state_home));
@@ -359,12 +370,26 @@ impl TrainPlan {
         let disk_io = 2 * (st[Tier::Disk.index()] + ck[Tier::Disk.index()]);
         let alg = Algorithm::AdamW(AdamW::default());
         let optimizer_bytes = match train.engine {
-            Engine::Cpu => {
-                trainable.iter().map(|&n| update_bytes(&alg, n, dtype, DType::F32)).sum()
-            }
+            Engine::Cpu => trainable
+                .iter()
+                .map(|&n| {
+                    update_bytes(
+                        &alg,
+                        n,
+                        if train.lora.is_some() { DType::F32 } else { dtype },
+                        DType::F32,
+                    )
+                })
+                .sum(),
             _ => 0,
         };
-        let flops = config.training_flops(accum * tokens_mb, train.seq);
+        let mut flops = config.training_flops(accum * tokens_mb, train.seq);
+        if train.lora.is_some() {
+            // A frozen base's weight gradients are not computed: 2 of the 6 FLOPs a parameter
+            // and token.
+            let matmul = config.block_parameters() * layers + v * h;
+            flops -= 2.0 * matmul as f64 * (accum * tokens_mb) as f64;
+        }
         let mut budgets = [device_budget, pinned_budget, mapped, 0];
         budgets[Tier::Disk.index()] = used[Tier::Disk.index()];
         Ok(TrainPlan {

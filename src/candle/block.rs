@@ -1,0 +1,331 @@
+//! The trainer's unit: a block of your own ([`Block`]). The trainer and its in-memory twin run
+//! a decoder made of an embedding table, `num_hidden_layers` blocks and a head (the final
+//! RMSNorm and the output projection, tied or not); the blocks are whatever implements
+//! [`Block`]: a forward from the block's named weights and its input, and the weights it has,
+//! with their shapes. Out of core, recompute, gradients, LoRA adapters, save and resume then
+//! work for it as they work for the built-in Llama block ([`LlamaBlock`]).
+//!
+//! A block calls [`Weights::linear`] for each of its linear layers: that is where a LoRA
+//! adapter, when the run has one on that layer, adds its `scale · B·A·x` (PEFT's arithmetic),
+//! and where a frozen weight's gradient is left uncomputed ([`frozen_linear`]). The linears a
+//! block lists in [`Block::linears`] are those LoRA may adapt.
+//!
+//! A block of your own, copied from here (a pre-norm MLP block: LayerNorm with a bias, then a
+//! GELU MLP, added to its input), trained out of core under a Device tier smaller than two
+//! blocks:
+//!
+//! ```
+//! # fn main() -> candle_core::Result<()> {
+//! use std::sync::Arc;
+//! use candle_core::{Device, Tensor, D};
+//! use strata as st;
+//! use st::candle::{model_tensors, put_random_tensors, Block, LlamaConfig, TrainConfig, Trainer, Weights};
+//!
+//! struct MlpBlock { hidden: usize, inner: usize }
+//!
+//! impl Block for MlpBlock {
+//!     fn kind(&self) -> String { "mlp-block".into() }
+//!     fn tensors(&self) -> Vec<(String, Vec<usize>)> {
+//!         let (h, i) = (self.hidden, self.inner);
+//!         vec![("ln.weight".into(), vec![h]), ("ln.bias".into(), vec![h]),
+//!              ("fc.weight".into(), vec![i, h]), ("proj.weight".into(), vec![h, i])]
+//!     }
+//!     fn linears(&self) -> Vec<String> { vec!["fc.weight".into(), "proj.weight".into()] }
+//!     fn forward(&self, _layer: usize, w: &Weights, x: &Tensor) -> candle_core::Result<Tensor> {
+//!         // LayerNorm in ops that all have a backward.
+//!         let mean = x.mean_keepdim(D::Minus1)?;
+//!         let xc = x.broadcast_sub(&mean)?;
+//!         let inv = (xc.sqr()?.mean_keepdim(D::Minus1)? + 1e-5)?.sqrt()?.recip()?;
+//!         let n = xc.broadcast_mul(&inv)?.broadcast_mul(w.get("ln.weight")?)?.broadcast_add(w.get("ln.bias")?)?;
+//!         x.add(&w.linear("proj.weight", &w.linear("fc.weight", &n)?.gelu()?)?)
+//!     }
+//! }
+//!
+//! // The skeleton around the blocks: vocabulary, width, number of blocks, tied embeddings.
+//! let config = LlamaConfig::from_json(r#"{"hidden_size": 32, "intermediate_size": 64,
+//!     "num_hidden_layers": 3, "num_attention_heads": 4, "vocab_size": 50}"#)?;
+//! let block = Arc::new(MlpBlock { hidden: 32, inner: 64 });
+//! let device = Device::Cpu;
+//! let store = st::candle::store_for(&device,
+//!     st::Store::builder().capacity(st::Tier::Device, 24 << 10).prefetch_budget(24 << 10))?;
+//! let tensors = model_tensors(&config, block.as_ref());
+//! let weights = put_random_tensors(&store, &tensors, 1, st::DType::F32)?;
+//! let train = TrainConfig { micro_batch: 2, seq: 8, ..TrainConfig::default() };
+//! let mut trainer = Trainer::with_block(store, &device, config, block, train, weights)?;
+//! let tokens = Tensor::new(&[[1u32, 2, 3, 4, 5, 6, 7, 8, 9]; 2], &device)?;
+//! let first = trainer.step(&[tokens.clone()])?.loss;
+//! for _ in 0..5 {
+//!     trainer.step(&[tokens.clone()])?;
+//! }
+//! assert!(trainer.step(&[tokens])?.loss < first);
+//! # Ok(()) }
+//! ```
+
+use std::collections::HashMap;
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, Layout, Shape, Tensor};
+
+/// A LoRA adapter on one linear layer: `y = x·Wᵀ + scale · (x·Aᵀ)·Bᵀ` with `A` of `[rank, in]`
+/// and `B` of `[out, rank]` (PEFT's `lora_A` and `lora_B`), computed as PEFT computes it: the
+/// input cast to the adapter's dtype, `B(A(x))` times the scale, cast back to the base's
+/// output dtype and added.
+#[derive(Clone, Debug)]
+pub struct Adapter {
+    /// `lora_A`, `[rank, in]`.
+    pub a: Tensor,
+    /// `lora_B`, `[out, rank]`.
+    pub b: Tensor,
+    /// `alpha / rank` (or `alpha / sqrt(rank)` for rsLoRA).
+    pub scale: f64,
+}
+
+impl Adapter {
+    /// `y` (the base layer's output for `x`) plus the adapter's share.
+    pub fn add_to(&self, y: Tensor, x: &Tensor) -> candle_core::Result<Tensor> {
+        let xa = x.to_dtype(self.a.dtype())?;
+        let d = (plain_linear(&plain_linear(&xa, &self.a)?, &self.b)? * self.scale)?;
+        y.add(&d.to_dtype(y.dtype())?)
+    }
+}
+
+/// A block's weights as its forward reads them: candle tensors by their names within the block
+/// (`self_attn.q_proj.weight`), and the LoRA adapters of the linears that have one.
+#[derive(Clone, Debug, Default)]
+pub struct Weights {
+    tensors: HashMap<String, Tensor>,
+    adapters: HashMap<String, Adapter>,
+}
+
+impl Weights {
+    /// Weights of these tensors, without adapters.
+    pub fn new(tensors: HashMap<String, Tensor>) -> Weights {
+        Weights { tensors, adapters: HashMap::new() }
+    }
+
+    /// Adds an adapter on the linear whose weight is `name`.
+    pub fn with_adapter(mut self, name: impl Into<String>, adapter: Adapter) -> Weights {
+        self.adapters.insert(name.into(), adapter);
+        self
+    }
+
+    /// The tensor `name`; candle's `CannotFindTensor` naming it when the block has none.
+    pub fn get(&self, name: &str) -> candle_core::Result<&Tensor> {
+        self.tensors
+            .get(name)
+            .ok_or_else(|| candle_core::Error::CannotFindTensor { path: name.to_string() }.bt())
+    }
+
+    /// The adapter on the linear whose weight is `name`, if the run has one there.
+    pub fn adapter(&self, name: &str) -> Option<&Adapter> {
+        self.adapters.get(name)
+    }
+
+    /// The adapters, by their linear's weight name.
+    pub fn adapters(&self) -> &HashMap<String, Adapter> {
+        &self.adapters
+    }
+
+    /// The linear layer whose weight (`[out, in]`, PyTorch's `nn.Linear` layout) is `name`:
+    /// `x·Wᵀ` for `x` of `[.., in]`, plus its adapter's share when it has one. A weight that
+    /// is not being trained gets no gradient ([`frozen_linear`]); `x` still does.
+    pub fn linear(&self, name: &str, x: &Tensor) -> candle_core::Result<Tensor> {
+        let y = linear(x, self.get(name)?)?;
+        match self.adapters.get(name) {
+            Some(a) => a.add_to(y, x),
+            None => Ok(y),
+        }
+    }
+}
+
+/// A block a trainer can train: its weights by name and shape, its forward from them, and the
+/// linears LoRA may adapt. The [module docs](self) have one to copy.
+pub trait Block: Send + Sync {
+    /// What kind of block it is (`"llama"` for [`LlamaBlock`]): a checkpoint records it, and
+    /// resumes only on a trainer of the same kind.
+    fn kind(&self) -> String;
+
+    /// The block's tensors, `(name, shape)`, the names within the block (each block's are
+    /// `model.layers.N.` and these). The same for every block.
+    fn tensors(&self) -> Vec<(String, Vec<usize>)>;
+
+    /// The block's output for `x` (`[batch, seq, hidden]`, positions `0..seq`, causal) from
+    /// its weights, for block number `layer`. Every op must have a gradient (candle's autograd
+    /// runs the backward, recomputing the block from its input), and the same values must give
+    /// the same result (a block is recomputed for its backward). Linear layers should be
+    /// [`Weights::linear`], so that LoRA can adapt them.
+    fn forward(&self, layer: usize, w: &Weights, x: &Tensor) -> candle_core::Result<Tensor>;
+
+    /// The names of the weights (`[out, in]`) that [`Block::forward`] applies with
+    /// [`Weights::linear`]: the layers LoRA may adapt. None by default.
+    fn linears(&self) -> Vec<String> {
+        Vec::new()
+    }
+}
+
+/// Every tensor of a decoder of `config`'s skeleton with blocks `block`: the embedding table,
+/// each block's tensors under `model.layers.N.`, the final norm, and `lm_head.weight` when
+/// the embeddings are not tied. For [`LlamaBlock`] this is [`LlamaConfig::tensors`].
+///
+/// [`LlamaConfig::tensors`]: super::LlamaConfig::tensors
+pub fn model_tensors(config: &super::LlamaConfig, block: &dyn Block) -> Vec<(String, Vec<usize>)> {
+    use super::llama::{EMBED, LM_HEAD, NORM};
+    let h = config.hidden_size;
+    let mut v = vec![(EMBED.to_string(), vec![config.vocab_size, h])];
+    let mine = block.tensors();
+    for l in 0..config.num_hidden_layers {
+        let p = super::LlamaConfig::block_prefix(l);
+        v.extend(mine.iter().map(|(n, s)| (format!("{p}{n}"), s.clone())));
+    }
+    v.push((NORM.to_string(), vec![h]));
+    if !config.tie_word_embeddings {
+        v.push((LM_HEAD.to_string(), vec![config.vocab_size, h]));
+    }
+    v
+}
+
+/// The built-in Llama block ([`block_forward`](super::llama::block_forward): RMSNorm, rotary
+/// embeddings, grouped-query attention, SwiGLU; the fused ops) as a [`Block`]: its linears are
+/// the seven projections (`self_attn.{q,k,v,o}_proj`, `mlp.{gate,up,down}_proj`).
+#[derive(Clone, Debug)]
+pub struct LlamaBlock {
+    config: super::LlamaConfig,
+    rope: super::llama::Rope,
+}
+
+impl LlamaBlock {
+    /// The block of `config`, with rotary tables for `positions` positions on `device` (the
+    /// training sequence's length).
+    pub fn new(
+        config: &super::LlamaConfig,
+        positions: usize,
+        device: &candle_core::Device,
+    ) -> candle_core::Result<LlamaBlock> {
+        Ok(LlamaBlock {
+            config: config.clone(),
+            rope: super::llama::Rope::new(config, positions, device)?,
+        })
+    }
+}
+
+impl Block for LlamaBlock {
+    fn kind(&self) -> String {
+        "llama".into()
+    }
+
+    fn tensors(&self) -> Vec<(String, Vec<usize>)> {
+        let p = super::LlamaConfig::block_prefix(0);
+        self.config
+            .tensors()
+            .into_iter()
+            .filter_map(|(n, s)| n.strip_prefix(&p).map(|n| (n.to_string(), s)))
+            .collect()
+    }
+
+    fn forward(&self, _layer: usize, w: &Weights, x: &Tensor) -> candle_core::Result<Tensor> {
+        let bw = super::llama::BlockWeights::from_weights(&self.config, w)?;
+        super::llama::block_forward(&self.config, &bw, x, &self.rope, 0, None)
+    }
+
+    fn linears(&self) -> Vec<String> {
+        super::llama::BLOCK_TENSORS
+            .iter()
+            .filter(|s| s.ends_with("_proj.weight"))
+            .map(|s| s.to_string())
+            .collect()
+    }
+}
+
+/// `x·wᵀ` for `x` of `[.., in]` and a weight of `[out, in]`: [`frozen_linear`] when `x`
+/// carries a gradient and `w` cannot get one, else candle's matrix product.
+pub fn linear(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
+    if x.track_op() && !w.track_op() {
+        return frozen_linear(x, w);
+    }
+    plain_linear(x, w)
+}
+
+/// `x·wᵀ` in candle ops, over `x`'s last dimension.
+fn plain_linear(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
+    let dims = x.dims();
+    let i = *dims.last().unwrap_or(&0);
+    let rows = x.elem_count() / i.max(1);
+    let out = w.dims2()?.0;
+    let mut shape = dims.to_vec();
+    if let Some(last) = shape.last_mut() {
+        *last = out;
+    }
+    x.reshape((rows, i))?.matmul(&w.t()?)?.reshape(shape)
+}
+
+/// `x·wᵀ` whose backward gives `x` its gradient and `w` none: candle's matrix product
+/// computes both of its operands' gradients whatever they are (a frozen weight's full
+/// `[out, in]` gradient, thrown away), so a frozen base (LoRA) would cost a full fine-tune's
+/// backward. The forward is candle's own matrix product on the same operands, and the input's
+/// gradient is candle's own (`grad · w`): the same bits as [`linear`] gives without it.
+pub fn frozen_linear(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
+    let dims = x.dims();
+    let i = *dims.last().unwrap_or(&0);
+    let rows = x.elem_count() / i.max(1);
+    let out = w.dims2()?.0;
+    let mut shape = dims.to_vec();
+    if let Some(last) = shape.last_mut() {
+        *last = out;
+    }
+    x.reshape((rows, i))?
+        .apply_op2_arc(w, std::sync::Arc::new(Box::new(FrozenMatmul)))?
+        .reshape(shape)
+}
+
+/// [`frozen_linear`]'s op: `lhs · rhsᵀ`, the gradient to `lhs` only.
+struct FrozenMatmul;
+
+impl FrozenMatmul {
+    fn dims(l1: &Layout, l2: &Layout) -> candle_core::Result<(usize, usize, usize, Layout)> {
+        let (m, k) = l1.shape().dims2()?;
+        let (n, k2) = l2.shape().dims2()?;
+        if k != k2 {
+            candle_core::bail!("a frozen linear of {m}x{k} inputs and a {n}x{k2} weight");
+        }
+        Ok((m, n, k, l2.transpose(0, 1)?))
+    }
+}
+
+impl candle_core::CustomOp2 for FrozenMatmul {
+    fn name(&self) -> &'static str {
+        "frozen-linear"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (m, n, k, t) = Self::dims(l1, l2)?;
+        Ok((s1.matmul(s2, (1, m, n, k), l1, &t)?, Shape::from((m, n))))
+    }
+
+    #[cfg(feature = "candle-cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        let (m, n, k, t) = Self::dims(l1, l2)?;
+        Ok((s1.matmul(s2, (1, m, n, k), l1, &t)?, Shape::from((m, n))))
+    }
+
+    fn bwd(
+        &self,
+        _x: &Tensor,
+        w: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        Ok((Some(grad.matmul(w)?), None))
+    }
+}

@@ -1,0 +1,407 @@
+//! LoRA adapters (Hu et al., 2021) as PEFT makes, names and saves them: [`LoraConfig`] (rank,
+//! alpha, the target linears by name, rsLoRA), the adapters a config puts on a block
+//! ([`adapter_specs`]), PEFT's initialisation (`A` Kaiming-uniform with `a = sqrt(5)`, `B`
+//! zero), PEFT's files (`adapter_model.safetensors` with PEFT's tensor names,
+//! `adapter_config.json`: [`write_adapter_config`], [`read_adapter`]) and the merge
+//! `W + scale · B·A` ([`merge`]).
+//!
+//! The trainer ([`Trainer`](super::Trainer)) trains adapters over a frozen base streamed
+//! through the store: `TrainConfig::lora`. PEFT's names: the adapter of
+//! `model.layers.3.self_attn.q_proj.weight` is `model.layers.3.self_attn.q_proj.lora_A.weight`
+//! and `.lora_B.weight` here, and `base_model.model.` before those in PEFT's files
+//! ([`peft_name`]).
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use candle_core::{Device, Tensor};
+use serde_json::Value;
+
+use super::block::Block;
+use super::llama::SeededRng;
+use super::LlamaConfig;
+
+/// The adapters' file in a PEFT adapter directory.
+pub const ADAPTER_FILE: &str = "adapter_model.safetensors";
+/// The adapters' config in a PEFT adapter directory.
+pub const ADAPTER_CONFIG: &str = "adapter_config.json";
+/// What PEFT puts before a model's own tensor names in its files.
+const PEFT_PREFIX: &str = "base_model.model.";
+
+/// The fields of an `adapter_config.json` that [`LoraConfig::from_peft_json`] reads (or checks).
+const PEFT_READ: [&str; 14] = [
+    "peft_type",
+    "r",
+    "lora_alpha",
+    "lora_dropout",
+    "target_modules",
+    "use_rslora",
+    "use_dora",
+    "fan_in_fan_out",
+    "bias",
+    "rank_pattern",
+    "alpha_pattern",
+    "layers_to_transform",
+    "modules_to_save",
+    "layers_pattern",
+];
+
+/// Fields that change nothing of the computation when an adapter is loaded: where it came from,
+/// how PEFT initialised it, the PEFT version, and settings of variants that are off.
+const PEFT_HARMLESS: [&str; 13] = [
+    "base_model_name_or_path",
+    "revision",
+    "task_type",
+    "peft_version",
+    "inference_mode",
+    "init_lora_weights",
+    "auto_mapping",
+    "megatron_core",
+    "qalora_group_size",
+    "loftq_config",
+    "corda_config",
+    "eva_config",
+    "lora_ga_config",
+];
+
+/// Which linears get adapters, and their rank and scale. PEFT's `LoraConfig` without dropout
+/// (strata trains without it) and without DoRA.
+///
+/// ```
+/// use strata::candle::LoraConfig;
+/// let c = LoraConfig::new(8, 16.0, &["q_proj", "v_proj"]);
+/// assert_eq!(c.scale(), 2.0);                                  // alpha / rank
+/// assert!(c.targets_linear("self_attn.q_proj.weight"));      // PEFT's suffix match
+/// assert!(!c.targets_linear("self_attn.k_proj.weight"));
+/// assert_eq!(LoraConfig { rslora: true, ..c }.scale(), 16.0 / 8f64.sqrt());
+/// ```
+#[derive(Clone, Debug, PartialEq)]
+pub struct LoraConfig {
+    /// The adapters' rank `r` (at least 1).
+    pub rank: usize,
+    /// `lora_alpha`: the adapters' output is multiplied by `alpha / rank`.
+    pub alpha: f64,
+    /// Module names, matched as PEFT matches a list of `target_modules`: a linear whose module
+    /// (its weight's name without `.weight`) is the name or ends with `.` and the name
+    /// (`q_proj` takes every `...self_attn.q_proj`).
+    pub targets: Vec<String>,
+    /// rsLoRA (`use_rslora`): the scale is `alpha / sqrt(rank)`.
+    pub rslora: bool,
+    /// The seed of `A`'s initial values.
+    pub seed: u64,
+}
+
+impl LoraConfig {
+    /// Adapters of rank `rank` and `alpha` on `targets`, without rsLoRA, seed 0.
+    pub fn new(rank: usize, alpha: f64, targets: &[&str]) -> LoraConfig {
+        LoraConfig {
+            rank,
+            alpha,
+            targets: targets.iter().map(|s| s.to_string()).collect(),
+            rslora: false,
+            seed: 0,
+        }
+    }
+
+    /// What the adapters' output is multiplied by: `alpha / rank`, or `alpha / sqrt(rank)`
+    /// with rsLoRA (PEFT's `scaling`).
+    pub fn scale(&self) -> f64 {
+        match self.rslora {
+            true => self.alpha / (self.rank as f64).sqrt(),
+            false => self.alpha / self.rank as f64,
+        }
+    }
+
+    /// Whether the linear whose weight is `name` (within a block, or whole) is a target.
+    pub fn targets_linear(&self, name: &str) -> bool {
+        let module = name.strip_suffix(".weight").unwrap_or(name);
+        self.targets.iter().any(|t| module == t || module.ends_with(&format!(".{t}")))
+    }
+
+    /// Checks the config: a rank of at least 1, an alpha finite and above 0, at least one
+    /// target, none empty.
+    pub fn validate(&self) -> candle_core::Result<()> {
+        if self.rank == 0 {
+            candle_core::bail!("LoRA rank 0: at least 1");
+        }
+        if !(self.alpha.is_finite() && self.alpha > 0.0) {
+            candle_core::bail!("LoRA alpha {}: a finite number above 0", self.alpha);
+        }
+        if self.targets.is_empty() || self.targets.iter().any(|t| t.is_empty()) {
+            candle_core::bail!(
+                "LoRA targets {:?}: one module name or more (q_proj, v_proj, ...)",
+                self.targets
+            );
+        }
+        Ok(())
+    }
+
+    /// The config of a PEFT adapter directory (its `adapter_config.json`). What would change
+    /// the computation and is not supported is refused, naming the field: another
+    /// `peft_type`, `use_dora`, `fan_in_fan_out` (GPT-2's Conv1D layout), `bias` other than
+    /// `none`, per-module `rank_pattern` or `alpha_pattern`, `layers_to_transform`,
+    /// `modules_to_save`, `target_modules` as a regular expression, and a `lora_dropout`
+    /// above 0 (strata trains without dropout; set it to 0 to train on without it: merging
+    /// and generating do not use it).
+    pub fn from_peft(dir: impl AsRef<Path>) -> candle_core::Result<LoraConfig> {
+        let path = dir.as_ref().join(ADAPTER_CONFIG);
+        let text = super::read_text_file_needed(&path)?;
+        Self::from_peft_json(&text).map_err(|e| e.context(format!("in {}", path.display())))
+    }
+
+    /// [`LoraConfig::from_peft`] from the text of an `adapter_config.json`.
+    pub fn from_peft_json(text: &str) -> candle_core::Result<LoraConfig> {
+        let v: Value = serde_json::from_str(text)
+            .map_err(|e| candle_core::Error::Msg(format!("not JSON: {e}")).bt())?;
+        let refuse = |field: &str, why: &str| -> candle_core::Result<LoraConfig> {
+            candle_core::bail!("{field} {}: {why}", v[field])
+        };
+        if v["peft_type"].as_str() != Some("LORA") {
+            return refuse("peft_type", "only LoRA adapters are read");
+        }
+        let truthy = |k: &str| v[k].as_bool().unwrap_or(false);
+        if truthy("use_dora") {
+            return refuse("use_dora", "DoRA is not supported");
+        }
+        if truthy("fan_in_fan_out") {
+            return refuse("fan_in_fan_out", "weights of [in, out] (Conv1D) are not supported");
+        }
+        if !matches!(v["bias"].as_str(), None | Some("none")) {
+            return refuse("bias", "adapters with biases are not supported");
+        }
+        for k in ["rank_pattern", "alpha_pattern"] {
+            if v[k].as_object().is_some_and(|m| !m.is_empty()) {
+                return refuse(k, "per-module ranks and alphas are not supported");
+            }
+        }
+        for k in ["layers_to_transform", "modules_to_save", "layers_pattern"] {
+            let empty = match &v[k] {
+                Value::Null => true,
+                Value::Array(a) => a.is_empty(),
+                _ => false,
+            };
+            if !empty {
+                return refuse(k, "not supported: every layer's targets get adapters here");
+            }
+        }
+        // Any other field that is set may change the computation (PEFT adds variants often):
+        // refused, naming it, unless it is known to change nothing here.
+        if let Some(map) = v.as_object() {
+            for (k, x) in map {
+                let set = match x {
+                    Value::Null | Value::Bool(false) => false,
+                    Value::Array(a) => !a.is_empty(),
+                    Value::Object(o) => !o.is_empty(),
+                    _ => true,
+                };
+                if set && !PEFT_READ.contains(&k.as_str()) && !PEFT_HARMLESS.contains(&k.as_str()) {
+                    return refuse(k, "not supported: it may change the computation");
+                }
+            }
+        }
+        let dropout = v["lora_dropout"].as_f64().unwrap_or(0.0);
+        if dropout != 0.0 {
+            return refuse(
+                "lora_dropout",
+                "strata trains LoRA without dropout, so training on from this adapter would \
+                 not be PEFT's computation: set it to 0 in adapter_config.json (merging and \
+                 generation do not use it)",
+            );
+        }
+        let targets = match &v["target_modules"] {
+            Value::Array(a) => a
+                .iter()
+                .map(|t| t.as_str().map(str::to_string))
+                .collect::<Option<Vec<_>>>()
+                .ok_or_else(|| candle_core::Error::Msg("target_modules: names".into()))?,
+            Value::String(_) => {
+                return refuse(
+                    "target_modules",
+                    "a regular expression; a list of module names is read",
+                )
+            }
+            _ => return refuse("target_modules", "a list of module names is needed"),
+        };
+        let rank = v["r"].as_u64().and_then(|r| usize::try_from(r).ok());
+        let Some(rank) = rank else { return refuse("r", "a whole number is needed") };
+        let Some(alpha) = v["lora_alpha"].as_f64() else {
+            return refuse("lora_alpha", "a number is needed");
+        };
+        let mut targets = targets;
+        targets.sort();
+        let c = LoraConfig { rank, alpha, targets, rslora: truthy("use_rslora"), seed: 0 };
+        c.validate()?;
+        Ok(c)
+    }
+
+    /// This config as PEFT's `adapter_config.json` (`base`: the base model's path or name,
+    /// PEFT's `base_model_name_or_path`), which `PeftModel.from_pretrained` reads.
+    pub fn to_peft_json(&self, base: Option<&str>) -> String {
+        let mut targets = self.targets.clone();
+        targets.sort();
+        let alpha: Value = if self.alpha.fract() == 0.0 && self.alpha.abs() < 1e15 {
+            (self.alpha as i64).into()
+        } else {
+            self.alpha.into()
+        };
+        let v = serde_json::json!({
+            "peft_type": "LORA",
+            "task_type": "CAUSAL_LM",
+            "base_model_name_or_path": base,
+            "r": self.rank,
+            "lora_alpha": alpha,
+            "lora_dropout": 0.0,
+            "target_modules": targets,
+            "bias": "none",
+            "fan_in_fan_out": false,
+            "use_rslora": self.rslora,
+            "use_dora": false,
+            "init_lora_weights": true,
+            "inference_mode": true,
+            "modules_to_save": null,
+            "layers_to_transform": null,
+            "layers_pattern": null,
+            "rank_pattern": {},
+            "alpha_pattern": {},
+        });
+        serde_json::to_string_pretty(&v).unwrap_or_default()
+    }
+}
+
+/// One adapter a [`LoraConfig`] puts on a model: on block `layer`'s linear `linear` (its
+/// weight's name within the block), `A` and `B` under their names and shapes.
+#[derive(Clone, Debug, PartialEq)]
+pub struct AdapterSpec {
+    /// The block.
+    pub layer: usize,
+    /// The linear's weight, within the block (`self_attn.q_proj.weight`).
+    pub linear: String,
+    /// `lora_A`'s name (`model.layers.N.self_attn.q_proj.lora_A.weight`) and shape `[rank, in]`.
+    pub a: (String, Vec<usize>),
+    /// `lora_B`'s name and shape `[out, rank]`.
+    pub b: (String, Vec<usize>),
+}
+
+/// The adapters `lora` puts on a decoder of `config`'s skeleton with blocks `block`: on each
+/// block, each of [`Block::linears`] that a target names, in that order. A target that names
+/// none of them is an error (as PEFT refuses targets it does not find), and so is a linear
+/// that is not a 2-D weight named `*.weight`.
+pub fn adapter_specs(
+    config: &LlamaConfig,
+    block: &dyn Block,
+    lora: &LoraConfig,
+) -> candle_core::Result<Vec<AdapterSpec>> {
+    lora.validate()?;
+    let shapes: HashMap<String, Vec<usize>> = block.tensors().into_iter().collect();
+    let linears = block.linears();
+    let mut chosen = Vec::new();
+    for name in &linears {
+        if !lora.targets_linear(name) {
+            continue;
+        }
+        let module = name.strip_suffix(".weight").ok_or_else(|| {
+            candle_core::Error::Msg(format!("linear {name}: a weight's name ends in .weight"))
+        })?;
+        let shape = shapes.get(name).ok_or_else(|| {
+            candle_core::Error::Msg(format!("linear {name} is not one of the block's tensors"))
+        })?;
+        let [out, inp] = shape[..] else {
+            candle_core::bail!("linear {name} has shape {shape:?}: [out, in] is needed");
+        };
+        chosen.push((name.clone(), module.to_string(), out, inp));
+    }
+    for t in &lora.targets {
+        if !linears
+            .iter()
+            .any(|n| LoraConfig { targets: vec![t.clone()], ..lora.clone() }.targets_linear(n))
+        {
+            candle_core::bail!(
+                "LoRA target {t} names none of the block's linears ({})",
+                linears.join(", ")
+            );
+        }
+    }
+    let mut out = Vec::new();
+    for layer in 0..config.num_hidden_layers {
+        let p = LlamaConfig::block_prefix(layer);
+        for (name, module, o, i) in &chosen {
+            out.push(AdapterSpec {
+                layer,
+                linear: name.clone(),
+                a: (format!("{p}{module}.lora_A.weight"), vec![lora.rank, *i]),
+                b: (format!("{p}{module}.lora_B.weight"), vec![*o, lora.rank]),
+            });
+        }
+    }
+    Ok(out)
+}
+
+/// `lora_A`'s initial values, as PEFT initialises them (`nn.init.kaiming_uniform_(a =
+/// sqrt(5))`: uniform in `±1/sqrt(in)` for a `[rank, in]` matrix), from `seed` and the
+/// adapter's number: the same on every machine. (PEFT draws from torch's generator: the
+/// distribution is the same, not the values.)
+pub fn init_a(seed: u64, index: usize, shape: &[usize]) -> Vec<f32> {
+    let n: usize = shape.iter().product();
+    let fan_in = shape.get(1).copied().unwrap_or(1).max(1);
+    let bound = 1.0 / (fan_in as f64).sqrt();
+    let mut rng = SeededRng::new(seed ^ (index as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+    (0..n).map(|_| ((2.0 * rng.uniform() - 1.0) * bound) as f32).collect()
+}
+
+/// A model's tensor name as PEFT writes it in `adapter_model.safetensors`.
+pub fn peft_name(name: &str) -> String {
+    format!("{PEFT_PREFIX}{name}")
+}
+
+/// `W + scale · B·A` in f32 (PEFT's merge, `get_delta_weight`), for `w` of `[out, in]`.
+pub fn merge(w: &Tensor, a: &Tensor, b: &Tensor, scale: f64) -> candle_core::Result<Tensor> {
+    let f = candle_core::DType::F32;
+    w.to_dtype(f)?.add(&(b.to_dtype(f)?.matmul(&a.to_dtype(f)?)? * scale)?)
+}
+
+/// Writes `adapter_config.json` for `lora` into `dir`.
+pub fn write_adapter_config(
+    dir: &Path,
+    lora: &LoraConfig,
+    base: Option<&str>,
+) -> candle_core::Result<()> {
+    let p = dir.join(ADAPTER_CONFIG);
+    std::fs::write(&p, lora.to_peft_json(base)).map_err(|e| crate::Error::io(&p, e).into())
+}
+
+/// A PEFT adapter directory: its config ([`LoraConfig::from_peft`]) and its tensors
+/// (`adapter_model.safetensors`, f32, bf16 or f16, as f32 candle tensors on the CPU) under
+/// this crate's names (PEFT's `base_model.model.` taken off). A tensor that is not a LoRA
+/// `A` or `B` of a linear (an embedding's adapter, a DoRA magnitude) is refused, naming it.
+pub fn read_adapter(
+    dir: impl AsRef<Path>,
+) -> candle_core::Result<(LoraConfig, HashMap<String, Tensor>)> {
+    let dir = dir.as_ref();
+    let config = LoraConfig::from_peft(dir)?;
+    let path = dir.join(ADAPTER_FILE);
+    let bytes = crate::tiers::file::read_regular(&path)?;
+    let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| {
+        candle_core::Error::Msg(format!("{}: not a safetensors file ({e})", path.display())).bt()
+    })?;
+    let mut out = HashMap::new();
+    for (name, view) in st.tensors() {
+        let ours = name.strip_prefix(PEFT_PREFIX).unwrap_or(&name).to_string();
+        if !(ours.ends_with(".lora_A.weight") || ours.ends_with(".lora_B.weight")) {
+            candle_core::bail!(
+                "{}: tensor {name} is not a LoRA A or B of a linear (lora_A.weight, \
+                 lora_B.weight): not supported",
+                path.display()
+            );
+        }
+        let dtype = match view.dtype() {
+            safetensors::Dtype::F32 => candle_core::DType::F32,
+            safetensors::Dtype::BF16 => candle_core::DType::BF16,
+            safetensors::Dtype::F16 => candle_core::DType::F16,
+            other => candle_core::bail!("{}: tensor {name} is {other:?}", path.display()),
+        };
+        let t = Tensor::from_raw_buffer(view.data(), dtype, view.shape(), &Device::Cpu)?
+            .to_dtype(candle_core::DType::F32)?;
+        out.insert(ours, t);
+    }
+    Ok((config, out))
+}
