@@ -124,6 +124,7 @@ impl InplaceOp2 for AdamStep<'_> {
         lg: &Layout,
     ) -> candle_core::Result<()> {
         use crate::backend::cuda::programs::GradView;
+        use candle_core::backend::BackendStorage;
         let Some(k) = &self.kernels.cuda else {
             candle_core::bail!("AdamW on the device: no CUDA kernels were loaded for it")
         };
