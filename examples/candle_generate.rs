@@ -346,6 +346,9 @@ struct Timing {
     token_s: Vec<f64>,
     /// Wall seconds and new tokens of each timed generation.
     runs: Vec<(f64, usize)>,
+    /// Passes over the weights of every generation, timed or not (a batch's sequences share
+    /// each pass): what the store's traffic is divided by.
+    passes: usize,
 }
 
 /// Runs `warmup + steps` generations of every prompt at once; returns the tokens and the timed
@@ -370,6 +373,8 @@ fn run<M: CausalLm>(
             println!();
         }
         let now: Vec<Vec<u32>> = g.iter().map(|s| s.tokens.clone()).collect();
+        // The prompt's pass and one per new token but the last; the longest sequence's count.
+        t.passes += g.iter().map(|s| s.seconds.len()).max().unwrap_or(0);
         if tokens.as_ref().is_some_and(|t| *t != now) {
             return Err("two generations of the same prompts differ".into());
         }
@@ -387,7 +392,8 @@ fn run<M: CausalLm>(
     Ok((tokens.unwrap_or_default(), t))
 }
 
-fn report(label: &str, batch: usize, p: &Prompts, t: &mut Timing) {
+/// Prints the batch's figures; returns the median new token's pass in seconds.
+fn report(label: &str, batch: usize, p: &Prompts, t: &mut Timing) -> f64 {
     let label = if batch == 1 && label == "batched" { "generated" } else { label };
     let (pmin, pmed) = min_median(&mut t.prompt_s);
     let (tmin, tmed) = min_median(&mut t.token_s);
@@ -404,17 +410,22 @@ fn report(label: &str, batch: usize, p: &Prompts, t: &mut Timing) {
         ms(tmin),
         ms(tmed),
     );
+    tmed
+}
+
+/// What generation yields: the batch's tokens, the passes over the weights of every
+/// generation, and the batch's median new-token pass in seconds.
+struct Generated {
+    tokens: Vec<Vec<u32>>,
+    passes: usize,
+    token_pass_s: f64,
 }
 
 /// Generates the batch, and with `--solo` each prompt alone; checks they agree.
-fn generate_all<M: CausalLm>(
-    m: &M,
-    a: &Args,
-    p: &Prompts,
-    sampling: &Sampling,
-) -> Res<Vec<Vec<u32>>> {
+fn generate_all<M: CausalLm>(m: &M, a: &Args, p: &Prompts, sampling: &Sampling) -> Res<Generated> {
     let (tokens, mut t) = run(m, a, p, &p.ids, sampling, true)?;
-    report("batched", p.ids.len(), p, &mut t);
+    let token_pass_s = report("batched", p.ids.len(), p, &mut t);
+    let mut passes = t.passes;
     if a.solo && p.ids.len() > 1 {
         let mut solo = Timing::default();
         for (i, prompt) in p.ids.iter().enumerate() {
@@ -426,6 +437,7 @@ fn generate_all<M: CausalLm>(
                 )
                 .into());
             }
+            passes += t.passes;
             solo.prompt_s.extend(t.prompt_s);
             solo.token_s.extend(t.token_s);
             solo.runs.extend(t.runs);
@@ -433,7 +445,35 @@ fn generate_all<M: CausalLm>(
         report("each alone, one after the other", 1, p, &mut solo);
         println!("each sequence's tokens in the batch are its tokens alone");
     }
-    Ok(tokens)
+    Ok(Generated { tokens, passes, token_pass_s })
+}
+
+/// The PCIe floor of a token pass: the bytes that crossed into the Device tier per pass over
+/// the weights (every generation's, warm-up and `--solo` included), at the pinned-to-device
+/// bandwidth measured now, against the batch's median new-token pass; and the least a pass
+/// must move, the weights beyond the Device tier.
+fn pcie_floor(store: &st::Store, stored: u64, budget: u64, moved: u64, g: &Generated) -> Res<()> {
+    if g.passes == 0 {
+        return Ok(());
+    }
+    let h2d = st::optim::Bandwidths::measure(store, 0)?.h2d;
+    let per_pass = moved / g.passes as u64;
+    let floor = per_pass as f64 / h2d;
+    println!(
+        "PCIe floor of a token pass: {} into the Device tier a pass ({} passes), at {:.1} GB/s \
+         (pinned to device, measured now{}): {}; the median new token's pass {}: pass / floor \
+         = {:.2}; weights {}, beyond the Device tier {} (the least a pass moves)",
+        st::format_size(per_pass),
+        g.passes,
+        h2d / 1e9,
+        if store.cuda_context().is_some() { "" } else { "; host backend: a memcpy" },
+        ms(floor),
+        ms(g.token_pass_s),
+        g.token_pass_s / floor,
+        st::format_size(stored),
+        st::format_size(stored.saturating_sub(budget)),
+    );
+    Ok(())
 }
 
 fn main() {
@@ -477,6 +517,12 @@ fn real_main() -> Res<()> {
             )
         })?);
     }
+    // Random weights are stored as a checkpoint of the compute dtype would hold them: bf16 for
+    // --dtype bf16 (what crosses PCIe at each pass), f32 otherwise.
+    let init_dtype = match dtype {
+        CDType::BF16 => st::DType::BF16,
+        _ => st::DType::F32,
+    };
     let weight_bytes = 4 * config.parameters();
     let kv_bytes = (2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim)
         as u64
@@ -491,7 +537,7 @@ fn real_main() -> Res<()> {
     let store = st::candle::store_for(&device, builder)?;
     let weights = match &a.model {
         Some(path) => load_weights(&store, &config, path)?,
-        None => put_random_weights(&store, &config, a.init_seed, st::DType::F32)?,
+        None => put_random_weights(&store, &config, a.init_seed, init_dtype)?,
     };
     if let Some(dir) = &a.save_model {
         std::fs::create_dir_all(dir)?;
@@ -520,8 +566,12 @@ fn real_main() -> Res<()> {
         }
         let model = InMemoryLlama::new(&config, &map, dtype, &device)?;
         drop(map);
-        generate_all(&model, &a, &p, &sampling)?
+        generate_all(&model, &a, &p, &sampling)?.tokens
     } else {
+        let mut stored = 0u64;
+        for (_, id) in &weights {
+            stored += store.info(*id)?.bytes;
+        }
         let layers = Layers::new(store.clone(), weights, &device)?;
         let model = OutOfCoreLlama::new(layers, &config, dtype)?;
         let k = match a.resident {
@@ -536,15 +586,17 @@ fn real_main() -> Res<()> {
         let before = store.stats();
         let out = generate_all(&model, &a, &p, &sampling)?;
         let s = store.stats();
+        let moved = s.moved_into(st::Tier::Device) - before.moved_into(st::Tier::Device);
         println!(
             "out of core: {k} of {} blocks resident; {} into the Device tier, {} evictions; \
              KV cache up to {}",
             config.num_hidden_layers,
-            st::format_size(s.moved_into(st::Tier::Device) - before.moved_into(st::Tier::Device)),
+            st::format_size(moved),
             s.evictions - before.evictions,
             st::format_size(kv_bytes),
         );
-        out
+        pcie_floor(&store, stored, budget, moved, &out)?;
+        out.tokens
     };
     if p.ids.len() > 1 {
         for (i, t) in tokens.iter().enumerate() {

@@ -872,6 +872,65 @@ def parse_candle_train(text, step):
     return figs
 
 
+def parse_candle_resident_twin(text, step):
+    """examples/candle_train.rs --resident-twin: the resident twin's steps (`step` lines, read by
+    parse_candle_train) and then the out-of-core trainer's on the same batches (`out of core step`
+    lines) in one run, and the per-block throughput of out of core against resident."""
+    meta = step.get("meta", {})
+    label = meta.get("label", step["name"])
+    group = meta.get("group", GROUPS["candle-train"])
+    figs = parse_candle_train(text, step)
+    for f in figs:  # the `step` lines are the resident twin's
+        f["name"] = f["name"].replace(f"{label}: ", f"{label}: resident twin, ", 1)
+    ooc = [float(m.group(1)) for m in re.finditer(
+        r"^out of core step \d+/\d+: loss " + NUM + r".*?(" + NUM + r") tokens/s", text, re.M)]
+    if ooc:
+        figs.append(fig(f"{label}: out of core tokens/s", later_median(ooc), "tokens/s", group=group,
+                        note=f"median of steps 2-{len(ooc)}, the same batches as the twin's"))
+    floors = [float(m.group(1)) for m in re.finditer(
+        r"^out of core step \d+/\d+: .*: step / floor (" + NUM + r")\s*$", text, re.M)]
+    if floors:
+        figs.append(fig(f"{label}: out of core, a step against its floor", later_median(floors),
+                        "x max(compute, PCIe)", group=group,
+                        target=parse_target(meta.get("floor_target"), meta.get("floor_target_text"),
+                                            of="value"),
+                        note=f"median of steps 2-{len(floors)}; compute: the resident twin's step"))
+    m = first(r"^per block .*: out of core / resident = (" + NUM + r")", text)
+    if m:
+        figs.append(fig(f"{label}: out of core / resident, per block", float(m.group(1)),
+                        "of the resident twin's throughput", group=group,
+                        target=parse_target(meta.get("ratio_target"), meta.get("ratio_target_text"),
+                                            of="value")))
+    return figs
+
+
+def parse_candle_generate(text, step):
+    """examples/candle_generate.rs: the batch's tokens/s, and its median new-token pass against
+    the PCIe floor (the bytes that crossed into the Device tier a pass at the pinned-to-device
+    bandwidth the example measured in the same run)."""
+    meta = step.get("meta", {})
+    label = meta.get("label", step["name"])
+    group = meta.get("group", GROUPS["candle-generate"])
+    m = first(r"^(?:batched|generated), batch (\d+): (\d+) new tokens in (" + NUM + r") s, (" + NUM
+              + r") tokens/s", text)
+    if not m:
+        return []
+    figs = [fig(f"{label}: tokens/s", float(m.group(4)), "tokens/s", group=group, key=meta.get("key"),
+                note=f"batch {m.group(1)}: {m.group(2)} new tokens in {m.group(3)} s")]
+    f = first(r"^PCIe floor of a token pass: (" + SIZE + r") into the Device tier a pass \((\d+) passes\), "
+              r"at (" + NUM + r") GB/s.*?: (" + NUM + r") ms; the median new token's pass (" + NUM
+              + r") ms: pass / floor = (" + NUM + r"); weights (" + SIZE + r"), beyond the Device tier ("
+              + SIZE + r")", text)
+    if f:
+        figs.append(fig(f"{label}: a token pass against the PCIe floor", float(f.group(6)), "x the floor",
+                        group=group,
+                        target=parse_target(meta.get("target"), meta.get("target_text"), of="value"),
+                        note=f"{f.group(5)} ms a pass, floor {f.group(4)} ms: {f.group(1)} a pass at "
+                             f"{f.group(3)} GB/s (weights {f.group(7)}, {f.group(8)} beyond the Device "
+                             f"tier); PCIe alone: above 1 where the batch's compute exceeds it"))
+    return figs
+
+
 def parse_twin(text, step):
     """benches/gpu/lease.py twin: out of core against in memory (every step's loss within a
     relative tolerance, or the same last line)."""
@@ -901,7 +960,8 @@ PARSERS = {"libtest": parse_libtest, "sanitizer": parse_sanitizer, "criterion": 
            "optim-peers": parse_optim_peers, "strata-bench": parse_strata_bench, "anchors": parse_anchors,
            "core-bench": parse_core_bench, "hit-during-miss": parse_hit_during_miss,
            "many-tensors": parse_many_tensors, "strata-load": parse_strata_load,
-           "eviction-scale": parse_eviction_scale, "candle-train": parse_candle_train, "twin": parse_twin}
+           "eviction-scale": parse_eviction_scale, "candle-train": parse_candle_train, "twin": parse_twin,
+           "candle-resident-twin": parse_candle_resident_twin, "candle-generate": parse_candle_generate}
 NEEDS_BASE = {"strata-bench", "anchors"}
 # The table a kind's figures go to, unless the step's meta names another.
 GROUPS = {"libtest": "GPU test suite", "sanitizer": "compute-sanitizer",
@@ -918,6 +978,8 @@ GROUPS = {"libtest": "GPU test suite", "sanitizer": "compute-sanitizer",
           "strata-load": "store core: a checkpoint of many small tensors",
           "eviction-scale": "store core: making room when victims must spill, at scale",
           "candle-train": "training inside candle (a Llama-style decoder)",
+          "candle-resident-twin": "training inside candle (a Llama-style decoder)",
+          "candle-generate": "generation inside candle, out of core",
           "twin": "out of core against in memory",
           "fused-attention": "fused attention against PyTorch's SDPA"}
 
