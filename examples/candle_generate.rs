@@ -17,6 +17,9 @@
 //!   `--init random [--init-seed N]` (random weights, seed 1 by default); `--config FILE`, the
 //!   model's `config.json` (Llama, Mistral, Qwen2; default: `config.json` in the model's
 //!   directory);
+//! - `--adapter DIR`: a PEFT LoRA adapter (`adapter_model.safetensors`, `adapter_config.json`,
+//!   as `candle_train --lora-rank R --save DIR` or PEFT writes it) merged into the base weights
+//!   in the store before generating (`W + scale · B·A`; the model's files are not touched);
 //! - `--save-model DIR`: writes the weights and the config there (`model.safetensors`,
 //!   `config.json`) before generating, for a later `--model DIR`;
 //! - prompts, one or several (a batch): `--prompt-tokens 1,2,3` (token ids; repeat the flag for
@@ -63,7 +66,8 @@ const USAGE: &str = "usage: candle_generate (--model PATH [--config FILE] | --co
 --init random [--init-seed N]) (--prompt-tokens 1,2,3 ... | --tokenizer FILE [--chat] \
 [--system TEXT] (--prompt TEXT ... | --prompts FILE)) [--max-new N] [--stop-tokens IDS|none] \
 [--dtype f32|bf16|f16] [--device-budget SIZE] [--resident K|auto] [--temperature T] [--top-k K] \
-[--top-p P] [--seed S] [--steps N] [--warmup N] [--solo] [--save-model DIR] [--in-memory]";
+[--top-p P] [--seed S] [--steps N] [--warmup N] [--solo] [--adapter DIR] [--save-model DIR] \
+[--in-memory]";
 
 #[derive(Default)]
 struct Args {
@@ -71,6 +75,7 @@ struct Args {
     model: Option<PathBuf>,
     init_seed: u64,
     save_model: Option<PathBuf>,
+    adapter: Option<PathBuf>,
     prompt_tokens: Vec<Vec<u32>>,
     prompts: Vec<String>,
     prompts_file: Option<PathBuf>,
@@ -164,6 +169,7 @@ fn parse_flag(a: &mut Args, init: &mut bool, flag: &str, value: String) -> Res<(
         "--init" => return Err(format!("--init {value}: only `random`").into()),
         "--init-seed" => a.init_seed = count()? as u64,
         "--save-model" => a.save_model = Some(PathBuf::from(&value)),
+        "--adapter" => a.adapter = Some(PathBuf::from(&value)),
         "--prompt-tokens" => a.prompt_tokens.push(token_ids(&value, flag)?),
         "--prompt" => a.prompts.push(value),
         "--prompts" => a.prompts_file = Some(PathBuf::from(&value)),
@@ -539,6 +545,17 @@ fn real_main() -> Res<()> {
         Some(path) => load_weights(&store, &config, path)?,
         None => put_random_weights(&store, &config, a.init_seed, init_dtype)?,
     };
+    if let Some(dir) = &a.adapter {
+        let m = st::candle::lora::merge_adapter_into(&store, &weights, dir)?;
+        println!(
+            "merged the LoRA adapter {} (rank {}, alpha {}{}) into {} linears",
+            dir.display(),
+            m.config.rank,
+            m.config.alpha,
+            if m.config.rslora { ", rsLoRA" } else { "" },
+            m.linears.len()
+        );
+    }
     if let Some(dir) = &a.save_model {
         std::fs::create_dir_all(dir)?;
         let ids: Vec<_> = weights.iter().map(|(_, id)| *id).collect();

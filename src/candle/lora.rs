@@ -3,7 +3,8 @@
 //! ([`adapter_specs`]), PEFT's initialisation (`A` Kaiming-uniform with `a = sqrt(5)`, `B`
 //! zero), PEFT's files (`adapter_model.safetensors` with PEFT's tensor names,
 //! `adapter_config.json`: [`write_adapter_config`], [`read_adapter`]) and the merge
-//! `W + scale · B·A` ([`merge`]).
+//! `W + scale · B·A` ([`merge`]; into a store's base weights, for generating from an adapter
+//! without a merged copy on disk: [`merge_adapter_into`]).
 //!
 //! The trainer ([`Trainer`](super::Trainer)) trains adapters over a frozen base streamed
 //! through the store: `TrainConfig::lora`. PEFT's names: the adapter of
@@ -20,6 +21,7 @@ use serde_json::Value;
 use super::block::Block;
 use super::llama::SeededRng;
 use super::LlamaConfig;
+use crate::{DType, Store, TensorId};
 
 /// The adapters' file in a PEFT adapter directory.
 pub const ADAPTER_FILE: &str = "adapter_model.safetensors";
@@ -404,4 +406,155 @@ pub fn read_adapter(
         out.insert(ours, t);
     }
     Ok((config, out))
+}
+
+/// What [`merge_adapter_into`] merged.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MergedAdapter {
+    /// The adapter's config (rank, alpha, targets, rsLoRA), from its `adapter_config.json`.
+    pub config: LoraConfig,
+    /// The base weights changed, in the model's order of `weights`.
+    pub linears: Vec<String>,
+}
+
+/// Merges the PEFT adapter in `dir` ([`read_adapter`]) into the base weights that `weights`
+/// names in `store`: each adapted linear's `W` becomes `W + scale · B·A`, computed in f32 and
+/// written back in `W`'s dtype (f32 or bf16), as [`Trainer::save_merged`](super::Trainer::save_merged)
+/// and PEFT's `merge_and_unload` compute it. Then the model computes the fine-tuned weights
+/// with no adapter code: generation from a LoRA fine-tune without writing a merged copy
+/// (`candle_generate --adapter DIR`).
+///
+/// Everything is checked before anything is written: each `lora_A` has its `lora_B`; each pair
+/// adapts a linear `weights` names (`model.layers.3.self_attn.q_proj.weight` for
+/// `...q_proj.lora_A.weight`), with `A` of `[rank, in]` and `B` of `[out, rank]` against `W`'s
+/// `[out, in]` and the config's rank. A write that fails puts back the weights merged before
+/// it: on an error every tensor is as it was. The store's tensors change, never a file they
+/// were loaded from ([`Store::write`] writes a new copy).
+///
+/// ```no_run
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// use strata::candle::{load_weights, lora::merge_adapter_into, store_for, LlamaConfig};
+/// use candle_core::Device;
+/// let config = LlamaConfig::from_file("SmolLM2-135M/config.json")?;
+/// let store = store_for(&Device::Cpu, strata::Store::builder())?;
+/// let weights = load_weights(&store, &config, "SmolLM2-135M")?;
+/// let merged = merge_adapter_into(&store, &weights, "my-adapter")?;
+/// println!("rank {}: {} linears merged", merged.config.rank, merged.linears.len());
+/// # Ok(()) }
+/// ```
+pub fn merge_adapter_into(
+    store: &Store,
+    weights: &[(String, TensorId)],
+    dir: impl AsRef<Path>,
+) -> candle_core::Result<MergedAdapter> {
+    let dir = dir.as_ref();
+    let (config, mut tensors) = read_adapter(dir)?;
+    config.validate()?;
+    let file = dir.join(ADAPTER_FILE);
+    // Pair each A with its B, and both with the weight they adapt.
+    let mut pairs: Vec<(usize, Tensor, Tensor)> = Vec::new();
+    let mut names: Vec<String> = tensors.keys().cloned().collect();
+    names.sort();
+    for name in &names {
+        let Some(linear) = name.strip_suffix(".lora_A.weight") else {
+            if let Some(linear) = name.strip_suffix(".lora_B.weight") {
+                if !names.contains(&format!("{linear}.lora_A.weight")) {
+                    candle_core::bail!(
+                        "{}: {name} has no {linear}.lora_A.weight beside it",
+                        file.display()
+                    );
+                }
+            }
+            continue;
+        };
+        let base = format!("{linear}.weight");
+        let Some(index) = weights.iter().position(|(n, _)| *n == base) else {
+            candle_core::bail!(
+                "{}: {name} adapts {base}, which the model does not have (another \
+                 architecture's adapter?)",
+                file.display()
+            );
+        };
+        let a = tensors.remove(name).expect("listed");
+        let Some(b) = tensors.remove(&format!("{linear}.lora_B.weight")) else {
+            candle_core::bail!(
+                "{}: {name} has no {linear}.lora_B.weight beside it",
+                file.display()
+            );
+        };
+        let info = store.info(weights[index].1).map_err(|e| super::strata_err(&base, e))?;
+        let w = info.shape.as_slice();
+        let ok = w.len() == 2 && a.dims() == [config.rank, w[1]] && b.dims() == [w[0], config.rank];
+        if !ok {
+            candle_core::bail!(
+                "{}: {name} is {:?} and its B {:?}; {base} is {w:?} and the adapter's rank {}: \
+                 A must be [rank, in], B [out, rank]",
+                file.display(),
+                a.dims(),
+                b.dims(),
+                config.rank
+            );
+        }
+        if !matches!(info.dtype, DType::F32 | DType::BF16) {
+            candle_core::bail!("{base} is {}: adapters merge into f32 or bf16 weights", info.dtype);
+        }
+        pairs.push((index, a, b));
+    }
+    if pairs.is_empty() {
+        candle_core::bail!("{}: no LoRA adapter in it", file.display());
+    }
+    pairs.sort_by_key(|p| p.0);
+    let scale = config.scale();
+    // The weights merged so far, with their bytes before: put back if a later write fails.
+    let mut done: Vec<(usize, Vec<u8>)> = Vec::with_capacity(pairs.len());
+    let mut run = || -> candle_core::Result<()> {
+        for (index, a, b) in &pairs {
+            let (name, id) = &weights[*index];
+            let info = store.info(*id).map_err(|e| super::strata_err(name, e))?;
+            let (before, w) = match info.dtype {
+                DType::BF16 => {
+                    let v = store
+                        .read_vec::<half::bf16>(*id)
+                        .map_err(|e| super::strata_err(name, e))?;
+                    let w: Vec<f32> = v.iter().map(|x| x.to_f32()).collect();
+                    (bytemuck::cast_slice::<half::bf16, u8>(&v).to_vec(), w)
+                }
+                _ => {
+                    let v = store.read_vec::<f32>(*id).map_err(|e| super::strata_err(name, e))?;
+                    (bytemuck::cast_slice::<f32, u8>(&v).to_vec(), v)
+                }
+            };
+            let w = Tensor::from_vec(w, info.shape.as_slice(), &Device::Cpu)?;
+            let m = merge(&w, a, b, scale)?.flatten_all()?.to_vec1::<f32>()?;
+            let bytes = match info.dtype {
+                DType::BF16 => {
+                    let v: Vec<half::bf16> = m.iter().map(|&x| half::bf16::from_f32(x)).collect();
+                    bytemuck::cast_slice::<half::bf16, u8>(&v).to_vec()
+                }
+                _ => bytemuck::cast_slice::<f32, u8>(&m).to_vec(),
+            };
+            store.write(*id, &bytes).map_err(|e| super::strata_err(name, e))?;
+            done.push((*index, before));
+        }
+        Ok(())
+    };
+    if let Err(e) = run() {
+        let mut kept = Vec::new();
+        for (index, before) in done.iter().rev() {
+            let (name, id) = &weights[*index];
+            if store.write(*id, before).is_err() {
+                kept.push(name.clone());
+            }
+        }
+        if kept.is_empty() {
+            return Err(e);
+        }
+        candle_core::bail!(
+            "{e}; and putting back the weights merged before it failed: {} still merged \
+             (load the base again)",
+            kept.join(", ")
+        );
+    }
+    let linears = pairs.iter().map(|(i, _, _)| weights[*i].0.clone()).collect();
+    Ok(MergedAdapter { config, linears })
 }

@@ -7,7 +7,7 @@
 use std::collections::HashMap;
 
 use candle_core::{Device, Tensor};
-use strata::candle::lora::{read_adapter, ADAPTER_CONFIG, ADAPTER_FILE};
+use strata::candle::lora::{merge_adapter_into, read_adapter, ADAPTER_CONFIG, ADAPTER_FILE};
 use strata::candle::{
     load_weights, put_random_weights, CausalLm, InMemoryLlama, LlamaConfig, LlamaTwin, LoraConfig,
     TrainConfig, Trainer,
@@ -258,6 +258,72 @@ fn a_peft_adapter_written_here_reads_back_and_a_merged_export_computes_the_same_
     assert!(base.iter().zip(&w).any(|(a, b)| (a - b).abs() > 100.0 * diff.max(1e-7)));
 }
 
+/// Every tensor's bytes, by name.
+fn bytes_of(s: &strata::Store, w: &[(String, strata::TensorId)]) -> HashMap<String, Vec<u8>> {
+    w.iter().map(|(n, id)| (n.clone(), s.read(*id).unwrap())).collect()
+}
+
+#[test]
+fn an_adapter_merged_into_the_store_is_the_merged_export_bit_for_bit_and_a_wrong_one_changes_nothing(
+) {
+    let c = tiny(false);
+    let t = lora_config(None, &["q_proj", "v_proj", "up_proj"]);
+    for dtype in [DType::BF16, DType::F32] {
+        let (mut tr, _) = pair(&c, &t, 12, dtype);
+        for step in 0..2 {
+            tr.step(&batches(step, &c, &t)).unwrap();
+        }
+        let dir = tempfile::tempdir().unwrap();
+        tr.save_adapter(dir.path().join("adapter")).unwrap();
+        tr.save_merged(dir.path().join("merged")).unwrap();
+
+        // The base, loaded in place from a file: merged in the store, the file untouched.
+        let base = dir.path().join("base.safetensors");
+        let s0 = store(&c);
+        let w0 = put_random_weights(&s0, &c, 12, dtype).unwrap();
+        s0.save_safetensors(&base, &w0.iter().map(|(_, id)| *id).collect::<Vec<_>>()).unwrap();
+        let file_before = std::fs::read(&base).unwrap();
+        let s = store(&c);
+        let w = load_weights(&s, &c, &base).unwrap();
+        let before = bytes_of(&s, &w);
+        let m = merge_adapter_into(&s, &w, dir.path().join("adapter")).unwrap();
+        assert_eq!((m.config.rank, m.config.alpha), (4, 8.0));
+        assert_eq!(m.linears.len(), 3 * 3, "{:?}", m.linears);
+        assert_eq!(m.linears[0], "model.layers.0.self_attn.q_proj.weight");
+        assert_eq!(std::fs::read(&base).unwrap(), file_before, "the base's file was written");
+        let sm = store(&c);
+        let wm = load_weights(&sm, &c, dir.path().join("merged")).unwrap();
+        let (got, want) = (bytes_of(&s, &w), bytes_of(&sm, &wm));
+        for (name, bytes) in &want {
+            assert!(got[name] == *bytes, "{name} ({dtype:?}): not the merged export's bytes");
+            let adapted = m.linears.contains(name);
+            assert_eq!(got[name] != before[name], adapted, "{name}: changed {}", !adapted);
+        }
+
+        // An adapter for another model's shapes is refused before anything is written.
+        let other = LlamaConfig::from_json(
+            r#"{"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 97,
+                "max_position_embeddings": 32, "tie_word_embeddings": false}"#,
+        )
+        .unwrap();
+        let so = store(&other);
+        let wo = put_random_weights(&so, &other, 3, dtype).unwrap();
+        let kept = bytes_of(&so, &wo);
+        let e = merge_adapter_into(&so, &wo, dir.path().join("adapter")).unwrap_err().to_string();
+        assert!(e.contains("up_proj.lora_A.weight is [4, 64] and its B [128, 4]"), "{e}");
+        assert!(e.contains("up_proj.weight is [96, 64]"), "{e}");
+        assert!(bytes_of(&so, &wo) == kept, "a refused adapter changed a tensor");
+        // A model without the adapted linears: named.
+        let kept = bytes_of(&s0, &w0);
+        let no_v: Vec<_> = w0.iter().filter(|(n, _)| !n.contains("v_proj")).cloned().collect();
+        let e = merge_adapter_into(&s0, &no_v, dir.path().join("adapter")).unwrap_err();
+        assert!(e.to_string().contains("v_proj.weight, which the model does not have"), "{e}");
+        assert!(bytes_of(&s0, &w0) == kept, "a refused adapter changed a tensor");
+    }
+}
+
+/// The trainer's base weights, as candle tensors.
 /// The trainer's base weights, as candle tensors.
 fn weights_of(tr: &Trainer, c: &LlamaConfig) -> HashMap<String, Tensor> {
     c.tensors()

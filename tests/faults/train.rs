@@ -360,3 +360,92 @@ fn a_step_that_fails_in_its_computation_leaves_the_trainer_as_it_was() {
     tr.step(&batches(1, &tc)).unwrap();
     assert!(state(&mut tr).unwrap() == state(&mut clean).unwrap());
 }
+
+/// A PEFT adapter of rank 2 on `q_proj` and `down_proj` of `config()`'s blocks (B not zero).
+fn adapter(dir: &Path) {
+    use strata::candle::lora::{peft_name, write_adapter_config, ADAPTER_FILE};
+    use strata::candle::LoraConfig;
+    let c = config();
+    let (h, i) = (c.hidden_size, c.intermediate_size);
+    let mut tensors: Vec<(String, Vec<usize>, Vec<f32>)> = Vec::new();
+    for l in 0..c.num_hidden_layers {
+        for (linear, out, inp) in [("self_attn.q_proj", h, h), ("mlp.down_proj", h, i)] {
+            let base = format!("model.layers.{l}.{linear}");
+            let a: Vec<f32> = (0..2 * inp).map(|k| ((k * 7 + l) % 13) as f32 * 0.01).collect();
+            let b: Vec<f32> = (0..out * 2).map(|k| ((k * 5 + l) % 11) as f32 * -0.02).collect();
+            tensors.push((peft_name(&format!("{base}.lora_A.weight")), vec![2, inp], a));
+            tensors.push((peft_name(&format!("{base}.lora_B.weight")), vec![out, 2], b));
+        }
+    }
+    let views: Vec<(String, safetensors::tensor::TensorView)> = tensors
+        .iter()
+        .map(|(n, shape, v)| {
+            let bytes: &[u8] = bytemuck::cast_slice(v);
+            (
+                n.clone(),
+                safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), bytes)
+                    .unwrap(),
+            )
+        })
+        .collect();
+    std::fs::create_dir_all(dir).unwrap();
+    safetensors::serialize_to_file(views, None, &dir.join(ADAPTER_FILE)).unwrap();
+    write_adapter_config(dir, &LoraConfig::new(2, 4.0, &["q_proj", "down_proj"]), None).unwrap();
+}
+
+/// Merging an adapter into the store's weights (`candle_generate --adapter`) with a fault at
+/// each pass of every site: it succeeds with the clean merge's weights, or fails with every
+/// weight as it was.
+#[test]
+fn a_merge_that_fails_at_any_pass_of_any_site_leaves_every_weight_as_it_was() {
+    use strata::candle::lora::merge_adapter_into;
+    let _turn = super::ARMED.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = tempfile::tempdir().unwrap();
+    adapter(&dir.path().join("adapter"));
+    let c = config();
+    let fresh = |sub: &str| {
+        let s = store(&dir.path().join(sub), Engine::Cpu).unwrap();
+        let w = put_random_weights(&s, &c, 7, strata::DType::F32).unwrap();
+        (s, w)
+    };
+    let read_all = |s: &Store, w: &[(String, strata::TensorId)]| -> Vec<Vec<u8>> {
+        w.iter().map(|(_, id)| s.read(*id).unwrap()).collect()
+    };
+    let (s, w) = fresh("clean");
+    let base = read_all(&s, &w);
+    let m = merge_adapter_into(&s, &w, dir.path().join("adapter")).unwrap();
+    assert_eq!(m.linears.len(), 4);
+    let merged = read_all(&s, &w);
+    assert_ne!(merged, base);
+    let (mut failed, mut runs) = (0, 0);
+    for (n, site) in Site::ALL.into_iter().enumerate() {
+        let fault = match site {
+            Site::DiskWrite => Fault::NoSpace,
+            Site::Alloc => Fault::OutOfMemory,
+            Site::FileRead | Site::DiskRead | Site::SaveWrite => Fault::Io,
+            _ => Fault::Backend,
+        };
+        for k in 1.. {
+            let (s, w) = fresh(&format!("{n}-{k}"));
+            failpoint::arm(site, k, fault);
+            let r = merge_adapter_into(&s, &w, dir.path().join("adapter"));
+            let fired = failpoint::fired();
+            failpoint::disarm();
+            runs += 1;
+            let now = read_all(&s, &w);
+            match r {
+                Ok(_) => assert!(now == merged, "{site:?} pass {k}: merged, but not as clean"),
+                Err(e) => {
+                    assert!(fired, "{site:?} pass {k}: {e} with no fault");
+                    assert!(now == base, "{site:?} pass {k}: failed ({e}) and changed weights");
+                    failed += 1;
+                }
+            }
+            if !fired || k >= 200 {
+                break;
+            }
+        }
+    }
+    println!("merge under faults: {runs} runs, {failed} failed cleanly, the rest merged as clean");
+    assert!(failed > 0, "no fault reached the merge");
+}
