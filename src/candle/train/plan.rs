@@ -277,7 +277,7 @@ impl TrainPlan {
             _ => Home::PinnedThenDisk,
         };
         // The moments, and a master where the trained weights are not f32 (adapters are).
-        let per_state = if dtype == DType::F32 || train.lora.is_some() { 2 } else { 3 };
+        let per_state: u64 = if dtype == DType::F32 || train.lora.is_some() { 2 } else { 3 };
         for &n in &trainable {
             for _ in 0..per_state {
                 made.push((Group::OptimizerState, 4 * n, state_home));
@@ -285,6 +285,26 @@ impl TrainPlan {
         }
         let state_bytes: u64 =
             made.iter().filter(|m| m.0 == Group::OptimizerState).map(|m| m.1).sum();
+        if train.engine == Engine::GpuResident {
+            // Each update brings one tensor's weights, f32 gradient and f32 state to the device
+            // and holds them there while the stages stream beside it (one in use, the next in
+            // flight, a block's checkpoints): a smaller tier runs out of room mid-step.
+            let weight = |n: u64| if train.lora.is_some() { 4 * n } else { elem * n };
+            let update = trainable.iter().map(|&n| weight(n) + 4 * n + per_state * 4 * n).max();
+            let need = streaming + update.unwrap_or(0);
+            if device_budget < need {
+                return Err(refuse(format!(
+                    "with the GpuResident engine a Device tier of {} cannot hold two stages and a \
+                     block's checkpoints streaming ({}) beside the largest tensor's update (its \
+                     weights, gradient and optimizer state on the device: {}): give it at least \
+                     {}, or train with the Cpu engine (updates in host memory)",
+                    format_size(device_budget),
+                    format_size(streaming),
+                    format_size(update.unwrap_or(0)),
+                    format_size(need)
+                )));
+            }
+        }
         let mapped = if state_home == Home::Mapped { state_bytes } else { 0 };
         let pinned_budget = given.pinned.unwrap_or_else(|| {
             let need: u64 = made.iter().filter(|m| m.2 != Home::Mapped).map(|m| m.1).sum();
@@ -569,5 +589,48 @@ impl Machine {
             self.disk / 1e9,
             self.flops.map_or(String::new(), |x| format!(", compute at {:.0} TFLOPS", x / 1e12))
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tiny() -> LlamaConfig {
+        LlamaConfig::from_file("examples/configs/tiny-llama.json").unwrap()
+    }
+
+    fn budgets(device: u64) -> Budgets {
+        Budgets { device: Some(device), ..Budgets::default() }
+    }
+
+    /// The GpuResident engine brings each tensor's update to the device beside the streaming
+    /// stages: a Device tier without room for both is refused up front, naming the least that
+    /// works (found on the host backend: 300 KiB failed mid-step with `out of memory in tier
+    /// device`, 340 KiB once at the end of a run), where the Cpu engine trains in it.
+    #[test]
+    fn a_device_tier_too_small_for_a_resident_update_is_refused_naming_the_least() {
+        let c = tiny();
+        let t = TrainConfig { micro_batch: 1, seq: 32, accum: 1, ..TrainConfig::default() };
+        // A host of 16 GiB whose device is its memory (CPU candle), as `detect` makes it.
+        let m = Machine {
+            device_bytes: 16 << 30,
+            device_is_host: true,
+            host_bytes: 16 << 30,
+            flops: None,
+            ..Machine::h100()
+        };
+        let resident = TrainConfig { engine: Engine::GpuResident, ..t.clone() };
+        let e = TrainPlan::new(&c, &resident, DType::F32, &m, budgets(300 << 10))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("the largest tensor's update"), "{e}");
+        // The embedding, 256 x 64 f32: weights, gradient and two moments.
+        assert!(e.contains("(its weights, gradient and optimizer state on the device: 256.00 KiB)"));
+        let least = e.split("give it at least ").nth(1).unwrap().split(',').next().unwrap();
+        let least = crate::parse_size(least).unwrap();
+        assert!(TrainPlan::new(&c, &resident, DType::F32, &m, budgets(least)).is_ok());
+        assert!(TrainPlan::new(&c, &resident, DType::F32, &m, budgets(least - 1)).is_err());
+        assert!(TrainPlan::new(&c, &t, DType::F32, &m, budgets(300 << 10)).is_ok());
     }
 }
