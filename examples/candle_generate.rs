@@ -457,9 +457,25 @@ fn generate_all<M: CausalLm>(m: &M, a: &Args, p: &Prompts, sampling: &Sampling) 
 /// The PCIe floor of a token pass: the bytes that crossed into the Device tier per pass over
 /// the weights (every generation's, warm-up and `--solo` included), at the pinned-to-device
 /// bandwidth measured now, against the batch's median new-token pass; and the least a pass
-/// must move, the weights beyond the Device tier.
-fn pcie_floor(store: &st::Store, stored: u64, budget: u64, moved: u64, g: &Generated) -> Res<()> {
-    if g.passes == 0 {
+/// must move: the weights neither resident (`--resident`, kept beside the Device tier) nor
+/// within the Device tier.
+fn pcie_floor(
+    store: &st::Store,
+    stored: u64,
+    resident: u64,
+    budget: u64,
+    moved: u64,
+    g: &Generated,
+) -> Res<()> {
+    if g.passes == 0 || moved == 0 || !g.token_pass_s.is_finite() {
+        println!(
+            "PCIe floor of a token pass: not figured ({})",
+            if moved == 0 {
+                "nothing crossed into the Device tier"
+            } else {
+                "no new token's pass timed"
+            }
+        );
         return Ok(());
     }
     let h2d = st::optim::Bandwidths::measure(store, 0)?.h2d;
@@ -468,7 +484,8 @@ fn pcie_floor(store: &st::Store, stored: u64, budget: u64, moved: u64, g: &Gener
     println!(
         "PCIe floor of a token pass: {} into the Device tier a pass ({} passes), at {:.1} GB/s \
          (pinned to device, measured now{}): {}; the median new token's pass {}: pass / floor \
-         = {:.2}; weights {}, beyond the Device tier {} (the least a pass moves)",
+         = {:.2}; weights {}, {} of them resident beside the Device tier, beyond both {} (the \
+         least a pass moves)",
         st::format_size(per_pass),
         g.passes,
         h2d / 1e9,
@@ -477,7 +494,8 @@ fn pcie_floor(store: &st::Store, stored: u64, budget: u64, moved: u64, g: &Gener
         ms(g.token_pass_s),
         g.token_pass_s / floor,
         st::format_size(stored),
-        st::format_size(stored.saturating_sub(budget)),
+        st::format_size(resident),
+        st::format_size(stored.saturating_sub(resident).saturating_sub(budget)),
     );
     Ok(())
 }
@@ -529,7 +547,10 @@ fn real_main() -> Res<()> {
         CDType::BF16 => st::DType::BF16,
         _ => st::DType::F32,
     };
-    let weight_bytes = 4 * config.parameters();
+    let weight_bytes = match (&a.model, init_dtype) {
+        (None, st::DType::BF16) => 2 * config.parameters(),
+        _ => 4 * config.parameters(),
+    };
     let kv_bytes = (2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim)
         as u64
         * dtype.size_in_bytes() as u64
@@ -585,10 +606,11 @@ fn real_main() -> Res<()> {
         drop(map);
         generate_all(&model, &a, &p, &sampling)?.tokens
     } else {
-        let mut stored = 0u64;
-        for (_, id) in &weights {
-            stored += store.info(*id)?.bytes;
+        let mut sizes = Vec::with_capacity(weights.len());
+        for (name, id) in &weights {
+            sizes.push((name.clone(), store.info(*id)?.bytes));
         }
+        let stored: u64 = sizes.iter().map(|s| s.1).sum();
         let layers = Layers::new(store.clone(), weights, &device)?;
         let model = OutOfCoreLlama::new(layers, &config, dtype)?;
         let k = match a.resident {
@@ -600,6 +622,12 @@ fn real_main() -> Res<()> {
             }
         };
         let model = model.with_resident(k)?;
+        // What the first k blocks hold in the store: kept as candle tensors, they never cross.
+        let resident: u64 = sizes
+            .iter()
+            .filter(|(n, _)| (0..k).any(|l| n.starts_with(&format!("model.layers.{l}."))))
+            .map(|s| s.1)
+            .sum();
         let before = store.stats();
         let out = generate_all(&model, &a, &p, &sampling)?;
         let s = store.stats();
@@ -612,7 +640,7 @@ fn real_main() -> Res<()> {
             s.evictions - before.evictions,
             st::format_size(kv_bytes),
         );
-        pcie_floor(&store, stored, budget, moved, &out)?;
+        pcie_floor(&store, stored, resident, budget, moved, &out)?;
         out.tokens
     };
     if p.ids.len() > 1 {

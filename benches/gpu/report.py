@@ -894,7 +894,9 @@ def parse_candle_resident_twin(text, step):
                         "x max(compute, PCIe)", group=group,
                         target=parse_target(meta.get("floor_target"), meta.get("floor_target_text"),
                                             of="value"),
-                        note=f"median of steps 2-{len(floors)}; compute: the resident twin's step"))
+                        note=f"median of steps 2-{len(floors)}; the floor's compute is the out-of-core "
+                             f"step's own (recompute included): how well its copies hide, not "
+                             f"how it compares with the resident base (the per-block ratio)"))
     m = first(r"^per block .*: out of core / resident = (" + NUM + r")", text)
     if m:
         figs.append(fig(f"{label}: out of core / resident, per block", float(m.group(1)),
@@ -919,15 +921,16 @@ def parse_candle_generate(text, step):
                 note=f"batch {m.group(1)}: {m.group(2)} new tokens in {m.group(3)} s")]
     f = first(r"^PCIe floor of a token pass: (" + SIZE + r") into the Device tier a pass \((\d+) passes\), "
               r"at (" + NUM + r") GB/s.*?: (" + NUM + r") ms; the median new token's pass (" + NUM
-              + r") ms: pass / floor = (" + NUM + r"); weights (" + SIZE + r"), beyond the Device tier ("
-              + SIZE + r")", text)
+              + r") ms: pass / floor = (" + NUM + r"); weights (" + SIZE + r"), (" + SIZE
+              + r") of them resident beside the Device tier, beyond both (" + SIZE + r")", text)
     if f:
         figs.append(fig(f"{label}: a token pass against the PCIe floor", float(f.group(6)), "x the floor",
                         group=group,
                         target=parse_target(meta.get("target"), meta.get("target_text"), of="value"),
                         note=f"{f.group(5)} ms a pass, floor {f.group(4)} ms: {f.group(1)} a pass at "
-                             f"{f.group(3)} GB/s (weights {f.group(7)}, {f.group(8)} beyond the Device "
-                             f"tier); PCIe alone: above 1 where the batch's compute exceeds it"))
+                             f"{f.group(3)} GB/s (weights {f.group(7)}, {f.group(8)} resident beside the "
+                             f"Device tier, {f.group(9)} beyond both: the least a pass moves); PCIe "
+                             f"alone: above 1 where the batch's compute exceeds it"))
     return figs
 
 

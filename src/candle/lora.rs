@@ -424,12 +424,16 @@ pub struct MergedAdapter {
 /// with no adapter code: generation from a LoRA fine-tune without writing a merged copy
 /// (`candle_generate --adapter DIR`).
 ///
-/// Everything is checked before anything is written: each `lora_A` has its `lora_B`; each pair
-/// adapts a linear `weights` names (`model.layers.3.self_attn.q_proj.weight` for
-/// `...q_proj.lora_A.weight`), with `A` of `[rank, in]` and `B` of `[out, rank]` against `W`'s
-/// `[out, in]` and the config's rank. A write that fails puts back the weights merged before
-/// it: on an error every tensor is as it was. The store's tensors change, never a file they
-/// were loaded from ([`Store::write`] writes a new copy).
+/// Everything is checked before anything is written: each `lora_A` has its `lora_B` and the
+/// other way round; each pair adapts a linear that the config's `target_modules` names and
+/// `weights` holds (`model.layers.3.self_attn.q_proj.weight` for `...q_proj.lora_A.weight`),
+/// with `A` of `[rank, in]` and `B` of `[out, rank]` against `W`'s `[out, in]` and the config's
+/// rank. Each weight's bytes before the merge are kept in the store (group `Other`, where the
+/// store has room: host memory, else its Disk tier) until every merge is written; a write that
+/// fails puts back the weights merged before it, so that on an error every tensor is as it
+/// was, unless putting one back fails too (the error then names the weights left merged). The
+/// store's tensors change, never a file they were loaded from ([`Store::write`] writes a new
+/// copy).
 ///
 /// ```no_run
 /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -468,6 +472,13 @@ pub fn merge_adapter_into(
             continue;
         };
         let base = format!("{linear}.weight");
+        if !config.targets_linear(&base) {
+            candle_core::bail!(
+                "{}: {name} adapts {base}, which the adapter's target_modules {:?} do not name",
+                file.display(),
+                config.targets
+            );
+        }
         let Some(index) = weights.iter().position(|(n, _)| *n == base) else {
             candle_core::bail!(
                 "{}: {name} adapts {base}, which the model does not have (another \
@@ -505,8 +516,9 @@ pub fn merge_adapter_into(
     }
     pairs.sort_by_key(|p| p.0);
     let scale = config.scale();
-    // The weights merged so far, with their bytes before: put back if a later write fails.
-    let mut done: Vec<(usize, Vec<u8>)> = Vec::with_capacity(pairs.len());
+    // The weights merged so far, with a copy of their bytes before in the store: put back if a
+    // later write fails.
+    let mut done: Vec<(usize, TensorId)> = Vec::with_capacity(pairs.len());
     let mut run = || -> candle_core::Result<()> {
         for (index, a, b) in &pairs {
             let (name, id) = &weights[*index];
@@ -533,19 +545,42 @@ pub fn merge_adapter_into(
                 }
                 _ => bytemuck::cast_slice::<f32, u8>(&m).to_vec(),
             };
-            store.write(*id, &bytes).map_err(|e| super::strata_err(name, e))?;
-            done.push((*index, before));
+            let backup = store
+                .put_group(
+                    &format!("{name}.before-lora-merge"),
+                    crate::Group::Other,
+                    info.dtype,
+                    &info.shape,
+                    &before,
+                )
+                .map_err(|e| super::strata_err(name, e))?;
+            drop(before);
+            if let Err(e) = store.write(*id, &bytes) {
+                if let Err(r) = store.remove(backup) {
+                    store.shared.defer_err(r);
+                }
+                return Err(super::strata_err(name, e));
+            }
+            done.push((*index, backup));
         }
         Ok(())
     };
-    if let Err(e) = run() {
-        let mut kept = Vec::new();
-        for (index, before) in done.iter().rev() {
+    let result = run();
+    let mut kept = Vec::new();
+    for (index, backup) in done.iter().rev() {
+        if result.is_err() {
             let (name, id) = &weights[*index];
-            if store.write(*id, before).is_err() {
-                kept.push(name.clone());
+            if store.read(*backup).and_then(|b| store.write(*id, &b)).is_err() {
+                // Its bytes before stay in the backup, which the error names.
+                kept.push(format!("{name} (its weights before in {name}.before-lora-merge)"));
+                continue;
             }
         }
+        if let Err(r) = store.remove(*backup) {
+            store.shared.defer_err(r);
+        }
+    }
+    if let Err(e) = result {
         if kept.is_empty() {
             return Err(e);
         }

@@ -320,10 +320,47 @@ fn an_adapter_merged_into_the_store_is_the_merged_export_bit_for_bit_and_a_wrong
         let e = merge_adapter_into(&s0, &no_v, dir.path().join("adapter")).unwrap_err();
         assert!(e.to_string().contains("v_proj.weight, which the model does not have"), "{e}");
         assert!(bytes_of(&s0, &w0) == kept, "a refused adapter changed a tensor");
+
+        // An A without its B, a B without its A, a pair the config does not target: refused.
+        let bytes = std::fs::read(dir.path().join("adapter").join(ADAPTER_FILE)).unwrap();
+        let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let pre = "base_model.model.model.layers.1.self_attn.";
+        let cfg = std::fs::read_to_string(dir.path().join("adapter").join(ADAPTER_CONFIG)).unwrap();
+        for (drop, config, want) in [
+            (
+                Some(format!("{pre}v_proj.lora_B.weight")),
+                cfg.clone(),
+                "v_proj.lora_A.weight has no model.layers.1.self_attn.v_proj.lora_B.weight",
+            ),
+            (
+                Some(format!("{pre}q_proj.lora_A.weight")),
+                cfg.clone(),
+                "q_proj.lora_B.weight has no model.layers.1.self_attn.q_proj.lora_A.weight",
+            ),
+            (
+                None,
+                {
+                    let mut v: serde_json::Value = serde_json::from_str(&cfg).unwrap();
+                    v["target_modules"] = serde_json::json!(["up_proj", "v_proj"]);
+                    v.to_string()
+                },
+                "q_proj.weight, which the adapter's target_modules",
+            ),
+        ] {
+            let bad = dir.path().join("bad");
+            let _ = std::fs::remove_dir_all(&bad);
+            std::fs::create_dir_all(&bad).unwrap();
+            let keep: Vec<(String, safetensors::tensor::TensorView)> =
+                file.tensors().into_iter().filter(|(n, _)| Some(n) != drop.as_ref()).collect();
+            safetensors::serialize_to_file(keep, None, &bad.join(ADAPTER_FILE)).unwrap();
+            std::fs::write(bad.join(ADAPTER_CONFIG), &config).unwrap();
+            let e = merge_adapter_into(&s0, &w0, &bad).unwrap_err().to_string();
+            assert!(e.contains(want), "{want}: {e}");
+            assert!(bytes_of(&s0, &w0) == kept, "a refused adapter changed a tensor");
+        }
     }
 }
 
-/// The trainer's base weights, as candle tensors.
 /// The trainer's base weights, as candle tensors.
 fn weights_of(tr: &Trainer, c: &LlamaConfig) -> HashMap<String, Tensor> {
     c.tensors()

@@ -433,6 +433,7 @@ fn a_merge_that_fails_at_any_pass_of_any_site_leaves_every_weight_as_it_was() {
             failpoint::disarm();
             runs += 1;
             let now = read_all(&s, &w);
+            assert_eq!(s.ids().len(), w.len(), "{site:?} pass {k}: a backup was left behind");
             match r {
                 Ok(_) => assert!(now == merged, "{site:?} pass {k}: merged, but not as clean"),
                 Err(e) => {

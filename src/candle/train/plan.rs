@@ -175,9 +175,12 @@ impl TrainPlan {
     /// The plan for training a model of `config` with `train` and `dtype` weights on `machine`,
     /// with the budgets `given` (the others chosen). Errors ([`TrainError::Invalid`]) say what
     /// cannot fit and what to change: a Device tier smaller than one block's weights (every
-    /// block read from host memory at every pass), the weights and gradients past the Pinned
-    /// tier, what spills past the free disk. (A tensor larger than the Device tier, such as a
-    /// large embedding table, is read from host memory: slower, not refused.)
+    /// block read from host memory at every pass); with a GPU engine, one that cannot hold the
+    /// streaming stages beside the largest tensor's update (its buffers on the device: a
+    /// conservative bound, the worst case of a stage in use and the next in flight, with the
+    /// least that satisfies it named); the weights and gradients past the Pinned tier, what
+    /// spills past the free disk. (A tensor larger than the Device tier, such as a large
+    /// embedding table, is read from host memory: slower, not refused.)
     pub fn new(
         config: &LlamaConfig,
         train: &TrainConfig,
@@ -285,19 +288,28 @@ impl TrainPlan {
         }
         let state_bytes: u64 =
             made.iter().filter(|m| m.0 == Group::OptimizerState).map(|m| m.1).sum();
-        if train.engine == Engine::GpuResident {
-            // Each update brings one tensor's weights, f32 gradient and f32 state to the device
-            // and holds them there while the stages stream beside it (one in use, the next in
-            // flight, a block's checkpoints): a smaller tier runs out of room mid-step.
-            let weight = |n: u64| if train.lora.is_some() { 4 * n } else { elem * n };
-            let update = trainable.iter().map(|&n| weight(n) + 4 * n + per_state * 4 * n).max();
+        // The GPU engines update a tensor on the device and hold its buffers there while the
+        // stages stream beside it (one in use, the next in flight, a block's checkpoints): a
+        // smaller tier runs out of room mid-step. GpuResident brings the weights, the f32
+        // gradient and the f32 state (moments, a master for bf16 weights); GpuMapped the
+        // weights and the gradient (its state stays in mapped host memory).
+        let weight = |n: u64| if train.lora.is_some() { 4 * n } else { elem * n };
+        let on_device = match train.engine {
+            Engine::GpuResident => {
+                Some(("GpuResident", "weights, gradient and optimizer state", per_state))
+            }
+            Engine::GpuMapped => Some(("GpuMapped", "weights and gradient", 0)),
+            _ => None,
+        };
+        if let Some((engine, what, states)) = on_device {
+            let update = trainable.iter().map(|&n| weight(n) + 4 * n + states * 4 * n).max();
             let need = streaming + update.unwrap_or(0);
             if device_budget < need {
                 return Err(refuse(format!(
-                    "with the GpuResident engine a Device tier of {} cannot hold two stages and a \
+                    "with the {engine} engine a Device tier of {} cannot hold two stages and a \
                      block's checkpoints streaming ({}) beside the largest tensor's update (its \
-                     weights, gradient and optimizer state on the device: {}): give it at least \
-                     {}, or train with the Cpu engine (updates in host memory)",
+                     {what} on the device: {}): give it at least {}, or train with the Cpu \
+                     engine (updates in host memory)",
                     format_size(device_budget),
                     format_size(streaming),
                     format_size(update.unwrap_or(0)),
@@ -632,5 +644,11 @@ mod tests {
         assert!(TrainPlan::new(&c, &resident, DType::F32, &m, budgets(least)).is_ok());
         assert!(TrainPlan::new(&c, &resident, DType::F32, &m, budgets(least - 1)).is_err());
         assert!(TrainPlan::new(&c, &t, DType::F32, &m, budgets(300 << 10)).is_ok());
+        // GpuMapped: the weights and gradient only (150 KiB failed mid-step at step 4).
+        let mapped = TrainConfig { engine: Engine::GpuMapped, ..t.clone() };
+        let e = TrainPlan::new(&c, &mapped, DType::F32, &m, budgets(150 << 10))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("(its weights and gradient on the device: 128.00 KiB)"), "{e}");
     }
 }
