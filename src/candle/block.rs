@@ -247,15 +247,21 @@ pub fn linear(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
 
 /// `x·wᵀ` in candle ops, over `x`'s last dimension.
 fn plain_linear(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
+    let (rows, shape) = as_rows(x, w)?;
+    rows.matmul(&w.t()?)?.reshape(shape)
+}
+
+/// `x` as a matrix of its last dimension's rows, and the shape `x·wᵀ` takes back (`x`'s, its
+/// last dimension `w`'s rows).
+fn as_rows(x: &Tensor, w: &Tensor) -> candle_core::Result<(Tensor, Vec<usize>)> {
     let dims = x.dims();
     let i = *dims.last().unwrap_or(&0);
     let rows = x.elem_count() / i.max(1);
-    let out = w.dims2()?.0;
     let mut shape = dims.to_vec();
     if let Some(last) = shape.last_mut() {
-        *last = out;
+        *last = w.dims2()?.0;
     }
-    x.reshape((rows, i))?.matmul(&w.t()?)?.reshape(shape)
+    Ok((x.reshape((rows, i))?, shape))
 }
 
 /// `x·wᵀ` whose backward gives `x` its gradient and `w` none: candle's matrix product
@@ -264,17 +270,8 @@ fn plain_linear(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
 /// backward. The forward is candle's own matrix product on the same operands, and the input's
 /// gradient is candle's own (`grad · w`): the same bits as [`linear`] gives without it.
 pub fn frozen_linear(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
-    let dims = x.dims();
-    let i = *dims.last().unwrap_or(&0);
-    let rows = x.elem_count() / i.max(1);
-    let out = w.dims2()?.0;
-    let mut shape = dims.to_vec();
-    if let Some(last) = shape.last_mut() {
-        *last = out;
-    }
-    x.reshape((rows, i))?
-        .apply_op2_arc(w, std::sync::Arc::new(Box::new(FrozenMatmul)))?
-        .reshape(shape)
+    let (rows, shape) = as_rows(x, w)?;
+    rows.apply_op2_arc(w, std::sync::Arc::new(Box::new(FrozenMatmul)))?.reshape(shape)
 }
 
 /// [`frozen_linear`]'s op: `lhs · rhsᵀ`, the gradient to `lhs` only.
