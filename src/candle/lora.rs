@@ -425,7 +425,7 @@ pub struct MergedAdapter {
 /// (`candle_generate --adapter DIR`).
 ///
 /// Everything is checked before anything is written: each `lora_A` has its `lora_B` and the
-/// other way round; each pair adapts a linear that the config's `target_modules` names and
+/// other way round, every value finite; each pair adapts a linear that the config's `target_modules` names and
 /// `weights` holds (`model.layers.3.self_attn.q_proj.weight` for `...q_proj.lora_A.weight`),
 /// with `A` of `[rank, in]` and `B` of `[out, rank]` against `W`'s `[out, in]` and the config's
 /// rank. Each weight's bytes before the merge are kept in the store (group `Other`, where the
@@ -505,6 +505,16 @@ pub fn merge_adapter_into(
                 b.dims(),
                 config.rank
             );
+        }
+        for (t, which) in [(&a, name.clone()), (&b, format!("{linear}.lora_B.weight"))] {
+            let finite = t.flatten_all()?.to_vec1::<f32>()?.iter().all(|x| x.is_finite());
+            if !finite {
+                candle_core::bail!(
+                    "{}: {which} holds a NaN or an infinity: merged, it would make {base} so \
+                     (a diverged run's adapter?)",
+                    file.display()
+                );
+            }
         }
         if !matches!(info.dtype, DType::F32 | DType::BF16) {
             candle_core::bail!("{base} is {}: adapters merge into f32 or bf16 weights", info.dtype);

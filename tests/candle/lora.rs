@@ -358,6 +358,32 @@ fn an_adapter_merged_into_the_store_is_the_merged_export_bit_for_bit_and_a_wrong
             assert!(e.contains(want), "{want}: {e}");
             assert!(bytes_of(&s0, &w0) == kept, "a refused adapter changed a tensor");
         }
+        // A NaN (a diverged run's adapter): refused, naming the tensor.
+        let bad = dir.path().join("nan");
+        std::fs::create_dir_all(&bad).unwrap();
+        let nan = vec![f32::NAN; 4 * 64];
+        let name = format!("{pre}v_proj.lora_A.weight");
+        let views: Vec<(String, safetensors::tensor::TensorView)> = file
+            .tensors()
+            .into_iter()
+            .map(|(n, v)| match n == name {
+                true => (
+                    n,
+                    safetensors::tensor::TensorView::new(
+                        safetensors::Dtype::F32,
+                        vec![4, 64],
+                        bytemuck::cast_slice(&nan),
+                    )
+                    .unwrap(),
+                ),
+                false => (n, v),
+            })
+            .collect();
+        safetensors::serialize_to_file(views, None, &bad.join(ADAPTER_FILE)).unwrap();
+        std::fs::write(bad.join(ADAPTER_CONFIG), &cfg).unwrap();
+        let e = merge_adapter_into(&s0, &w0, &bad).unwrap_err().to_string();
+        assert!(e.contains("v_proj.lora_A.weight holds a NaN or an infinity"), "{e}");
+        assert!(bytes_of(&s0, &w0) == kept, "a refused adapter changed a tensor");
     }
 }
 
