@@ -53,7 +53,7 @@
 
 use std::path::{Path, PathBuf};
 
-use candle_core::{DType as CDType, Device};
+use candle_core::DType as CDType;
 use st::candle::{
     generate_batch, load_weights, put_random_weights, CausalLm, InMemoryLlama, Layers, LlamaConfig,
     OutOfCoreLlama, Sampling,
@@ -198,15 +198,6 @@ fn parse_flag(a: &mut Args, init: &mut bool, flag: &str, value: String) -> Res<(
         _ => return Err(format!("unknown flag {flag}\n{USAGE}").into()),
     }
     Ok(())
-}
-
-/// The candle device: CUDA's first GPU when built with `candle-cuda` and one is present.
-fn candle_device() -> Device {
-    #[cfg(feature = "candle-cuda")]
-    if let Ok(d) = Device::new_cuda(0) {
-        return d;
-    }
-    Device::Cpu
 }
 
 fn ms(s: f64) -> String {
@@ -521,7 +512,7 @@ fn real_main() -> Res<()> {
     let config = LlamaConfig::from_file(config_path(&a)?)?;
     let sampling = Sampling::from_flags(a.temperature, a.top_k, a.top_p, a.seed)?;
     let p = prompts(&a)?;
-    let device = candle_device();
+    let device = st::candle::default_device()?;
     let dtype = a.dtype.unwrap_or(CDType::F32);
     // Every sequence's positions, checked before anything is sized from them.
     let mut positions = 0usize;

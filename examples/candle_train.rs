@@ -357,15 +357,6 @@ fn parse_args(args: Vec<String>) -> Res<Args> {
     Ok(a)
 }
 
-/// The candle device: CUDA's first GPU when built with `candle-cuda` and one is present.
-fn candle_device() -> Device {
-    #[cfg(feature = "candle-cuda")]
-    if let Ok(d) = Device::new_cuda(0) {
-        return d;
-    }
-    Device::Cpu
-}
-
 /// The run's training config: the flags over the checkpoint's (a resumed run) or the defaults.
 fn train_config(a: &Args, saved: Option<&TrainConfig>) -> TrainConfig {
     let base = saved.cloned().unwrap_or_else(|| {
@@ -688,7 +679,7 @@ fn run(args: Vec<String>) -> Res<()> {
         (None, None, Some(m)) => LlamaConfig::from_file(m.join("config.json"))?,
         (None, None, None) => return Err("--config is required".into()),
     };
-    let device = candle_device();
+    let device = strata::candle::default_device()?;
     let mut train = train_config(&a, ck.as_ref().map(|c| &c.train));
     train.lora = lora_config(&a, ck.as_ref().map(|c| &c.train))?;
     let dtype = ck.as_ref().map_or(a.dtype.unwrap_or(DType::F32), |c| c.dtype);

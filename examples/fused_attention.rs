@@ -87,14 +87,6 @@ fn args() -> Result<Args, String> {
     Ok(a)
 }
 
-fn device() -> Device {
-    #[cfg(feature = "candle-cuda")]
-    if let Ok(d) = Device::new_cuda(0) {
-        return d;
-    }
-    Device::Cpu
-}
-
 /// A seeded normal `[b, s, h, d]` tensor of `dtype` on `dev`.
 fn input(
     rng: &mut SeededRng,
@@ -131,7 +123,7 @@ fn time(
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let a = args()?;
-    let dev = device();
+    let dev = strata::candle::default_device()?;
     let mut rng = SeededRng::new(17);
     let (b, s, h, kv, d) = (a.batch, a.seq, a.heads, a.kv_heads, a.head_dim);
     let q = Var::from_tensor(&input(&mut rng, [b, s, h, d], a.dtype, &dev)?)?;

@@ -28,14 +28,19 @@ LOSS = re.compile(r"^step (\d+)/\d+: loss ([-+0-9.eE]+|nan|inf)", re.M)
 def run(cmd):
     """Runs cmd, echoing its output; returns (exit status, the output)."""
     print("$ " + " ".join(cmd), flush=True)
+    # Line by line as it comes: a command the step's `timeout` kills (a hang on a first GPU run)
+    # leaves in the log what it printed before.
     try:
-        p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
     except OSError as e:
         print(f"lease.py: cannot run {cmd[0]}: {e}", flush=True)
         return 127, ""
-    sys.stdout.write(p.stdout)
-    sys.stdout.flush()
-    return p.returncode, p.stdout
+    lines = []
+    for line in p.stdout:
+        sys.stdout.write(line)
+        sys.stdout.flush()
+        lines.append(line)
+    return p.wait(), "".join(lines)
 
 
 def counts(text):

@@ -262,7 +262,7 @@ def parse_layered(text, step):
     mean = first(r"^mean pass \(passes 2\.\., one interval\): (" + NUM + r") ms = (" + NUM
                  + r")x max\(compute, PCIe\) = (" + NUM + ") ms", text)
     pcie = first(r"PCIe floor for the bytes moved: (" + NUM + ") ms", text)
-    host = first(r"^mean pass \(passes 2\.\.\): (" + NUM + ") ms \(no GPU", text)
+    host = first(r"^mean pass \(passes 2\.\.\): (" + NUM + r") ms \(no GPU", text)
     moved = first(r"^bytes moved per pass: (" + SIZE + r") = (" + NUM + r")x the minimum .*?: (" + SIZE
                   + r")\)", text)
     figs = []

@@ -111,6 +111,33 @@ pub fn store_for(device: &Device, builder: StoreBuilder) -> candle_core::Result<
     Ok(Arc::new(store?))
 }
 
+/// The device a program built on this module runs on: CUDA's first GPU when strata is built
+/// with `candle-cuda` and one answers, else candle's CPU device. With the environment variable
+/// `STRATA_REQUIRE_GPU=1` (as the GPU tests take it) no GPU is an error saying why, instead of
+/// the CPU: a run meant for the GPU does not quietly pass on the CPU.
+///
+/// ```
+/// # fn main() -> candle_core::Result<()> {
+/// let device = strata::candle::default_device()?;
+/// println!("candle device: {device:?}");
+/// # Ok(()) }
+/// ```
+pub fn default_device() -> candle_core::Result<Device> {
+    #[cfg(feature = "candle-cuda")]
+    let why = match Device::new_cuda(0) {
+        Ok(d) => return Ok(d),
+        Err(e) => format!("candle found no CUDA device: {e}"),
+    };
+    #[cfg(not(feature = "candle-cuda"))]
+    let why = "strata was built without the candle-cuda feature".to_string();
+    if std::env::var("STRATA_REQUIRE_GPU").is_ok_and(|v| v == "1") {
+        return Err(candle_core::Error::Msg(format!(
+            "STRATA_REQUIRE_GPU=1 but no GPU: {why}; unset it to run on the CPU"
+        )));
+    }
+    Ok(Device::Cpu)
+}
+
 /// The stream on which the store lends tensors to work on `device`: candle's own CUDA stream
 /// (so the store's copies and candle's kernels are ordered on the GPU, without host waits), or
 /// one of the store's host streams for the CPU. Fails when the store and the device do not go
