@@ -81,6 +81,31 @@ fn large_tensor_crosses_staging_in_pieces() {
     assert_eq!(store.read(id).unwrap(), data);
 }
 
+/// With a timeline, an upload through pinned staging (from the caller's bytes, from the disk)
+/// shows on CUDA as a resolved `h2d` span. Its end was once the last piece's pooled event, which
+/// cannot be timed: the span stayed pending for ever, its copy time uncounted.
+#[test]
+fn staged_uploads_resolve_in_the_timeline() {
+    let b = budgets().timeline(true);
+    let Some(store) = gpu_store("staged_uploads_resolve_in_the_timeline", b) else { return };
+    let s = store.stream().unwrap();
+    let data = random(8 << 20, 11);
+    let id = store.put("staged", DType::U8, &[data.len()], &data).unwrap();
+    store.move_to(id, Tier::Disk).unwrap();
+    store.move_to(id, Tier::Device).unwrap();
+    drop(store.device_view(id, &s).unwrap());
+    s.synchronize().unwrap();
+    let dir = std::env::temp_dir().join(format!("strata-gpu-trace-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("t.json");
+    store.trace(&path).unwrap();
+    let trace = std::fs::read_to_string(&path).unwrap();
+    std::fs::remove_dir_all(&dir).unwrap();
+    let uploads = trace.matches("\"name\":\"h2d staged\"").count();
+    assert!(uploads >= 1, "no resolved h2d span of the staged uploads in the trace:\n{trace}");
+    assert!(store.stats().copy_seconds > 0.0);
+}
+
 #[test]
 fn viewed_memory_is_never_overwritten_under_eviction_pressure() {
     // Passes of the kernel over the 8 MiB view: long enough (~1 s on an H100) for the other
@@ -105,14 +130,17 @@ fn viewed_memory_is_never_overwritten_under_eviction_pressure() {
         .map(|t| {
             let (store, stop) = (store.clone(), stop.clone());
             std::thread::spawn(move || {
-                let mut n = 0;
+                // Each thread keeps its last two (3 × 2 × 6 MiB beside the viewed 8 MiB: more
+                // than the Device tier, far less than all the tiers, however fast the puts run).
+                let (mut n, mut live) = (0, std::collections::VecDeque::new());
                 while !stop.load(std::sync::atomic::Ordering::Relaxed) && n < 400 {
                     let d = random(6 << 20, 1000 * t + n);
                     let x = store.put(&format!("w{t}-{n}"), DType::U8, &[d.len()], &d).unwrap();
                     store.move_to(x, Tier::Device).unwrap();
                     assert_eq!(store.read(x).unwrap(), d);
-                    if n % 3 == 0 {
-                        store.remove(x).unwrap();
+                    live.push_back(x);
+                    if live.len() > 2 {
+                        store.remove(live.pop_front().unwrap()).unwrap();
                     }
                     n += 1;
                 }

@@ -158,6 +158,12 @@ impl HostCopy<'_> {
         };
         let (id, name) = (self.id, self.name.clone());
         let mut done = self.run_host(shared, staging)?;
+        if shared.timing && track == Track::H2d && done.ready.is_some() {
+            // A staged upload ends on its last piece's pooled event, which cannot be timed (on
+            // CUDA its span would never resolve, nor free its event): a timed event after it on
+            // the same stream stands for it, as the span's end and as the copy's `ready`.
+            done.ready = Some(shared.backend.h2d().record_timed()?);
+        }
         if shared.timing {
             let end = match &done.ready {
                 Some(ev) => TimePoint::Ev(ev.clone()),

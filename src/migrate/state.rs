@@ -352,6 +352,17 @@ pub(crate) struct Shared {
     pub(crate) health: crate::backend::health::Health,
 }
 
+impl Drop for Shared {
+    /// The last holder gone (the store, or a view that outlived it): every copy and use still in
+    /// flight is waited for before the tiers' memory is freed under it (`Store::drop` waits too,
+    /// but a view dropped after the store records its last use after that wait).
+    fn drop(&mut self) {
+        for p in self.state.get_mut().all_pending() {
+            let _ = p.wait();
+        }
+    }
+}
+
 impl Shared {
     /// Takes the lock. Work queued for the calling thread (a store without worker threads runs
     /// its jobs inline) runs when the guard drops, after the lock is released.

@@ -125,23 +125,35 @@ impl Drop for Bound {
 /// check), per context, until `Store::check_err` takes them. They are kept here, not in the
 /// context's own error slot: that slot is the caller's (their next cudarc call would return
 /// our error, and cudarc's `upgrade_device_ptr` panics on one).
-static DEFERRED: parking_lot::Mutex<Vec<(usize, Error)>> = parking_lot::Mutex::new(Vec::new());
+///
+/// Keyed by the `CudaContext` value, not its driver handle: a primary context released by its
+/// last holder and retained again comes back with the same handle, and the errors of a dead
+/// store's context are not a new store's. A dead context's errors are dropped.
+static DEFERRED: parking_lot::Mutex<Vec<(std::sync::Weak<CudaContext>, Error)>> =
+    parking_lot::Mutex::new(Vec::new());
 /// Deferred errors kept per process (the oldest are kept: they say what went wrong first).
 const MAX_DEFERRED: usize = 64;
 
 /// Keeps an error of `call` in `ctx` for the next `check_err`.
-pub(crate) fn defer(ctx: &CudaContext, call: &'static str, e: DriverError) {
+pub(crate) fn defer(ctx: &Arc<CudaContext>, call: &'static str, e: DriverError) {
     let mut d = DEFERRED.lock();
+    d.retain(|(c, _)| c.strong_count() > 0);
     if d.len() < MAX_DEFERRED {
-        d.push((ctx.cu_ctx() as usize, Error::cuda(call, e)));
+        d.push((Arc::downgrade(ctx), Error::cuda(call, e)));
     }
 }
 
 /// The oldest error deferred in `ctx`, taken.
-pub(crate) fn take_deferred(ctx: &CudaContext) -> Option<Error> {
+pub(crate) fn take_deferred(ctx: &Arc<CudaContext>) -> Option<Error> {
     let mut d = DEFERRED.lock();
-    let i = d.iter().position(|(c, _)| *c == ctx.cu_ctx() as usize)?;
+    let i = d.iter().position(|(c, _)| same_context(c, ctx))?;
     Some(d.remove(i).1)
+}
+
+/// Whether `w` is `ctx` (the same live `CudaContext` value; a held `Weak` keeps its address
+/// from being reused, so a dead one never matches a new one).
+fn same_context(w: &std::sync::Weak<CudaContext>, ctx: &Arc<CudaContext>) -> bool {
+    std::ptr::eq(w.as_ptr(), Arc::as_ptr(ctx)) && w.strong_count() > 0
 }
 
 impl CudaBackend {
@@ -399,23 +411,25 @@ type Pools = Vec<(std::sync::Weak<CudaContext>, Arc<EventPool>)>;
 static POOLS: parking_lot::Mutex<Pools> = parking_lot::Mutex::new(Vec::new());
 
 thread_local! {
-    /// The pool this thread used last, and its context's handle.
-    static LAST_POOL: std::cell::RefCell<Option<(usize, Arc<EventPool>)>> =
+    /// The pool this thread used last, and its context. Matched by the `CudaContext` value,
+    /// never by its driver handle: a primary context released by its last holder is destroyed
+    /// with its events, and retained again it comes back with the same handle, so a pool found
+    /// by the handle would hand out destroyed events.
+    static LAST_POOL: std::cell::RefCell<Option<(std::sync::Weak<CudaContext>, Arc<EventPool>)>> =
         const { std::cell::RefCell::new(None) };
 }
 
 /// The event pool of `ctx`.
 fn pool_of(ctx: &Arc<CudaContext>) -> Arc<EventPool> {
-    let key = ctx.cu_ctx() as usize;
-    if let Some(p) =
-        LAST_POOL.with(|l| l.borrow().as_ref().filter(|(k, _)| *k == key).map(|(_, p)| p.clone()))
+    if let Some(p) = LAST_POOL
+        .with(|l| l.borrow().as_ref().filter(|(c, _)| same_context(c, ctx)).map(|(_, p)| p.clone()))
     {
         return p;
     }
     let p = {
         let mut pools = POOLS.lock();
         pools.retain(|(c, _)| c.strong_count() > 0);
-        match pools.iter().find(|(c, _)| std::ptr::eq(c.as_ptr(), Arc::as_ptr(ctx))) {
+        match pools.iter().find(|(c, _)| same_context(c, ctx)) {
             Some((_, p)) => p.clone(),
             None => {
                 let p = Arc::new(EventPool { free: crossbeam::queue::SegQueue::new() });
@@ -424,7 +438,7 @@ fn pool_of(ctx: &Arc<CudaContext>) -> Arc<EventPool> {
             }
         }
     };
-    LAST_POOL.with(|l| *l.borrow_mut() = Some((key, p.clone())));
+    LAST_POOL.with(|l| *l.borrow_mut() = Some((Arc::downgrade(ctx), p.clone())));
     p
 }
 
@@ -558,9 +572,22 @@ impl BorrowedSlice {
 }
 
 impl Drop for BorrowedSlice {
+    /// cudarc's `leak` makes the slice's stream wait for its events, but its waits return at
+    /// once, issuing nothing, while the context's error slot holds an error (every cudarc call
+    /// checks the slot first). So the caller's pending error is taken out for the waits and put
+    /// back after; an error of the waits themselves is the store's (`Store::check_err`).
     fn drop(&mut self) {
         if let Some(s) = self.0.take() {
+            let ctx = s.context().clone();
+            // (cudarc binds the context for the waits and leaves it bound: the guard puts the
+            // thread's own back.)
+            let _bound = bind(&ctx).ok();
+            let callers = ctx.check_err();
             s.leak();
+            if let Err(e) = ctx.check_err() {
+                defer(&ctx, "cuStreamWaitEvent", e);
+            }
+            ctx.record_err(callers);
         }
     }
 }
