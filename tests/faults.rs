@@ -19,9 +19,10 @@ use std::panic::AssertUnwindSafe;
 use std::path::Path;
 use std::sync::Arc;
 
+use common::Backend;
 use strata::failpoint::{self, Fault, Site};
 use strata::optim::{Algorithm, Engine, Optimizer, OptimizerConfig, Sgd};
-use strata::{DType, Error, LoadOptions, Store, TensorId, Tier};
+use strata::{DType, DeviceView, Error, LoadOptions, Store, Stream, TensorId, Tier};
 
 /// What the workload expects of the store: each tensor's name, id and last written bytes.
 #[derive(Default)]
@@ -45,6 +46,11 @@ struct Run {
     lost: Vec<String>,
     /// Reads refused with an error while a sticky fault was armed.
     refused: usize,
+    /// On CUDA, tensors held only in device memory when the store had declared the GPU failed
+    /// (it refuses device work for good, so they cannot be read back: a GPU that failed for
+    /// good has lost its memory too). On the host backend the device is host memory and this
+    /// stays 0.
+    unreachable: usize,
 }
 
 fn bytes(n: usize, seed: u8) -> Vec<u8> {
@@ -55,10 +61,40 @@ fn f32s(v: &[f32]) -> Vec<u8> {
     v.iter().flat_map(|x| x.to_ne_bytes()).collect()
 }
 
-fn build(dir: &Path) -> strata::Result<Arc<Store>> {
+/// Writes `d` through a device view: in host memory on the host backend, by a copy on the
+/// view's stream on CUDA (waited for: `d` is borrowed).
+fn view_write(v: &mut DeviceView, s: &Stream, d: &[u8]) -> strata::Result<()> {
+    let Some(cs) = s.cuda() else { return v.with_host_bytes_mut(|b| b.copy_from_slice(d)) };
+    let cuda = |call: &'static str| {
+        move |e: strata::cudarc::driver::DriverError| Error::Cuda { call, message: e.to_string() }
+    };
+    let mut dst = v.cuda_view_mut::<u8>().ok_or_else(|| Error::Cuda {
+        call: "cuda_view_mut",
+        message: "no cudarc view of the device view (Store::check_err says why)".into(),
+    })?;
+    cs.memcpy_htod(d, &mut dst).map_err(cuda("cuMemcpyHtoDAsync"))?;
+    cs.synchronize().map_err(cuda("cuStreamSynchronize"))
+}
+
+/// The bytes a device view sees (see [`view_write`]).
+fn view_read(v: &DeviceView, s: &Stream) -> strata::Result<Vec<u8>> {
+    let Some(cs) = s.cuda() else { return v.with_host_bytes(|b| b.to_vec()) };
+    let src = v.cuda_view::<u8>().ok_or_else(|| Error::Cuda {
+        call: "cuda_view",
+        message: "no cudarc view of the device view (Store::check_err says why)".into(),
+    })?;
+    let got = cs
+        .clone_dtoh(&src)
+        .map_err(|e| Error::Cuda { call: "cuMemcpyDtoHAsync", message: e.to_string() })?;
+    cs.synchronize()
+        .map_err(|e| Error::Cuda { call: "cuStreamSynchronize", message: e.to_string() })?;
+    Ok(got)
+}
+
+fn build(dir: &Path, backend: Backend) -> strata::Result<Arc<Store>> {
     Ok(Arc::new(
-        Store::builder()
-            .host_backend()
+        backend
+            .builder()
             .capacity(Tier::Device, 64 << 10)
             .capacity(Tier::Pinned, 64 << 10)
             .capacity(Tier::Mapped, 32 << 10)
@@ -105,6 +141,12 @@ fn verify(store: &Store, sh: &Shadow, dir: &Path, run: &mut Run, ctx: &str, may_
                 | Error::DiskFull { .. }
                 | Error::OutOfMemory { .. },
             ) if may_fail => run.refused += 1,
+            Err(Error::BackendFailed { .. })
+                if store.backend() == strata::BackendKind::Cuda
+                    && store.info(*id).is_ok_and(|i| i.tiers == [Tier::Device]) =>
+            {
+                run.unreachable += 1
+            }
             Err(e) => run.lost.push(format!("{ctx}: {name} does not read: {e}")),
         }
     }
@@ -207,7 +249,7 @@ fn step(
                 let s = st.stream()?;
                 let d = bytes(20 << 10, 11);
                 let mut v = st.device_view(id(sh, "d")?, &s)?;
-                v.with_host_bytes_mut(|b| b.copy_from_slice(&d))?;
+                view_write(&mut v, &s, &d)?;
                 // The bytes are the tensor's once the (dirty) view drops, which cannot fail.
                 drop(v);
                 Ok(vec![("d".into(), Some((id(sh, "d")?, d)))])
@@ -227,7 +269,7 @@ fn step(
                 st.prefetch(&[id(sh, "b")?, id(sh, "c")?])?;
                 for n in ["b", "c"] {
                     let v = st.device_view(id(sh, n)?, &s)?;
-                    if v.with_host_bytes(|b| b.to_vec())? != sh.tensors[n].1 {
+                    if view_read(&v, &s)? != sh.tensors[n].1 {
                         return Err(Error::InvalidArgument(format!(
                             "{WRONG} a view of {n} saw other bytes"
                         )));
@@ -342,9 +384,9 @@ const WRONG: &str = "wrong bytes:";
 
 /// One run of the workload on a fresh store; the shadow changes only when a step succeeds.
 /// `after` runs after each step (the count run reads the sites' passes there).
-fn workload(dir: &Path, mode: Mode, mut after: impl FnMut(usize)) -> Run {
+fn workload(dir: &Path, backend: Backend, mode: Mode, mut after: impl FnMut(usize)) -> Run {
     let mut run = Run::default();
-    let store = match build(dir) {
+    let store = match build(dir, backend) {
         Ok(s) => s,
         Err(e) => {
             run.errors.push(format!("build: {e}"));
@@ -410,7 +452,8 @@ fn workload(dir: &Path, mode: Mode, mut after: impl FnMut(usize)) -> Run {
     failpoint::disarm();
     drain(&store);
     // With the fault gone every tensor reads back (a store that declared its backend failed
-    // still reads what host memory and disk hold, and the device is the host's here).
+    // still reads what host memory and disk hold; on the host backend the device is host
+    // memory too, on CUDA what only the device holds is `unreachable`).
     verify(&store, &sh, dir, &mut run, if sticky { "end, disarmed" } else { "end" }, false);
     for (name, (id, _)) in std::mem::take(&mut sh.tensors) {
         store.remove(id).unwrap_or_else(|e| panic!("remove {name}: {e}"));
@@ -450,12 +493,12 @@ fn workload(dir: &Path, mode: Mode, mut after: impl FnMut(usize)) -> Run {
 /// A run of the workload on its own thread, under a deadline: a store that hangs after a fault
 /// (a flight never ended, a wait for work that cannot finish) fails the test, naming the run,
 /// instead of hanging the suite.
-fn watched(dir: &Path, mode: Mode, what: &str) -> Run {
+fn watched(dir: &Path, backend: Backend, mode: Mode, what: &str) -> Run {
     if std::env::var_os("STRATA_FAULTS_VERBOSE").is_some() {
         eprintln!("run: {what}");
     }
     let dir = dir.to_path_buf();
-    let h = std::thread::spawn(move || workload(&dir, mode, |_| {}));
+    let h = std::thread::spawn(move || workload(&dir, backend, mode, |_| {}));
     let t = std::time::Instant::now();
     while !h.is_finished() {
         if t.elapsed() > std::time::Duration::from_secs(60) {
@@ -498,6 +541,41 @@ static ARMED: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 #[test]
 fn every_fault_at_every_site_loses_nothing() {
+    every_fault_at_every_site(Backend::Host);
+}
+
+/// The same on the CUDA backend (device 0), where a GPU is present: the sites are the backend's
+/// calls (copies, event records, stream waits, host waits, allocations) as they reach the
+/// driver. Prints a SKIP line without a GPU (fails instead with `STRATA_REQUIRE_GPU=1`).
+#[test]
+fn every_fault_at_every_site_loses_nothing_on_cuda() {
+    let Some(_context) = cuda_or_skip("every_fault_at_every_site_loses_nothing_on_cuda") else {
+        return;
+    };
+    every_fault_at_every_site(Backend::Cuda);
+}
+
+/// Where a GPU is present, a small CUDA store to hold for the whole test: it keeps the device's
+/// primary context alive between the runs' stores (each run's store would otherwise create and
+/// destroy it, a tenth of a second each). Without one, prints `SKIP <test>: no GPU (why)` and
+/// returns `None`, or panics when `STRATA_REQUIRE_GPU=1`.
+fn cuda_or_skip(test: &str) -> Option<Store> {
+    let why = match strata::cuda_device_count() {
+        Ok(n) if n > 0 => {
+            return Some(Backend::Cuda.builder().capacity(Tier::Device, 4096).build().unwrap())
+        }
+        Ok(_) => "the driver reports no CUDA device".to_string(),
+        Err(why) => why,
+    };
+    assert!(
+        std::env::var("STRATA_REQUIRE_GPU").map_or(true, |v| v != "1"),
+        "{test}: no GPU ({why}), and STRATA_REQUIRE_GPU=1"
+    );
+    println!("SKIP {test}: no GPU ({why})");
+    None
+}
+
+fn every_fault_at_every_site(backend: Backend) {
     let _turn = ARMED.lock().unwrap_or_else(|e| e.into_inner());
     let dir = tempfile::tempdir().unwrap();
     // Count the passes through each site.
@@ -505,12 +583,12 @@ fn every_fault_at_every_site_loses_nothing() {
         failpoint::slow_copies(std::time::Duration::from_micros(us.parse().unwrap_or(0)));
     }
     failpoint::count();
-    let clean = workload(dir.path(), Mode::Once, |_| {});
+    let clean = workload(dir.path(), backend, Mode::Once, |_| {});
     let passes: Vec<(Site, u64)> = Site::ALL.iter().map(|&s| (s, failpoint::hits(s))).collect();
     failpoint::disarm();
     assert!(clean.errors.is_empty() && clean.lost.is_empty(), "the clean run failed: {clean:?}");
     let (mut tried, mut injected, mut checked, mut lost) = (0u64, 0u64, 0usize, Vec::new());
-    let (mut sticky_runs, mut refused, mut declared) = (0u64, 0usize, 0usize);
+    let (mut sticky_runs, mut refused, mut declared, mut unreachable) = (0u64, 0usize, 0usize, 0);
     let mut never = Vec::new();
     for &(site, n) in &passes {
         if n == 0 {
@@ -536,13 +614,15 @@ fn every_fault_at_every_site_loses_nothing() {
                         failpoint::arm_from(site, k, fault)
                     }
                 }
-                let run = watched(d.path(), mode, &format!("{site:?} #{k} {fault:?} {mode:?}"));
+                let run =
+                    watched(d.path(), backend, mode, &format!("{site:?} #{k} {fault:?} {mode:?}"));
                 failpoint::disarm();
                 if !run.errors.is_empty() {
                     injected += 1;
                 }
                 checked += run.checked;
                 refused += run.refused;
+                unreachable += run.unreachable;
                 declared +=
                     run.errors.iter().any(|e| e.contains("the backend has failed")) as usize;
                 lost.extend(
@@ -562,11 +642,13 @@ fn every_fault_at_every_site_loses_nothing() {
     }
     let sites = passes.iter().filter(|p| p.1 > 0).count();
     println!(
-        "fault injection: {sites} sites reached ({} passes), {tried} runs with one fault armed \
-         ({sticky_runs} of them sticky), {injected} faults injected, {checked} tensors checked \
-         ({refused} reads refused with an error while a sticky fault was armed; {declared} runs \
-         where the store declared its backend failed), {} tensors lost or wrong; sites the \
-         workload does not reach: {never:?}",
+        "fault injection ({}): {sites} sites reached ({} passes), {tried} runs with one fault \
+         armed ({sticky_runs} of them sticky), {injected} faults injected, {checked} tensors \
+         checked ({refused} reads refused with an error while a sticky fault was armed; \
+         {declared} runs where the store declared its backend failed, {unreachable} tensors then \
+         held only by the failed device), {} tensors lost or wrong; sites the workload does not \
+         reach: {never:?}",
+        backend.name(),
         passes.iter().map(|p| p.1).sum::<u64>(),
         lost.len()
     );
@@ -724,11 +806,11 @@ fn thread_ops(store: &Store, dir: &Path, t: usize, seed: u64) -> Mine {
                 let d = rng.bytes(want.len());
                 let Ok(mut v) = store.device_view(id, &s) else { continue };
                 if write {
-                    if v.with_host_bytes_mut(|b| b.copy_from_slice(&d)).is_ok() {
+                    if view_write(&mut v, &s, &d).is_ok() {
                         drop(v);
                         me.tensors.insert(n, (id, d));
                     }
-                } else if let Ok(seen) = v.with_host_bytes(|b| b.to_vec()) {
+                } else if let Ok(seen) = view_read(&v, &s) {
                     if seen != want {
                         me.wrong.push(format!("a view of {n} showed other bytes"));
                     }
@@ -769,8 +851,8 @@ fn thread_ops(store: &Store, dir: &Path, t: usize, seed: u64) -> Mine {
 
 /// Four threads run [`thread_ops`] on one store (`None` when the store cannot be built: the
 /// fault hit the build).
-fn concurrent_run(dir: &Path, seed: u64) -> Option<(Arc<Store>, Vec<Mine>)> {
-    let store = build(dir).ok()?;
+fn concurrent_run(dir: &Path, backend: Backend, seed: u64) -> Option<(Arc<Store>, Vec<Mine>)> {
+    let store = build(dir, backend).ok()?;
     let handles: Vec<_> = (0..4)
         .map(|t| {
             let (st, d) = (store.clone(), dir.to_path_buf());
@@ -786,8 +868,23 @@ fn concurrent_run(dir: &Path, seed: u64) -> Option<(Arc<Store>, Vec<Mine>)> {
 /// reads back its last written bytes and every file holds its thread's last successful save.
 #[test]
 fn a_fault_under_four_threads_returns_no_wrong_bytes() {
+    a_fault_under_four_threads(Backend::Host);
+}
+
+/// The same on the CUDA backend, where a GPU is present (a SKIP line without one).
+#[test]
+fn a_fault_under_four_threads_returns_no_wrong_bytes_on_cuda() {
+    let Some(_context) = cuda_or_skip("a_fault_under_four_threads_returns_no_wrong_bytes_on_cuda")
+    else {
+        return;
+    };
+    a_fault_under_four_threads(Backend::Cuda);
+}
+
+fn a_fault_under_four_threads(backend: Backend) {
     let _turn = ARMED.lock().unwrap_or_else(|e| e.into_inner());
-    const ROUNDS: u64 = 20;
+    // (Fewer on CUDA: the lease gives the suite two minutes on the GPU machine.)
+    let rounds: u64 = if backend == Backend::Cuda { 8 } else { 20 };
     let (mut runs, mut fired, mut checked, mut wrong) = (0u64, 0u64, 0usize, Vec::new());
     // Copies that take a while, as on a GPU: memory reused under a copy in flight shows.
     failpoint::slow_copies(std::time::Duration::from_micros(300));
@@ -795,19 +892,19 @@ fn a_fault_under_four_threads_returns_no_wrong_bytes() {
         // How often a clean run passes the site (it varies with the threads' interleaving).
         let d = tempfile::tempdir().unwrap();
         failpoint::count();
-        let _ = concurrent_run(d.path(), 1);
+        let _ = concurrent_run(d.path(), backend, 1);
         let passes = failpoint::hits(site);
         failpoint::disarm();
         if passes == 0 {
             continue;
         }
-        for round in 0..ROUNDS {
+        for round in 0..rounds {
             runs += 1;
             let seed = 1000 + si as u64 * 100 + round;
             let k = 1 + common::Rng::new(seed).below(passes);
             let d = tempfile::tempdir().unwrap();
             failpoint::arm(site, k, faults(site)[0]);
-            let Some((store, mine)) = concurrent_run(d.path(), seed) else {
+            let Some((store, mine)) = concurrent_run(d.path(), backend, seed) else {
                 failpoint::disarm();
                 continue;
             };
@@ -843,8 +940,9 @@ fn a_fault_under_four_threads_returns_no_wrong_bytes() {
     }
     failpoint::slow_copies(std::time::Duration::ZERO);
     println!(
-        "concurrent faults: {runs} runs of 4 threads x 120 operations, one fault armed each \
-         ({fired} fired), {checked} tensors and files checked, {} wrong or lost",
+        "concurrent faults ({}): {runs} runs of 4 threads x 120 operations, one fault armed \
+         each ({fired} fired), {checked} tensors and files checked, {} wrong or lost",
+        backend.name(),
         wrong.len()
     );
     assert!(wrong.is_empty(), "wrong bytes:\n{}", wrong.join("\n"));
@@ -862,7 +960,7 @@ fn optim_run(
     arm: &dyn Fn(),
 ) -> strata::Result<(Vec<Vec<u8>>, bool)> {
     let dir = tempfile::tempdir().expect("a temporary directory");
-    let st = build(dir.path())?;
+    let st = build(dir.path(), Backend::Host)?;
     let s = st.stream()?;
     let ws: Vec<TensorId> = (0..2)
         .map(|i| {
