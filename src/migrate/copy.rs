@@ -158,11 +158,19 @@ impl HostCopy<'_> {
         };
         let (id, name) = (self.id, self.name.clone());
         let mut done = self.run_host(shared, staging)?;
-        if shared.timing && track == Track::H2d && done.ready.is_some() {
+        if let (true, Track::H2d, Some(last)) = (shared.timing, track, &done.ready) {
             // A staged upload ends on its last piece's pooled event, which cannot be timed (on
             // CUDA its span would never resolve, nor free its event): a timed event after it on
-            // the same stream stands for it, as the span's end and as the copy's `ready`.
-            done.ready = Some(shared.backend.h2d().record_timed()?);
+            // the same stream stands for it, as the span's end and as the copy's `ready`. If it
+            // cannot be recorded the copy fails, once its pieces have landed (the destination
+            // is freed after a failure).
+            match shared.backend.h2d().record_timed() {
+                Ok(ev) => done.ready = Some(ev),
+                Err(e) => {
+                    let _ = last.synchronize();
+                    return Err(e);
+                }
+            }
         }
         if shared.timing {
             let end = match &done.ready {
