@@ -326,6 +326,68 @@ fn a_shared_host_view_may_outlive_its_store() {
     drop(v);
 }
 
+/// Runs `f` on its own thread and fails if it has not returned within 10 s.
+fn within_10s(what: &str, f: impl FnOnce() + Send + 'static) {
+    let h = std::thread::spawn(f);
+    let t = std::time::Instant::now();
+    while !h.is_finished() {
+        assert!(t.elapsed() < std::time::Duration::from_secs(10), "{what} hangs");
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+    h.join().unwrap();
+}
+
+/// A device view moved into its stream's own work, dropped there after the store was: the last
+/// holder of the store's state goes on the stream's thread, which must not wait for the event
+/// its own job holds back.
+#[test]
+fn a_view_outliving_its_store_drops_inside_its_streams_work() {
+    let store = store();
+    let x = store.put("x", DType::U8, &[4096], &[3u8; 4096]).unwrap();
+    let s = store.stream().unwrap();
+    let v = store.device_view(x, &s).unwrap();
+    let (go, gate) = std::sync::mpsc::channel::<()>();
+    let (done, finished) = std::sync::mpsc::channel::<()>();
+    s.launch_host(move || {
+        gate.recv().unwrap();
+        drop(v);
+        done.send(()).unwrap();
+    })
+    .unwrap();
+    drop(store);
+    go.send(()).unwrap();
+    within_10s("the view's drop inside its stream's work", move || finished.recv().unwrap());
+}
+
+/// Layer scopes that outlive their store, one of them waiting for room when the store went:
+/// the prefetch it starts as the other drops is never run (the workers stopped with the
+/// store), and the last drop must not wait for it.
+#[test]
+fn layer_scopes_outliving_their_store_drop_without_waiting_for_stopped_workers() {
+    let store = Store::builder()
+        .host_backend()
+        .capacity(Tier::Device, 64 << 10)
+        .capacity(Tier::Pinned, 0)
+        .capacity(Tier::Mapped, 0)
+        .capacity(Tier::Disk, 1 << 20)
+        .build()
+        .unwrap();
+    let put = |n: &str| {
+        store.put_in(Tier::Disk, n, Group::Other, DType::U8, &[48 << 10], &[5u8; 48 << 10]).unwrap()
+    };
+    let (a, b) = (put("a"), put("b"));
+    let s = store.stream().unwrap();
+    let scope_a = store.layer(&[a], &[]).unwrap();
+    drop(store.device_view(a, &s).unwrap());
+    // No room for b beside a, held by its scope: b's fetch waits for room.
+    let scope_b = store.layer(&[b], &[]).unwrap();
+    within_10s("dropping the store and then the scopes", move || {
+        drop(store);
+        drop(scope_a);
+        drop(scope_b);
+    });
+}
+
 /// Readers whose shared views overlap do not keep a writer waiting for ever: once a writer
 /// waits, new shared views wait for it.
 #[test]

@@ -353,12 +353,22 @@ pub(crate) struct Shared {
 }
 
 impl Drop for Shared {
-    /// The last holder gone (the store, or a view that outlived it): every copy and use still in
-    /// flight is waited for before the tiers' memory is freed under it (`Store::drop` waits too,
-    /// but a view dropped after the store records its last use after that wait).
+    /// The last holder gone (the store, or a view that outlived it): on CUDA, the GPU work still
+    /// in flight on the tiers' memory (the last uses views recorded, copies) is waited for
+    /// before that memory is freed under it (`Store::drop` waits for everything, but a view
+    /// dropped after the store records its last use after that wait). Only GPU events: a host
+    /// stream's event may sit behind the very job dropping the view (the wait would never end),
+    /// and a job's claim may belong to a worker already stopped; on the host backend a view's
+    /// memory is used only by work that holds the view, so none can be running now.
     fn drop(&mut self) {
-        for p in self.state.get_mut().all_pending() {
-            let _ = p.wait();
+        if let crate::backend::Backend::Cuda(_) = &self.backend {
+            for p in self.state.get_mut().all_pending() {
+                if let Pending::Ev(RawEvent::Cuda(_))
+                | Pending::Stream(crate::backend::RawStream::Cuda(_)) = &p
+                {
+                    let _ = p.wait();
+                }
+            }
         }
     }
 }
