@@ -22,13 +22,10 @@ __device__ __forceinline__ float widen(f16_t v) {
 
 template <typename T> __device__ __forceinline__ T narrow(float x);
 template <> __device__ __forceinline__ float narrow<float>(float x) { return x; }
-// A NaN stays a (quiet) NaN, as half's bf16::from_f32 on the CPU keeps it: f32_to_bf16's
-// rounding carries the NaN GPU arithmetic produces (0x7fffffff) into -0.0.
+// (bf16.cuh's f32_to_bf16 keeps a NaN a NaN, as half's bf16::from_f32 on the CPU does.)
 template <> __device__ __forceinline__ bf16_t narrow<bf16_t>(float x) {
     bf16_t r;
-    const unsigned int u = __float_as_uint(x);
-    r.bits = (u & 0x7fffffffu) > 0x7f800000u ? (unsigned short)((u >> 16) | 0x40u)
-                                             : f32_to_bf16(x);
+    r.bits = f32_to_bf16(x);
     return r;
 }
 template <> __device__ __forceinline__ f16_t narrow<f16_t>(float x) {

@@ -176,10 +176,14 @@ fn shape_err(what: &str) -> Error {
     Error::InvalidArgument(format!("matrix shapes do not fit: {what}"))
 }
 
-/// Round-to-nearest-even narrowing, as the CUDA kernels do (`half`'s `from_f32` rounds the same
-/// way; written out so both sides visibly match).
+/// Round-to-nearest-even narrowing, as the CUDA kernels do (`cuda/bf16.cuh`'s `f32_to_bf16`;
+/// `half`'s `from_f32` rounds the same way and keeps a NaN a quiet NaN, as both do; written out
+/// so both sides visibly match).
 fn narrow(f: f32) -> bf16 {
     let u = f.to_bits();
+    if u & 0x7fff_ffff > 0x7f80_0000 {
+        return bf16::from_bits(((u >> 16) | 0x40) as u16);
+    }
     bf16::from_bits((u.wrapping_add(0x7FFF + ((u >> 16) & 1)) >> 16) as u16)
 }
 
@@ -694,6 +698,16 @@ mod tests {
     fn narrowing_rounds_to_nearest_even_like_half() {
         for f in [0.0f32, 1.0, -2.5, 3.25, 1e-3, 65504.0, 1.0 + 1.0 / 256.0, 1.0 + 3.0 / 512.0] {
             assert_eq!(narrow(f), bf16::from_f32(f), "{f}");
+        }
+        // NaNs, the one GPU arithmetic makes (0x7fffffff) first: the rounding's carry once made
+        // it -0.0. Infinities round to themselves.
+        for bits in [0x7fff_ffffu32, 0xffff_ffff, 0x7fc0_0000, 0x7f80_0001, 0xff80_0001] {
+            let f = f32::from_bits(bits);
+            assert_eq!(narrow(f).to_bits(), bf16::from_f32(f).to_bits(), "{bits:#x}");
+            assert!(narrow(f).is_nan(), "{bits:#x}");
+        }
+        for f in [f32::INFINITY, f32::NEG_INFINITY, f32::MAX] {
+            assert_eq!(narrow(f).to_bits(), bf16::from_f32(f).to_bits(), "{f}");
         }
     }
 
