@@ -541,6 +541,7 @@ static ARMED: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 #[test]
 fn every_fault_at_every_site_loses_nothing() {
+    let _turn = ARMED.lock().unwrap_or_else(|e| e.into_inner());
     every_fault_at_every_site(Backend::Host);
 }
 
@@ -549,6 +550,8 @@ fn every_fault_at_every_site_loses_nothing() {
 /// driver. Prints a SKIP line without a GPU (fails instead with `STRATA_REQUIRE_GPU=1`).
 #[test]
 fn every_fault_at_every_site_loses_nothing_on_cuda() {
+    // (Before the store below is built: a fault another test armed must not reach it.)
+    let _turn = ARMED.lock().unwrap_or_else(|e| e.into_inner());
     let Some(_context) = cuda_or_skip("every_fault_at_every_site_loses_nothing_on_cuda") else {
         return;
     };
@@ -558,11 +561,18 @@ fn every_fault_at_every_site_loses_nothing_on_cuda() {
 /// Where a GPU is present, a small CUDA store to hold for the whole test: it keeps the device's
 /// primary context alive between the runs' stores (each run's store would otherwise create and
 /// destroy it, a tenth of a second each). Without one, prints `SKIP <test>: no GPU (why)` and
-/// returns `None`, or panics when `STRATA_REQUIRE_GPU=1`.
+/// returns `None`, or panics when `STRATA_REQUIRE_GPU=1`. Call it holding `ARMED`.
 fn cuda_or_skip(test: &str) -> Option<Store> {
     let why = match strata::cuda_device_count() {
         Ok(n) if n > 0 => {
-            return Some(Backend::Cuda.builder().capacity(Tier::Device, 4096).build().unwrap())
+            let small = Backend::Cuda
+                .builder()
+                .capacity(Tier::Device, 4096)
+                .capacity(Tier::Pinned, 4096)
+                .capacity(Tier::Mapped, 0)
+                .capacity(Tier::Disk, 0)
+                .staging(1, 4096);
+            return Some(small.build().unwrap());
         }
         Ok(_) => "the driver reports no CUDA device".to_string(),
         Err(why) => why,
@@ -575,8 +585,8 @@ fn cuda_or_skip(test: &str) -> Option<Store> {
     None
 }
 
+/// The callers hold `ARMED`.
 fn every_fault_at_every_site(backend: Backend) {
-    let _turn = ARMED.lock().unwrap_or_else(|e| e.into_inner());
     let dir = tempfile::tempdir().unwrap();
     // Count the passes through each site.
     if let Ok(us) = std::env::var("STRATA_FAULTS_SLOW_US") {
@@ -868,12 +878,14 @@ fn concurrent_run(dir: &Path, backend: Backend, seed: u64) -> Option<(Arc<Store>
 /// reads back its last written bytes and every file holds its thread's last successful save.
 #[test]
 fn a_fault_under_four_threads_returns_no_wrong_bytes() {
+    let _turn = ARMED.lock().unwrap_or_else(|e| e.into_inner());
     a_fault_under_four_threads(Backend::Host);
 }
 
 /// The same on the CUDA backend, where a GPU is present (a SKIP line without one).
 #[test]
 fn a_fault_under_four_threads_returns_no_wrong_bytes_on_cuda() {
+    let _turn = ARMED.lock().unwrap_or_else(|e| e.into_inner());
     let Some(_context) = cuda_or_skip("a_fault_under_four_threads_returns_no_wrong_bytes_on_cuda")
     else {
         return;
@@ -881,8 +893,8 @@ fn a_fault_under_four_threads_returns_no_wrong_bytes_on_cuda() {
     a_fault_under_four_threads(Backend::Cuda);
 }
 
+/// The callers hold `ARMED`.
 fn a_fault_under_four_threads(backend: Backend) {
-    let _turn = ARMED.lock().unwrap_or_else(|e| e.into_inner());
     // (Fewer on CUDA: the lease gives the suite two minutes on the GPU machine.)
     let rounds: u64 = if backend == Backend::Cuda { 8 } else { 20 };
     let (mut runs, mut fired, mut checked, mut wrong) = (0u64, 0u64, 0usize, Vec::new());

@@ -126,9 +126,13 @@ impl Drop for Bound {
 /// context's own error slot: that slot is the caller's (their next cudarc call would return
 /// our error, and cudarc's `upgrade_device_ptr` panics on one).
 ///
-/// Keyed by the `CudaContext` value, not its driver handle: a primary context released by its
-/// last holder and retained again comes back with the same handle, and the errors of a dead
-/// store's context are not a new store's. A dead context's errors are dropped.
+/// Kept with a `Weak` of the `CudaContext` they were made in, matched by the driver handle of
+/// a live one: a stream the caller made from another `CudaContext` value of the same primary
+/// context (candle's device beside a store on device 0) defers into the store's errors, while
+/// the errors of a dead context (released by its last holder, its handle maybe given again to
+/// a new retain) are dropped, never a new store's. A context whose `Weak` still upgrades is
+/// held, so the primary context stays retained and its handle cannot name another while it
+/// matches.
 static DEFERRED: parking_lot::Mutex<Vec<(std::sync::Weak<CudaContext>, Error)>> =
     parking_lot::Mutex::new(Vec::new());
 /// Deferred errors kept per process (the oldest are kept: they say what went wrong first).
@@ -146,7 +150,8 @@ pub(crate) fn defer(ctx: &Arc<CudaContext>, call: &'static str, e: DriverError) 
 /// The oldest error deferred in `ctx`, taken.
 pub(crate) fn take_deferred(ctx: &Arc<CudaContext>) -> Option<Error> {
     let mut d = DEFERRED.lock();
-    let i = d.iter().position(|(c, _)| same_context(c, ctx))?;
+    d.retain(|(c, _)| c.strong_count() > 0);
+    let i = d.iter().position(|(c, _)| c.upgrade().is_some_and(|c| c.cu_ctx() == ctx.cu_ctx()))?;
     Some(d.remove(i).1)
 }
 
