@@ -61,17 +61,24 @@ fn f32s(v: &[f32]) -> Vec<u8> {
     v.iter().flat_map(|x| x.to_ne_bytes()).collect()
 }
 
+/// A cudarc error of `call` as the store's error type.
+fn cuda(call: &'static str) -> impl Fn(strata::cudarc::driver::DriverError) -> Error {
+    move |e| Error::Cuda { call, message: e.to_string() }
+}
+
+/// No cudarc view of a device view (`call`: the accessor that gave none).
+fn no_view(call: &'static str) -> Error {
+    Error::Cuda {
+        call,
+        message: "no cudarc view of the device view (Store::check_err says why)".into(),
+    }
+}
+
 /// Writes `d` through a device view: in host memory on the host backend, by a copy on the
 /// view's stream on CUDA (waited for: `d` is borrowed).
 fn view_write(v: &mut DeviceView, s: &Stream, d: &[u8]) -> strata::Result<()> {
     let Some(cs) = s.cuda() else { return v.with_host_bytes_mut(|b| b.copy_from_slice(d)) };
-    let cuda = |call: &'static str| {
-        move |e: strata::cudarc::driver::DriverError| Error::Cuda { call, message: e.to_string() }
-    };
-    let mut dst = v.cuda_view_mut::<u8>().ok_or_else(|| Error::Cuda {
-        call: "cuda_view_mut",
-        message: "no cudarc view of the device view (Store::check_err says why)".into(),
-    })?;
+    let mut dst = v.cuda_view_mut::<u8>().ok_or_else(|| no_view("cuda_view_mut"))?;
     cs.memcpy_htod(d, &mut dst).map_err(cuda("cuMemcpyHtoDAsync"))?;
     cs.synchronize().map_err(cuda("cuStreamSynchronize"))
 }
@@ -79,15 +86,9 @@ fn view_write(v: &mut DeviceView, s: &Stream, d: &[u8]) -> strata::Result<()> {
 /// The bytes a device view sees (see [`view_write`]).
 fn view_read(v: &DeviceView, s: &Stream) -> strata::Result<Vec<u8>> {
     let Some(cs) = s.cuda() else { return v.with_host_bytes(|b| b.to_vec()) };
-    let src = v.cuda_view::<u8>().ok_or_else(|| Error::Cuda {
-        call: "cuda_view",
-        message: "no cudarc view of the device view (Store::check_err says why)".into(),
-    })?;
-    let got = cs
-        .clone_dtoh(&src)
-        .map_err(|e| Error::Cuda { call: "cuMemcpyDtoHAsync", message: e.to_string() })?;
-    cs.synchronize()
-        .map_err(|e| Error::Cuda { call: "cuStreamSynchronize", message: e.to_string() })?;
+    let src = v.cuda_view::<u8>().ok_or_else(|| no_view("cuda_view"))?;
+    let got = cs.clone_dtoh(&src).map_err(cuda("cuMemcpyDtoHAsync"))?;
+    cs.synchronize().map_err(cuda("cuStreamSynchronize"))?;
     Ok(got)
 }
 

@@ -522,6 +522,14 @@ static void attention_case(const Geo& g) {
 
 // ---- RMSNorm --------------------------------------------------------------------------------
 // fwd_dx false: only the weight's gradient (rms_dw_partial, rms_dw_sum), for many rows.
+// 1 / sqrt(mean(x_r^2) + eps) of row r, in double.
+template <class T>
+static double ref_inv(const std::vector<T>& x, size_t r, size_t hidden, float eps) {
+    double ss = 0;
+    for (size_t e = 0; e < hidden; e++) ss += W(x[r * hidden + e]) * W(x[r * hidden + e]);
+    return 1.0 / std::sqrt(ss / hidden + eps);
+}
+
 template <class T>
 static void rms_case(size_t rows, size_t hidden, bool fwd_dx = true) {
     const std::string tag = std::string(E<T>::name) + " rows=" + std::to_string(rows) +
@@ -540,9 +548,7 @@ static void rms_case(size_t rows, size_t hidden, bool fwd_dx = true) {
                               inv.data(), h, eps);
         Check ci{"inv"}, co{"out"};
         for (size_t r = 0; r < rows; r++) {
-            double ss = 0;
-            for (size_t e = 0; e < hidden; e++) ss += W(x[r * hidden + e]) * W(x[r * hidden + e]);
-            const double ri = 1.0 / std::sqrt(ss / hidden + eps);
+            const double ri = ref_inv(x, r, hidden, eps);
             ci.add(r, inv[r], ri, 1e-5 * ri);
             for (size_t e = 0; e < hidden; e++) {
                 // out = narrow(narrow(x * inv) * w): the inner rounding of the f32 product
@@ -556,11 +562,7 @@ static void rms_case(size_t rows, size_t hidden, bool fwd_dx = true) {
         report("rms_fwd " + tag, ok, {ci, co});
     }
     // the backward's inv: the reference's, rounded to f32 as stored
-    for (size_t r = 0; r < rows; r++) {
-        double ss = 0;
-        for (size_t e = 0; e < hidden; e++) ss += W(x[r * hidden + e]) * W(x[r * hidden + e]);
-        inv[r] = (float)(1.0 / std::sqrt(ss / hidden + eps));
-    }
+    for (size_t r = 0; r < rows; r++) inv[r] = (float)ref_inv(x, r, hidden, eps);
     if (fwd_dx) {  // fused.rs: FusedKernels::rms_dx
         std::vector<T> dx(rows * hidden, nan_of<T>());
         const dim3 grid = grid3(rows, 1, 1);
