@@ -1,5 +1,6 @@
 //! The `strata` command line: `strata demo`, `bench`, `train-demo`, `inspect` (a checkpoint's
-//! tensors and a memory plan) and `load` (a checkpoint into a store). The commands live in
+//! tensors and a memory plan), `load` (a checkpoint into a store), and a model's `generate`,
+//! `chat`, `finetune` and `serve`. The commands live in
 //! `strata::cli`; this only parses the flags and dispatches.
 
 use std::io::Write as _;
@@ -22,6 +23,18 @@ fn main() -> ExitCode {
         Cmd::TrainDemo(a) => cli::train::run_demo(&a),
         Cmd::Inspect(a) => cli::inspect::run(a),
         Cmd::Load(a) => cli::load::run(a),
+        #[cfg(feature = "text")]
+        Cmd::Generate(a) => cli::generate::run(*a).map_err(anyhow::Error::from_boxed),
+        #[cfg(feature = "text")]
+        Cmd::Chat(a) => cli::chat::run(*a).map_err(anyhow::Error::from_boxed),
+        #[cfg(feature = "text")]
+        Cmd::Finetune(a) => match cli::finetune::run(*a) {
+            Ok(cli::finetune::Ended::Done) => Ok(()),
+            Ok(cli::finetune::Ended::Interrupted) => return ExitCode::from(130),
+            Err(e) => Err(anyhow::Error::from_boxed(e)),
+        },
+        #[cfg(feature = "serve")]
+        Cmd::Serve(a) => cli::serve::run(*a).map_err(anyhow::Error::from_boxed),
     };
     match res {
         Ok(()) => ExitCode::SUCCESS,

@@ -521,6 +521,12 @@ mod reliable;
 mod shared;
 #[path = "candle/train.rs"]
 mod train;
+// `strata serve` (the binary) through a real HTTP client.
+#[cfg(feature = "serve")]
+#[path = "candle/serve.rs"]
+mod serve;
+// `strata finetune` (the binary, with its `text` commands).
+#[cfg(all(feature = "cli", feature = "text"))]
 #[path = "candle/train_cli.rs"]
 mod train_cli;
 

@@ -32,10 +32,20 @@ macro_rules! out_raw {
 
 pub mod args;
 pub mod bench;
+#[cfg(feature = "text")]
+pub mod chat;
 pub mod demo;
+#[cfg(feature = "text")]
+pub mod finetune;
+#[cfg(feature = "text")]
+pub mod generate;
 pub mod inspect;
 pub mod load;
 pub mod mlp;
+#[cfg(feature = "text")]
+pub mod model;
+#[cfg(feature = "serve")]
+pub mod serve;
 pub mod train;
 
 /// Writes `text` to stdout as it is. A failed write comes back as [`Error::Io`] on `<stdout>`:
@@ -147,6 +157,33 @@ pub enum Cmd {
     /// bar, and tensors the tier cannot hold stay in place (the command says which). --checksums
     /// then reads every tensor back and prints its crc32. Ends with the store's tier table.
     Load(LoadArgs),
+    /// Generates text (or token ids) with a Llama, Mistral or Qwen2 model, out of core.
+    ///
+    /// The model's blocks stream through a store under --device-budget, its KV cache in the
+    /// store; several prompts form one batch (one pass of the weights per token serves them
+    /// all). Prints the store's traffic, the prompt's and each token's pass, why each sequence
+    /// stopped, and last the new tokens (one line a sequence, `;` between).
+    #[cfg(feature = "text")]
+    Generate(Box<generate::GenerateArgs>),
+    /// Chats with a model interactively: its chat template, streamed tokens, /reset, /exit.
+    #[cfg(feature = "text")]
+    Chat(Box<chat::ChatArgs>),
+    /// Trains a model, or LoRA adapters over it, out of core; Ctrl-C saves and stops.
+    ///
+    /// Full training or LoRA (--lora-rank R) in PEFT's format, on token ids, text or chat
+    /// JSONL; a memory plan refuses what cannot fit before anything is allocated; a progress
+    /// bar shows step, loss, tokens/s, bytes moved and the time left. Ctrl-C or SIGTERM
+    /// finishes the step in flight, saves a checkpoint --resume continues, and exits 130.
+    #[cfg(feature = "text")]
+    Finetune(Box<finetune::FinetuneArgs>),
+    /// Serves a model over an OpenAI-compatible HTTP API, batching concurrent requests.
+    ///
+    /// GET /v1/models, POST /v1/completions and /v1/chat/completions (streamed or not),
+    /// /health and Prometheus /metrics. Requests arriving while others decode join the batch
+    /// at the next token pass; a full queue answers 429; SIGTERM or Ctrl-C stops taking
+    /// requests, finishes those in flight within --shutdown-timeout and exits 0.
+    #[cfg(feature = "serve")]
+    Serve(Box<serve::ServeArgs>),
 }
 
 /// Logs to stderr: `RUST_LOG` when set (`RUST_LOG=strata=debug`), else warnings, `-v` strata's

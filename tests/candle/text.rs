@@ -8,6 +8,11 @@ use strata::candle::text::{
 
 /// A byte-level BPE tokenizer: every byte a token, two merges, two special tokens.
 fn byte_tokenizer() -> Tokenizer {
+    Tokenizer::from_json(&byte_tokenizer_json()).unwrap()
+}
+
+/// [`byte_tokenizer`]'s `tokenizer.json`: 260 tokens, `<|end|>` 0 and `<|start|>` 1.
+pub fn byte_tokenizer_json() -> String {
     // GPT-2's bytes_to_unicode: the printable bytes as themselves, the others from U+0100 on.
     let printable = |b: u32| (33..=126).contains(&b) || (161..=172).contains(&b) || b >= 174;
     let mut extra = 0;
@@ -47,7 +52,7 @@ fn byte_tokenizer() -> Tokenizer {
             "byte_fallback": false, "ignore_merges": false, "vocab": vocab,
             "merges": [["h", "e"], ["Ġ", "w"]]}
     });
-    Tokenizer::from_json(&j.to_string()).unwrap()
+    j.to_string()
 }
 
 #[test]

@@ -1,14 +1,13 @@
-//! `examples/candle_train.rs` as a user runs it, in child processes: flags and inputs refused
-//! with an error (never a panic, an abort, a hang or an unbounded read), a run stopped and
-//! resumed, a finished run left alone, a diverging run, and the crash test: the trainer killed
-//! at random moments of its saves and resumed each time, ending bit for bit where the
+//! `strata finetune` as a user runs it, in child processes: flags and inputs refused with an
+//! error (never a panic, an abort, a hang or an unbounded read), a run stopped and resumed, a
+//! finished run left alone, a diverging run, Ctrl-C (SIGINT and SIGTERM) saving a checkpoint
+//! that resumes to the uninterrupted run's losses, and the crash test: the trainer killed at
+//! random moments of its saves and resumed each time, ending bit for bit where the
 //! uninterrupted run ends.
 //!
-//! The example's code is compiled into this test binary (below), and a child runs it when
-//! `STRATA_CANDLE_TRAIN_ARGS` is set: so the test needs no separately built example.
-//! `cargo test --features candle --test candle train_cli -- --nocapture` runs these (and
-//! prints the crash test's figures); the sixty-kill crash test is `cargo test --features
-//! candle --test candle sixty_kills -- --ignored --nocapture`.
+//! `cargo test --features text --test candle train_cli -- --nocapture` runs these (and prints
+//! the crash test's figures); the sixty-kill crash test is `cargo test --features text --test
+//! candle sixty_kills -- --ignored --nocapture`.
 
 use std::collections::BTreeMap;
 use std::io::BufRead;
@@ -19,46 +18,25 @@ use std::time::{Duration, Instant};
 
 use strata::candle::train::Checkpoint;
 
-#[path = "../../examples/candle_train.rs"]
-#[allow(dead_code)]
-mod example;
-
-const ARGS_VAR: &str = "STRATA_CANDLE_TRAIN_ARGS";
-
-/// The child: runs the example with the arguments the parent put in [`ARGS_VAR`] (separated
-/// by 0x1f) and exits with its status. Without the variable, a test that does nothing.
-#[test]
-fn example_child() {
-    let Ok(args) = std::env::var(ARGS_VAR) else { return };
-    let args: Vec<String> = args.split('\x1f').map(str::to_string).collect();
-    let code = example::candle_train_main(args);
-    use std::io::Write;
-    let _ = std::io::stdout().flush();
-    std::process::exit(code);
-}
-
 fn config() -> String {
     format!("{}/examples/configs/tiny-llama.json", env!("CARGO_MANIFEST_DIR"))
 }
 
+/// `strata finetune ARGS`.
 fn child(args: &[String]) -> Command {
-    let mut c = Command::new(std::env::current_exe().unwrap());
-    c.args(["--exact", "train_cli::example_child", "--nocapture", "--test-threads", "1"])
-        .env(ARGS_VAR, args.join("\x1f"))
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
+    let mut c = Command::new(env!("CARGO_BIN_EXE_strata"));
+    c.arg("finetune").args(args).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
     c
 }
 
-/// How a run of the example ended.
+/// How a run of `strata finetune` ended.
 struct Ran {
     code: Option<i32>,
     stdout: String,
     stderr: String,
 }
 
-/// Runs the example with `args`; killed (and the test failed) past `deadline`.
+/// Runs `strata finetune` with `args`; killed (and the test failed) past `deadline`.
 fn run(args: &[String], deadline: Duration) -> Ran {
     let mut c = child(args).spawn().unwrap();
     let start = Instant::now();
@@ -67,7 +45,7 @@ fn run(args: &[String], deadline: Duration) -> Ran {
             let _ = c.kill();
             let out = c.wait_with_output().unwrap();
             panic!(
-                "candle_train {args:?} still ran after {deadline:?}:\n{}",
+                "strata finetune {args:?} still ran after {deadline:?}:\n{}",
                 String::from_utf8_lossy(&out.stderr)
             );
         }
@@ -147,13 +125,13 @@ fn flags_and_inputs_that_cannot_train_are_errors_not_panics_hangs_or_aborts() {
         (vec!["--lr", "0"], "learning rate 0"),
         (vec!["--weight-decay", "nan"], "weight decay NaN"),
         (vec!["--weight-decay", "-1"], "weight decay -1"),
-        (vec!["--clip", "nan"], "--clip nan"),
-        (vec!["--clip", "-1"], "--clip -1"),
+        (vec!["--clip", "nan"], "'--clip <CLIP>'"),
+        (vec!["--clip", "-1"], "'--clip <CLIP>'"),
         (vec!["--min-lr", "-1"], "minimum learning rate"),
-        (vec!["--steps", "0"], "--steps 0"),
-        (vec!["--save-every", "0"], "--save-every 0"),
-        (vec!["--keep", "0"], "--keep 0"),
-        (vec!["--stop-after", "0"], "--stop-after 0"),
+        (vec!["--steps", "0"], "'--steps <STEPS>'"),
+        (vec!["--save-every", "0"], "'--save-every <N>'"),
+        (vec!["--keep", "0"], "'--keep <KEEP>'"),
+        (vec!["--stop-after", "0"], "'--stop-after <K>'"),
         (vec!["--resume", empty.to_str().unwrap()], "no checkpoint"),
         (vec!["--resume", dir.path().to_str().unwrap()], "no commit record"),
     ];
@@ -162,9 +140,17 @@ fn flags_and_inputs_that_cannot_train_are_errors_not_panics_hangs_or_aborts() {
         args.extend(strings(&["--save", save.to_str().unwrap()]));
         args.extend(strings(&extra));
         let r = run(&args, Duration::from_secs(60));
-        assert_eq!(r.code, Some(1), "{extra:?}: {}\n{}", r.stdout, r.stderr);
+        // Flags clap refuses exit 2 (a usage error), the run's own checks 1.
+        let usage = want.starts_with("'--");
+        assert_eq!(
+            r.code,
+            Some(if usage { 2 } else { 1 }),
+            "{extra:?}: {}\n{}",
+            r.stdout,
+            r.stderr
+        );
         assert!(
-            r.stderr.contains("candle_train: ") && r.stderr.contains(want),
+            r.stderr.contains("error: ") && r.stderr.contains(want),
             "{extra:?}: wanted {want:?} in:\n{}",
             r.stderr
         );
@@ -266,7 +252,7 @@ fn a_diverging_run_exits_non_zero_without_a_non_finite_checkpoint() {
     assert!(r.stdout.contains("(skipped: not finite)"), "{}", r.stdout);
 }
 
-/// The crash test: `kills` times, the example (`--save-every 1`) is killed with SIGKILL at a
+/// The crash test: `kills` times, the trainer (`--save-every 1`) is killed with SIGKILL at a
 /// random moment of a save (after a random step's line, a random fraction of a save's time
 /// later), then resumed from its run directory. After each kill the newest checkpoint must
 /// verify whole and be the last one the killed run said it saved, or the one after (saved, not
@@ -491,7 +477,7 @@ fn the_plan_for_7b_on_the_h100_fits_and_one_that_cannot_is_refused() {
     assert!(r.stdout.contains("disk: ") && !r.stdout.contains("disk: nothing"), "{}", r.stdout);
 }
 
-/// A LoRA run of the example stopped and resumed (its base found again from the run's notes:
+/// A LoRA run stopped and resumed (its base found again from the run's notes:
 /// the seed) ends where the whole run ends, adapters and their state bit for bit; its
 /// checkpoints are PEFT adapter directories; LoRA flags that disagree with the run, or come
 /// without a rank, are refused.
@@ -535,4 +521,52 @@ fn a_lora_run_stopped_and_resumed_ends_where_the_whole_run_ends() {
     let r = run(&alone, Duration::from_secs(60));
     assert_eq!(r.code, Some(1));
     assert!(r.stderr.contains("go with --lora-rank R"), "{}", r.stderr);
+}
+
+/// Ctrl-C (SIGINT) and SIGTERM: the step in flight finishes, a checkpoint is saved, the process
+/// exits 130; `--resume` from that checkpoint ends with the uninterrupted run's losses.
+#[test]
+fn an_interrupted_run_saves_a_checkpoint_that_resumes_to_the_whole_runs_losses() {
+    // Long enough that the signal lands mid-run.
+    let steps = 30;
+    let whole = run(&tiny_run(steps), Duration::from_secs(120));
+    assert_eq!(whole.code, Some(0), "{}", whole.stderr);
+    let want = losses(&whole.stdout);
+    for signal in ["INT", "TERM"] {
+        let dir = tempfile::tempdir().unwrap();
+        let save = dir.path().join("ck");
+        let mut args = tiny_run(steps);
+        args.extend(strings(&["--save", save.to_str().unwrap()]));
+        let mut c = child(&args).spawn().unwrap();
+        let lines = lines_of(&mut c);
+        let mut stdout = String::new();
+        let mut sent = false;
+        while let Ok((_, line)) = lines.recv() {
+            if line.starts_with("step 2/") && !sent {
+                let pid = c.id().to_string();
+                assert!(Command::new("kill")
+                    .args([&format!("-{signal}"), &pid])
+                    .status()
+                    .unwrap()
+                    .success());
+                sent = true;
+            }
+            stdout.push_str(&line);
+            stdout.push('\n');
+        }
+        let status = c.wait().unwrap();
+        assert_eq!(status.code(), Some(130), "SIG{signal}: {stdout}");
+        assert!(stdout.contains("interrupted after step"), "SIG{signal}: {stdout}");
+        let ck = Checkpoint::newest(&save).unwrap().expect("a checkpoint was saved");
+        let at = Checkpoint::open(&ck).unwrap().step;
+        assert!((2..steps).contains(&at), "SIG{signal}: saved at step {at}");
+        let mut got = losses(&stdout);
+        let r = run(
+            &strings(&["--resume", ck.to_str().unwrap(), "--save", save.to_str().unwrap()]),
+            Duration::from_secs(120),
+        );
+        assert_eq!(r.code, Some(0), "{}", r.stderr);
+        got.extend(losses(&r.stdout));
+        assert_eq!(got, want, "SIG{signal}: the interrupted and resumed run's losses");
+    }
 }

@@ -1,0 +1,136 @@
+//! `strata chat`: an interactive conversation with a model, out of core: each line you type is
+//! a user message, the model's chat template renders the whole conversation, and the answer is
+//! streamed as it is generated. `/reset` starts over (the system message kept), `/exit` or
+//! end of input (Ctrl-D) ends.
+//!
+//! ```text
+//! strata chat --model HuggingFaceTB/SmolLM2-135M-Instruct --device-budget 64MiB
+//! ```
+
+use std::io::{BufRead, Write};
+
+use crate::candle::text::{Message, TextStream};
+use crate::candle::{generate_batch, Sampling};
+use crate::cli::model::{Llm, ModelFlags};
+
+type Res<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
+
+/// `strata chat`'s flags.
+#[derive(clap::Args, Debug, Clone)]
+pub struct ChatArgs {
+    #[command(flatten)]
+    pub model: ModelFlags,
+    /// A system message that starts the conversation.
+    #[arg(long, value_name = "TEXT")]
+    pub system: Option<String>,
+    /// New tokens an answer at most.
+    #[arg(long, default_value_t = 512)]
+    pub max_new: usize,
+    /// Positions the conversation may hold (default: the model's max_position_embeddings, at
+    /// most 4096).
+    #[arg(long)]
+    pub context: Option<usize>,
+    /// Sampled answers at this temperature (greedy without it, or with 0).
+    #[arg(long)]
+    pub temperature: Option<f64>,
+    /// Sample among the K likeliest tokens.
+    #[arg(long)]
+    pub top_k: Option<usize>,
+    /// Sample among the likeliest tokens whose probabilities add up to P.
+    #[arg(long)]
+    pub top_p: Option<f64>,
+    /// The sampler's seed (each answer starts from it).
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+}
+
+/// Runs `strata chat`: reads lines from standard input until `/exit` or its end.
+pub fn run(args: ChatArgs) -> Res<()> {
+    let sampling = Sampling::from_flags(args.temperature, args.top_k, args.top_p, args.seed)?;
+    let probe = crate::cli::model::resolve(&args.model.model)?;
+    let config = probe.llama_config(args.model.config.as_deref())?;
+    let context = args.context.unwrap_or(config.max_position_embeddings.min(4096));
+    if context > config.max_position_embeddings || context < 2 {
+        return Err(format!(
+            "--context {context}: from 2 to the model's max_position_embeddings {}",
+            config.max_position_embeddings
+        )
+        .into());
+    }
+    let llm = Llm::load(&args.model, context)?;
+    let Some(template) = &llm.text.template else {
+        return Err("the model has no chat template (tokenizer_config.json's chat_template): \
+                    a base model; use `strata generate --prompt TEXT`"
+            .into());
+    };
+    eprintln!("{}", llm.summary);
+    eprintln!("type a message and Enter; /reset starts over, /exit (or Ctrl-D) ends");
+    let mut history: Vec<Message> = Vec::new();
+    if let Some(s) = &args.system {
+        history.push(Message::new("system", s));
+    }
+    let stdin = std::io::stdin();
+    let mut line = String::new();
+    loop {
+        eprint!("> ");
+        line.clear();
+        if stdin.lock().read_line(&mut line)? == 0 {
+            eprintln!();
+            return Ok(());
+        }
+        let msg = line.trim();
+        match msg {
+            "" => continue,
+            "/exit" | "/quit" => return Ok(()),
+            "/reset" => {
+                history.truncate(usize::from(args.system.is_some()));
+                eprintln!("(the conversation starts over)");
+                continue;
+            }
+            m if m.starts_with('/') => {
+                eprintln!("commands: /reset starts over, /exit ends");
+                continue;
+            }
+            _ => {}
+        }
+        history.push(Message::new("user", msg));
+        let ids = llm.text.tokenizer.encode(&template.render(&history, true)?, false)?;
+        if ids.len() >= context {
+            history.pop();
+            eprintln!(
+                "(the conversation is {} tokens, past the context of {context}: /reset, or a \
+                 larger --context)",
+                ids.len()
+            );
+            continue;
+        }
+        let max_new = args.max_new.min(context - ids.len() + 1);
+        let mut stream = TextStream::new(&llm.text.tokenizer);
+        let mut failed = None;
+        let out = generate_batch(&llm.model, &[&ids], max_new, &sampling, &llm.text.eos, |_, t| {
+            if llm.text.eos.contains(&t) {
+                return Ok(());
+            }
+            if let Some(piece) = stream.push(t)? {
+                let mut o = std::io::stdout().lock();
+                if let Err(e) = o.write_all(piece.as_bytes()).and_then(|()| o.flush()) {
+                    failed = Some(e);
+                    candle_core::bail!("stdout closed");
+                }
+            }
+            Ok(())
+        });
+        if let Some(e) = failed {
+            return Err(e.into());
+        }
+        let out = out?.pop().ok_or("no sequence generated")?;
+        let rest = stream.finish()?;
+        crate::cli::print(&format!("{rest}\n"))?;
+        let answer: Vec<u32> =
+            out.tokens.iter().copied().filter(|t| !llm.text.eos.contains(t)).collect();
+        history.push(Message::new("assistant", llm.text.tokenizer.decode(&answer, true)?));
+        if !out.stopped {
+            eprintln!("(stopped at --max-new {max_new})");
+        }
+    }
+}

@@ -1,0 +1,307 @@
+//! A model as the commands take it (`--model PATH|ID`): a checkpoint on disk or a Hugging Face
+//! id found in the local Hugging Face cache, with its `config.json`, `tokenizer.json` and chat
+//! template found beside the weights; and the out-of-core language model `strata chat` and
+//! `strata serve` run ([`Llm`]).
+
+use std::path::{Path, PathBuf};
+
+use candle_core::DType as CDType;
+
+use crate::candle::text::{eos_tokens, ChatTemplate, Tokenizer};
+use crate::candle::{load_weights, CausalLm, Layers, LlamaConfig, OutOfCoreLlama};
+
+type Res<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
+
+/// What `--model` names: a path, or a Hugging Face id (`HuggingFaceTB/SmolLM2-135M-Instruct`).
+/// Any path the OS allows is taken as it is.
+pub type ModelArg = PathBuf;
+
+/// A model's files, found.
+#[derive(Clone, Debug)]
+pub struct Resolved {
+    /// What `load_weights` reads: a `.safetensors` file, an index or a directory.
+    pub weights: PathBuf,
+    /// The directory the model's other files are looked for in.
+    pub dir: PathBuf,
+    /// `config.json` beside the weights, when there is one.
+    pub config: Option<PathBuf>,
+}
+
+/// `file` in the directory of `weights` (the directory itself when `weights` is one), if it
+/// exists.
+pub fn beside(weights: &Path, file: &str) -> Option<PathBuf> {
+    let p = dir_of(weights).join(file);
+    p.exists().then_some(p)
+}
+
+fn dir_of(weights: &Path) -> PathBuf {
+    if weights.is_dir() {
+        return weights.to_path_buf();
+    }
+    match weights.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    }
+}
+
+/// Whether `s` reads as a Hugging Face repository id: `owner/name`, of the characters the Hub
+/// allows.
+fn is_hub_id(s: &str) -> bool {
+    let ok = |part: &str| {
+        !part.is_empty()
+            && !part.starts_with(['.', '-'])
+            && part.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
+    };
+    matches!(s.split_once('/'), Some((owner, name)) if ok(owner) && ok(name))
+}
+
+/// The Hugging Face cache's root: `HF_HUB_CACHE`, else `HF_HOME/hub`, else
+/// `~/.cache/huggingface/hub`, as `huggingface_hub` lays it out.
+pub fn hub_cache() -> hf_hub::Cache {
+    match std::env::var_os("HF_HUB_CACHE") {
+        Some(p) if !p.is_empty() => hf_hub::Cache::new(PathBuf::from(p)),
+        _ => hf_hub::Cache::from_env(),
+    }
+}
+
+/// Finds the model `--model` names: a path as it is; else a Hugging Face id in the local cache
+/// (the snapshot `refs/main` points to).
+pub fn resolve(arg: &Path) -> Res<Resolved> {
+    if arg.exists() {
+        let dir = dir_of(arg);
+        let config = Some(dir.join("config.json")).filter(|p| p.is_file());
+        return Ok(Resolved { weights: arg.to_path_buf(), dir, config });
+    }
+    let Some(id) = arg.to_str().filter(|s| is_hub_id(s)) else {
+        return Err(format!("--model {}: no such file or directory", arg.display()).into());
+    };
+    let cache = hub_cache();
+    let repo = cache.model(id.to_string());
+    let Some(config) = repo.get("config.json") else {
+        return Err(format!(
+            "--model {id}: not a path here, and not in the Hugging Face cache ({}): download \
+             it first (`huggingface-cli download {id}` with Python's huggingface_hub, which \
+             fills that cache), or give the model's directory",
+            cache.path().display()
+        )
+        .into());
+    };
+    let dir = dir_of(&config);
+    Ok(Resolved { weights: dir.clone(), dir, config: Some(config) })
+}
+
+impl Resolved {
+    /// The model's config: `--config FILE`, else the one beside the weights.
+    pub fn llama_config(&self, config: Option<&Path>) -> Res<LlamaConfig> {
+        let path = match (config, &self.config) {
+            (Some(p), _) => p.to_path_buf(),
+            (None, Some(p)) => p.clone(),
+            (None, None) => {
+                return Err(format!(
+                    "no config.json beside {}: give the model's --config FILE",
+                    self.weights.display()
+                )
+                .into())
+            }
+        };
+        Ok(LlamaConfig::from_file(path)?)
+    }
+}
+
+/// The text side of a model: its tokenizer, chat template and end-of-sequence tokens.
+pub struct TextSide {
+    /// `tokenizer.json`.
+    pub tokenizer: Tokenizer,
+    /// The chat template of `tokenizer_config.json`, when the model has one.
+    pub template: Option<ChatTemplate>,
+    /// The tokens that end a generation (empty: none known).
+    pub eos: Vec<u32>,
+    /// Where they were read from.
+    pub eos_from: String,
+}
+
+/// The tokenizer (`--tokenizer FILE`, else `tokenizer.json` beside the weights), its chat
+/// template and end-of-sequence tokens; a tokenizer whose ids run past the model's vocabulary is
+/// refused here, before anything is generated.
+pub fn text_side(m: &Resolved, tokenizer: Option<&Path>, config: &LlamaConfig) -> Res<TextSide> {
+    let path = match tokenizer {
+        Some(t) => t.to_path_buf(),
+        None => beside(&m.weights, "tokenizer.json").ok_or_else(|| {
+            format!(
+                "no tokenizer.json beside {}: give the model's --tokenizer FILE",
+                m.weights.display()
+            )
+        })?,
+    };
+    let tok = Tokenizer::from_file(&path)?;
+    if tok.vocab_size() > config.vocab_size {
+        return Err(format!(
+            "{}: the tokenizer has {} tokens, the model's vocabulary {}: not this model's \
+             tokenizer",
+            path.display(),
+            tok.vocab_size(),
+            config.vocab_size
+        )
+        .into());
+    }
+    let dir = dir_of(&path);
+    let template_file = dir.join("tokenizer_config.json");
+    let template = match template_file.exists() {
+        true => match ChatTemplate::from_file(&template_file) {
+            Ok(t) => Some(t),
+            // A tokenizer_config.json without a chat template: a base model.
+            Err(e) if e.to_string().contains("chat_template") => None,
+            Err(e) => return Err(e.into()),
+        },
+        false => None,
+    };
+    let (eos, eos_from) = match eos_tokens(&dir, &tok)? {
+        Some(e) => (e.ids, e.from),
+        None => (Vec::new(), "none known".to_string()),
+    };
+    Ok(TextSide { tokenizer: tok, template, eos, eos_from })
+}
+
+/// How the model is loaded: the flags `chat` and `serve` share.
+#[derive(clap::Args, Debug, Clone)]
+pub struct ModelFlags {
+    /// The model: a `.safetensors` file, a sharded checkpoint's index, a directory (Llama,
+    /// Mistral or Qwen2 as Hugging Face ships them), or a Hugging Face id found in the local
+    /// Hugging Face cache.
+    #[arg(long, value_name = "PATH|ID")]
+    pub model: ModelArg,
+    /// The model's config.json (default: the one beside the weights).
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+    /// A tokenizer.json (default: the one beside the weights; its tokenizer_config.json gives
+    /// the chat template).
+    #[arg(long, value_name = "FILE")]
+    pub tokenizer: Option<PathBuf>,
+    /// A PEFT LoRA adapter directory merged into the weights in the store (the model's files
+    /// are not touched).
+    #[arg(long, value_name = "DIR")]
+    pub adapter: Option<PathBuf>,
+    /// What the model computes in: f32, bf16 or f16.
+    #[arg(long, value_parser = compute_dtype, default_value = "f32")]
+    pub dtype: CDType,
+    /// The store's Device tier (default: room for the whole model and its caches).
+    #[arg(long, value_parser = size, value_name = "SIZE")]
+    pub device_budget: Option<u64>,
+    /// Keep the first K blocks as candle tensors beside the Device tier.
+    #[arg(long, default_value_t = 0, value_name = "K")]
+    pub resident: usize,
+}
+
+fn size(s: &str) -> Result<u64, String> {
+    crate::parse_size(s).map_err(|e| e.to_string())
+}
+
+/// `--dtype`'s values.
+pub fn compute_dtype(s: &str) -> Result<CDType, String> {
+    match s {
+        "f32" => Ok(CDType::F32),
+        "bf16" => Ok(CDType::BF16),
+        "f16" => Ok(CDType::F16),
+        _ => Err(format!("{s}: f32, bf16 or f16")),
+    }
+}
+
+/// An out-of-core language model with its text side, ready to generate.
+pub struct Llm {
+    /// The model: its blocks streamed through a store, its KV caches in the store.
+    pub model: OutOfCoreLlama,
+    /// Its config.
+    pub config: LlamaConfig,
+    /// Its tokenizer, chat template and end-of-sequence tokens.
+    pub text: TextSide,
+    /// A line that says what was loaded.
+    pub summary: String,
+}
+
+impl Llm {
+    /// Loads the model `flags` name, with room in its store for `positions` cached positions
+    /// in all (the KV caches of every sequence at once).
+    pub fn load(flags: &ModelFlags, positions: usize) -> Res<Llm> {
+        let m = resolve(&flags.model)?;
+        let config = m.llama_config(flags.config.as_deref())?;
+        let text = text_side(&m, flags.tokenizer.as_deref(), &config)?;
+        let device = crate::candle::default_device()?;
+        let dtype = flags.dtype;
+        let kv_bytes = (2 * config.num_hidden_layers * config.num_key_value_heads)
+            .checked_mul(config.head_dim)
+            .and_then(|n| n.checked_mul(dtype.size_in_bytes()))
+            .and_then(|n| n.checked_mul(positions))
+            .map(|n| n as u64)
+            .ok_or("the KV caches' size overflows: fewer positions (--max-batch, the context)")?;
+        let weight_bytes = 4 * config.parameters();
+        let budget = flags.device_budget.unwrap_or(2 * (weight_bytes + kv_bytes) + (1 << 20));
+        crate::cli::check_host_memory(
+            "the model and its caches",
+            u128::from(weight_bytes) + u128::from(kv_bytes),
+        )?;
+        let builder = crate::Store::builder()
+            .capacity(crate::Tier::Device, budget)
+            .prefetch_budget(budget)
+            .capacity(crate::Tier::Pinned, 2 * (weight_bytes + kv_bytes) + (64 << 20));
+        let store = crate::candle::store_for(&device, builder)?;
+        let weights = load_weights(&store, &config, &m.weights)?;
+        let mut merged = String::new();
+        if let Some(dir) = &flags.adapter {
+            let a = crate::candle::lora::merge_adapter_into(&store, &weights, dir)?;
+            merged = format!(
+                "; the LoRA adapter {} (rank {}) merged into {} linears",
+                dir.display(),
+                a.config.rank,
+                a.linears.len()
+            );
+        }
+        let layers = Layers::new(store, weights, &device)?;
+        let model = OutOfCoreLlama::new(layers, &config, dtype)?.with_resident(flags.resident)?;
+        let summary = format!(
+            "{}: {:.1} M parameters, {} blocks ({} resident), {dtype:?} on {:?}, device budget \
+             {}{merged}",
+            m.weights.display(),
+            config.parameters() as f64 / 1e6,
+            config.num_hidden_layers,
+            flags.resident,
+            model.device().location(),
+            crate::format_size(budget),
+        );
+        Ok(Llm { model, config, text, summary })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hub_ids_are_owner_and_name() {
+        assert!(is_hub_id("HuggingFaceTB/SmolLM2-135M-Instruct"));
+        assert!(is_hub_id("meta-llama/Llama-3.2-1B"));
+        for bad in ["model", "/abs/path", "a/b/c", "./x/y", "../x", "a/", "/b", "a b/c"] {
+            assert!(!is_hub_id(bad), "{bad}");
+        }
+    }
+
+    #[test]
+    fn a_hub_id_is_found_in_a_cache_laid_out_as_huggingface_hub_lays_it() {
+        let root = tempfile::tempdir().unwrap();
+        let snap = root.path().join("models--owner--tiny/snapshots/abc123");
+        std::fs::create_dir_all(&snap).unwrap();
+        std::fs::create_dir_all(root.path().join("models--owner--tiny/refs")).unwrap();
+        std::fs::write(root.path().join("models--owner--tiny/refs/main"), "abc123").unwrap();
+        std::fs::write(snap.join("config.json"), "{}").unwrap();
+        let cache = hf_hub::Cache::new(root.path().to_path_buf());
+        let found = cache.model("owner/tiny".into()).get("config.json").unwrap();
+        assert_eq!(found, snap.join("config.json"));
+    }
+
+    #[test]
+    fn a_missing_model_says_where_it_looked() {
+        let e = resolve(Path::new("/nonexistent/model.safetensors")).unwrap_err().to_string();
+        assert!(e.contains("no such file"), "{e}");
+        let e = resolve(Path::new("nobody-here/no-model-xyz")).unwrap_err().to_string();
+        assert!(e.contains("Hugging Face cache"), "{e}");
+    }
+}
