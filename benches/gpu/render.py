@@ -240,7 +240,8 @@ def probe_table(p):
         out.append(f"| free disk {cell(path)} | " + (f"{d['free_gib']} GiB of {d['total_gib']}" if "free_gib" in d
                                                    else cell(d.get("error", ""))) + " |")
     for prog, d in (p.get("programs") or {}).items():
-        out.append(f"| {cell(prog)} | " + (f"**cannot start**: {cell(', '.join(d['missing']))} not found"
+        out.append(f"| {cell(prog)} | " + (cell(d["not_checked"]) if d.get("not_checked") else
+                                            f"**cannot start**: {cell(', '.join(d['missing']))} not found"
                                             if d.get("missing") else "starts") + " |")
     out.append(f"| LD_LIBRARY_PATH | `{cell(p.get('ld_library_path', ''))}` |")
     out.append("")

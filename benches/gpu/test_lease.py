@@ -108,6 +108,14 @@ class Machine(unittest.TestCase):
         self.assertEqual(rp.validate(self.report(gpu, [self.fig("--simulate h100", simulated=True)])), [])
         self.assertEqual(rp.validate(self.report("NVIDIA H100 PCIe, 81559 MiB", [self.fig("on the H100")])), [])
 
+    def test_a_mislabelled_report_is_written_all_the_same(self):
+        r = self.report("NVIDIA H200, 143771 MiB", [self.fig("on the H100")])
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "report-lease.json")
+            rp.write_report(r, path)  # the figures come back; `check` and the import refuse it
+            with open(path) as f:
+                self.assertTrue(rp.mislabels(json.load(f)))
+
     def test_the_import_files_an_h200_run_under_h200(self):
         r = self.report("NVIDIA H200, 143771 MiB, 580.159.04, 5, 16", [])
         self.assertEqual(lg.gpu_short(r), "h200")
