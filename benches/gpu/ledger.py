@@ -10,7 +10,13 @@ of the code each covers, and its runs on a GPU (date, commit, verdict, report).
       --only: check ids (shell globs, comma-separated); --all: the checks that need their own
       device call too
   python3 benches/gpu/ledger.py bins [--only GLOBS]
-      the programs the lease's checks run (one a line, in the plan's order, each once)
+      the programs the lease's checks run (one a line, in the plan's order, each once; a check's
+      `A|B` entry, either program, gives both)
+  python3 benches/gpu/ledger.py config
+      the lease's time (the ledger's `lease`) as shell assignments: budget_s=470 reserve_s=15 ...
+  python3 benches/gpu/ledger.py cost --carried BYTES --tree BYTES
+      what one lease call will spend: the bytes it carries, and its wall time with the machine's
+      start (what `run prepare` prints)
   python3 benches/gpu/ledger.py import DIR [--into FOLDER] [--dry-run]
       what a device run brought back (DIR: its files_at, with report-*.json and *-logs.tar.gz):
       copied to docs/bench/<gpu>-<date>-lease/ (an older stage's: <gpu>-<date>/; or FOLDER), the
@@ -18,14 +24,16 @@ of the code each covers, and its runs on a GPU (date, commit, verdict, report).
       again. --dry-run: all of it in memory (the ledger and the page checked), nothing written. A
       report of a machine without a GPU (a host dry run) is read but never recorded
   python3 benches/gpu/ledger.py check
-      validate the ledger (the dry run of `run --host lease` does)
+      validate the ledger (the dry run of `run --host lease` does), and that the time boxes of the
+      decisive checks fit in the lease's budget
 
 The lease's order: the checks owed (never ran on a GPU, code changed since the last GPU run, or
-that run did not pass) before those up to date; among them by priority (1: the GPU tests, 2:
-compute-sanitizer, 3: the store core's CUDA figures, 4: transfers, 5: training at the 7B block
-shape, 6: what is left of the older stages), each lease a check sat out raising it by one, so that
-successive leases cover everything in turn; at equal priority, the never run first, then the
-oldest run. Python 3 standard library only (it runs on the GPU machine and in CI).
+that run did not pass) before those up to date; among them by priority (1: attention against
+PyTorch's SDPA, 2: the 7B-shape step against the resident twins, 3: the CUDA test binaries: the
+decisive checks, whose boxes must fit in the budget; 4: everything else), each lease a check sat
+out raising it by one, but never above the decisive ones, so that successive leases cover
+everything in turn; at equal priority, the never run first, then the oldest run. Python 3
+standard library only (it runs on the GPU machine and in CI).
 """
 import argparse
 import copy
@@ -49,6 +57,9 @@ SCHEMA = "strata-gpu-ledger/1"
 # A run's verdict (a report's check verdicts, benches/gpu/README.md).
 VERDICTS = rp.CHECK_VERDICTS
 NEVER, OWED, CURRENT = 0, 1, 2
+# The ledger's `lease`: the one device call's time (seconds), and the priority up to which the
+# checks are decisive (their boxes must fit; no other check is raised above them).
+LEASE_KEYS = ("budget_s", "reserve_s", "setup_s", "start_s", "call_timeout_s", "decisive_priority")
 CLASS_TEXT = {NEVER: "never ran on a GPU", OWED: "owed", CURRENT: "up to date"}
 
 
@@ -104,6 +115,9 @@ def validate(ledger):
                 e.append(f"{where}: run {j}: commit missing")
     if not seen:
         e.append("no checks")
+    lease = ledger.get("lease")
+    if not isinstance(lease, dict) or not all(isinstance(lease.get(k), int) for k in LEASE_KEYS):
+        e.append(f"lease needs the integers {', '.join(LEASE_KEYS)}")
     for j, lease in enumerate(ledger.get("leases", [])):
         if not (isinstance(lease, dict) and re.match(r"^\d{4}-\d\d-\d\dT", str(lease.get("date")))):
             e.append(f"lease {j}: date missing")
@@ -168,12 +182,14 @@ def plan(ledger, only=None, everything=False):
     since, or last run not a pass) before those up to date; by priority, raised by one for each
     lease a check sat out; then those that never ran first, then the oldest run first."""
     rows = []
+    decisive = ledger["lease"]["decisive_priority"]
     for i, c in enumerate(ledger["checks"]):
         if not selected(c["id"], only) or not (c["lease"] or everything):
             continue
         cls, why, run, _ = standing(c)
         n = waited(ledger, c)
-        prio = max(1, c["priority"] - n)
+        # Raised by the leases it sat out, but never above the decisive checks.
+        prio = c["priority"] if c["priority"] <= decisive else max(decisive + 1, c["priority"] - n)
         if n and cls != CURRENT:
             why += f"; sat out {n} lease{'s' * (n != 1)}" + (f" (priority {c['priority']} -> {prio})"
                                                             if prio != c["priority"] else "")
@@ -181,6 +197,42 @@ def plan(ledger, only=None, everything=False):
         rows.append((key, c, cls, why))
     rows.sort(key=lambda r: r[0])
     return [(c, cls, why) for _, c, cls, why in rows]
+
+
+def over_budget(ledger):
+    """Why the decisive checks' time boxes do not fit in the lease (None when they do): the
+    checks of priority decisive_priority or less, each in its box, must end within the budget
+    less the reserve for the report and the setup (unpacking, the probe), so that the lease's
+    order is what runs."""
+    lease = ledger["lease"]
+    room = lease["budget_s"] - lease["reserve_s"] - lease["setup_s"]
+    must = [c for c in ledger["checks"] if c["lease"] and c["priority"] <= lease["decisive_priority"]]
+    total = sum(c["box_s"] for c in must)
+    if total <= room:
+        return None
+    return (f"the decisive checks' boxes (priority <= {lease['decisive_priority']}: "
+            + ", ".join(f"{c['id']} {c['box_s']} s" for c in must)
+            + f") add up to {total} s, more than the {room} s the lease leaves them (budget "
+            f"{lease['budget_s']} s less {lease['reserve_s']} s for the report and {lease['setup_s']} s "
+            "of setup): the last of them would never start")
+
+
+def alternatives(entry):
+    """A check's `bins` entry: `A|B` is either program (the first that is staged and starts)."""
+    return entry.split("|")
+
+
+def cost_lines(lease, carried, tree, limit=64 << 20):
+    """What one lease call spends (`run prepare` prints it): the bytes it carries against the
+    64 MiB a call takes, and its wall time, the machine's start included."""
+    mib = lambda b: f"{b / 2**20:.1f} MiB"  # noqa: E731
+    total = carried + tree
+    wall = lease["start_s"] + lease["budget_s"] + 10
+    return [f"carried: .gpu-lease {mib(carried)} + the working tree {mib(tree)} = {mib(total)} "
+            f"of the {mib(limit)} a call carries" + ("" if total <= limit else ": TOO MUCH"),
+            f"the call: about {lease['start_s']} s to start a machine + the lease's {lease['budget_s']} s "
+            f"(its report within {lease['budget_s'] + 10} s; timeout_s {lease['call_timeout_s']}) = about "
+            f"{wall} s of the session's device time (15 minutes: a rerun needs 4 minutes left)"]
 
 
 def missing_paths(check):
@@ -350,6 +402,10 @@ def main():
     i.add_argument("--into", help="the folder under the repository (default docs/bench/<gpu>-<date>-lease)")
     i.add_argument("--dry-run", action="store_true")
     sub.add_parser("check")
+    sub.add_parser("config")
+    k = sub.add_parser("cost")
+    k.add_argument("--carried", type=int, required=True, help="bytes of .gpu-lease")
+    k.add_argument("--tree", type=int, required=True, help="bytes of the working tree")
     a = ap.parse_args()
     if a.cmd == "import":
         do_import(a)
@@ -362,6 +418,14 @@ def main():
                   file=sys.stderr)
         print(f"{os.path.relpath(a.ledger, ROOT)}: {len(ledger['checks'])} checks, "
               f"{sum(len(c['runs']) for c in ledger['checks'])} GPU runs recorded")
+        why = over_budget(ledger)
+        if why:
+            sys.exit(f"ledger.py: {why}")
+        lease = ledger["lease"]
+        must = sum(c["box_s"] for c in ledger["checks"]
+                   if c["lease"] and c["priority"] <= lease["decisive_priority"])
+        print(f"the decisive checks' boxes: {must} s of the "
+              f"{lease['budget_s'] - lease['reserve_s'] - lease['setup_s']} s the lease leaves them")
     elif a.cmd == "plan":
         for c, cls, why in plan(ledger, a.only, a.all):
             old = c.get("old")
@@ -370,8 +434,13 @@ def main():
     elif a.cmd == "bins":
         seen = []
         for c, _, _ in plan(ledger, a.only):
-            seen += [b for b in c["bins"] if b not in seen]
+            for entry in c["bins"]:
+                seen += [b for b in alternatives(entry) if b not in seen]
         print("\n".join(seen))
+    elif a.cmd == "config":
+        print(" ".join(f"{k}={ledger['lease'][k]}" for k in LEASE_KEYS))
+    elif a.cmd == "cost":
+        print("\n".join(cost_lines(ledger["lease"], a.carried, a.tree)))
     else:
         for c in ledger["checks"]:
             cls, why, _, _ = standing(c)

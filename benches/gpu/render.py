@@ -215,6 +215,39 @@ def checks_table(r):
     return out
 
 
+def probe_table(p):
+    """What the probe found on the machine before the checks ran (benches/gpu/probe.py)."""
+    g = p.get("gpu") or {}
+    if "error" in g:
+        gpu = f"none ({g['error']})"
+    else:
+        gpu = (f"{g.get('name')}, driver {g.get('driver_version')}, {g.get('memory.total')} MiB, compute "
+               f"{g.get('compute_cap')}; clocks: SM {g.get('clocks.sm')} MHz (max {g.get('clocks.max.sm')}), memory "
+               f"{g.get('clocks.mem')} MHz (max {g.get('clocks.max.mem')}); PCIe Gen{g.get('pcie.link.gen.current')} "
+               f"x{g.get('pcie.link.width.current')}")
+    out = [f"**the probe** (before the checks, {p.get('seconds')} s; the library path the lease ran with is "
+           "made of what it found)\n", "| what | found |", "|---|---|", f"| GPU | {cell(gpu)} |"]
+    for lib, f in (p.get("libraries") or {}).items():
+        if f.get("chosen"):
+            text = f"`{f['chosen']}`" + ("" if f.get("major_ok") else f" (no .so.{f.get('wanted_major')}: the newest)")
+        else:
+            text = "**not found**"
+        out.append(f"| lib{lib} ({cell(f.get('for', ''))}) | {cell(text)} |")
+    for name, target in (p.get("links") or {}).items():
+        out.append(f"| link {name} | `{cell(target)}` |")
+    out.append(f"| PyTorch | {cell(p.get('torch') or 'not installed')} |")
+    for path, d in (p.get("disk") or {}).items():
+        out.append(f"| free disk {cell(path)} | " + (f"{d['free_gib']} GiB of {d['total_gib']}" if "free_gib" in d
+                                                   else cell(d.get("error", ""))) + " |")
+    for prog, d in (p.get("programs") or {}).items():
+        out.append(f"| {cell(prog)} | " + (cell(d["not_checked"]) if d.get("not_checked") else
+                                            f"**cannot start**: {cell(', '.join(d['missing']))} not found"
+                                            if d.get("missing") else "starts") + " |")
+    out.append(f"| LD_LIBRARY_PATH | `{cell(p.get('ld_library_path', ''))}` |")
+    out.append("")
+    return out
+
+
 def debt(ledger):
     """The ledger: per check, its last GPU run and whether its code changed since."""
     rc, head = lg.git("rev-parse", "--short=12", "HEAD")
@@ -284,6 +317,8 @@ def render(reports, ledger=None):
                 here = link(r["_dir"], ".")  # a note's {here}: the report's folder, from docs/
                 for n in r["notes"]:
                     out.append(n.replace("{here}", here) + "\n")
+                if r.get("probe") and not sim:
+                    out.extend(probe_table(r["probe"]))
                 if r.get("checks") and not sim:
                     out.extend(checks_table(r))
                 out.extend(table(r, figs, sim))

@@ -462,32 +462,53 @@ def parse_optim_step(text, step):
 
 
 def parse_fused_attention(text, step):
-    """examples/fused_attention.rs and benches/peers/sdpa.py: their JSON lines (time, and
-    strata's largest error against torch's SDPA on the same tensors)."""
+    """examples/fused_attention.rs (one candidate kernel at one shape) and benches/peers/sdpa.py
+    (torch's SDPA over every candidate's saved tensors): their JSON lines. A candidate's time and
+    TFLOPS, forward and forward + backward, against torch's at the same shape (its key
+    `sdpa:<seq>`); each candidate's largest error against the f32 reference, torch's own beside."""
     meta = step.get("meta", {})
     label = meta.get("label", step["name"])
     group = meta.get("group", GROUPS["fused-attention"])
-    figs = []
+    figs, timed = [], set()
     for j in json_lines(text):
         if j.get("bench") == "strata-fused-attention":
             figs.append(fig(f"{label}: forward + backward", round(j["fwd_bwd_ms"], 3), "ms", group=group,
                             key=meta.get("key"), peer_key=meta.get("peer_key"),
                             note=(f"forward {j['fwd_ms']:.3f} ms ({j['fwd_tflops']:.1f} TFLOPS), forward + "
-                                  f"backward {j['fwd_bwd_tflops']:.1f} TFLOPS, on {j['device']}")))
+                                  f"backward {j['fwd_bwd_tflops']:.1f} TFLOPS, on {j['device']}"
+                                  + (f", kernel {j['kernel']}" if j.get("kernel") else ""))))
+            figs.append(fig(f"{label}: forward + backward TFLOPS", round(j["fwd_bwd_tflops"], 2), "TFLOPS",
+                            group=group, note="causal: 2 · b · h · s² · d multiply-adds forward, 2.5 times "
+                                              "that backward (FlashAttention's count)"))
         elif j.get("peer") == "torch-sdpa":
             if "error" in j and "fwd_ms" not in j:
                 figs.append(fig(label, None, "ms", group=group, verdict="not-run", note=j["error"]))
                 continue
-            figs.append(fig(f"{label}: forward + backward", round(j["fwd_bwd_ms"], 3), "ms", group=group,
-                            key=meta.get("key"),
-                            note=f"forward {j['fwd_ms']:.3f} ms, on {j['device']}"))
-            worst = max(j[f"err_{n}"] for n in ("o", "dq", "dk", "dv"))
+            shape = (j["seq"], j["heads"], j["kv_heads"], j["head_dim"], j.get("window"))
+            if shape not in timed:
+                timed.add(shape)
+                figs.append(fig(f"torch scaled_dot_product_attention, seq {j['seq']}, {j['heads']} heads "
+                                f"({j['kv_heads']} kv) of {j['head_dim']}, {j['dtype']}: forward + backward",
+                                round(j["fwd_bwd_ms"], 3), "ms", group=group, key=f"sdpa:{j['seq']}",
+                                note=f"forward {j['fwd_ms']:.3f} ms ({j['fwd_tflops']:.1f} TFLOPS), forward + "
+                                     f"backward {j['fwd_bwd_tflops']:.1f} TFLOPS, on {j['device']}"))
+            if "ref_err_o" not in j:  # an older sdpa.py: against torch only
+                worst = max(j[f"err_{n}"] for n in ("o", "dq", "dk", "dv"))
+                ref_note = ", ".join(f"{n} {j[f'err_{n}']:.2e}" for n in ("o", "dq", "dk", "dv"))
+                what = "against torch"
+            else:
+                worst = max(j[f"ref_err_{n}"] for n in ("o", "dq", "dk", "dv"))
+                ref_note = (", ".join(f"{n} {j[f'ref_err_{n}']:.2e}" for n in ("o", "dq", "dk", "dv"))
+                            + "; torch in " + j["dtype"] + " against the reference: largest "
+                            + f"{max(j[f'torch_ref_err_{n}'] for n in ('o', 'dq', 'dk', 'dv')):.2e}"
+                            + "; against torch: largest "
+                            + f"{max(j[f'err_{n}'] for n in ('o', 'dq', 'dk', 'dv')):.2e}")
+                what = "against an f32 reference"
             tol = 2e-2 if j["dtype"] in ("bf16", "f16") else 1e-5
-            figs.append(fig(f"strata's fused attention against it, seq {j['seq']} {j['dtype']}: largest error "
-                            f"(output and gradients, relative to torch's largest value)", worst, "relative",
+            figs.append(fig(f"{j.get('candidate', 'strata')}, seq {j['seq']} {j['dtype']}: largest error {what} "
+                            f"(output and gradients, relative to the largest value)", worst, "relative",
                             group=group, target=target(f"≤ {tol:g}", "<=", tol, "value"),
-                            verdict="failed" if "error" in j else None,
-                            note=", ".join(f"{n} {j[f'err_{n}']:.2e}" for n in ("o", "dq", "dk", "dv"))))
+                            verdict="failed" if "error" in j else None, note=ref_note))
     return figs
 
 
@@ -858,9 +879,19 @@ def parse_candle_train(text, step):
                 note="6 · parameters · tokens plus attention over the step time (the recomputed "
                      "forward not counted)")]
     if meta.get("peer_key"):
-        figs.append(fig(f"{label}: TFLOPS against the resident blocks", tflops, "TFLOPS", group=group,
-                        peer_key=meta.get("peer_key"),
+        figs.append(fig(f"{label}: TFLOPS against {meta.get('peer_what', 'the resident blocks')}", tflops,
+                        "TFLOPS", group=group, peer_key=meta.get("peer_key"),
                         target=parse_target(meta.get("peer_target"), of="peer_ratio")))
+    if meta.get("beside_key"):  # a peer shown beside, no target
+        figs.append(fig(f"{label}: TFLOPS against {meta.get('beside_what', 'another run')} (beside)", tflops,
+                        "TFLOPS", group=group, peer_key=meta.get("beside_key")))
+    floors = [(float(m.group(2)), m.group(1)) for m in re.finditer(
+        r"^step \d+/\d+: .*\s{2}(\S.*?): step / floor (" + NUM + r")\s*$", text, re.M)]
+    if floors and meta.get("beside_key"):  # out of core: how well its copies and optimizer hide
+        later_f = floors[1:] if len(floors) > 1 else floors
+        figs.append(fig(f"{label}: a step against its floor", later_median([f[0] for f in floors]),
+                        "x the floor", group=group,
+                        note=f"median of steps 2-{len(floors)}; the last step's floor: {later_f[-1][1]}"))
     opts = [r[3] for r in later if r[3]]
     if opts:
         busy = sum(o[0] for o in opts)
@@ -1182,7 +1213,7 @@ def read_commit(path):
 
 
 def make_report(stage, title, steps, figs, commit, date, machine_info, host=False, notes=(), budget=None,
-                elapsed=None, checks=None):
+                elapsed=None, checks=None, probe=None):
     """The report: the format benches/gpu/README.md documents (and `validate` checks)."""
     link_peers(figs)
     r = {
@@ -1207,13 +1238,19 @@ def make_report(stage, title, steps, figs, commit, date, machine_info, host=Fals
     }
     if checks is not None:
         r["checks"] = checks
+    if probe is not None:
+        r["probe"] = probe
     return r
 
 
 def write_report(report, path):
-    errors = validate(report)
+    errors = validate(report, names=False)
     if errors:
         sys.exit(f"report.py: the report for {path} is invalid: " + "; ".join(errors))
+    # Written all the same (a lease's figures are not lost for a label): `report.py check`, which
+    # the run does next, and the import refuse it until the names are put right.
+    for e in mislabels(report):
+        print(f"report.py: {path}: {e}", file=sys.stderr)
     with open(path, "w") as f:
         json.dump(report, f, indent=1, ensure_ascii=False)
         f.write("\n")
@@ -1227,15 +1264,19 @@ def build(a):
     date = a.date or datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     link_peers(figs)  # (before the checks are judged: a peer's ratio can miss its target)
     checks = read_checks(a.checks, steps, figs) if a.checks else None
+    probe = None
+    if a.probe and os.path.exists(a.probe):
+        with open(a.probe) as f:
+            probe = json.load(f)
     report = make_report(a.stage, a.title or f"benches/gpu/run {a.stage}" + (" --host" if a.host else ""),
                          steps, figs, read_commit(a.commit_file), date, machine(), a.host, a.note or [],
-                         a.budget, a.elapsed, checks)
+                         a.budget, a.elapsed, checks, probe)
     write_report(report, a.out)
     print_summary(report)
 
 
-def validate(r):
-    """Errors in a report (empty when it follows the format)."""
+def validate(r, names=True):
+    """Errors in a report (empty when it follows the format); names: with `mislabels`'s."""
     e = []
     if not isinstance(r, dict):
         return ["not a JSON object"]
@@ -1287,7 +1328,41 @@ def validate(r):
                 e.append(f"check {i} ({c['id']}): verdict {c.get('verdict')!r} not one of {CHECK_VERDICTS}")
             elif c["verdict"] != "pass" and not c.get("reason"):
                 e.append(f"check {i} ({c['id']}): a verdict other than pass says why (reason)")
+    if "probe" in r and not (isinstance(r["probe"], dict) and isinstance(r["probe"].get("libraries"), dict)):
+        e.append("probe is not the object benches/gpu/probe.py writes")
+    if names:
+        e.extend(mislabels(r))
     return e
+
+
+GPU_MODEL = re.compile(r"\b(?:NVIDIA )?((?:GH|GB)?[ABHL]\d{2,3}S?)\b")
+
+
+def gpu_model(name):
+    """H200, H100, A100 ... in a GPU's name (None without one)."""
+    m = GPU_MODEL.search((name or "").upper())
+    return m.group(1) if m else None
+
+
+def mislabels(r):
+    """A GPU run's measured figures (names, notes), title and notes naming another GPU than the
+    one the run saw: an H200's figures must not read as an H100's. Simulated figures (which name
+    the machine they model) and host runs are not judged."""
+    if r.get("host") or not r["machine"].get("gpu"):
+        return []
+    ran = gpu_model(r["machine"]["gpu"])
+    if ran is None:
+        return []
+    texts = [("title", r["title"])] + [(f"note {i}", n) for i, n in enumerate(r["notes"])]
+    for f in r["figures"]:
+        if not f.get("simulated"):
+            texts += [(f"figure {f.get('name')!r}", f.get("name") or ""), (f"figure {f.get('name')!r}'s note", f.get("note") or "")]
+    out = []
+    for where, text in texts:
+        for m in GPU_MODEL.finditer(str(text).upper()):
+            if m.group(1) != ran:
+                out.append(f"{where} names {m.group(1)} but the run was on {ran} ({r['machine']['gpu']})")
+    return out
 
 
 def print_summary(r):
@@ -1341,6 +1416,7 @@ def main():
     b.add_argument("--date", help="UTC ISO date of the run (default: now)")
     b.add_argument("--note", action="append")
     b.add_argument("--checks", help="run lease's checks file: the report gets each check's verdict")
+    b.add_argument("--probe", help="benches/gpu/probe.py's findings (--json): the report's `probe`")
     c = sub.add_parser("check")
     c.add_argument("reports", nargs="+")
     s = sub.add_parser("summary")

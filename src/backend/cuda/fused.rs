@@ -157,21 +157,20 @@ fn no_nvrtc() -> Error {
     }
 }
 
-/// `cuda/fused.cu` for `elem` compiled to PTX for virtual architecture `arch` (`compute_90`).
+/// `cuda/fused.cu` for `elem` compiled to PTX for virtual architecture `arch` (`compute_90`),
+/// read from the kernel cache where one is set and holds it.
 fn compile(elem: &str, arch: &str) -> Result<String> {
     if !lib_present(Lib::Nvrtc) {
         return Err(no_nvrtc());
     }
-    let opts = cudarc::nvrtc::CompileOptions {
-        options: vec![format!("--gpu-architecture={arch}")],
-        ..Default::default()
-    };
-    let ptx =
-        cudarc::nvrtc::compile_ptx_with_opts(source(elem), opts).map_err(|e| Error::Cuda {
+    // Through the on-disk cache when STRATA_KERNEL_CACHE names one (super::kernel_cache): the
+    // processes of one GPU run compile each element type once.
+    let (ptx, _) =
+        super::kernel_cache::compile_ptx(&source(elem), arch).map_err(|e| Error::Cuda {
             call: "nvrtcCompileProgram",
             message: format!("compiling cuda/fused.cu ({elem}): {e}"),
         })?;
-    Ok(ptx.to_src())
+    Ok(ptx)
 }
 
 /// The PTX of `elem` for compute capability `cc`, compiled on first use (under the lock: one

@@ -8,6 +8,7 @@
 //! that both copy engines can run at once.
 
 pub(crate) mod fused;
+pub(crate) mod kernel_cache;
 pub(crate) mod probe;
 pub(crate) mod programs;
 
@@ -614,13 +615,11 @@ pub(crate) fn load_kernels<const N: usize>(
         });
     }
     let (major, minor) = ctx.compute_capability().map_err(cu("cuDeviceGetAttribute"))?;
-    let opts = cudarc::nvrtc::CompileOptions {
-        options: vec![format!("--gpu-architecture=compute_{major}{minor}")],
-        ..Default::default()
-    };
-    let ptx = cudarc::nvrtc::compile_ptx_with_opts(source, opts)
-        .map_err(|e| Error::Cuda { call: "nvrtcCompileProgram", message: e.to_string() })?;
-    let module = ctx.load_module(ptx).map_err(cu("cuModuleLoadData"))?;
+    // (Through the on-disk cache when STRATA_KERNEL_CACHE names one: kernel_cache.)
+    let (ptx, _) = kernel_cache::compile_ptx(source, &format!("compute_{major}{minor}"))
+        .map_err(|message| Error::Cuda { call: "nvrtcCompileProgram", message })?;
+    let module =
+        ctx.load_module(cudarc::nvrtc::Ptx::from_src(ptx)).map_err(cu("cuModuleLoadData"))?;
     let mut funcs = Vec::with_capacity(N);
     for name in names {
         funcs.push(module.load_function(name).map_err(cu("cuModuleGetFunction"))?);
