@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Independent check of `examples/candle_train.rs` (strata::candle's out-of-core Llama trainer):
+"""Independent check of `strata finetune` (strata::candle's out-of-core Llama trainer; it was
+`examples/candle_train.rs`, same flags and output):
 trains the same model from the same initial safetensors file on the same tokens with PyTorch
 (Hugging Face transformers' `LlamaForCausalLM`, eager attention, where transformers is
 installed; else a plain torch Llama written here from Hugging Face's modeling_llama) and
@@ -29,17 +30,18 @@ weights, printed beside. Tolerances (exit 1 past them), strata against torch:
     --bf16-factor (2) times autocast's own distance from float32 (bf16 rounding, which
     strata and autocast apply at different places, sets the size of both).
 
-Usage (the example writes the inputs and saves its final weights):
-  cargo run --release --features candle --example candle_train -- --config CONFIG \\
+Usage (`strata finetune` writes the inputs and saves its final weights; from a checkout,
+`cargo run --release -- finetune ...` runs the same command):
+  strata finetune --config CONFIG \\
       --init random --seed 1 --steps 5 --device-budget 256KiB --write-inputs /tmp/in \\
       --save /tmp/out | tee /tmp/out.log
   python3 check_llama_train.py --inputs /tmp/in --result /tmp/out --log /tmp/out.log \\
       --steps 5 [--lr 1e-3 --min-lr 1e-4 --warmup 1 --weight-decay 0 --clip 1.0] [--tol 1e-4]
       [--f32-only]
 It prints torch's float32 step times; --f32-only skips the float64 run (to time torch alone).
-For a bf16 run, add `--dtype bf16` to the example's flags; the script sees it in the inputs.
-The hyperparameters must be the example's (its defaults are the defaults here: --warmup is
-steps / 5, --min-lr lr / 10). Exits 1 when a float32 difference exceeds --tol.
+For a bf16 run, add `--dtype bf16` to `strata finetune`'s flags; the script sees it in the
+inputs. The hyperparameters must be the run's (`strata finetune`'s defaults are the defaults
+here: --warmup is steps / 5, --min-lr lr / 10). Exits 1 when a float32 difference exceeds --tol.
 """
 
 import argparse
@@ -190,7 +192,7 @@ def train(cfg, init, tokens, a, dtype, plain, autocast=False):
 def strata_result(a):
     result = a.result
     if not os.path.exists(os.path.join(result, "model.safetensors.index.json")):
-        # The example's --save folder is a run directory: its newest step-N checkpoint.
+        # strata finetune's --save folder is a run directory: its newest step-N checkpoint.
         steps = sorted((int(d[5:]), d) for d in os.listdir(result) if d.startswith("step-") and d[5:].isdigit())
         if not steps:
             sys.exit(f"{result}: no checkpoint (model.safetensors.index.json or step-N/)")
@@ -244,9 +246,9 @@ def update_diffs(init, weights, ref_weights):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--inputs", required=True, help="the example's --write-inputs folder")
-    ap.add_argument("--result", required=True, help="the example's --save folder (its newest checkpoint), or a checkpoint")
-    ap.add_argument("--log", required=True, help="the example's stdout")
+    ap.add_argument("--inputs", required=True, help="strata finetune's --write-inputs folder")
+    ap.add_argument("--result", required=True, help="strata finetune's --save folder (its newest checkpoint), or a checkpoint")
+    ap.add_argument("--log", required=True, help="strata finetune's stdout")
     ap.add_argument("--steps", type=int, required=True)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--min-lr", type=float)

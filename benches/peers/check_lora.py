@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
-"""Independent check of LoRA in `examples/candle_train.rs` (strata::candle's out-of-core trainer
-with adapters over a frozen base): trains the same adapters with PyTorch + PEFT on the same base,
-tokens (and loss masks) and hyperparameters, and compares the per-step losses and the final
-adapter weights with the strata run's; then loads the adapter strata wrote with
+"""Independent check of LoRA in `strata finetune` (strata::candle's out-of-core trainer with
+adapters over a frozen base; it was `examples/candle_train.rs`, same flags and output): trains
+the same adapters with PyTorch + PEFT on the same base, tokens (and loss masks) and
+hyperparameters, and compares the per-step losses and the final adapter weights with the strata run's; then loads the adapter strata wrote with
 `PeftModel.from_pretrained` and compares its logits with the ones strata computed, and (with
 --merged) loads strata's merged export with `LlamaForCausalLM.from_pretrained`.
 
@@ -22,8 +22,8 @@ takes a step that float32 rounding of that tiny gradient changes by a sizeable p
 learning rate, and LoRA makes such elements: B starts at zero, so A's first gradients are tiny.
 The script names the worst element and how far it is, beside the share of elements that agree.
 
-Usage:
-  cargo run --release --features candle --example candle_train -- --config CONFIG \\
+Usage (from a checkout, `cargo run --release -- finetune ...` runs the same command):
+  strata finetune --config CONFIG \\
       --init random --seed 1 --steps 5 --device-budget 256KiB --lora-rank 4 --lora-alpha 8 \\
       --lora-targets q_proj,v_proj --write-inputs /tmp/in --save /tmp/out \\
       --export-merged /tmp/merged | tee /tmp/out.log
@@ -31,10 +31,10 @@ Usage:
       [--merged /tmp/merged] [--lr 1e-3 --min-lr 1e-4 --warmup 1 --weight-decay 0 --clip 1.0] \\
       [--tol 1e-4] [--adapter-tol 1e-3] [--logit-tol 1e-5] [--save-peft DIR]
 With --save-peft DIR it saves PEFT's trained adapter (`save_pretrained`) and prints the loss of
-the first step's batch through it: `candle_train` with the same flags and `--adapter DIR` (and no
---lora-* flags: the adapter's config gives them) prints that loss at its step 1.
-The hyperparameters must be the example's (its defaults are the defaults here). Exits 1 when a
-float32 difference exceeds its tolerance.
+the first step's batch through it: `strata finetune` with the same flags and `--adapter DIR`
+(and no --lora-* flags: the adapter's config gives them) prints that loss at its step 1.
+The hyperparameters must be the run's (`strata finetune`'s defaults are the defaults here).
+Exits 1 when a float32 difference exceeds its tolerance.
 """
 
 import argparse
@@ -119,7 +119,7 @@ def train(a, tokens, masks, dtype):
         if not v.requires_grad and not torch.equal(v, frozen_before[k]):
             sys.exit(f"PEFT changed the frozen {k}")
     if a.save_peft and dtype == torch.float32:
-        # PEFT's own adapter, for strata to load (candle_train --adapter DIR): the loss of the
+        # PEFT's own adapter, for strata to load (strata finetune --adapter DIR): the loss of the
         # first step's batch through it is what strata's first step must print.
         model.save_pretrained(a.save_peft)
         with torch.no_grad():
@@ -170,12 +170,12 @@ def logits_rel(got, want):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--inputs", required=True, help="the example's --write-inputs folder")
-    ap.add_argument("--result", required=True, help="the example's --save folder (its newest checkpoint)")
-    ap.add_argument("--log", required=True, help="the example's stdout")
+    ap.add_argument("--inputs", required=True, help="strata finetune's --write-inputs folder")
+    ap.add_argument("--result", required=True, help="strata finetune's --save folder (its newest checkpoint)")
+    ap.add_argument("--log", required=True, help="strata finetune's stdout")
     ap.add_argument("--steps", type=int, required=True)
-    ap.add_argument("--merged", help="the example's --export-merged folder")
-    ap.add_argument("--save-peft", help="save PEFT's trained adapter there (for candle_train --adapter)")
+    ap.add_argument("--merged", help="strata finetune's --export-merged folder")
+    ap.add_argument("--save-peft", help="save PEFT's trained adapter there (for strata finetune --adapter)")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--min-lr", type=float)
     ap.add_argument("--warmup", type=int)
