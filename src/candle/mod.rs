@@ -50,6 +50,7 @@ pub mod block;
 mod cuda;
 pub mod fused;
 mod generate;
+mod gguf;
 mod layers;
 pub mod llama;
 mod llama_config;
@@ -65,6 +66,7 @@ pub use generate::{
     generate, generate_batch, CausalLm, Generated, InMemoryCache, InMemoryLlama, OutOfCoreLlama,
     Sampler, Sampling, StoreKvCache,
 };
+pub use gguf::{hf_name, load_gguf_weights};
 pub use layers::{LayerWeights, Layers, Transfers};
 pub use llama::{LlamaConfig, RopeScaling};
 pub use lora::LoraConfig;
