@@ -209,10 +209,10 @@ fn parse(file: &Arc<ExternalFile>) -> Result<Parsed> {
 }
 
 impl Store {
-    /// Loads a checkpoint: one `.safetensors` file, one GGUF file (known by its magic, whatever
-    /// its name: its tensors keep their GGUF names and dtypes, block-quantized ones included, and
-    /// its scalar and string metadata is the file's [`LoadedFile::metadata`]; [`Gguf::open`]
-    /// reads all of it, arrays included), a sharded checkpoint's index
+    /// Loads a checkpoint: one `.safetensors` file, one GGUF file (named `*.gguf` or starting
+    /// with GGUF's magic: its tensors keep their GGUF names and dtypes, block-quantized ones
+    /// included, and its scalar and string metadata is the file's [`LoadedFile::metadata`];
+    /// [`Gguf::open`] reads all of it, arrays included), a sharded checkpoint's index
     /// (`model.safetensors.index.json`: `{"metadata": {...}, "weight_map": {"tensor":
     /// "shard file", ...}}`, the shards beside it), or a directory (its
     /// `*.safetensors.index.json` when it has one, else every `*.safetensors` file in it, in name

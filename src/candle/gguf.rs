@@ -218,8 +218,10 @@ impl LlamaConfig {
 ///
 /// ```
 /// use strata::candle::hf_name;
-/// assert_eq!(hf_name("blk.3.ffn_down.weight").as_deref(), Some("model.layers.3.mlp.down_proj.weight"));
-/// assert_eq!(hf_name("blk.0.attn_k.bias").as_deref(), Some("model.layers.0.self_attn.k_proj.bias"));
+/// let down = hf_name("blk.3.ffn_down.weight");
+/// assert_eq!(down.as_deref(), Some("model.layers.3.mlp.down_proj.weight"));
+/// let bias = hf_name("blk.0.attn_k.bias");
+/// assert_eq!(bias.as_deref(), Some("model.layers.0.self_attn.k_proj.bias"));
 /// assert_eq!(hf_name("rope_freqs.weight"), None);
 /// ```
 pub fn hf_name(gguf: &str) -> Option<String> {

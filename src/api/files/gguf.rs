@@ -1,6 +1,7 @@
 //! GGUF files (llama.cpp's format), read in place: the header, the metadata (every value type,
 //! arrays included), the tensor infos and the data's alignment, each checked against the file
-//! before anything is kept. The format: <https://github.com/ggml-org/ggml/blob/master/docs/gguf.md>.
+//! before anything is kept.
+//! The format: <https://github.com/ggml-org/ggml/blob/master/docs/gguf.md>.
 //!
 //! Bounded: every count is checked against the bytes left before anything is allocated for it
 //! (an element takes at least one byte), arrays nest at most [`MAX_DEPTH`] deep, a tensor has at
@@ -460,7 +461,8 @@ fn read(path: &Path, bytes: &[u8]) -> Result<Header> {
         shape.reverse();
         let ty = r.u32("a tensor's type")?;
         let dtype = dtype_of(ty).ok_or_else(|| {
-            bad(path, t, format!("GGML type {ty}, which strata does not read (it reads F32, F16, BF16, F64, I8-I64, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and Q2_K-Q8_K)"))
+            let reads = "F32, F16, BF16, F64, I8-I64, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and Q2_K-Q8_K";
+            bad(path, t, format!("GGML type {ty}, which strata does not read (it reads {reads})"))
         })?;
         let offset = r.u64("a tensor's offset")?;
         let size = dtype.bytes_for(&shape).map_err(|e| bad(path, t, e.to_string()))?;
