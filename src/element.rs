@@ -148,6 +148,7 @@ pub(crate) fn how_to_read(dtype: DType) -> &'static str {
         DType::U16 => "read it as u16",
         DType::U8 => "read it as u8",
         DType::Bool => "read it as bool",
+        _ => "read its bytes, or dequantize them with strata::quant::dequantize",
     }
 }
 

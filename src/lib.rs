@@ -42,9 +42,12 @@
 //! hints, [`PolicyKind::Schedule`] learns a repeating step's order by itself.
 //!
 //! **Load and save checkpoints.** [`Store::load_checkpoint`] takes a `.safetensors` file, a
-//! sharded checkpoint's index or its directory, and leaves each tensor in its memory-mapped
-//! file until it is used (or copies it into a tier: [`LoadOptions`]); [`Loaded::save`] and
-//! [`Store::save_safetensors`] write back atomically.
+//! sharded checkpoint's index or its directory, or a GGUF file, and leaves each tensor in its
+//! memory-mapped file until it is used (or copies it into a tier: [`LoadOptions`]);
+//! [`Loaded::save`] and [`Store::save_safetensors`] write back atomically. GGUF's
+//! block-quantized dtypes ([`DType::Q4K`] and the others) are dtypes like any other, moved as
+//! their bytes; [`Gguf`] reads a GGUF file's metadata, [`quant::dequantize`] turns their blocks
+//! into `f32`.
 //!
 //! Every failure is an [`Error`] a caller can act on, and a failed call leaves every tensor as
 //! it was. Built on the store: [`optim`] (SGD and AdamW over store tensors), [`linalg`] and
@@ -97,6 +100,7 @@ mod element;
 mod error;
 #[doc(hidden)] // fault injection for strata's own tests (feature `failpoints`); not an API
 pub mod failpoint;
+pub mod quant;
 mod sync;
 #[cfg(test)]
 mod testutil;
@@ -106,7 +110,7 @@ pub use api::{
     host_memory_available, DeviceView, HostRead, HostView, LayerScope, LoadOptions, MappedView,
     Stats, Store, StoreBuilder, Stream, TensorInfo, TierStats,
 };
-pub use api::{Loaded, LoadedFile, LoadedTensor};
+pub use api::{Gguf, GgufTensor, GgufValue, Loaded, LoadedFile, LoadedTensor};
 pub use element::Element;
 pub use error::{Error, Result};
 pub use policy::{FrequencyPolicy, LruPolicy, Policy, PolicyKind, SchedulePolicy, VictimKey};

@@ -67,8 +67,23 @@ impl std::str::FromStr for Tier {
 
 /// Element type of a tensor.
 ///
-/// Printed by its lower-case name (`bf16`, `f8e4m3`); parsed from that name or from its name in
-/// a safetensors header (`BF16`, `F8_E4M3`), in any case.
+/// Printed by its lower-case name (`bf16`, `f8e4m3`, `q4_k`); parsed from that name, from its
+/// name in a safetensors header (`BF16`, `F8_E4M3`) or in GGUF (`Q4_K`), in any case.
+///
+/// The block-quantized types (GGUF's `Q4_0` … `Q8_K`) hold a tensor as blocks of
+/// [`DType::block`] elements, each block a fixed number of bytes (scales and packed quants): a
+/// tensor of one is sized by [`DType::bytes_for`] (its innermost dimension a whole number of
+/// blocks), moved, checksummed and saved as those bytes, and turned into `f32` by
+/// [`quant::dequantize`](crate::quant::dequantize).
+///
+/// ```
+/// use strata::DType;
+/// assert_eq!(DType::F32.bytes_for(&[2, 3]).unwrap(), 24);
+/// assert_eq!(DType::Q4_0.block(), Some((32, 18)));
+/// assert_eq!(DType::Q4K.bytes_for(&[2, 512]).unwrap(), 4 * 144);
+/// assert!(DType::Q4K.bytes_for(&[2, 100]).is_err()); // 100 is not a multiple of 256
+/// assert_eq!("Q6_K".parse::<DType>().unwrap(), DType::Q6K);
+/// ```
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
 pub enum DType {
     /// 64-bit float.
@@ -103,11 +118,39 @@ pub enum DType {
     U8,
     /// Boolean, one byte.
     Bool,
+    /// GGUF `Q4_0`: blocks of 32 4-bit quants and an f16 scale (18 bytes).
+    Q4_0,
+    /// GGUF `Q4_1`: blocks of 32 4-bit quants, an f16 scale and an f16 minimum (20 bytes).
+    Q4_1,
+    /// GGUF `Q5_0`: blocks of 32 5-bit quants and an f16 scale (22 bytes).
+    Q5_0,
+    /// GGUF `Q5_1`: blocks of 32 5-bit quants, an f16 scale and an f16 minimum (24 bytes).
+    Q5_1,
+    /// GGUF `Q8_0`: blocks of 32 8-bit quants and an f16 scale (34 bytes).
+    Q8_0,
+    /// GGUF `Q2_K`: super-blocks of 256 2-bit quants in 16 sub-blocks with 4-bit scales and
+    /// minimums (84 bytes).
+    Q2K,
+    /// GGUF `Q3_K`: super-blocks of 256 3-bit quants in 16 sub-blocks with 6-bit scales
+    /// (110 bytes).
+    Q3K,
+    /// GGUF `Q4_K`: super-blocks of 256 4-bit quants in 8 sub-blocks with 6-bit scales and
+    /// minimums (144 bytes).
+    Q4K,
+    /// GGUF `Q5_K`: super-blocks of 256 5-bit quants in 8 sub-blocks with 6-bit scales and
+    /// minimums (176 bytes).
+    Q5K,
+    /// GGUF `Q6_K`: super-blocks of 256 6-bit quants in 16 sub-blocks with 8-bit scales
+    /// (210 bytes).
+    Q6K,
+    /// GGUF `Q8_K`: super-blocks of 256 8-bit quants with an f32 scale and 16 partial sums
+    /// (292 bytes; llama.cpp's intermediate type for dot products).
+    Q8K,
 }
 
 impl DType {
     /// Every dtype.
-    pub const ALL: [DType; 15] = [
+    pub const ALL: [DType; 26] = [
         DType::F64,
         DType::F32,
         DType::F16,
@@ -123,16 +166,101 @@ impl DType {
         DType::U16,
         DType::U8,
         DType::Bool,
+        DType::Q4_0,
+        DType::Q4_1,
+        DType::Q5_0,
+        DType::Q5_1,
+        DType::Q8_0,
+        DType::Q2K,
+        DType::Q3K,
+        DType::Q4K,
+        DType::Q5K,
+        DType::Q6K,
+        DType::Q8K,
     ];
 
-    /// Size of one element in bytes.
+    /// Size of one element in bytes; for a block-quantized dtype, of one block (see
+    /// [`DType::block`]: size a tensor with [`DType::bytes_for`]).
     pub const fn size_of(self) -> usize {
-        match self {
-            DType::F64 | DType::I64 | DType::U64 => 8,
-            DType::F32 | DType::I32 | DType::U32 => 4,
-            DType::F16 | DType::BF16 | DType::I16 | DType::U16 => 2,
-            DType::F8E4M3 | DType::F8E5M2 | DType::I8 | DType::U8 | DType::Bool => 1,
+        match self.block() {
+            Some((_, bytes)) => bytes,
+            None => match self {
+                DType::F64 | DType::I64 | DType::U64 => 8,
+                DType::F32 | DType::I32 | DType::U32 => 4,
+                DType::F16 | DType::BF16 | DType::I16 | DType::U16 => 2,
+                _ => 1,
+            },
         }
+    }
+
+    /// For a block-quantized dtype, `(elements, bytes)` of one block; `None` for the others.
+    pub const fn block(self) -> Option<(usize, usize)> {
+        Some(match self {
+            DType::Q4_0 => (32, 18),
+            DType::Q4_1 => (32, 20),
+            DType::Q5_0 => (32, 22),
+            DType::Q5_1 => (32, 24),
+            DType::Q8_0 => (32, 34),
+            DType::Q2K => (256, 84),
+            DType::Q3K => (256, 110),
+            DType::Q4K => (256, 144),
+            DType::Q5K => (256, 176),
+            DType::Q6K => (256, 210),
+            DType::Q8K => (256, 292),
+            _ => return None,
+        })
+    }
+
+    /// Whether it is block-quantized (GGUF's `Q4_0` … `Q8_K`).
+    pub const fn is_quantized(self) -> bool {
+        self.block().is_some()
+    }
+
+    /// Bytes of a tensor of this dtype and `shape`: elements × [`DType::size_of`], or for a
+    /// block-quantized dtype rows × blocks per row × block bytes. [`Error::BadShape`] when the
+    /// count overflows, or when a quantized tensor's innermost dimension is not a whole number of
+    /// blocks (or it has no dimension).
+    ///
+    /// [`Error::BadShape`]: crate::Error::BadShape
+    ///
+    /// ```
+    /// use strata::DType;
+    /// assert_eq!(DType::BF16.bytes_for(&[4, 4]).unwrap(), 32);
+    /// assert_eq!(DType::Q8_0.bytes_for(&[3, 64]).unwrap(), 3 * 2 * 34);
+    /// let e = DType::Q8_0.bytes_for(&[3, 48]).unwrap_err();
+    /// assert!(e.to_string().contains("multiple of 32"), "{e}");
+    /// ```
+    pub fn bytes_for(self, shape: &[usize]) -> crate::Result<u64> {
+        let overflow = || crate::Error::BadShape {
+            shape: shape.to_vec(),
+            why: "element count overflows".into(),
+        };
+        let Some((elems, bytes)) = self.block() else {
+            return shape
+                .iter()
+                .try_fold(self.size_of() as u64, |acc, &d| acc.checked_mul(d as u64))
+                .ok_or_else(overflow);
+        };
+        let Some((&inner, outer)) = shape.split_last() else {
+            return Err(crate::Error::BadShape {
+                shape: vec![],
+                why: format!("a {self} tensor needs a dimension of blocks of {elems}"),
+            });
+        };
+        if inner % elems != 0 {
+            return Err(crate::Error::BadShape {
+                shape: shape.to_vec(),
+                why: format!(
+                    "the innermost dimension of a {self} tensor must be a multiple of {elems} \
+                     (its block), not {inner}"
+                ),
+            });
+        }
+        outer
+            .iter()
+            .try_fold(bytes as u64, |acc, &d| acc.checked_mul(d as u64))
+            .and_then(|acc| acc.checked_mul((inner / elems) as u64))
+            .ok_or_else(overflow)
     }
 
     /// Whether it is a floating-point type (f64, f32, f16, bf16 and the two FP8 types).
@@ -161,12 +289,24 @@ impl DType {
             DType::U16 => "u16",
             DType::U8 => "u8",
             DType::Bool => "bool",
+            DType::Q4_0 => "q4_0",
+            DType::Q4_1 => "q4_1",
+            DType::Q5_0 => "q5_0",
+            DType::Q5_1 => "q5_1",
+            DType::Q8_0 => "q8_0",
+            DType::Q2K => "q2_k",
+            DType::Q3K => "q3_k",
+            DType::Q4K => "q4_k",
+            DType::Q5K => "q5_k",
+            DType::Q6K => "q6_k",
+            DType::Q8K => "q8_k",
         }
     }
 
-    /// Its name in a safetensors header: `F32`, `BF16`, `F8_E4M3`, `U16`, `BOOL`.
-    pub const fn safetensors_name(self) -> &'static str {
-        match self {
+    /// Its name in a safetensors header (`F32`, `BF16`, `F8_E4M3`, `U16`, `BOOL`); `None` for
+    /// the block-quantized dtypes, which safetensors cannot hold.
+    pub const fn safetensors_name(self) -> Option<&'static str> {
+        Some(match self {
             DType::F64 => "F64",
             DType::F32 => "F32",
             DType::F16 => "F16",
@@ -182,7 +322,8 @@ impl DType {
             DType::U16 => "U16",
             DType::U8 => "U8",
             DType::Bool => "BOOL",
-        }
+            _ => return None,
+        })
     }
 }
 
@@ -201,7 +342,8 @@ impl std::str::FromStr for DType {
         DType::ALL
             .into_iter()
             .find(|d| {
-                d.name().eq_ignore_ascii_case(s) || d.safetensors_name().eq_ignore_ascii_case(s)
+                d.name().eq_ignore_ascii_case(s)
+                    || d.safetensors_name().is_some_and(|n| n.eq_ignore_ascii_case(s))
             })
             .ok_or_else(|| {
                 let names: Vec<&str> = DType::ALL.iter().map(|d| d.name()).collect();
@@ -405,7 +547,9 @@ mod tests {
     fn dtypes_parse_by_either_name_and_print_lower_case() {
         for d in DType::ALL {
             assert_eq!(d.to_string().parse::<DType>().unwrap(), d, "{d}");
-            assert_eq!(d.safetensors_name().parse::<DType>().unwrap(), d, "{d}");
+            if let Some(n) = d.safetensors_name() {
+                assert_eq!(n.parse::<DType>().unwrap(), d, "{d}");
+            }
             assert_eq!(d.name().to_ascii_uppercase().parse::<DType>().unwrap(), d, "{d}");
         }
         assert_eq!("F8_E4M3".parse::<DType>().unwrap(), DType::F8E4M3);
@@ -415,10 +559,33 @@ mod tests {
         assert_eq!((DType::U64.size_of(), DType::U32.size_of(), DType::U16.size_of()), (8, 4, 2));
         assert_eq!((DType::F8E4M3.size_of(), DType::F8E5M2.size_of()), (1, 1));
         assert!(DType::F8E5M2.is_float() && !DType::U32.is_float() && !DType::Bool.is_float());
-        for bad in ["", "f8", "float", "F8_E8M0", "c64", "u128"] {
+        assert_eq!("Q2_K".parse::<DType>().unwrap(), DType::Q2K);
+        assert_eq!(DType::Q5_1.safetensors_name(), None);
+        for bad in ["", "f8", "float", "F8_E8M0", "c64", "u128", "q4", "Q8_1", "IQ4_NL"] {
             let e = bad.parse::<DType>().unwrap_err().to_string();
             assert!(e.contains("unknown dtype") && e.contains("f8e4m3"), "{bad}: {e}");
         }
+    }
+
+    #[test]
+    fn quantized_dtypes_are_sized_by_whole_blocks() {
+        for d in DType::ALL {
+            let Some((elems, bytes)) = d.block() else {
+                assert_eq!(d.bytes_for(&[3, 5]).unwrap(), 15 * d.size_of() as u64, "{d}");
+                continue;
+            };
+            assert!(d.is_quantized() && !d.is_float(), "{d}");
+            assert_eq!(d.bytes_for(&[2, 3, 2 * elems]).unwrap(), 12 * bytes as u64, "{d}");
+            assert_eq!(d.bytes_for(&[0, elems]).unwrap(), 0, "{d}");
+            for bad in [&[elems + 1][..], &[4, elems / 2], &[]] {
+                let e = d.bytes_for(bad).unwrap_err();
+                assert!(matches!(e, crate::Error::BadShape { .. }), "{d} {bad:?}: {e}");
+            }
+            let huge = d.bytes_for(&[usize::MAX, usize::MAX / elems * elems]).unwrap_err();
+            assert!(huge.to_string().contains("overflows"), "{d}: {huge}");
+        }
+        assert_eq!(DType::Q8K.block(), Some((256, 292)));
+        assert_eq!(DType::Q3K.block(), Some((256, 110)));
     }
 
     #[test]

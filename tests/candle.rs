@@ -565,6 +565,8 @@ mod blocks;
 mod configs;
 #[path = "candle/generate.rs"]
 mod generate;
+#[path = "candle/gguf.rs"]
+mod gguf;
 #[path = "candle/lora.rs"]
 mod lora;
 #[cfg(feature = "text")]

@@ -39,8 +39,9 @@ fn contents_checked_on_device_for_every_dtype_and_tier_path() {
     let k = Kernels::new(&store).expect("NVRTC kernels");
     let s = store.stream().unwrap();
     for (n, dtype) in DType::ALL.into_iter().enumerate() {
-        let shape = [37, 129];
-        let data = random(37 * 129 * dtype.size_of(), n as u64 + 1);
+        // A quantized dtype: rows of whole blocks.
+        let shape = [37, dtype.block().map_or(129, |(elems, _)| elems)];
+        let data = random(dtype.bytes_for(&shape).unwrap() as usize, n as u64 + 1);
         let id = store.put(&format!("t{n}"), dtype, &shape, &data).unwrap();
         let want = checksum_host(&data, 1);
         for from in Tier::ALL {

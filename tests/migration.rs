@@ -24,7 +24,17 @@ fn store(backend: Backend, mem: u64, disk: u64, promote: bool) -> Store {
 }
 
 fn shape_bytes(dtype: DType, shape: &[usize]) -> usize {
-    dtype.size_of() * shape.iter().product::<usize>()
+    dtype.bytes_for(shape).unwrap() as usize
+}
+
+/// `shape` with its innermost dimension rounded up to whole blocks of a quantized `dtype`
+/// (as is for the others).
+fn blocks_of(dtype: DType, shape: &[usize]) -> Vec<usize> {
+    let mut s = shape.to_vec();
+    if let (Some((elems, _)), Some(last)) = (dtype.block(), s.last_mut()) {
+        *last = last.div_ceil(elems) * elems;
+    }
+    s
 }
 
 /// Moves `id` to `to` and checks the residency rules and the contents.
@@ -47,6 +57,7 @@ fn every_dtype_walks_every_ordered_tier_pair() {
         let mut seed = 1;
         for dtype in DType::ALL {
             for shape in shapes {
+                let shape = &blocks_of(dtype, shape)[..];
                 seed += 1;
                 let data = random_bytes(shape_bytes(dtype, shape), seed);
                 let name = format!("{dtype}-{shape:?}");
@@ -101,7 +112,7 @@ fn every_dtype_copies_along_every_tier_pair() {
     common::each_backend("every_dtype_copies_along_every_tier_pair", |backend| {
         let store = store(backend, 1 << 20, 4 << 20, false);
         for (k, dtype) in DType::ALL.into_iter().enumerate() {
-            let shape = [3usize, 37];
+            let shape = blocks_of(dtype, &[3, 37]);
             let len = shape_bytes(dtype, &shape);
             let data = random_bytes(len, 100 + k as u64);
             let name = format!("pairs-{dtype}");
@@ -116,7 +127,7 @@ fn write_then_read_in_each_tier() {
     common::each_backend("write_then_read_in_each_tier", |backend| {
         let store = store(backend, 1 << 20, 4 << 20, false);
         for dtype in DType::ALL {
-            let shape = [3usize, 37];
+            let shape = blocks_of(dtype, &[3, 37]);
             let len = shape_bytes(dtype, &shape);
             let id =
                 store.put(&format!("w-{dtype}"), dtype, &shape, &random_bytes(len, 7)).unwrap();

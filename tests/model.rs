@@ -44,14 +44,16 @@ struct Shadow {
     removed: Vec<TensorId>,
 }
 
-/// A random dtype and shape of 1 byte ..= 40 KiB.
+/// A random dtype and shape of 1 byte ..= 40 KiB (a quantized dtype's: whole blocks).
 fn random_tensor(rng: &mut Rng) -> (DType, Vec<usize>, usize) {
     let dtype = *rng.pick(&DType::ALL);
     let size = dtype.size_of() as u64;
     // Mostly small, sometimes up to the maximum.
     let max_elems = if rng.chance(1, 2) { MAX_BYTES / size } else { 4 * KIB / size };
     let n = rng.range(1, max_elems) as usize;
-    let shape = if n % 2 == 0 && rng.chance(1, 2) { vec![2, n / 2] } else { vec![n] };
+    // `n` elements, or of a block-quantized dtype `n` blocks (`size` is a block's bytes).
+    let per = dtype.block().map_or(1, |(elems, _)| elems);
+    let shape = if n % 2 == 0 && rng.chance(1, 2) { vec![2, n / 2 * per] } else { vec![n * per] };
     (dtype, shape, n * size as usize)
 }
 

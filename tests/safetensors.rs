@@ -26,7 +26,7 @@ const KIB: u64 = 1024;
 
 /// The dtype's name in a safetensors header.
 fn header_dtype(d: DType) -> &'static str {
-    let name = d.safetensors_name();
+    let name = d.safetensors_name().expect("a dtype safetensors holds");
     // The crate's own name for it (its serde name) is the same.
     assert_eq!(format!("{:?}", st_dtype(d)), name);
     name
@@ -166,7 +166,8 @@ fn crc(bytes: &[u8]) -> u32 {
 fn every_dtype(rng: &mut Rng) -> Vec<T> {
     let shapes: [&[usize]; 5] = [&[], &[7], &[3, 5], &[2, 1, 3, 3], &[1, 1, 1, 1, 1]];
     let mut ts = Vec::new();
-    for d in DType::ALL {
+    // Every dtype safetensors holds (not the block-quantized ones).
+    for d in DType::ALL.into_iter().filter(|d| d.safetensors_name().is_some()) {
         for (i, s) in shapes.iter().enumerate() {
             ts.push(tensor(&format!("{d}.{i}"), d, s, rng));
         }
@@ -630,7 +631,7 @@ fn saved_files_load_in_python() {
         DType::U16 => "uint16",
         DType::U8 => "uint8",
         DType::Bool => "bool",
-        DType::BF16 | DType::F8E4M3 | DType::F8E5M2 => unreachable!("not in numpy"),
+        other => unreachable!("{other} is not in numpy"),
     };
     check_python_listing(listing.lines(), &ts, np);
 }
@@ -698,7 +699,7 @@ fn every_dtype_and_metadata_load_in_python() {
     ]);
     assert_eq!(meta, want, "the metadata python read");
     // Saved under their names in the file: no "loaded." prefix.
-    check_python_listing(lines, &ts, DType::safetensors_name);
+    check_python_listing(lines, &ts, |d| d.safetensors_name().expect("a safetensors dtype"));
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -1,8 +1,9 @@
 //! Tensor files: loading safetensors checkpoints (one file, or a sharded checkpoint by its index
-//! or its directory) in place (the Disk tier refers to the mapped files) or by copy, and saving
-//! tensors to a new safetensors file atomically, with its `__metadata__`.
+//! or its directory) and GGUF files in place (the Disk tier refers to the mapped files) or by
+//! copy, and saving tensors to a new safetensors file atomically, with its `__metadata__`.
 
 mod checkpoint;
+mod gguf;
 mod save;
 
 use std::collections::BTreeMap;
@@ -12,6 +13,7 @@ use std::sync::Arc;
 use safetensors::tensor::{Dtype as StDtype, SafeTensors};
 
 pub use checkpoint::{Loaded, LoadedFile, LoadedTensor};
+pub use gguf::{Gguf, GgufTensor, GgufValue};
 
 use super::Store;
 use crate::error::{Error, Result};
@@ -55,8 +57,9 @@ fn from_st(d: StDtype) -> Option<DType> {
     })
 }
 
-fn to_st(d: DType) -> StDtype {
-    match d {
+/// Its safetensors dtype; `None` for a block-quantized dtype, which safetensors cannot hold.
+fn to_st(d: DType) -> Option<StDtype> {
+    Some(match d {
         DType::F64 => StDtype::F64,
         DType::F32 => StDtype::F32,
         DType::F16 => StDtype::F16,
@@ -72,7 +75,8 @@ fn to_st(d: DType) -> StDtype {
         DType::U16 => StDtype::U16,
         DType::U8 => StDtype::U8,
         DType::Bool => StDtype::BOOL,
-    }
+        _ => return None,
+    })
 }
 
 fn bad(path: &Path, tensor: Option<&str>, why: impl Into<String>) -> Error {
@@ -155,9 +159,16 @@ fn precheck(path: &Path, bytes: &[u8]) -> Result<()> {
 
 /// Parses a mapped safetensors file: every tensor's dtype, shape and byte range, in file order,
 /// and the header's `__metadata__`.
-fn parse(file: &ExternalFile) -> Result<Parsed> {
+fn parse(file: &Arc<ExternalFile>) -> Result<Parsed> {
     let path = file.path();
     let bytes = file.bytes();
+    let named_gguf = path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf"));
+    if named_gguf || Gguf::sniff(bytes) {
+        let g = Gguf::parse(Arc::clone(file))?;
+        let metadata =
+            g.metadata().iter().filter_map(|(k, v)| Some((k.clone(), v.to_text()?))).collect();
+        return Ok(Parsed { found: g.found(), metadata });
+    }
     precheck(path, bytes)?;
     let (n, header) = SafeTensors::read_metadata(bytes).map_err(|e| {
         use safetensors::SafeTensorError as E;
@@ -175,8 +186,7 @@ fn parse(file: &ExternalFile) -> Result<Parsed> {
             .ok_or_else(|| bad(path, Some(&name), format!("unsupported dtype {:?}", info.dtype)))?;
         let (begin, end) = info.data_offsets;
         let len = end - begin;
-        let elems = info.shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
-        if elems.and_then(|n| n.checked_mul(dtype.size_of())) != Some(len) {
+        if dtype.bytes_for(&info.shape).ok() != Some(len as u64) {
             return Err(bad(
                 path,
                 Some(&name),
@@ -199,7 +209,10 @@ fn parse(file: &ExternalFile) -> Result<Parsed> {
 }
 
 impl Store {
-    /// Loads a checkpoint: one `.safetensors` file, a sharded checkpoint's index
+    /// Loads a checkpoint: one `.safetensors` file, one GGUF file (named `*.gguf` or starting
+    /// with GGUF's magic: its tensors keep their GGUF names and dtypes, block-quantized ones
+    /// included, and its scalar and string metadata is the file's [`LoadedFile::metadata`];
+    /// [`Gguf::open`] reads all of it, arrays included), a sharded checkpoint's index
     /// (`model.safetensors.index.json`: `{"metadata": {...}, "weight_map": {"tensor":
     /// "shard file", ...}}`, the shards beside it), or a directory (its
     /// `*.safetensors.index.json` when it has one, else every `*.safetensors` file in it, in name

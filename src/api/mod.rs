@@ -11,7 +11,7 @@ mod store;
 mod views;
 
 pub use builder::{host_memory_available, StoreBuilder};
-pub use files::{LoadOptions, Loaded, LoadedFile, LoadedTensor};
+pub use files::{Gguf, GgufTensor, GgufValue, LoadOptions, Loaded, LoadedFile, LoadedTensor};
 pub use hints::LayerScope;
 pub use stats::{Stats, TierStats};
 pub use store::{Store, TensorInfo};

@@ -284,8 +284,8 @@ impl Layers {
     /// One tensor through a device view, copied into a candle tensor; `None` when it is to be
     /// read on the host instead: a tensor the Device tier cannot hold (too large for it, or no
     /// room beside what is held there now), and on CUDA the dtypes without a device-to-device
-    /// copy into candle (`u16`, widened to `u32` on the host as candle's loader does, and
-    /// `f8e4m3`).
+    /// copy into candle (`u16`, widened to `u32` on the host as candle's loader does,
+    /// `f8e4m3`, and the block-quantized dtypes, dequantized on the host).
     fn through_view(
         &self,
         name: &str,
@@ -297,7 +297,8 @@ impl Layers {
         }
         #[cfg(feature = "candle-cuda")]
         if matches!(self.device, Device::Cuda(_))
-            && matches!(info.dtype, crate::DType::U16 | crate::DType::F8E4M3)
+            && (matches!(info.dtype, crate::DType::U16 | crate::DType::F8E4M3)
+                || info.dtype.is_quantized())
         {
             return Ok(None);
         }
@@ -409,7 +410,8 @@ impl Layers {
         if candle_dtype(info.dtype).is_none() {
             return Err(unsupported_dtype(name, info.dtype));
         }
-        let row_bytes = cols * info.dtype.size_of();
+        // A quantized table's rows are whole blocks (checked when it was put or loaded).
+        let row_bytes = info.dtype.bytes_for(&[cols]).map_err(|e| strata_err(name, e))? as usize;
         let gather = |table: &[u8]| -> Vec<u8> {
             let mut out = Vec::with_capacity(rows.len() * row_bytes);
             for &r in rows {

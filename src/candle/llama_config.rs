@@ -74,7 +74,7 @@ pub struct LlamaConfig {
     pub dtype: Option<CDType>,
 }
 
-fn bad_config(why: String) -> candle_core::Error {
+pub(super) fn bad_config(why: String) -> candle_core::Error {
     candle_core::Error::Msg(format!("Llama config: {why}")).bt()
 }
 

@@ -50,6 +50,7 @@ pub mod block;
 mod cuda;
 pub mod fused;
 mod generate;
+mod gguf;
 mod layers;
 pub mod llama;
 mod llama_config;
@@ -65,6 +66,7 @@ pub use generate::{
     generate, generate_batch, CausalLm, Generated, InMemoryCache, InMemoryLlama, OutOfCoreLlama,
     Sampler, Sampling, StoreKvCache,
 };
+pub use gguf::{hf_name, load_gguf_weights};
 pub use layers::{LayerWeights, Layers, Transfers};
 pub use llama::{LlamaConfig, RopeScaling};
 pub use lora::LoraConfig;
@@ -207,7 +209,9 @@ pub(crate) fn read_text_file_needed(path: &std::path::Path) -> candle_core::Resu
 }
 
 /// The candle dtype a tensor of `dtype` loads as, as candle's safetensors loader does it
-/// (`U16` is widened to `U32`); `None` for the dtypes candle has no type for.
+/// (`U16` is widened to `U32`; a block-quantized tensor is dequantized to `F32`, exactly, by
+/// [`quant::dequantize`](crate::quant::dequantize)); `None` for the dtypes candle has no type
+/// for.
 pub(crate) fn candle_dtype(dtype: DType) -> Option<candle_core::DType> {
     use candle_core::DType as C;
     Some(match dtype {
@@ -221,7 +225,8 @@ pub(crate) fn candle_dtype(dtype: DType) -> Option<candle_core::DType> {
         DType::F32 => C::F32,
         DType::F64 => C::F64,
         DType::F8E4M3 => C::F8E4M3,
-        DType::F8E5M2 | DType::I8 | DType::U64 | DType::Bool => return None,
+        d if d.is_quantized() => C::F32,
+        _ => return None,
     })
 }
 
@@ -352,6 +357,10 @@ pub(crate) fn tensor_from_bytes(
     device: &Device,
 ) -> candle_core::Result<Tensor> {
     let Some(cd) = candle_dtype(dtype) else { return Err(unsupported_dtype(name, dtype)) };
+    if dtype.is_quantized() {
+        let values = crate::quant::dequantize(dtype, bytes).map_err(|e| strata_err(name, e))?;
+        return Tensor::from_vec(values, shape, device);
+    }
     if dtype == DType::U16 {
         let wide: Vec<u32> =
             bytes.chunks_exact(2).map(|b| u32::from(u16::from_ne_bytes([b[0], b[1]]))).collect();

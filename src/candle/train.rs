@@ -539,11 +539,19 @@ pub fn put_random_tensors(
 /// sharded checkpoint's `*.index.json` or a directory; in place, group `Param`), and checks
 /// that it has every tensor `config` names, in the shape it says, in f32 or bf16. Tensors the
 /// model does not use are left out (and removed from the store).
+///
+/// A GGUF file (named `*.gguf`) is loaded by [`load_gguf_weights`](super::load_gguf_weights)
+/// instead: its tensors under Hugging Face's names, in the file's dtypes (block-quantized
+/// ones included, for generation: the trainer refuses them by name).
 pub fn load_weights(
     store: &Store,
     config: &LlamaConfig,
     path: impl AsRef<Path>,
 ) -> candle_core::Result<Vec<(String, TensorId)>> {
+    let path = path.as_ref();
+    if path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf")) {
+        return super::load_gguf_weights(store, config, path);
+    }
     load_tensors(store, &config.tensors(), path)
 }
 

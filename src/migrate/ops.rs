@@ -17,11 +17,10 @@ use crate::tiers::arena::WriteLease;
 use crate::tiers::Ext;
 use crate::types::{DType, Group, TensorId, Tier};
 
-/// Bytes of a tensor of `dtype` and `shape`, or `BadShape` when the count overflows.
+/// Bytes of a tensor of `dtype` and `shape` ([`DType::bytes_for`]): `BadShape` when the count
+/// overflows or a quantized tensor's rows are not whole blocks.
 pub(crate) fn tensor_bytes(dtype: DType, shape: &[usize]) -> Result<u64> {
-    shape.iter().try_fold(dtype.size_of() as u64, |acc, &d| acc.checked_mul(d as u64)).ok_or_else(
-        || Error::BadShape { shape: shape.to_vec(), why: "element count overflows".into() },
-    )
+    dtype.bytes_for(shape)
 }
 
 /// The tiers a new tensor of `bytes` could ever go to (`only` restricts to one), fastest first;

@@ -232,7 +232,8 @@ pub fn tensor(name: &str, dtype: strata::DType, shape: &[usize], rng: &mut Rng) 
 }
 
 /// The `safetensors` crate's dtype for a strata dtype (the crate parses the names strata gives:
-/// its serde names).
+/// its serde names); a block-quantized dtype has none.
 pub fn st_dtype(d: strata::DType) -> safetensors::Dtype {
-    serde_json::from_str(&format!("\"{}\"", d.safetensors_name())).expect("a safetensors dtype")
+    let name = d.safetensors_name().expect("a dtype safetensors holds");
+    serde_json::from_str(&format!("\"{name}\"")).expect("a safetensors dtype")
 }

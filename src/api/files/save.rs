@@ -82,12 +82,15 @@ pub(super) fn save(
                  metadata: save it under another name (save_safetensors_as)"
             )));
         }
-        entries.push(Entry {
-            id: *id,
-            name: name.clone(),
-            dtype: to_st(info.dtype),
-            bytes: info.bytes as usize,
-        });
+        let Some(dtype) = to_st(info.dtype) else {
+            return Err(Error::InvalidArgument(format!(
+                "tensor {id} ({name}) is {}, block-quantized, which safetensors cannot hold: \
+                 dequantize it (strata::quant::dequantize) and save the f32 values, or keep the \
+                 GGUF file it came from",
+                info.dtype
+            )));
+        };
+        entries.push(Entry { id: *id, name: name.clone(), dtype, bytes: info.bytes as usize });
         infos.push(info);
     }
     // The order the `safetensors` writers use: larger alignment first, then by name.
