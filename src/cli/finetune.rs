@@ -241,6 +241,7 @@ fn train_dtype(s: &str) -> Result<DType, String> {
 }
 
 /// The flags, checked against each other, with the machine's figures in their units.
+#[derive(Clone)]
 struct Args {
     config: Option<PathBuf>,
     model: Option<PathBuf>,
@@ -354,6 +355,11 @@ impl FinetuneArgs {
 }
 
 impl Args {
+    /// A copy to fill in the text flags of a resumed run.
+    fn clone_text_flags(&self) -> Args {
+        self.clone()
+    }
+
     fn checked(self) -> Res<Args> {
         let a = self;
         if a.config.is_none() && a.resume.is_none() {
@@ -803,8 +809,17 @@ pub fn run(args: FinetuneArgs) -> Res<Ended> {
         || a.jsonl.is_some()
         || saved_notes.get("data_format").is_some_and(|f| f == "text" || f == "jsonl");
     let data = if text_run {
+        // A resumed text run: the tokenizer beside its base model, unless given.
+        let mut a = a.clone_text_flags();
         if a.tokenizer.is_none() {
-            return Err("the run trains on text: give its --text or --jsonl FILE and --tokenizer FILE again".into());
+            a.tokenizer = saved_notes
+                .get("base_model")
+                .and_then(|m| model::beside(Path::new(m), "tokenizer.json"));
+        }
+        if a.tokenizer.is_none() || (a.text.is_none() && a.jsonl.is_none()) {
+            return Err("the run trains on text: give its --text or --jsonl FILE again (and \
+                        --tokenizer FILE where its base model has none beside it)"
+                .into());
         }
         Data::text(&a, config.vocab_size, train.seq)?
     } else {
@@ -1118,6 +1133,16 @@ pub fn run(args: FinetuneArgs) -> Res<Ended> {
         if let Some(dir) = &a.export_merged {
             let t = Instant::now();
             trainer.save_merged(dir)?;
+            // A model directory a user can run or upload: the base's tokenizer, chat template
+            // and generation config beside the merged weights.
+            let base_dir = base_model.as_deref().or(a.tokenizer.as_deref().and_then(Path::parent));
+            if let Some(base) = base_dir {
+                for f in TEXT_FILES {
+                    if let Some(src) = model::beside(base, f) {
+                        copy_whole(&src, &dir.join(f))?;
+                    }
+                }
+            }
             out!(
                 "merged the adapters into the base: {} ({:.1} s)",
                 dir.display(),
@@ -1234,6 +1259,29 @@ fn report(prefix: &str, r: &StepReport, total: u64, flops: f64, floor: &Floor) -
         floor,
         r.seconds / floor.seconds()
     )
+}
+
+/// The files of a model directory beside its weights and config.json that a merged export
+/// carries over from its base.
+const TEXT_FILES: [&str; 5] = [
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "special_tokens_map.json",
+    "generation_config.json",
+];
+
+/// Copies `src` to `dst` whole or not at all: a temporary file beside `dst`, synced, renamed.
+fn copy_whole(src: &Path, dst: &Path) -> Res<()> {
+    let tmp = dst.with_extension(format!("tmp-{}", std::process::id()));
+    let done = std::fs::copy(src, &tmp)
+        .and_then(|_| std::fs::File::open(&tmp)?.sync_all())
+        .and_then(|()| std::fs::rename(&tmp, dst));
+    if let Err(e) = done {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(format!("copying {} to {}: {e}", src.display(), dst.display()).into());
+    }
+    Ok(())
 }
 
 /// The run's progress bar on stderr (drawn only where stderr is a terminal): step, loss,

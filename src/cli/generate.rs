@@ -59,8 +59,8 @@ pub struct GenerateArgs {
     /// One prompt a line: text with a tokenizer, token ids without.
     #[arg(long, value_name = "FILE")]
     pub prompts: Option<PathBuf>,
-    /// A tokenizer.json (default with --prompt, --prompts or --chat: the one beside the
-    /// weights).
+    /// A tokenizer.json (default with --prompt or --chat: the one beside the weights; without
+    /// one, --prompts FILE holds token ids).
     #[arg(long, value_name = "FILE")]
     pub tokenizer: Option<PathBuf>,
     /// Render each prompt as a user message with the model's chat template.
@@ -217,7 +217,7 @@ impl GenerateArgs {
             (None, true) if a.config.is_none() => return Err("--init random needs --config".into()),
             _ => {}
         }
-        if a.model.is_some() && a.config.is_none() {
+        if a.model.as_deref().is_some_and(|m| !model::is_gguf(m)) && a.config.is_none() {
             return Err("no config.json beside the model: give its --config FILE".into());
         }
         let text = !a.prompts.is_empty() || a.tokenizer.is_some();
@@ -539,8 +539,11 @@ fn pcie_floor(
 /// Runs `strata generate` with these flags.
 pub fn run(args: GenerateArgs) -> Res<()> {
     let a = args.check()?;
-    let config_file = a.config.clone().ok_or("--config FILE is needed")?;
-    let config = LlamaConfig::from_file(config_file)?;
+    let config = match (&a.config, &a.model) {
+        (Some(file), _) => LlamaConfig::from_file(file)?,
+        (None, Some(m)) if model::is_gguf(m) => LlamaConfig::from_gguf(&crate::Gguf::open(m)?)?,
+        (None, _) => return Err("--config FILE is needed".into()),
+    };
     let sampling = Sampling::from_flags(a.temperature, a.top_k, a.top_p, a.seed)?;
     let p = prompts(&a)?;
     let device = crate::candle::default_device()?;

@@ -95,11 +95,14 @@ pub fn is_broken_pipe(e: &(dyn std::error::Error + 'static)) -> bool {
     false
 }
 
+// A flag given twice takes its last value (as the hand-parsed examples before these commands
+// did: scripts that repeat a flag keep working); repeatable flags still collect every value.
 #[derive(Parser)]
 #[command(
     name = "strata",
     version,
-    about = "A tiered tensor store: GPU HBM, pinned, mapped and NVMe tiers"
+    about = "A tiered tensor store: GPU HBM, pinned, mapped and NVMe tiers",
+    args_override_self = true
 )]
 pub struct Cli {
     /// Log what strata does on stderr: -v its steps, -vv details (RUST_LOG overrides).

@@ -69,7 +69,8 @@ pub fn hub_cache() -> hf_hub::Cache {
 pub fn resolve(arg: &Path) -> Res<Resolved> {
     if arg.exists() {
         let dir = dir_of(arg);
-        let config = Some(dir.join("config.json")).filter(|p| p.is_file());
+        // A GGUF file carries its config in its metadata ([`Resolved::llama_config`]).
+        let config = Some(dir.join("config.json")).filter(|p| p.is_file() && !is_gguf(arg));
         return Ok(Resolved { weights: arg.to_path_buf(), dir, config });
     }
     let Some(id) = arg.to_str().filter(|s| is_hub_id(s)) else {
@@ -90,12 +91,21 @@ pub fn resolve(arg: &Path) -> Res<Resolved> {
     Ok(Resolved { weights: dir.clone(), dir, config: Some(config) })
 }
 
+/// Whether `path` names a GGUF file (llama.cpp's format), by its extension.
+pub fn is_gguf(path: &Path) -> bool {
+    path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
+}
+
 impl Resolved {
-    /// The model's config: `--config FILE`, else the one beside the weights.
+    /// The model's config: `--config FILE`, else the one beside the weights, else a GGUF file's
+    /// own metadata.
     pub fn llama_config(&self, config: Option<&Path>) -> Res<LlamaConfig> {
         let path = match (config, &self.config) {
             (Some(p), _) => p.to_path_buf(),
             (None, Some(p)) => p.clone(),
+            (None, None) if is_gguf(&self.weights) => {
+                return Ok(LlamaConfig::from_gguf(&crate::Gguf::open(&self.weights)?)?);
+            }
             (None, None) => {
                 return Err(format!(
                     "no config.json beside {}: give the model's --config FILE",
@@ -128,8 +138,13 @@ pub fn text_side(m: &Resolved, tokenizer: Option<&Path>, config: &LlamaConfig) -
         Some(t) => t.to_path_buf(),
         None => beside(&m.weights, "tokenizer.json").ok_or_else(|| {
             format!(
-                "no tokenizer.json beside {}: give the model's --tokenizer FILE",
-                m.weights.display()
+                "no tokenizer.json beside {}: give the model's --tokenizer FILE{}",
+                m.weights.display(),
+                if is_gguf(&m.weights) {
+                    " (a GGUF file's own tokenizer, tokenizer.ggml.*, is not read yet)"
+                } else {
+                    ""
+                }
             )
         })?,
     };

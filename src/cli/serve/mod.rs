@@ -747,7 +747,8 @@ fn refuse_unsupported(o: &Map<String, Value>) -> Result<(), ApiError> {
         None | Some(Value::Null) => true,
         Some(v) => ok(v),
     };
-    let checks: [(&'static str, &dyn Fn(&Value) -> bool, &str); 8] = [
+    type Default<'a> = (&'static str, &'a dyn Fn(&Value) -> bool, &'a str);
+    let checks: [Default<'_>; 8] = [
         ("n", &|v| v.as_u64() == Some(1), "one choice a request (n = 1)"),
         ("best_of", &|v| v.as_u64() == Some(1), "best_of = 1"),
         ("logprobs", &|v| v == &Value::Bool(false), "no log-probabilities"),
