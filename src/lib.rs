@@ -66,6 +66,7 @@
 //!
 #![doc = include_str!("../docs/layers.md")]
 #![deny(unsafe_op_in_unsafe_fn)]
+#![warn(clippy::undocumented_unsafe_blocks)]
 #![warn(missing_docs)]
 
 // The layers, in call order (docs/layers.md).

@@ -385,14 +385,14 @@ mod tests {
         let b = HostBackend::new().unwrap();
         let src = b.alloc(MemKind::Pinned, 8192).unwrap();
         let dst = b.alloc(MemKind::Device, 8192).unwrap();
-        // SAFETY (test): fresh blocks of 8192 bytes, nothing else touches them.
+        // SAFETY: (test) fresh blocks of 8192 bytes, nothing else touches them.
         unsafe { std::ptr::write_bytes(src.host, 7, 8192) };
-        // SAFETY (test): both blocks live until after the event below completes.
+        // SAFETY: (test) both blocks live until after the event below completes.
         unsafe { b.h2d.copy(dst.copy_addr(0), src.copy_addr(0), 8192).unwrap() };
         let ev = b.h2d.record().unwrap();
         ev.synchronize().unwrap();
         assert!(ev.is_complete());
-        // SAFETY (test): the copy has completed.
+        // SAFETY: (test) the copy has completed.
         let out = unsafe { std::slice::from_raw_parts(dst.host, 8192) };
         assert!(out.iter().all(|&x| x == 7));
     }

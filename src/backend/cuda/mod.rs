@@ -262,8 +262,9 @@ pub(crate) fn free_block(ctx: &Arc<CudaContext>, b: &Block) {
         // SAFETY: `dev` came from cuMemAlloc in `alloc`, is freed once (Block's Drop), and the
         // store has waited for every copy and view touching it before dropping its arena.
         MemKind::Device => unsafe { result::free_sync(b.dev) }.map_err(|e| ("cuMemFree", e)),
-        // SAFETY: `host` came from cuMemHostAlloc in `alloc` and is freed once, after all use.
         MemKind::Pinned | MemKind::Mapped => {
+            // SAFETY: `host` came from cuMemHostAlloc in `alloc` and is freed once, after all
+            // use.
             unsafe { result::free_host(b.host as *mut c_void) }.map_err(|e| ("cuMemFreeHost", e))
         }
     };
@@ -288,15 +289,18 @@ pub(crate) unsafe fn copy_async(
     }
     let _bound = bind(s.context())?;
     let cs = s.cu_stream();
-    // SAFETY (all three): the caller guarantees the ranges are valid, pinned where host, and
-    // untouched until the copy completes; the stream belongs to the current context.
+    // The caller guarantees the ranges are valid, pinned where host, and untouched until the
+    // copy completes; the stream belongs to the current context.
     let r = match (dst, src) {
+        // SAFETY: as above.
         (Addr::Dev(d), Addr::Host(h)) => unsafe {
             (sys::cuMemcpyHtoDAsync_v2(d, h as *const c_void, len, cs), "cuMemcpyHtoDAsync")
         },
+        // SAFETY: as above.
         (Addr::Host(h), Addr::Dev(d)) => unsafe {
             (sys::cuMemcpyDtoHAsync_v2(h as *mut c_void, d, len, cs), "cuMemcpyDtoHAsync")
         },
+        // SAFETY: as above.
         (Addr::Dev(d), Addr::Dev(sr)) => unsafe {
             (sys::cuMemcpyDtoDAsync_v2(d, sr, len, cs), "cuMemcpyDtoDAsync")
         },
