@@ -198,10 +198,10 @@ pub struct ChatTemplate {
     output_cap: usize,
 }
 
-/// The instructions a rendering may run by default: far more than any chat template needs for
-/// a long conversation (about a hundred per message), few enough that a template that loops
-/// without end stops within a second or so.
-pub const TEMPLATE_FUEL: u64 = 50_000_000;
+/// The instructions a rendering may run by default: far more than a chat template needs for a
+/// long conversation (tens to a hundred a message: 100,000 messages or more), few enough that
+/// a template that loops without end stops within a second.
+pub const TEMPLATE_FUEL: u64 = 10_000_000;
 /// The most bytes a rendering may produce by default beside the messages' own text.
 pub const TEMPLATE_OUTPUT: usize = 64 << 20;
 
