@@ -560,7 +560,8 @@ fn chat_spans(
     let Some(at) = reply.find(content.as_str()) else { return Ok(None) };
     let (pre, post) = (&reply[..at], &reply[at + content.len()..]);
     let mut pieces = Vec::new();
-    let mut cursor = 0;
+    // Bytes of `whole` looked past, and put in pieces.
+    let (mut cursor, mut taken) = (0, 0);
     for m in messages {
         if m.role != "assistant" {
             // Past this message's text, so a reply is not looked for inside it.
@@ -576,17 +577,12 @@ fn chat_spans(
             return Ok(None);
         }
         let end = start + found.len();
-        pieces.push((whole[pieces_end(&pieces)..start].to_string(), false));
+        pieces.push((whole[taken..start].to_string(), false));
         pieces.push((whole[start..end].to_string(), true));
-        cursor = end;
+        (cursor, taken) = (end, end);
     }
-    pieces.push((whole[pieces_end(&pieces)..].to_string(), false));
+    pieces.push((whole[taken..].to_string(), false));
     Ok(Some(pieces))
-}
-
-/// Bytes of the text the pieces so far hold.
-fn pieces_end(pieces: &[(String, bool)]) -> usize {
-    pieces.iter().map(|(p, _)| p.len()).sum()
 }
 
 /// [`chat_spans`] by rendering the chat again up to each reply (time quadratic in the chat's
