@@ -90,6 +90,10 @@ pub enum Fault {
     Backend,
     /// Out of memory.
     OutOfMemory,
+    /// The process ends at the site at once (`std::process::abort`): nothing after it runs,
+    /// no destructor, no clean-up, as `kill -9` would leave things. Tests run this in a child
+    /// process and look at what it left on disk.
+    Kill,
 }
 
 #[cfg(feature = "failpoints")]
@@ -252,5 +256,6 @@ fn fault_error(site: Site, f: Fault, what: &Path) -> crate::Error {
             message: format!("injected backend failure at {site:?}"),
         },
         Fault::OutOfMemory => Error::OutOfMemory { tier: crate::Tier::Device, bytes: 0 },
+        Fault::Kill => std::process::abort(),
     }
 }

@@ -354,8 +354,16 @@ fn one_cache_each(inputs: usize, caches: usize) -> candle_core::Result<()> {
 }
 
 /// Checks a cache's capacity against the config's rotary tables (a sliding window needs no
-/// check: the attention keeps to it whatever the cache holds).
-fn check_capacity(config: &LlamaConfig, capacity: usize) -> candle_core::Result<()> {
+/// check: the attention keeps to it whatever the cache holds), and its size: the keys and
+/// values of every block (`2 · blocks · capacity · batch · kv_heads · head_dim` elements of
+/// `elem` bytes) and the rotary tables, in checked arithmetic (a product that overflows is
+/// refused, never wrapped) and against the host memory available.
+fn check_capacity(
+    config: &LlamaConfig,
+    batch: usize,
+    capacity: usize,
+    elem: usize,
+) -> candle_core::Result<()> {
     if capacity == 0 {
         candle_core::bail!("a KV cache of 0 positions");
     }
@@ -364,6 +372,28 @@ fn check_capacity(config: &LlamaConfig, capacity: usize) -> candle_core::Result<
             "{capacity} positions past the model's max_position_embeddings {}",
             config.max_position_embeddings
         );
+    }
+    let kv = [2, config.num_hidden_layers, capacity, batch.max(1), config.num_key_value_heads]
+        .iter()
+        .chain([config.head_dim, elem].iter())
+        .try_fold(1u64, |a, &x| a.checked_mul(x as u64));
+    let rope = (capacity as u64).checked_mul(config.head_dim as u64).and_then(|x| x.checked_mul(8));
+    let Some(bytes) = kv.zip(rope).and_then(|(k, r)| k.checked_add(r)) else {
+        candle_core::bail!(
+            "a KV cache of {capacity} positions for {batch} sequences of {} blocks: its size \
+             overflows u64: ask for fewer new tokens (max_new)",
+            config.num_hidden_layers
+        );
+    };
+    if let Some(available) = crate::host_memory_available() {
+        if bytes > available {
+            candle_core::bail!(
+                "a KV cache of {capacity} positions for {batch} sequences needs {} and {} of \
+                 host memory is available: ask for fewer new tokens (max_new) or a shorter prompt",
+                crate::format_size(bytes),
+                crate::format_size(available)
+            );
+        }
     }
     Ok(())
 }
@@ -516,7 +546,7 @@ impl CausalLm for InMemoryLlama {
     type Cache = InMemoryCache;
 
     fn new_cache(&self, batch: usize, capacity: usize) -> candle_core::Result<InMemoryCache> {
-        check_capacity(&self.config, capacity)?;
+        check_capacity(&self.config, batch, capacity, self.dtype.size_in_bytes())?;
         Ok(InMemoryCache {
             layers: vec![KvCache::new(); self.config.num_hidden_layers],
             rope: Rope::new(&self.config, capacity, &self.device)?,
@@ -949,11 +979,11 @@ impl CausalLm for OutOfCoreLlama {
     /// `capacity · batch · kv_heads · head_dim` elements of the compute dtype, zeros, homed in
     /// host memory (Pinned when it has room).
     fn new_cache(&self, batch: usize, capacity: usize) -> candle_core::Result<StoreKvCache> {
-        check_capacity(&self.config, capacity)?;
         if batch == 0 {
             candle_core::bail!("a KV cache of 0 sequences");
         }
         let sdtype = compute_dtype(self.dtype)?;
+        check_capacity(&self.config, batch, capacity, sdtype.size_of())?;
         let c = &self.config;
         let shape = [capacity, batch, c.num_key_value_heads, c.head_dim];
         let zeros = vec![0u8; shape.iter().product::<usize>() * sdtype.size_of()];

@@ -323,6 +323,34 @@ pub fn adapter_specs(
             );
         }
     }
+    // The adapters' sizes, in checked arithmetic: a rank past the weights' sides gains nothing
+    // and an absurd one would overflow the sizes or the allocation of `A`'s initial values.
+    let per_block = chosen.iter().try_fold(0u64, |acc, (name, _, o, i)| {
+        let a = (lora.rank as u64).checked_mul(*i as u64);
+        let b = (lora.rank as u64).checked_mul(*o as u64);
+        let fits = |n: u64| n.checked_mul(4).is_some_and(|b| b <= isize::MAX as u64);
+        match a.zip(b).filter(|&(a, b)| fits(a) && fits(b)) {
+            Some((a, b)) => Ok(acc.saturating_add(a).saturating_add(b)),
+            None => Err(candle_core::Error::Msg(format!(
+                "LoRA rank {}: the adapter of {name} ([{}, {i}] and [{o}, {}]) is too large to \
+                 be made: a rank up to the weight's sides ({o} and {i}) is useful",
+                lora.rank, lora.rank, lora.rank
+            ))),
+        }
+    })?;
+    // Each adapter's values, gradient and two moments, f32.
+    let bytes = per_block.saturating_mul(config.num_hidden_layers as u64).saturating_mul(16);
+    if let Some(available) = crate::host_memory_available() {
+        if bytes > available {
+            candle_core::bail!(
+                "LoRA rank {}: the adapters, their gradients and moments need {} and {} of host \
+                 memory is available: a smaller rank",
+                lora.rank,
+                crate::format_size(bytes),
+                crate::format_size(available)
+            );
+        }
+    }
     let mut out = Vec::new();
     for layer in 0..config.num_hidden_layers {
         let p = LlamaConfig::block_prefix(layer);
@@ -523,6 +551,36 @@ pub fn merge_adapter_into(
     }
     if pairs.is_empty() {
         candle_core::bail!("{}: no LoRA adapter in it", file.display());
+    }
+    // Every linear of the model's blocks that the adapter's targets name must have its
+    // adapter, as the trainer refuses an adapter that does not hold each of the run's: one for
+    // some layers only would run a model that is neither the base nor the fine-tune.
+    let missing: Vec<&str> = weights
+        .iter()
+        .enumerate()
+        .filter(|(i, (n, id))| {
+            n.contains(".layers.")
+                && config.targets_linear(n)
+                && store.info(*id).is_ok_and(|t| t.shape.len() == 2)
+                && !pairs.iter().any(|p| p.0 == *i)
+        })
+        .map(|(_, (n, _))| n.as_str())
+        .collect();
+    if let Some(first) = missing.first() {
+        candle_core::bail!(
+            "{}: the adapter's target_modules {:?} name {} linears of the model and it holds \
+             adapters of {}: none for {first}{}: an adapter of some layers only (of a smaller \
+             model?) is refused, as the trainer refuses it",
+            file.display(),
+            config.targets,
+            missing.len() + pairs.len(),
+            pairs.len(),
+            if missing.len() > 1 {
+                format!(" and {} more", missing.len() - 1)
+            } else {
+                String::new()
+            }
+        );
     }
     pairs.sort_by_key(|p| p.0);
     let scale = config.scale();

@@ -224,6 +224,38 @@ pub struct ChatTemplate {
     env: minijinja::Environment<'static>,
     bos_token: Option<String>,
     eos_token: Option<String>,
+    /// The most bytes a rendering may have ([`ChatTemplate::set_limits`]).
+    output_cap: usize,
+}
+
+/// The instructions a rendering may run by default: far more than a chat template needs for a
+/// long conversation (tens to a hundred a message: 100,000 messages or more), few enough that
+/// a template that loops without end stops within a second.
+pub const TEMPLATE_FUEL: u64 = 10_000_000;
+/// The most bytes a rendering may produce by default beside the messages' own text.
+pub const TEMPLATE_OUTPUT: usize = 64 << 20;
+
+/// A writer that refuses to grow past a cap.
+struct Capped {
+    out: Vec<u8>,
+    cap: usize,
+}
+
+impl std::io::Write for Capped {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if self.out.len().saturating_add(buf.len()) > self.cap {
+            return Err(std::io::Error::other(format!(
+                "the rendering grew past {} bytes",
+                self.cap
+            )));
+        }
+        self.out.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
 }
 
 /// A special token as `tokenizer_config.json` writes it: a string, or an object with `content`.
@@ -250,9 +282,42 @@ impl ChatTemplate {
         env.add_function("raise_exception", |msg: String| -> Result<String, minijinja::Error> {
             Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
         });
+        env.set_fuel(Some(TEMPLATE_FUEL));
         env.add_template_owned("chat", source.to_string())
             .map_err(|e| text_err(format!("the chat template does not parse: {e:#}")))?;
-        Ok(ChatTemplate { env, bos_token, eos_token })
+        Ok(ChatTemplate { env, bos_token, eos_token, output_cap: TEMPLATE_OUTPUT })
+    }
+
+    /// Bounds each rendering: at most `fuel` template instructions (minijinja's fuel: a
+    /// template that loops without end is an error, not a hang) and `output` bytes beside the
+    /// messages' own text (a template that emits without end is an error, not an abort for
+    /// memory). The defaults are [`TEMPLATE_FUEL`] and [`TEMPLATE_OUTPUT`].
+    pub fn set_limits(&mut self, fuel: u64, output: usize) {
+        // minijinja counts the fuel left in an isize.
+        self.env.set_fuel(Some(fuel.min(isize::MAX as u64)));
+        self.output_cap = output;
+    }
+
+    /// The template beside a tokenizer (its directory's `tokenizer_config.json`, or
+    /// `chat_template.jinja` there), for data that may hold chats (`--jsonl`): `None` when the
+    /// model has none (no such file, or no template in it); a template that is there and does
+    /// not read or parse is an error naming it, not taken for no template.
+    pub fn beside(tokenizer: impl AsRef<Path>) -> candle_core::Result<Option<ChatTemplate>> {
+        let dir = tokenizer.as_ref().parent().unwrap_or(Path::new("."));
+        let dir = if dir.as_os_str().is_empty() { Path::new(".") } else { dir };
+        let config = dir.join("tokenizer_config.json");
+        let has_config_template = match super::read_text_file(&config)? {
+            None => false,
+            Some(text) => {
+                let v: Value = serde_json::from_str(&text)
+                    .map_err(|e| text_err(format!("{} is not JSON: {e}", config.display())))?;
+                v.get("chat_template").is_some_and(|t| !t.is_null())
+            }
+        };
+        if has_config_template || dir.join("chat_template.jinja").exists() {
+            return Self::from_file(&config).map(Some);
+        }
+        Ok(None)
     }
 
     /// The template of a `tokenizer_config.json`: its `chat_template` (a string, or the one named
@@ -324,13 +389,30 @@ impl ChatTemplate {
             })
             .collect();
         let tmpl = self.env.get_template("chat").map_err(|e| text_err(format!("{e:#}")))?;
-        tmpl.render(minijinja::context! {
+        let text: usize = messages.iter().map(|m| m.content.len() + m.role.len()).sum();
+        let mut out = Capped { out: Vec::new(), cap: self.output_cap.saturating_add(text) };
+        let ctx = minijinja::context! {
             messages => msgs,
             add_generation_prompt => add_generation_prompt,
             bos_token => self.bos_token.clone().unwrap_or_default(),
             eos_token => self.eos_token.clone().unwrap_or_default(),
-        })
-        .map_err(|e| text_err(format!("the chat template refused the chat: {e:#}")))
+        };
+        if let Err(e) = tmpl.render_captured_to(ctx, &mut out) {
+            let why = match e.kind() {
+                minijinja::ErrorKind::OutOfFuel => format!(
+                    "it ran past its bound of template instructions ({e:#}): a template that \
+                     loops without end, or one far heavier than a chat template needs"
+                ),
+                minijinja::ErrorKind::WriteFailure => format!(
+                    "its output grew past {} bytes ({e:#}): a template that emits without end",
+                    out.cap
+                ),
+                _ => format!("{e:#}"),
+            };
+            return Err(text_err(format!("the chat template refused the chat: {why}")));
+        }
+        String::from_utf8(out.out)
+            .map_err(|e| text_err(format!("the chat template wrote text that is not UTF-8: {e}")))
     }
 }
 
@@ -432,42 +514,175 @@ impl Tokens {
     /// prompt. The template's text after the reply (its end-of-turn token) counts with it, so
     /// the model learns to end its turn. Refused when the template does not render each
     /// message as an extension of the chat before it.
+    ///
+    /// The chat is rendered once whole (and the part up to its first reply twice, to learn
+    /// the template's generation prompt and end of turn), and each reply found in that text:
+    /// linear in the chat's length. A template whose replies cannot be found so (one that
+    /// rewrites the messages' text) is rendered again up to each reply, for chats of at most
+    /// [`CHAT_TURNS_RERENDERED`] replies, and refused past that.
     pub fn chat(
         tokenizer: &Tokenizer,
         template: &ChatTemplate,
         messages: &[Message],
     ) -> candle_core::Result<Tokens> {
-        if !messages.iter().any(|m| m.role == "assistant") {
+        let Some(first) = messages.iter().position(|m| m.role == "assistant") else {
             return Err(text_err(
                 "a chat with no assistant message: nothing to learn (the loss is on the \
                  assistant's replies)"
                     .into(),
             ));
-        }
-        let mut t = Tokens::default();
-        let mut done = String::new();
-        let piece = |whole: &str, done: &str, k: usize| -> candle_core::Result<String> {
-            whole.strip_prefix(done).map(str::to_string).ok_or_else(|| {
-                text_err(format!(
-                    "the chat template does not render message {k} as an extension of the \
-                     messages before it, so the replies cannot be told apart"
-                ))
-            })
         };
-        for (k, m) in messages.iter().enumerate() {
-            if m.role != "assistant" {
-                continue;
+        let pieces = match chat_spans(template, messages, first)? {
+            Some(p) => p,
+            None => {
+                let replies = messages.iter().filter(|m| m.role == "assistant").count();
+                if replies > CHAT_TURNS_RERENDERED {
+                    return Err(text_err(format!(
+                        "the chat template rewrites the messages' text, so its {replies} replies \
+                         cannot be found in one rendering, and rendering it again up to each \
+                         reply is refused past {CHAT_TURNS_RERENDERED} replies (its time grows \
+                         with the square of the chat): split the chat"
+                    )));
+                }
+                chat_spans_rerendered(template, messages)?
             }
-            let prompt = template.render(&messages[..k], true)?;
-            t.extend(&tokenizer.encode(&piece(&prompt, &done, k)?, false)?, false);
-            let with_reply = template.render(&messages[..=k], false)?;
-            t.extend(&tokenizer.encode(&piece(&with_reply, &prompt, k)?, false)?, true);
-            done = with_reply;
+        };
+        let mut t = Tokens::default();
+        for (text, loss) in pieces {
+            t.extend(&tokenizer.encode(&text, false)?, loss);
         }
-        let whole = template.render(messages, false)?;
-        t.extend(&tokenizer.encode(&piece(&whole, &done, messages.len())?, false)?, false);
         Ok(t)
     }
+}
+
+/// The most replies a chat may have when its template must be rendered again up to each one
+/// ([`Tokens::chat`]).
+pub const CHAT_TURNS_RERENDERED: usize = 64;
+
+/// The error of a template that does not extend the chat before message `k`.
+fn not_extension(k: usize) -> candle_core::Error {
+    text_err(format!(
+        "the chat template does not render message {k} as an extension of the messages before \
+         it, so the replies cannot be told apart"
+    ))
+}
+
+/// The chat's text in pieces, each with whether it counts in the loss, from one rendering of
+/// the whole chat: `None` when the replies cannot be found in it as the template renders them
+/// alone (then [`chat_spans_rerendered`]).
+fn chat_spans(
+    template: &ChatTemplate,
+    messages: &[Message],
+    first: usize,
+) -> candle_core::Result<Option<Vec<(String, bool)>>> {
+    let whole = template.render(messages, false)?;
+    // The first reply as the template renders it after its prompt: the generation prompt,
+    // then what comes before the reply's text and after it (the end of turn).
+    let prompt = template.render(&messages[..first], true)?;
+    let with_reply = template.render(&messages[..=first], false)?;
+    let Ok(before) = template.render(&messages[..first], false) else { return Ok(None) };
+    let reply = with_reply.strip_prefix(&prompt).ok_or_else(|| not_extension(first))?;
+    if !whole.starts_with(&with_reply) {
+        return Err(not_extension(first + 1));
+    }
+    let Some(generation) = prompt.strip_prefix(&before) else { return Ok(None) };
+    let content = &messages[first].content;
+    let Some(at) = reply.find(content.as_str()) else { return Ok(None) };
+    let (pre, post) = (&reply[..at], &reply[at + content.len()..]);
+    let mut pieces = Vec::new();
+    // Bytes of `whole` looked past, and put in pieces.
+    let (mut cursor, mut taken) = (0, 0);
+    for m in messages {
+        if m.role != "assistant" {
+            // Past this message's text, so a reply is not looked for inside it.
+            if let Some(i) = whole[cursor..].find(m.content.as_str()) {
+                cursor += i + m.content.len();
+            }
+            continue;
+        }
+        let found = format!("{pre}{}{post}", m.content);
+        let Some(i) = whole[cursor..].find(&found) else { return Ok(None) };
+        let start = cursor + i;
+        if !whole[..start].ends_with(generation) {
+            return Ok(None);
+        }
+        let end = start + found.len();
+        pieces.push((whole[taken..start].to_string(), false));
+        pieces.push((whole[start..end].to_string(), true));
+        (cursor, taken) = (end, end);
+    }
+    pieces.push((whole[taken..].to_string(), false));
+    Ok(Some(pieces))
+}
+
+/// [`chat_spans`] by rendering the chat again up to each reply (time quadratic in the chat's
+/// length): for templates that rewrite the messages' text.
+fn chat_spans_rerendered(
+    template: &ChatTemplate,
+    messages: &[Message],
+) -> candle_core::Result<Vec<(String, bool)>> {
+    let mut pieces = Vec::new();
+    let mut done = String::new();
+    for (k, m) in messages.iter().enumerate() {
+        if m.role != "assistant" {
+            continue;
+        }
+        let prompt = template.render(&messages[..k], true)?;
+        pieces
+            .push((prompt.strip_prefix(&done).ok_or_else(|| not_extension(k))?.to_string(), false));
+        let with_reply = template.render(&messages[..=k], false)?;
+        pieces.push((
+            with_reply.strip_prefix(&prompt).ok_or_else(|| not_extension(k))?.to_string(),
+            true,
+        ));
+        done = with_reply;
+    }
+    let whole = template.render(messages, false)?;
+    let tail = whole.strip_prefix(&done).ok_or_else(|| not_extension(messages.len()))?;
+    pieces.push((tail.to_string(), false));
+    Ok(pieces)
+}
+
+/// The text of a `--text` or `--jsonl` file, bounded before a byte is read
+/// ([`read_input`](super::train::read_input): a regular file only, at most
+/// [`TEXT_INPUT_LIMIT`] bytes, and room in host memory for what tokenizing it makes); text
+/// that is not UTF-8 is [`TrainError::BadData`](super::train::TrainError::BadData) saying where.
+pub fn read_text_input(path: impl AsRef<Path>) -> candle_core::Result<String> {
+    let path = path.as_ref();
+    // Tokenizing holds the text, its encoding (ids, offsets, masks: about 40 bytes a token)
+    // and the examples made from it: 16 times the text is a bound.
+    let bytes = super::train::read_input(
+        path,
+        "the text file",
+        TEXT_INPUT_LIMIT,
+        16,
+        "train on a smaller file, or split it",
+    )?;
+    String::from_utf8(bytes).map_err(|e| {
+        super::train::TrainError::BadData {
+            path: path.to_path_buf(),
+            why: format!("not UTF-8 text (at byte {})", e.utf8_error().valid_up_to()),
+        }
+        .into_candle()
+    })
+}
+
+/// The largest `--text` or `--jsonl` file read ([`read_text_input`]).
+pub const TEXT_INPUT_LIMIT: u64 = 4 << 30;
+
+/// Refuses a tokenizer whose vocabulary is larger than the model's (`model_vocab`, its
+/// `vocab_size`): its ids past the model's would index past the embedding table. (A smaller
+/// one is common: models pad their vocabulary.)
+pub fn check_vocab(tokenizer: &Tokenizer, model_vocab: usize) -> candle_core::Result<()> {
+    let n = tokenizer.vocab_size();
+    if n > model_vocab {
+        return Err(text_err(format!(
+            "the tokenizer has {n} tokens, the model's vocabulary {model_vocab}: its ids past \
+             {} have no embedding (another model's tokenizer? use the one beside the model)",
+            model_vocab.saturating_sub(1)
+        )));
+    }
+    Ok(())
 }
 
 /// Reads a JSONL file of training examples (one JSON object a line; blank lines skipped):

@@ -69,6 +69,7 @@ mod checkpoint;
 mod clock;
 mod device_adamw;
 mod grads;
+mod outputs;
 mod plan;
 use crate::optim::{AdamW, Algorithm, Engine, Optimizer, OptimizerConfig};
 use crate::types::{DType, Group, TensorId, Tier};
@@ -77,7 +78,8 @@ pub use checkpoint::{Checkpoint, CheckpointFile};
 use clock::{span_seconds, ComputeClock};
 use device_adamw::{DeviceState, Kernels};
 use grads::{add_grad, clip_factor, embedding_backward, loss_and_norm, sum_of_squares};
-pub use plan::{Budgets, Floor, Machine, TrainPlan};
+pub use outputs::{check_outputs, checkpoint_bytes, OutputPlan};
+pub use plan::{trainable_parameters, Budgets, Floor, Machine, TrainPlan};
 
 /// The learning rate of each step: linear warmup from `peak / warmup` to `peak` over the first
 /// `warmup` steps, then a cosine from `peak` down to `min` at step `total` (and `min` after).
@@ -200,6 +202,18 @@ pub enum TrainError {
         /// The file.
         path: PathBuf,
         /// What is wrong.
+        why: String,
+    },
+    /// An output a run would write that it cannot ([`check_outputs`]): a file where a
+    /// directory goes, a directory holding another run's checkpoints or other files, one that
+    /// cannot be written, a file system without room. Found before the first step.
+    #[error("{flag} {}: {why}", path.display())]
+    BadOutput {
+        /// What names it (`--save`, `--export-merged`, ...).
+        flag: String,
+        /// The path.
+        path: PathBuf,
+        /// What is wrong, and what to do.
         why: String,
     },
 }
@@ -563,7 +577,27 @@ pub fn load_tensors(
     path: impl AsRef<Path>,
 ) -> candle_core::Result<Vec<(String, TensorId)>> {
     let opts = LoadOptions { group: Group::Param, ..LoadOptions::default() };
-    let loaded = store.load_checkpoint(path.as_ref(), opts).map_err(candle_core::Error::from)?;
+    let path = path.as_ref();
+    let loaded = store.load_checkpoint(path, opts).map_err(candle_core::Error::from)?;
+    // A file with more blocks than the config says is another model (or a config cut short):
+    // refused, not trained or run on its first blocks.
+    let blocks = tensors.iter().filter_map(|(n, _)| layer_of(n)).max().map_or(0, |l| l + 1);
+    let in_file = loaded.iter().filter_map(|t| layer_of(&t.name)).max().map_or(0, |l| l + 1);
+    if in_file > blocks {
+        for t in loaded.iter() {
+            let _ = store.remove(t.id);
+        }
+        return Err(TrainError::Mismatch {
+            path: path.to_path_buf(),
+            what: "number of blocks (num_hidden_layers)".into(),
+            saved: in_file.to_string(),
+            here: format!("{blocks} (the config's)"),
+            hint: "the config is of another model, or cut short: use the config.json that \
+                   came with the weights"
+                .into(),
+        }
+        .into_candle());
+    }
     let mut out = Vec::new();
     for (name, shape) in tensors.iter().cloned() {
         let id = loaded
@@ -1685,30 +1719,10 @@ pub fn load_tokens(
     vocab: usize,
     seq: usize,
 ) -> candle_core::Result<Vec<u32>> {
-    use std::io::Read;
     let path = path.as_ref();
     let bad = |why: String| TrainError::BadData { path: path.to_path_buf(), why }.into_candle();
-    let file = crate::tiers::file::open_regular(path, 0).map_err(|e| bad(e.chain()))?;
-    let size = file.metadata().map_err(|e| bad(e.to_string()))?.len();
     // The bytes and the ids decoded from them.
-    let asked = size.saturating_mul(2);
-    if let Some(available) = crate::host_memory_available() {
-        if asked > available {
-            return Err(TrainError::TooLarge {
-                what: format!("the token file {} ({})", path.display(), crate::format_size(size)),
-                asked,
-                available,
-                hint: "train on a smaller file".into(),
-            }
-            .into_candle());
-        }
-    }
-    let len = usize::try_from(size).map_err(|_| bad(format!("{size} bytes")))?;
-    let mut bytes = Vec::with_capacity(len);
-    file.take(size).read_to_end(&mut bytes).map_err(|e| bad(e.to_string()))?;
-    if bytes.len() != len {
-        return Err(bad(format!("{} bytes read of {size}: it changed while read", bytes.len())));
-    }
+    let bytes = read_input(path, "the token file", u64::MAX, 2, "train on a smaller file")?;
     let ids: Vec<u32> = match safetensors::SafeTensors::deserialize(&bytes) {
         Ok(st) => {
             let mut names = st.names();
@@ -1742,6 +1756,59 @@ pub fn load_tokens(
         return Err(bad(format!("token {i} is {bad_id}, past the vocabulary of {vocab}")));
     }
     Ok(ids)
+}
+
+/// The whole of an input file (`--data`, `--text`, `--jsonl`), bounded before a byte is read:
+/// `path` must be a regular file (a FIFO, a device such as `/dev/zero`, a socket or a
+/// directory is [`TrainError::BadData`] naming it, never opened for reading, so nothing blocks
+/// or reads without end), of at most `limit` bytes, and `copies` times its size must fit the
+/// host memory available ([`TrainError::TooLarge`], with `hint`). Read to the size it had when
+/// looked at; a file that changed meanwhile is refused.
+///
+/// ```
+/// use strata::candle::train::read_input;
+/// assert!(read_input("/dev/zero".as_ref(), "text", 1 << 30, 1, "").is_err());
+/// let dir = tempfile::tempdir().unwrap();
+/// assert!(read_input(dir.path(), "text", 1 << 30, 1, "").is_err());
+/// ```
+pub fn read_input(
+    path: &Path,
+    what: &str,
+    limit: u64,
+    copies: u64,
+    hint: &str,
+) -> candle_core::Result<Vec<u8>> {
+    use std::io::Read;
+    let bad = |why: String| TrainError::BadData { path: path.to_path_buf(), why }.into_candle();
+    let file = crate::tiers::file::open_regular(path, 0).map_err(|e| bad(e.chain()))?;
+    let size = file.metadata().map_err(|e| bad(e.to_string()))?.len();
+    if size > limit {
+        return Err(bad(format!(
+            "{} ({size} bytes): {what} may be at most {}",
+            crate::format_size(size),
+            crate::format_size(limit)
+        )));
+    }
+    let asked = size.saturating_mul(copies.max(1));
+    if let Some(available) = crate::host_memory_available() {
+        if asked > available {
+            return Err(TrainError::TooLarge {
+                what: format!("{what} {} ({})", path.display(), crate::format_size(size)),
+                asked,
+                available,
+                hint: hint.into(),
+            }
+            .into_candle());
+        }
+    }
+    let len = usize::try_from(size).map_err(|_| bad(format!("{size} bytes")))?;
+    let mut bytes = Vec::new();
+    bytes.try_reserve_exact(len).map_err(|_| bad(format!("{size} bytes: no memory for them")))?;
+    file.take(size).read_to_end(&mut bytes).map_err(|e| bad(e.to_string()))?;
+    if bytes.len() != len {
+        return Err(bad(format!("{} bytes read of {size}: it changed while read", bytes.len())));
+    }
+    Ok(bytes)
 }
 
 fn refs(v: &[String]) -> Vec<&str> {

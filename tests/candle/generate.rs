@@ -394,3 +394,23 @@ fn a_sliding_window_is_kept_through_a_long_cache() {
         assert_eq!(bits(x), bits(y), "out of core differs from in memory");
     }
 }
+
+/// Issue 40, finding 6: an absurd `max_position_embeddings` with a huge `max_new` made a KV
+/// cache whose size wrapped to 0 and aborted; it is refused, in and out of core, naming the
+/// cache's positions.
+#[test]
+fn a_kv_cache_whose_size_overflows_or_exceeds_memory_is_refused() {
+    let mut c = tiny();
+    c.max_position_embeddings = usize::MAX;
+    let mem = InMemoryLlama::random(&c, SEED, DType::F32, &Device::Cpu).unwrap();
+    let ooc = out_of_core(&c);
+    for max_new in [usize::MAX / 2, 1 << 60, 1 << 40] {
+        for e in [
+            generate(&mem, &PROMPT, max_new, &Sampling::Greedy).unwrap_err().to_string(),
+            generate(&ooc, &PROMPT, max_new, &Sampling::Greedy).unwrap_err().to_string(),
+        ] {
+            assert!(e.contains("KV cache of") && e.contains("positions"), "{max_new}: {e}");
+            assert!(e.contains("overflows") || e.contains("host memory"), "{max_new}: {e}");
+        }
+    }
+}

@@ -616,3 +616,76 @@ fn a_frozen_linear_gives_the_inputs_gradient_of_candles_product_and_none_to_its_
         assert!(n(&gb) < n(&ga), "{} gradients against {}", n(&gb), n(&ga));
     }
 }
+
+/// Issue 40, findings 6 and 10: an absurd LoRA rank is refused by name (not a panic in
+/// `init_a`, not 16 EiB shown as fitting), and the trainable parameters counted for fully
+/// qualified targets (`self_attn.q_proj`) are the adapters the trainer makes.
+#[test]
+fn absurd_ranks_are_refused_and_qualified_targets_count_what_trains() {
+    use strata::candle::train::{trainable_parameters, Machine, TrainPlan};
+    let c = tiny(false);
+    for rank in [1usize << 56, usize::MAX, 1 << 40] {
+        let t = TrainConfig {
+            lora: Some(LoraConfig::new(rank, 8.0, &["q_proj"])),
+            ..train_config(None, Engine::Cpu, &[])
+        };
+        let s = store(&c);
+        let w = put_random_weights(&s, &c, 1, DType::F32).unwrap();
+        let e = Trainer::new(s, &Device::Cpu, c.clone(), t.clone(), w).unwrap_err().to_string();
+        assert!(e.contains(&format!("LoRA rank {rank}")), "{rank}: {e}");
+        let plan = TrainPlan::new(
+            &c,
+            &t,
+            DType::F32,
+            &Machine::h100(),
+            strata::candle::train::Budgets::default(),
+        );
+        let e = plan.expect_err("an absurd rank fits no plan").to_string();
+        assert!(e.contains("overflow") || e.contains("cannot"), "{rank}: {e}");
+        if rank >= 1 << 56 {
+            assert!(trainable_parameters(&c, &t).is_err());
+        }
+    }
+    let qualified = lora_config(None, &["self_attn.q_proj", "mlp.down_proj"]);
+    let (tr, _) = pair(&c, &qualified, 1, DType::F32);
+    let made: u64 = tr
+        .adapters()
+        .iter()
+        .map(|s| (s.a.1.iter().product::<usize>() + s.b.1.iter().product::<usize>()) as u64)
+        .sum();
+    assert_eq!(tr.adapters().len(), 2 * c.num_hidden_layers);
+    assert_eq!(trainable_parameters(&c, &qualified).unwrap(), made);
+    let short = lora_config(None, &["q_proj", "down_proj"]);
+    assert_eq!(trainable_parameters(&c, &short).unwrap(), made);
+}
+
+/// Issue 40, finding 9: an adapter holding some of the linears its targets name (one layer of
+/// three) is refused by generation's merge, as the trainer refuses it, and changes nothing.
+#[test]
+fn an_adapter_of_some_layers_only_is_refused_by_the_merge() {
+    let c = tiny(false);
+    let t = lora_config(None, &["q_proj"]);
+    let (mut tr, _) = pair(&c, &t, 3, DType::F32);
+    tr.step(&batches(0, &c, &t)).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let full = dir.path().join("adapter");
+    tr.save_adapter(&full).unwrap();
+    // The same adapter cut to layer 0.
+    let part = dir.path().join("part");
+    std::fs::create_dir(&part).unwrap();
+    std::fs::copy(full.join(ADAPTER_CONFIG), part.join(ADAPTER_CONFIG)).unwrap();
+    let bytes = std::fs::read(full.join(ADAPTER_FILE)).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let kept: Vec<(String, safetensors::tensor::TensorView)> =
+        st.tensors().into_iter().filter(|(n, _)| n.contains(".layers.0.")).collect();
+    assert_eq!(kept.len(), 2);
+    safetensors::serialize_to_file(kept, None, &part.join(ADAPTER_FILE)).unwrap();
+    let s = store(&c);
+    let w = put_random_weights(&s, &c, 3, DType::F32).unwrap();
+    let before: Vec<Vec<u8>> = w.iter().map(|(_, id)| s.read(*id).unwrap()).collect();
+    let e = merge_adapter_into(&s, &w, &part).unwrap_err().to_string();
+    assert!(e.contains("layers.1.self_attn.q_proj") && e.contains("some layers only"), "{e}");
+    let after: Vec<Vec<u8>> = w.iter().map(|(_, id)| s.read(*id).unwrap()).collect();
+    assert!(after == before, "a refused merge changed weights");
+    assert_eq!(merge_adapter_into(&s, &w, &full).unwrap().linears.len(), 3);
+}

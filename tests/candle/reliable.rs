@@ -451,3 +451,161 @@ fn token_files_are_regular_sized_and_long_enough() {
         assert!(e.starts_with("data ") && e.contains(want), "{want}: {e}");
     }
 }
+
+/// Issue 40, finding 1: every output a run writes is checked before its first step, and the
+/// check changes nothing on disk.
+#[test]
+fn outputs_are_checked_before_the_first_step() {
+    use strata::candle::train::{check_outputs, checkpoint_bytes, OutputPlan};
+    let c = tiny(false);
+    let t = train_config(None, Engine::Cpu, &[]);
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let run = saved_run(&d.join("run"), &c, &t, 1, 1);
+    let ck = Checkpoint::open(&run).unwrap();
+    let file = d.join("a-file");
+    std::fs::write(&file, b"x").unwrap();
+    let full = d.join("full");
+    std::fs::create_dir(&full).unwrap();
+    std::fs::write(full.join("keep.txt"), b"mine").unwrap();
+    let bytes = checkpoint_bytes(&c, &t, strata::DType::F32).unwrap();
+    assert!(bytes > 4 * c.parameters(), "{bytes}");
+    let plan = |f: &dyn Fn(&mut OutputPlan)| {
+        let mut p = OutputPlan { checkpoint_bytes: bytes, ..OutputPlan::default() };
+        f(&mut p);
+        check_outputs(&p).map_err(|e| e.to_string())
+    };
+    type Case<'a> = (&'a str, Box<dyn Fn(&mut OutputPlan) + 'a>, Vec<String>);
+    let refused: Vec<Case> = vec![
+        (
+            "--save on a file",
+            Box::new(|p| p.save = Some(file.clone())),
+            vec!["--save".into(), file.display().to_string(), "is a file".into()],
+        ),
+        (
+            "--save into another run's directory",
+            Box::new(|p| p.save = Some(d.join("run"))),
+            vec!["run (step 1)".into(), "a new run".into(), "save elsewhere".into()],
+        ),
+        (
+            "--save where nothing can be written",
+            Box::new(|p| p.save = Some("/proc/strata-issue-40/run".into())),
+            vec!["cannot be written".into(), "/proc".into()],
+        ),
+        (
+            "--save on a file system without room",
+            Box::new(|p| {
+                p.save = Some(d.join("new"));
+                p.checkpoint_bytes = u64::MAX / 2;
+            }),
+            vec!["one checkpoint needs about".into(), "free".into()],
+        ),
+        (
+            "--export-merged on a file",
+            Box::new(|p| p.export_merged = Some(file.clone())),
+            vec!["--export-merged".into(), "is a file".into()],
+        ),
+        (
+            "--export-merged into a directory holding files",
+            Box::new(|p| p.export_merged = Some(full.clone())),
+            vec!["--export-merged".into(), "not empty".into()],
+        ),
+        (
+            "--write-inputs into a directory holding files",
+            Box::new(|p| p.write_inputs = Some(full.clone())),
+            vec!["--write-inputs".into(), "not empty".into()],
+        ),
+        (
+            "--write-inputs under a file",
+            Box::new(|p| p.write_inputs = Some(file.join("inputs"))),
+            vec!["--write-inputs".into(), "is a file".into()],
+        ),
+    ];
+    for (what, f, words) in &refused {
+        let e = plan(f.as_ref()).expect_err(what);
+        for w in words {
+            assert!(e.contains(w.as_str()), "{what}: no {w:?} in {e}");
+        }
+    }
+    // The run's own directory, when it is the run being resumed; new directories.
+    plan(&|p| {
+        p.save = Some(d.join("run"));
+        p.resuming = Some(ck.run);
+        p.export_merged = Some(d.join("merged"));
+        p.write_inputs = Some(d.join("inputs"));
+    })
+    .unwrap();
+    assert!(!d.join("merged").exists() && !d.join("inputs").exists());
+    assert_eq!(std::fs::read_dir(d).unwrap().count(), 3, "the check made nothing");
+}
+
+/// Issue 40, finding 9: the settings a resume takes from the commit record (`seq`, the
+/// schedule's length, the data's seed in the notes) cannot be edited unseen.
+#[test]
+fn an_edited_commit_record_is_refused() {
+    let c = tiny(false);
+    let t = train_config(None, Engine::Cpu, &[]);
+    let dir = tempfile::tempdir().unwrap();
+    let (mut tr, _) = trainer(&c, &t, 1);
+    tr.set_notes([("data_seed".to_string(), "7".to_string())].into());
+    tr.step(&batches(0, &c, &t)).unwrap();
+    let ck = tr.save(dir.path()).unwrap();
+    let record = ck.join("checkpoint.json");
+    let text = std::fs::read_to_string(&record).unwrap();
+    Checkpoint::open(&ck).unwrap();
+    for (from, to) in [
+        ("\"seq\": 16", "\"seq\": 8"),
+        ("\"lr_total\": 5", "\"lr_total\": 50"),
+        ("\"data_seed\": \"7\"", "\"data_seed\": \"8\""),
+    ] {
+        assert!(text.contains(from), "{from} in {text}");
+        std::fs::write(&record, text.replace(from, to)).unwrap();
+        let e = Checkpoint::open(&ck).unwrap_err();
+        assert_eq!(bad_file(&e), record, "{from}: {e}");
+        assert!(e.to_string().contains("edited or damaged"), "{e}");
+    }
+    std::fs::write(&record, &text).unwrap();
+    Checkpoint::open(&ck).unwrap();
+}
+
+/// Issue 40, finding 10: the way to start a new run from a checkpoint names files that exist.
+#[test]
+fn the_hint_to_start_from_a_checkpoint_names_files_that_exist() {
+    use strata::candle::LoraConfig;
+    let c = tiny(false);
+    let mut t = train_config(None, Engine::Cpu, &[]);
+    let dir = tempfile::tempdir().unwrap();
+    let full = Checkpoint::open(saved_run(&dir.path().join("full"), &c, &t, 1, 1)).unwrap();
+    t.lora = Some(LoraConfig::new(2, 4.0, &["q_proj"]));
+    let lora = Checkpoint::open(saved_run(&dir.path().join("lora"), &c, &t, 1, 1)).unwrap();
+    for ck in [full, lora] {
+        let hint = ck.start_from();
+        let paths: Vec<&str> = hint.split(' ').filter(|w| w.starts_with('/')).collect();
+        assert!(!paths.is_empty(), "{hint}");
+        for p in paths {
+            assert!(Path::new(p).exists(), "{hint}: {p} does not exist");
+        }
+    }
+}
+
+/// Issue 40, finding 9: a config with fewer blocks than the weights file is refused, naming
+/// both counts, and leaves the store as it was.
+#[test]
+fn a_config_with_fewer_blocks_than_the_file_is_refused() {
+    use strata::candle::load_weights;
+    let c = tiny(false);
+    let t = train_config(None, Engine::Cpu, &[]);
+    let dir = tempfile::tempdir().unwrap();
+    let ck = saved_run(dir.path(), &c, &t, 1, 0);
+    let mut fewer = c.clone();
+    fewer.num_hidden_layers = 2;
+    let s = store(&c);
+    let index = ck.join("model.safetensors.index.json");
+    let e = load_weights(&s, &fewer, &index).unwrap_err().to_string();
+    assert!(
+        e.contains("num_hidden_layers") && e.contains(" 3,") && e.contains("2 (the config"),
+        "{e}"
+    );
+    assert!(s.ids().is_empty(), "the store holds what the refused load put");
+    assert_eq!(load_weights(&s, &c, &index).unwrap().len(), c.tensors().len());
+}

@@ -212,3 +212,129 @@ fn jsonl_examples_of_each_format_and_errors_by_line() {
     let e = read_jsonl(jsonl, &tok, None, None).unwrap_err().to_string();
     assert!(e.contains("needs the model's chat template"), "{e}");
 }
+
+/// Issue 40, finding 5: a chat is rendered once, not once per reply: 2,000 messages (5.2 s
+/// before) tokenize in well under a second, with the same loss mask as a short chat's.
+#[test]
+fn a_long_chat_is_rendered_once() {
+    let (tok, t) = (byte_tokenizer(), chatml());
+    let chat: Vec<Message> = (0..2000)
+        .map(|i| match i % 2 {
+            0 => Message::new("user", format!("q{i}")),
+            _ => Message::new("assistant", format!("a{i}")),
+        })
+        .collect();
+    let t0 = std::time::Instant::now();
+    let x = Tokens::chat(&tok, &t, &chat).unwrap();
+    let took = t0.elapsed();
+    assert!(took.as_secs_f64() < 2.0, "{took:?}");
+    assert_eq!(tok.decode(&x.ids, false).unwrap(), t.render(&chat, false).unwrap());
+    let counted: Vec<u32> =
+        x.ids.iter().zip(&x.loss).filter(|(_, &l)| l).map(|(&i, _)| i).collect();
+    let want: String = (0..1000).map(|k| format!("a{}<|end|>\n", 2 * k + 1)).collect();
+    assert_eq!(tok.decode(&counted, false).unwrap(), want);
+}
+
+/// A template that rewrites the messages' text (here: trims it) is rendered again up to each
+/// reply, for short chats; a long one is refused rather than taking time quadratic in it.
+#[test]
+fn a_template_that_rewrites_messages_is_rendered_per_reply_up_to_a_bound() {
+    use strata::candle::text::CHAT_TURNS_RERENDERED;
+    let tok = byte_tokenizer();
+    let t = ChatTemplate::new(
+        "{% for m in messages %}<|start|>{{ m.role }}\n{{ m.content | trim }}<|end|>\n{% endfor %}\
+         {% if add_generation_prompt %}<|start|>assistant\n{% endif %}",
+        None,
+        None,
+    )
+    .unwrap();
+    let chat = [
+        Message::new("user", " hi "),
+        Message::new("assistant", " yo "),
+        Message::new("user", "ok"),
+        Message::new("assistant", "  fine"),
+    ];
+    let x = Tokens::chat(&tok, &t, &chat).unwrap();
+    let counted: Vec<u32> =
+        x.ids.iter().zip(&x.loss).filter(|(_, &l)| l).map(|(&i, _)| i).collect();
+    assert_eq!(tok.decode(&counted, false).unwrap(), "yo<|end|>\nfine<|end|>\n");
+    let long: Vec<Message> = (0..2 * (CHAT_TURNS_RERENDERED + 1))
+        .map(|i| Message::new(if i % 2 == 0 { "user" } else { "assistant" }, " x "))
+        .collect();
+    let e = Tokens::chat(&tok, &t, &long).unwrap_err().to_string();
+    assert!(e.contains("split the chat"), "{e}");
+}
+
+/// Issue 40, finding 4: a template that loops without end, or emits without end, is an error
+/// within its bounds, not a hang or an abort for memory.
+#[test]
+fn templates_run_within_an_instruction_and_output_bound() {
+    let chat = [Message::new("user", "hi")];
+    let mut loops = ChatTemplate::new(
+        "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+        None,
+        None,
+    )
+    .unwrap();
+    loops.set_limits(200_000, 1 << 20);
+    let e = loops.render(&chat, false).unwrap_err().to_string();
+    assert!(e.contains("instructions"), "{e}");
+    let mut emits = ChatTemplate::new(
+        "{% for i in range(100000) %}{% for j in range(100000) %}xxxxxxxx{% endfor %}{% endfor %}",
+        None,
+        None,
+    )
+    .unwrap();
+    emits.set_limits(u64::MAX, 1 << 16);
+    let e = emits.render(&chat, false).unwrap_err().to_string();
+    assert!(e.contains("grew past"), "{e}");
+}
+
+/// Issue 40, findings 3 and 10: `--text` and `--jsonl` files are regular files, bounded and
+/// UTF-8; a chat template beside the tokenizer that does not parse is reported, not taken for
+/// none; a tokenizer larger than the model's vocabulary is refused.
+#[test]
+fn text_inputs_are_bounded_and_checked() {
+    use strata::candle::text::{check_vocab, read_text_input};
+    let dir = tempfile::tempdir().unwrap();
+    let fifo = dir.path().join("fifo");
+    assert!(std::process::Command::new("mkfifo").arg(&fifo).status().unwrap().success());
+    let latin1 = dir.path().join("latin1.txt");
+    std::fs::write(&latin1, b"caf\xe9").unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let cases = vec![
+        (std::path::PathBuf::from("/dev/zero"), "character device"),
+        (fifo, "FIFO"),
+        (dir.path().to_path_buf(), "directory"),
+        (latin1, "not UTF-8 text (at byte 3)"),
+    ];
+    let n = cases.len();
+    std::thread::spawn(move || {
+        for (p, want) in cases {
+            tx.send((want, read_text_input(&p).map_err(|e| e.to_string()))).unwrap();
+        }
+    });
+    for _ in 0..n {
+        let (want, got) = rx.recv_timeout(std::time::Duration::from_secs(20)).expect("a hang");
+        let e = got.expect_err(want);
+        assert!(e.contains(want), "{want}: {e}");
+    }
+    let ok = dir.path().join("ok.txt");
+    std::fs::write(&ok, "hello").unwrap();
+    assert_eq!(read_text_input(&ok).unwrap(), "hello");
+
+    let tok_path = dir.path().join("tokenizer.json");
+    assert!(ChatTemplate::beside(&tok_path).unwrap().is_none(), "no template: none");
+    let cfg = dir.path().join("tokenizer_config.json");
+    std::fs::write(&cfg, r#"{"chat_template": "{% for m in messages %}{{ m.content }}"}"#).unwrap();
+    let e = ChatTemplate::beside(&tok_path).unwrap_err().to_string();
+    assert!(e.contains("does not parse"), "{e}");
+    std::fs::write(&cfg, r#"{"chat_template": "{{ messages[0].content }}"}"#).unwrap();
+    assert!(ChatTemplate::beside(&tok_path).unwrap().is_some());
+
+    let tok = byte_tokenizer();
+    check_vocab(&tok, tok.vocab_size()).unwrap();
+    check_vocab(&tok, tok.vocab_size() + 10).unwrap();
+    let e = check_vocab(&tok, tok.vocab_size() - 1).unwrap_err().to_string();
+    assert!(e.contains("tokenizer has") && e.contains("no embedding"), "{e}");
+}

@@ -450,3 +450,149 @@ fn a_merge_that_fails_at_any_pass_of_any_site_leaves_every_weight_as_it_was() {
     println!("merge under faults: {runs} runs, {failed} failed cleanly, the rest merged as clean");
     assert!(failed > 0, "no fault reached the merge");
 }
+
+/// Set in a child process of a kill test: what it is to do before it is killed (the test's
+/// own body runs as the child).
+const KILL_CHILD: &str = "STRATA_KILL_CHILD";
+
+/// Runs test `name` of this binary in a child process with [`KILL_CHILD`] set to `what`;
+/// whether the child was killed (by the armed [`Fault::Kill`]: `SIGABRT`).
+fn killed_child(name: &str, what: &str) -> bool {
+    use std::os::unix::process::ExitStatusExt;
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([name, "--exact", "--nocapture", "--test-threads=1"])
+        .env(KILL_CHILD, what)
+        .output()
+        .unwrap();
+    let killed = out.status.signal() == Some(libc::SIGABRT);
+    if !killed && !out.status.success() {
+        panic!("the child failed:\n{}", String::from_utf8_lossy(&out.stderr));
+    }
+    killed
+}
+
+/// The entries of `dir`, sorted.
+fn entries(dir: &Path) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    v.sort();
+    v
+}
+
+/// A checkpoint saved again at the same step (a run resumed from an older one and saving every
+/// step: issue 40's lost checkpoint) with the process killed at each step of the replacement:
+/// the last file renamed inside the new hidden directory, the old one moved aside, the new one
+/// moved into place, the old one removed. After each kill the run's newest checkpoint is whole
+/// and of that step (the old one or the new, bit for bit the same save), and the next save
+/// leaves exactly it: nothing of the killed process stays.
+#[test]
+fn a_resave_killed_at_each_point_of_the_replacement_leaves_the_step_whole() {
+    let name = "trainer::a_resave_killed_at_each_point_of_the_replacement_leaves_the_step_whole";
+    if let Ok(what) = std::env::var(KILL_CHILD) {
+        let (dir, k) = what.rsplit_once('|').unwrap();
+        let dir = Path::new(dir);
+        let mut tr = trainer(&dir.join(format!("slab-child-{k}")), Engine::Cpu).unwrap();
+        tr.resume(dir.join("run")).unwrap();
+        failpoint::arm(Site::SaveRename, k.parse().unwrap(), Fault::Kill);
+        tr.save(dir.join("run")).unwrap();
+        return;
+    }
+    let _turn = super::ARMED.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    let t = train(Engine::Cpu);
+    let mut tr = trainer(&dir.path().join("slab"), Engine::Cpu).unwrap();
+    for step in 0..2 {
+        tr.step(&batches(step, &t)).unwrap();
+    }
+    tr.save(&run).unwrap();
+    failpoint::count();
+    tr.save(&run).unwrap();
+    let passes = failpoint::hits(Site::SaveRename);
+    failpoint::disarm();
+    let clean_state = state(&mut tr).unwrap();
+    drop(tr);
+    // Two saves of one state differ in their files' bytes (the order of a header's metadata),
+    // not in their files' names and sizes, nor in the state a resume reads back.
+    let shape = |ck: &Checkpoint| -> Vec<(String, u64)> {
+        ck.files.iter().map(|f| (f.name.clone(), f.bytes)).collect()
+    };
+    let clean = shape(&Checkpoint::open(&run).unwrap());
+    assert!(passes >= 4, "{passes} renames in a save");
+    for k in passes - 3..=passes {
+        let what = format!("{}|{k}", dir.path().display());
+        assert!(killed_child(name, &what), "pass {k} of {passes}: not killed");
+        let newest = Checkpoint::newest(&run).unwrap().expect("a checkpoint after the kill");
+        let ck = Checkpoint::open(&newest).unwrap_or_else(|e| panic!("pass {k}: {e}"));
+        assert_eq!((ck.step, shape(&ck)), (2, clean.clone()), "pass {k}: {}", newest.display());
+        let mut tr = trainer(&dir.path().join(format!("slab-{k}")), Engine::Cpu).unwrap();
+        tr.resume(&run).unwrap();
+        assert!(state(&mut tr).unwrap() == clean_state, "pass {k}: another state");
+        tr.save(&run).unwrap();
+        assert_eq!(entries(&run), ["step-00000002"], "pass {k}");
+    }
+    // A failure (not a kill) at each step of the replacement: the step stays whole.
+    for k in passes - 2..=passes {
+        let mut tr = trainer(&dir.path().join(format!("slab-f{k}")), Engine::Cpu).unwrap();
+        tr.resume(&run).unwrap();
+        failpoint::arm(Site::SaveRename, k, Fault::Io);
+        let r = tr.save(&run);
+        failpoint::disarm();
+        assert_eq!(r.is_ok(), k == passes, "pass {k}: {r:?}");
+        assert_eq!(shape(&Checkpoint::open(&run).unwrap()), clean, "pass {k}");
+        tr.save(&run).unwrap();
+        assert_eq!(entries(&run), ["step-00000002"], "pass {k}");
+    }
+}
+
+/// A merged export (`Trainer::save_merged`) killed half-way leaves its hidden directory, which
+/// the next export beside it removes; one that fails removes its own; every file is flushed
+/// (a `SaveSync` pass each) and gets the mode a new file gets, as a checkpoint's do.
+#[test]
+fn a_merged_export_killed_or_failing_leaves_nothing_behind() {
+    use std::os::unix::fs::PermissionsExt;
+    let name = "trainer::a_merged_export_killed_or_failing_leaves_nothing_behind";
+    if let Ok(dir) = std::env::var(KILL_CHILD) {
+        let dir = Path::new(&dir);
+        let mut tr = trainer(&dir.join("slab-child"), Engine::Cpu).unwrap();
+        failpoint::arm(Site::SaveWrite, 2, Fault::Kill);
+        tr.save_merged(dir.join("exports").join("killed")).unwrap();
+        return;
+    }
+    let _turn = super::ARMED.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = tempfile::tempdir().unwrap();
+    let exports = dir.path().join("exports");
+    let mut tr = trainer(&dir.path().join("slab"), Engine::Cpu).unwrap();
+    failpoint::count();
+    tr.save_merged(exports.join("a")).unwrap();
+    let (writes, syncs) = (failpoint::hits(Site::SaveWrite), failpoint::hits(Site::SaveSync));
+    failpoint::disarm();
+    let files = entries(&exports.join("a"));
+    assert_eq!(syncs as usize, files.len(), "every file flushed: {files:?}");
+    assert!(writes >= 3);
+    // The modes a new file and directory get here (0666 and 0777 less the umask).
+    let probe = dir.path().join("probe");
+    std::fs::create_dir(&probe).unwrap();
+    std::fs::write(probe.join("f"), b"").unwrap();
+    let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode(&exports.join("a")), mode(&probe));
+    for f in &files {
+        assert_eq!(mode(&exports.join("a").join(f)), mode(&probe.join("f")), "{f}");
+    }
+
+    assert!(killed_child(name, &dir.path().display().to_string()));
+    let left = entries(&exports);
+    assert!(left.iter().any(|n| n.starts_with(".tmp-merged-")), "{left:?}");
+    tr.save_merged(exports.join("b")).unwrap();
+    assert_eq!(entries(&exports), ["a", "b"]);
+
+    for k in 1..=writes {
+        failpoint::arm(Site::SaveWrite, k, Fault::Io);
+        let r = tr.save_merged(exports.join("c"));
+        failpoint::disarm();
+        assert!(r.is_err(), "pass {k}");
+        assert_eq!(entries(&exports), ["a", "b"], "pass {k}");
+    }
+}

@@ -8,6 +8,7 @@ use std::path::Path;
 
 use candle_core::{DType as CDType, Device, Tensor};
 
+use super::checkpoint::{alive, sync_dir};
 use super::{read_f32, refs, strata_err, TrainError, Trainer};
 use crate::candle::llama::{embed, head_logits, EMBED};
 use crate::candle::lora::{
@@ -191,13 +192,23 @@ impl Trainer {
     /// Hugging Face checkpoint: one `model-NNNNN-of-NNNNN.safetensors` a stage,
     /// `model.safetensors.index.json` and `config.json` (loadable by
     /// [`load_weights`](super::load_weights), `LlamaForCausalLM.from_pretrained`, and this
-    /// crate's generation). A stage at a time is held in memory. Written into a hidden
-    /// directory beside `dir` and renamed into place: whole or absent. Ends the last step's
-    /// updates first. `dir` must not exist, or be empty.
+    /// crate's generation). A stage at a time is held in memory. Written as a checkpoint is:
+    /// into a hidden directory beside `dir` (`.tmp-merged-PID-…`), each file flushed to disk,
+    /// then renamed into place and the directory above flushed: whole or absent, even across
+    /// a power loss. A failure removes the hidden directory; one a killed export left is
+    /// removed by the next export beside it. The files get the mode new files get (0666 less
+    /// the umask). Ends the last step's updates first. `dir` must not exist, or be an empty
+    /// directory ([`check_outputs`](super::check_outputs) checks it before a run).
     pub fn save_merged(&mut self, dir: impl AsRef<Path>) -> candle_core::Result<()> {
         self.check_whole()?;
         self.settle()?;
         let dir = dir.as_ref();
+        if std::fs::metadata(dir).is_ok_and(|m| !m.is_dir()) {
+            candle_core::bail!(
+                "{}: a file: a merged export goes into a new directory",
+                dir.display()
+            );
+        }
         if std::fs::read_dir(dir).is_ok_and(|mut d| d.next().is_some()) {
             candle_core::bail!(
                 "{}: not empty: a merged export goes into a new directory",
@@ -209,10 +220,31 @@ impl Trainer {
             _ => std::path::PathBuf::from("."),
         };
         std::fs::create_dir_all(&parent).map_err(|e| io(&parent, e))?;
-        let tmp = tempfile::Builder::new()
-            .prefix(".tmp-merged-")
-            .tempdir_in(&parent)
-            .map_err(|e| io(&parent, e))?;
+        clean_stale_exports(&parent);
+        let tmp =
+            parent.join(format!("{MERGED_TMP}{}-{:016x}", std::process::id(), super::new_run_id()));
+        {
+            use std::os::unix::fs::DirBuilderExt;
+            // The mode a new directory gets (0777 less the umask), as the other files' are.
+            std::fs::DirBuilder::new().mode(0o777).create(&tmp).map_err(|e| io(&tmp, e))?;
+        }
+        let written = self.write_merged(&tmp).and_then(|()| {
+            if dir.exists() {
+                std::fs::remove_dir(dir).map_err(|e| io(dir, e))?;
+            }
+            crate::failpoint::check(crate::failpoint::Site::SaveRename, dir)?;
+            std::fs::rename(&tmp, dir).map_err(|e| io(dir, e))?;
+            sync_dir(&parent)
+        });
+        if written.is_err() {
+            let _ = std::fs::remove_dir_all(&tmp);
+        }
+        written
+    }
+
+    /// The merged model's files in the new directory `tmp`, each flushed to disk, then the
+    /// directory.
+    fn write_merged(&self, tmp: &Path) -> candle_core::Result<()> {
         let stages = self.config.num_hidden_layers + 2;
         let scale = self.train.lora.as_ref().map_or(1.0, LoraConfig::scale);
         let mut map = serde_json::Map::new();
@@ -269,28 +301,18 @@ impl Trainer {
                 })
                 .collect::<Result<Vec<_>, _>>()
                 .map_err(|e| candle_core::Error::Msg(format!("{file}: {e}")))?;
-            let path = tmp.path().join(&file);
-            safetensors::serialize_to_file(views, Some(meta.clone()), &path)
+            let path = tmp.join(&file);
+            let bytes = safetensors::serialize(views, Some(meta.clone()))
                 .map_err(|e| candle_core::Error::Msg(format!("{}: {e}", path.display())))?;
+            write_synced(&path, &bytes)?;
             for (n, ..) in &tensors {
                 map.insert(n.clone(), file.clone().into());
             }
         }
         let index = serde_json::json!({ "metadata": {}, "weight_map": map });
-        let write = |name: &str, text: String| -> candle_core::Result<()> {
-            let p = tmp.path().join(name);
-            std::fs::write(&p, text).map_err(|e| io(&p, e))
-        };
-        write("model.safetensors.index.json", index.to_string())?;
-        write("config.json", self.config.to_json())?;
-        if dir.exists() {
-            std::fs::remove_dir(dir).map_err(|e| io(dir, e))?;
-        }
-        let kept = tmp.keep();
-        std::fs::rename(&kept, dir).map_err(|e| {
-            let _ = std::fs::remove_dir_all(&kept);
-            io(dir, e)
-        })
+        write_synced(&tmp.join("model.safetensors.index.json"), index.to_string().as_bytes())?;
+        write_synced(&tmp.join("config.json"), self.config.to_json().as_bytes())?;
+        sync_dir(tmp)
     }
 
     /// A parameter's shape.
@@ -317,6 +339,42 @@ impl Trainer {
         self.base_crc = Some(c);
         Ok(c)
     }
+}
+
+/// The name's prefix of a merged export being written ([`Trainer::save_merged`]), before the
+/// writing process's id.
+const MERGED_TMP: &str = ".tmp-merged-";
+
+/// Removes what killed merged exports left in `parent`: `.tmp-merged-PID-…` directories whose
+/// process is gone.
+fn clean_stale_exports(parent: &Path) {
+    let Ok(entries) = std::fs::read_dir(parent) else { return };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(rest) = name.to_str().and_then(|n| n.strip_prefix(MERGED_TMP)) else { continue };
+        let Some(pid) = rest.split('-').next().and_then(|p| p.parse::<u32>().ok()) else {
+            continue;
+        };
+        if pid != std::process::id() && !alive(pid) {
+            let _ = std::fs::remove_dir_all(entry.path());
+        }
+    }
+}
+
+/// Writes a new file (the mode a new file gets: 0666 less the umask) and flushes it to disk.
+fn write_synced(path: &Path, bytes: &[u8]) -> candle_core::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    crate::failpoint::check(crate::failpoint::Site::SaveWrite, path)?;
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o666)
+        .open(path)
+        .map_err(|e| io(path, e))?;
+    f.write_all(bytes).map_err(|e| io(path, e))?;
+    crate::failpoint::check(crate::failpoint::Site::SaveSync, path)?;
+    f.sync_all().map_err(|e| io(path, e))
 }
 
 /// Whether `name` is a LoRA adapter's.

@@ -7,6 +7,11 @@
 //! the optimizer's step count, the training config, and every file with its size and crc32),
 //! flushes the directory, and only then renames it into place: a checkpoint is visible whole
 //! or not at all, and the one before stays as it was until then. The newest `keep` are kept.
+//! A step saved again replaces its checkpoint with no window (`replace`: the old one renamed
+//! aside, the new one into place, then the old one removed), and a save killed between two of
+//! these leaves a whole checkpoint that [`Checkpoint::newest`] finds and the next save puts
+//! back. The commit record holds the crc32 of the rest of it (`record_crc32`): the settings a
+//! resume takes from it cannot be edited unseen.
 //!
 //! Opening a checkpoint ([`Checkpoint::open`]) reads its record and checks every file against
 //! it before anything is used: a file missing, cut short, changed or of another save is a
@@ -28,6 +33,8 @@ use crate::LoadOptions;
 
 /// The commit record's name in a checkpoint directory.
 pub(super) const RECORD: &str = "checkpoint.json";
+/// The commit record's field holding the crc32 of the rest of it.
+const RECORD_CRC: &str = "record_crc32";
 const FORMAT: &str = "strata-train-checkpoint";
 const VERSION: u64 = 1;
 const MODEL_INDEX: &str = "model.safetensors.index.json";
@@ -152,8 +159,30 @@ impl Checkpoint {
     }
 
     /// The newest checkpoint (by step) in run directory `dir`; `None` when it has none.
+    /// A whole checkpoint that a save killed while replacing it left hidden (`.tmp-…` or
+    /// `.old-…`, the step having no `step-*` directory) counts as its step's; the next save
+    /// puts it back in place.
     pub fn newest(dir: impl AsRef<Path>) -> candle_core::Result<Option<PathBuf>> {
-        Ok(list(dir.as_ref())?.into_iter().max_by_key(|(s, _)| *s).map(|(_, p)| p))
+        let dir = dir.as_ref();
+        let mut all = list(dir)?;
+        let stranded = stranded(dir, &all);
+        all.extend(stranded);
+        Ok(all.into_iter().max_by_key(|(s, _)| *s).map(|(_, p)| p))
+    }
+
+    /// How to start a new run from this checkpoint's weights, in the command line's words,
+    /// naming paths that exist: a full run's `--model CK/model.safetensors.index.json`; a
+    /// LoRA run's, which holds the adapters only, `--model BASE --adapter CK` (BASE the run's
+    /// note `base_model`, where it has one).
+    pub fn start_from(&self) -> String {
+        match self.train.lora {
+            None => format!("--model {}", self.path.join(MODEL_INDEX).display()),
+            Some(_) => format!(
+                "--model {} --adapter {}",
+                self.notes.get("base_model").map_or("BASE (the run's base model)", String::as_str),
+                self.path.display()
+            ),
+        }
     }
 
     /// Whether the run has done the steps it planned: its schedule has a horizon
@@ -188,7 +217,7 @@ fn checkpoint_dir(path: &Path) -> candle_core::Result<PathBuf> {
 }
 
 /// The `step-*` checkpoints of run directory `dir`, unordered.
-fn list(dir: &Path) -> candle_core::Result<Vec<(u64, PathBuf)>> {
+pub(super) fn list(dir: &Path) -> candle_core::Result<Vec<(u64, PathBuf)>> {
     let mut out = Vec::new();
     let entries = match std::fs::read_dir(dir) {
         Ok(e) => e,
@@ -219,7 +248,38 @@ fn read_small(path: &Path) -> candle_core::Result<Vec<u8>> {
 
 fn record_value(dir: &Path) -> candle_core::Result<serde_json::Value> {
     let p = dir.join(RECORD);
-    serde_json::from_slice(&read_small(&p)?).map_err(|e| bad(&p, format!("not JSON ({e})")))
+    let mut v: serde_json::Value =
+        serde_json::from_slice(&read_small(&p)?).map_err(|e| bad(&p, format!("not JSON ({e})")))?;
+    // The record covers itself: an edit of the settings a resume takes from it (seq, the
+    // schedule, the data's notes) is found, not trained on.
+    match v.as_object_mut().and_then(|m| m.remove(RECORD_CRC)) {
+        Some(c) => {
+            let saved = c.as_str().and_then(|c| u32::from_str_radix(c, 16).ok());
+            let now = record_crc(&v);
+            if saved != Some(now) {
+                return Err(bad(
+                    &p,
+                    format!(
+                        "its {RECORD_CRC} is {c}, its text's is {now:08x}: edited or damaged \
+                         since the save (a resume takes the run's settings from it, so it must \
+                         be as written)"
+                    ),
+                ));
+            }
+        }
+        None => tracing::warn!(
+            record = %p.display(),
+            "a commit record without {RECORD_CRC} (written by an older strata): its settings \
+             are not checked"
+        ),
+    }
+    Ok(v)
+}
+
+/// The crc32 of a commit record's JSON without its own crc (keys in order: serde_json's map is
+/// sorted).
+fn record_crc(v: &serde_json::Value) -> u32 {
+    crc32fast::hash(v.to_string().as_bytes())
 }
 
 /// The commit record of checkpoint directory `dir` (its config a placeholder until the files
@@ -523,28 +583,94 @@ fn skip<R: Read>(r: &mut Hashing<R>, mut n: u64, buf: &mut [u8]) -> std::io::Res
 static WRITING: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
 
 /// Whether process `pid` is alive.
-fn alive(pid: u32) -> bool {
+pub(super) fn alive(pid: u32) -> bool {
     Path::new("/proc").join(pid.to_string()).exists()
 }
 
-/// Removes what dead saves left in `dir`: hidden `.tmp-PID-…` (a save cut short) and
-/// `.trash-PID-…` (a checkpoint being removed) directories whose process is gone, or is this
-/// one and not writing them (a restarted container's process may get its old pid).
-fn clean_stale(dir: &Path) {
-    let Ok(entries) = std::fs::read_dir(dir) else { return };
-    let writing = WRITING.lock().unwrap_or_else(|e| e.into_inner()).clone();
+/// A hidden directory a save makes in a run directory, by its name's prefix.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Hidden {
+    /// `.tmp-PID-NONCE-step-N`: a checkpoint being written; whole once its commit record is
+    /// there (written last), before it is renamed into place.
+    Tmp,
+    /// `.old-PID-NONCE-step-N`: a whole checkpoint of step N moved aside while that step is
+    /// saved again, removed once the new one is in place.
+    Old,
+    /// `.trash-PID-NONCE-NAME`: a checkpoint being removed.
+    Trash,
+}
+
+/// What a hidden entry's name says: its kind, the process that made it, and the step (of a
+/// `.tmp-` or `.old-` one).
+fn hidden(name: &str) -> Option<(Hidden, u32, Option<u64>)> {
+    let (kind, rest) = [(Hidden::Tmp, ".tmp-"), (Hidden::Old, ".old-"), (Hidden::Trash, ".trash-")]
+        .into_iter()
+        .find_map(|(k, prefix)| Some((k, name.strip_prefix(prefix)?)))?;
+    let mut parts = rest.splitn(3, '-');
+    let pid = parts.next()?.parse::<u32>().ok()?;
+    let _nonce = parts.next()?;
+    let step = parts
+        .next()
+        .and_then(|n| n.strip_prefix(STEP_PREFIX))
+        .and_then(|n| n.parse::<u64>().ok())
+        .filter(|_| kind != Hidden::Trash);
+    Some((kind, pid, step))
+}
+
+/// Whether the hidden entry `path` of process `pid` is left by a save that no longer runs: its
+/// process is gone, or is this one and not writing it (a restarted container's process may get
+/// its old pid).
+fn stale(path: &Path, pid: u32) -> bool {
+    let writing = WRITING.lock().unwrap_or_else(|e| e.into_inner());
+    (!alive(pid) || pid == std::process::id()) && !writing.iter().any(|p| p == path)
+}
+
+/// Whole checkpoints a killed save left hidden in `dir`, for steps that have no `step-*`
+/// directory: a `.tmp-` one written whole (killed before or while the old one of its step was
+/// moved aside), else the `.old-` one moved aside. Each is checked file by file first.
+fn stranded(dir: &Path, have: &[(u64, PathBuf)]) -> Vec<(u64, PathBuf)> {
+    let Ok(entries) = std::fs::read_dir(dir) else { return Vec::new() };
+    let mut found: Vec<(u64, Hidden, PathBuf)> = Vec::new();
     for entry in entries.flatten() {
         let name = entry.file_name();
-        let Some(name) = name.to_str() else { continue };
-        let Some(rest) = name.strip_prefix(".tmp-").or_else(|| name.strip_prefix(".trash-")) else {
-            continue;
-        };
-        let Some(pid) = rest.split('-').next().and_then(|p| p.parse::<u32>().ok()) else {
-            continue;
-        };
+        let Some((kind, pid, Some(step))) = name.to_str().and_then(hidden) else { continue };
         let path = entry.path();
-        let mine = pid == std::process::id();
-        if (!alive(pid) || mine) && !writing.contains(&path) {
+        if kind == Hidden::Trash || have.iter().any(|(s, _)| *s == step) || !stale(&path, pid) {
+            continue;
+        }
+        if path.join(RECORD).is_file() && Checkpoint::open(&path).is_ok() {
+            found.push((step, kind, path));
+        }
+    }
+    // The new one (`.tmp-`) before the one it replaces (`.old-`).
+    found.sort_by_key(|(s, k, _)| (*s, *k != Hidden::Tmp));
+    found.dedup_by_key(|(s, ..)| *s);
+    found.into_iter().map(|(s, _, p)| (s, p)).collect()
+}
+
+/// Puts back what a killed save left hidden ([`stranded`]) under its step's name, then removes
+/// what dead saves left: `.tmp-` (cut short, or not needed), `.old-` (replaced) and `.trash-`
+/// directories. A failure leaves an entry for the next save to look at again.
+fn recover_and_clean(dir: &Path) {
+    let have = list(dir).unwrap_or_default();
+    for (step, p) in stranded(dir, &have) {
+        let dest = dir.join(format!("{STEP_PREFIX}{step:08}"));
+        match std::fs::rename(&p, &dest) {
+            Ok(()) => tracing::warn!(
+                checkpoint = %dest.display(),
+                from = %p.display(),
+                "a whole checkpoint a killed save left hidden is put back in place"
+            ),
+            Err(e) => tracing::warn!(checkpoint = %p.display(), error = %e, "not put back"),
+        }
+    }
+    let _ = sync_dir(dir);
+    let Ok(entries) = std::fs::read_dir(dir) else { return };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some((_, pid, _)) = name.to_str().and_then(hidden) else { continue };
+        let path = entry.path();
+        if stale(&path, pid) {
             let _ = std::fs::remove_dir_all(&path);
         }
     }
@@ -563,7 +689,8 @@ fn discard(dir: &Path, p: &Path) -> candle_core::Result<()> {
     Ok(())
 }
 
-fn sync_dir(dir: &Path) -> candle_core::Result<()> {
+/// Flushes directory `dir`'s entries to disk.
+pub(super) fn sync_dir(dir: &Path) -> candle_core::Result<()> {
     std::fs::File::open(dir).and_then(|d| d.sync_all()).map_err(|e| io(dir, e))
 }
 
@@ -574,7 +701,7 @@ fn write_synced(path: &Path, bytes: &[u8]) -> candle_core::Result<()> {
 }
 
 /// The run of the checkpoint in `dir`, from its commit record.
-fn run_of(dir: &Path) -> Option<u64> {
+pub(super) fn run_of(dir: &Path) -> Option<u64> {
     let v = record_value(dir).ok()?;
     u64::from_str_radix(v["run"].as_str()?, 16).ok()
 }
@@ -604,20 +731,13 @@ pub(super) fn save(tr: &Trainer, dir: &Path, keep: usize) -> candle_core::Result
             }
         }
     }
-    clean_stale(dir);
+    recover_and_clean(dir);
     let name = format!("{STEP_PREFIX}{:08}", tr.step);
     let tmp = dir.join(format!(".tmp-{}-{:016x}-{name}", std::process::id(), nonce()));
     WRITING.lock().unwrap_or_else(|e| e.into_inner()).push(tmp.clone());
     let written = write_checkpoint(tr, &tmp);
     let dest = dir.join(&name);
-    let placed = written.and_then(|()| {
-        if dest.exists() {
-            // The same step saved before (by this run: checked above): replaced whole.
-            discard(dir, &dest)?;
-        }
-        std::fs::rename(&tmp, &dest).map_err(|e| io(&dest, e))?;
-        sync_dir(dir)
-    });
+    let placed = written.and_then(|()| replace(dir, &tmp, &dest));
     WRITING.lock().unwrap_or_else(|e| e.into_inner()).retain(|p| *p != tmp);
     if let Err(e) = placed {
         let _ = std::fs::remove_dir_all(&tmp);
@@ -637,6 +757,54 @@ pub(super) fn save(tr: &Trainer, dir: &Path, keep: usize) -> candle_core::Result
         }
     }
     Ok(dest)
+}
+
+/// Puts the whole checkpoint `tmp` in place as `dest` with no moment where neither the old
+/// `dest` nor the new one is whole under a name a resume finds: the old one is renamed aside
+/// (`.old-…`), the new one renamed into place, the directory flushed, then the old one removed.
+/// A kill between two of these leaves the old one in place (a `.tmp-` whole beside it), or
+/// both hidden, or the new one in place (an `.old-` beside it): [`Checkpoint::newest`] and the
+/// next save find the newest whole one ([`stranded`]). A failure puts the old one back.
+fn replace(dir: &Path, tmp: &Path, dest: &Path) -> candle_core::Result<()> {
+    use crate::failpoint::{check, Site};
+    let name = dest.file_name().and_then(|n| n.to_str()).unwrap_or("checkpoint");
+    let aside = match dest.exists() {
+        false => None,
+        true => {
+            // The same step saved before (by this run: checked by the caller).
+            let old = dir.join(format!(".old-{}-{:016x}-{name}", std::process::id(), nonce()));
+            check(Site::SaveRename, dest)?;
+            std::fs::rename(dest, &old).map_err(|e| io(dest, e))?;
+            Some(old)
+        }
+    };
+    let put_back = |e: candle_core::Error| {
+        if let Some(old) = &aside {
+            if let Err(r) = std::fs::rename(old, dest) {
+                tracing::warn!(checkpoint = %old.display(), error = %r, "not put back");
+            }
+        }
+        e
+    };
+    check(Site::SaveRename, tmp).map_err(|e| put_back(e.into()))?;
+    std::fs::rename(tmp, dest).map_err(|e| put_back(io(dest, e)))?;
+    if let Err(e) = sync_dir(dir) {
+        // Not known to be durable: the new one goes back to where it was written.
+        return match std::fs::rename(dest, tmp) {
+            Ok(()) => Err(put_back(e)),
+            Err(_) => Err(e),
+        };
+    }
+    if let Some(old) = aside {
+        let removed = check(Site::SaveRename, &old)
+            .map_err(candle_core::Error::from)
+            .and_then(|()| std::fs::remove_dir_all(&old).map_err(|e| io(&old, e)));
+        if let Err(e) = removed {
+            // The new one is in place; the next save removes this.
+            tracing::warn!(checkpoint = %old.display(), error = %e, "a replaced checkpoint stays");
+        }
+    }
+    Ok(())
 }
 
 /// Every file of the trainer's checkpoint in the new directory `tmp`, each flushed and read
@@ -740,6 +908,7 @@ fn write_checkpoint(tr: &Trainer, tmp: &Path) -> candle_core::Result<()> {
     if let Some(c) = tr.base_crc.filter(|_| lora) {
         record["base_crc32"] = format!("{c:08x}").into();
     }
+    record[RECORD_CRC] = format!("{:08x}", record_crc(&record)).into();
     write_synced(
         &tmp.join(RECORD),
         serde_json::to_string_pretty(&record).unwrap_or_default().as_bytes(),
@@ -785,9 +954,12 @@ fn check_compatible(tr: &Trainer, ck: &Checkpoint) -> candle_core::Result<()> {
         }
         .into_candle())
     };
-    const FRESH: &str = "resume with the run's own settings (candle_train --resume reads them \
-                         from the checkpoint), or start a new run from its weights \
-                         (load_weights of its model.safetensors.index.json; --model)";
+    let fresh = format!(
+        "resume with the run's own settings (--resume reads them from the checkpoint), or \
+         start a new run from its weights ({})",
+        ck.start_from()
+    );
+    let fresh = fresh.as_str();
     if ck.config != tr.config {
         let (a, b): (serde_json::Value, serde_json::Value) = (
             serde_json::from_str(&ck.config.to_json()).unwrap_or_default(),
@@ -830,7 +1002,7 @@ fn check_compatible(tr: &Trainer, ck: &Checkpoint) -> candle_core::Result<()> {
     }
     let dtype = if tr.dtype == candle_core::DType::BF16 { DType::BF16 } else { DType::F32 };
     if ck.dtype != dtype {
-        return mismatch("dtype", ck.dtype.to_string(), dtype.to_string(), FRESH);
+        return mismatch("dtype", ck.dtype.to_string(), dtype.to_string(), fresh);
     }
     let show_lora = |l: &Option<LoraConfig>| match l {
         None => "none".to_string(),
@@ -844,7 +1016,7 @@ fn check_compatible(tr: &Trainer, ck: &Checkpoint) -> candle_core::Result<()> {
     };
     let (saved_lora, lora) = (show_lora(&ck.train.lora), show_lora(&tr.train.lora));
     if saved_lora != lora {
-        return mismatch("LoRA adapters", saved_lora, lora, FRESH);
+        return mismatch("LoRA adapters", saved_lora, lora, fresh);
     }
     let mut frozen: Vec<String> =
         tr.params.iter().filter(|p| !p.trainable).map(|p| p.name.clone()).collect();
@@ -853,33 +1025,37 @@ fn check_compatible(tr: &Trainer, ck: &Checkpoint) -> candle_core::Result<()> {
     saved.sort();
     if saved != frozen {
         let show = |v: &[String]| if v.is_empty() { "none".to_string() } else { v.join(", ") };
-        return mismatch("frozen parameters", show(&saved), show(&frozen), FRESH);
+        return mismatch("frozen parameters", show(&saved), show(&frozen), fresh);
     }
     let (a, b) = (&ck.train, &tr.train);
-    let horizon = "a run goes on to the horizon it planned (the example's --steps): to train \
-                   further, start a new run from the checkpoint's weights";
+    let horizon = format!(
+        "a run goes on to the horizon it planned (--steps): to train further, start a new run \
+         from the checkpoint's weights ({})",
+        ck.start_from()
+    );
+    let horizon = horizon.as_str();
     let fields: [(&str, String, String, &str); 11] = [
-        ("micro_batch", a.micro_batch.to_string(), b.micro_batch.to_string(), FRESH),
-        ("seq", a.seq.to_string(), b.seq.to_string(), FRESH),
-        ("accum", a.accum.to_string(), b.accum.to_string(), FRESH),
+        ("micro_batch", a.micro_batch.to_string(), b.micro_batch.to_string(), fresh),
+        ("seq", a.seq.to_string(), b.seq.to_string(), fresh),
+        ("accum", a.accum.to_string(), b.accum.to_string(), fresh),
         (
             "schedule's horizon (schedule.total)",
             a.schedule.total.to_string(),
             b.schedule.total.to_string(),
             horizon,
         ),
-        ("schedule's peak learning rate", float(a.schedule.peak), float(b.schedule.peak), FRESH),
-        ("schedule's minimum learning rate", float(a.schedule.min), float(b.schedule.min), FRESH),
-        ("schedule's warmup", a.schedule.warmup.to_string(), b.schedule.warmup.to_string(), FRESH),
+        ("schedule's peak learning rate", float(a.schedule.peak), float(b.schedule.peak), fresh),
+        ("schedule's minimum learning rate", float(a.schedule.min), float(b.schedule.min), fresh),
+        ("schedule's warmup", a.schedule.warmup.to_string(), b.schedule.warmup.to_string(), fresh),
         (
             "AdamW betas",
             format!("{}, {}", a.adamw.beta1, a.adamw.beta2),
             format!("{}, {}", b.adamw.beta1, b.adamw.beta2),
-            FRESH,
+            fresh,
         ),
-        ("AdamW eps", float(a.adamw.eps), float(b.adamw.eps), FRESH),
-        ("weight decay", float(a.adamw.weight_decay), float(b.adamw.weight_decay), FRESH),
-        ("gradient clipping", format!("{:?}", a.clip), format!("{:?}", b.clip), FRESH),
+        ("AdamW eps", float(a.adamw.eps), float(b.adamw.eps), fresh),
+        ("weight decay", float(a.adamw.weight_decay), float(b.adamw.weight_decay), fresh),
+        ("gradient clipping", format!("{:?}", a.clip), format!("{:?}", b.clip), fresh),
     ];
     for (what, saved, here, hint) in fields {
         if saved != here {

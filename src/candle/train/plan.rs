@@ -171,6 +171,77 @@ enum Home {
     Mapped,
 }
 
+/// The element counts of what trains in a run of `config` with `train`: every parameter no
+/// frozen pattern names, or with LoRA the adapters alone (A `[r, in]` and B `[out, r]` of each
+/// targeted 2-D weight of a block, matched as the trainer matches them,
+/// [`LoraConfig::targets_linear`](crate::candle::LoraConfig::targets_linear) on the full name).
+/// A product that overflows is [`TrainError::Invalid`] naming the rank.
+pub(super) fn trainable_sizes(
+    config: &LlamaConfig,
+    train: &TrainConfig,
+) -> candle_core::Result<Vec<u64>> {
+    let numel = |s: &[usize]| s.iter().try_fold(1u64, |a, &d| a.checked_mul(d as u64));
+    let overflow = |what: String| TrainError::Invalid(what).into_candle();
+    let tensors = config.tensors();
+    match &train.lora {
+        None => tensors
+            .iter()
+            .filter(|(n, _)| !train.is_frozen(n))
+            .map(|(n, s)| {
+                numel(s).ok_or_else(|| overflow(format!("{n} {s:?}: its size overflows")))
+            })
+            .collect(),
+        Some(l) => {
+            l.validate()?;
+            let mut out = Vec::new();
+            for (n, s) in &tensors {
+                if !(s.len() == 2 && n.contains(".layers.") && l.targets_linear(n)) {
+                    continue;
+                }
+                for dim in [s[1], s[0]] {
+                    let elems = (l.rank as u64).checked_mul(dim as u64).ok_or_else(|| {
+                        overflow(format!(
+                            "LoRA rank {}: the adapter of {n} ({} × {dim}) overflows u64: a rank \
+                             at most the weight's sides ({} and {}) is useful",
+                            l.rank, l.rank, s[0], s[1]
+                        ))
+                    })?;
+                    out.push(elems);
+                }
+            }
+            Ok(out)
+        }
+    }
+}
+
+/// Parameters a run of `config` with `train` trains: every parameter no frozen pattern names,
+/// or with LoRA the adapters' (counted as the trainer makes them: fully qualified targets such
+/// as `self_attn.q_proj` count as `q_proj` does). What a front end prints as "trainable
+/// parameters"; sizes that overflow are [`TrainError::Invalid`].
+///
+/// ```
+/// use strata::candle::train::trainable_parameters;
+/// use strata::candle::{LlamaConfig, LoraConfig, TrainConfig};
+/// let c = LlamaConfig::from_json(
+///     r#"{"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+///         "num_attention_heads": 4, "vocab_size": 97}"#,
+/// )?;
+/// let mut t = TrainConfig::default();
+/// t.lora = Some(LoraConfig::new(4, 8.0, &["q_proj"]));
+/// let short = trainable_parameters(&c, &t)?;
+/// t.lora = Some(LoraConfig::new(4, 8.0, &["self_attn.q_proj"]));
+/// assert_eq!(trainable_parameters(&c, &t)?, short);
+/// assert!(short > 0);
+/// t.lora = Some(LoraConfig::new(1 << 62, 8.0, &["q_proj"]));
+/// assert!(trainable_parameters(&c, &t).is_err());
+/// # Ok::<(), candle_core::Error>(())
+/// ```
+pub fn trainable_parameters(config: &LlamaConfig, train: &TrainConfig) -> candle_core::Result<u64> {
+    trainable_sizes(config, train)?.iter().try_fold(0u64, |a, &n| a.checked_add(n)).ok_or_else(
+        || TrainError::Invalid("the trainable parameters overflow u64".into()).into_candle(),
+    )
+}
+
 impl TrainPlan {
     /// The plan for training a model of `config` with `train` and `dtype` weights on `machine`,
     /// with the budgets `given` (the others chosen). Errors ([`TrainError::Invalid`]) say what
@@ -260,18 +331,15 @@ impl TrainPlan {
         for (_, s) in &tensors {
             made.push((Group::Param, numel(s) * elem, Home::PinnedOnly));
         }
-        // What trains: every parameter no frozen pattern names, or with LoRA the adapters alone
-        // (A `[r, in]` and B `[out, r]` of each targeted 2-D weight, in f32).
-        let trainable: Vec<u64> = match &train.lora {
-            None => {
-                tensors.iter().filter(|(n, _)| !train.is_frozen(n)).map(|(_, s)| numel(s)).collect()
-            }
-            Some(l) => tensors
-                .iter()
-                .filter(|(n, s)| s.len() == 2 && n.contains(".layers.") && l.targets_linear(n))
-                .flat_map(|(_, s)| [(l.rank * s[1]) as u64, (s[0] * l.rank) as u64])
-                .collect(),
-        };
+        let trainable = trainable_sizes(config, train)?;
+        let total = trainable.iter().try_fold(0u64, |a, &n| a.checked_add(n));
+        if total.and_then(|t| t.checked_mul(16 * 4)).is_none() {
+            return Err(refuse(format!(
+                "{} trainable tensors whose sizes overflow u64 (a LoRA rank of {}?)",
+                trainable.len(),
+                train.lora.as_ref().map_or(0, |l| l.rank)
+            )));
+        }
         for &n in &trainable {
             made.push((Group::Grad, 4 * n, Home::PinnedOnly));
         }
