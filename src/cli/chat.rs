@@ -31,13 +31,13 @@ pub struct ChatArgs {
     #[arg(long)]
     pub context: Option<usize>,
     /// Sampled answers at this temperature (greedy without it, or with 0).
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     pub temperature: Option<f64>,
     /// Sample among the K likeliest tokens.
     #[arg(long)]
     pub top_k: Option<usize>,
     /// Sample among the likeliest tokens whose probabilities add up to P.
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     pub top_p: Option<f64>,
     /// The sampler's seed (each answer starts from it).
     #[arg(long, default_value_t = 0)]

@@ -78,19 +78,19 @@ pub struct FinetuneArgs {
     #[arg(long, value_parser = positive)]
     pub steps: Option<u64>,
     /// Peak learning rate (default 1e-3).
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     pub lr: Option<f64>,
     /// Learning rate at the end of the cosine schedule (default lr / 10).
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     pub min_lr: Option<f64>,
     /// Linear warm-up steps (default steps / 5).
     #[arg(long)]
     pub warmup: Option<u64>,
     /// AdamW's decoupled weight decay (default 0).
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     pub weight_decay: Option<f64>,
     /// Global gradient-norm clipping (default 1.0; 0: none).
-    #[arg(long, value_parser = clip_norm)]
+    #[arg(long, value_parser = clip_norm, allow_negative_numbers = true)]
     pub clip: Option<f64>,
     /// The store's Device tier (default: the memory plan's).
     #[arg(long, value_parser = size, value_name = "SIZE")]
@@ -163,7 +163,7 @@ pub struct FinetuneArgs {
     #[arg(long, value_parser = at_least_one, value_name = "R")]
     pub lora_rank: Option<usize>,
     /// LoRA's alpha (default 2R).
-    #[arg(long, value_name = "A")]
+    #[arg(long, value_name = "A", allow_negative_numbers = true)]
     pub lora_alpha: Option<f64>,
     /// The linears LoRA adapts (default q_proj,v_proj; any of q_proj, k_proj, v_proj, o_proj,
     /// gate_proj, up_proj, down_proj).
@@ -562,21 +562,23 @@ impl Data {
     /// target counted are left out.
     #[cfg(feature = "text")]
     fn text(a: &Args, vocab: usize, seq: usize) -> Res<Data> {
-        use crate::candle::text::{eos_tokens, pack, read_jsonl, ChatTemplate, Tokenizer, Tokens};
+        use crate::candle::text::{
+            check_vocab, eos_tokens, pack, read_jsonl, read_text_input, ChatTemplate, Tokenizer,
+            Tokens,
+        };
         let tok_path = a.tokenizer.as_ref().ok_or("--tokenizer FILE is needed")?;
         let tokenizer = Tokenizer::from_file(tok_path)?;
+        check_vocab(&tokenizer, vocab)?;
         let dir = tok_path.parent().unwrap_or(Path::new("."));
         let eos = eos_tokens(dir, &tokenizer)?.and_then(|e| e.ids.first().copied());
         let (path, examples) = match (&a.text, &a.jsonl) {
             (Some(p), _) => {
-                let text =
-                    std::fs::read_to_string(p).map_err(|e| format!("{}: {e}", p.display()))?;
+                let text = read_text_input(p)?;
                 (p, vec![Tokens::document(&tokenizer, &text, eos)?])
             }
             (None, Some(p)) => {
-                let text =
-                    std::fs::read_to_string(p).map_err(|e| format!("{}: {e}", p.display()))?;
-                let template = ChatTemplate::from_file(dir.join("tokenizer_config.json")).ok();
+                let text = read_text_input(p)?;
+                let template = ChatTemplate::beside(tok_path)?;
                 (p, read_jsonl(&text, &tokenizer, template.as_ref(), eos)?)
             }
             _ => return Err("--text FILE or --jsonl FILE".into()),
@@ -725,10 +727,10 @@ fn resumed(a: &Args) -> Res<Option<Checkpoint>> {
         return Err(format!(
             "--steps {steps}: the run in {} was planned for {} steps (its schedule's horizon); \
              a run is continued to the horizon it planned: leave --steps out, or start a new \
-             run from its weights (--model {})",
+             run from its weights ({})",
             ck.path.display(),
             ck.train.schedule.total,
-            ck.path.join("model.safetensors.index.json").display()
+            ck.start_from()
         )
         .into());
     }
@@ -742,6 +744,20 @@ pub fn run(args: FinetuneArgs) -> Res<Ended> {
     let ck = resumed(&a)?;
     if let Some(ck) = &ck {
         if ck.finished() {
+            if let Some(dir) = &a.export_merged {
+                return Err(format!(
+                    "--export-merged {}: the run in {} is finished (step {} of {}), and a \
+                     finished run is not trained again: merge its adapter with `strata \
+                     generate --model BASE --adapter {}`, or export from a run that has steps \
+                     left",
+                    dir.display(),
+                    ck.path.display(),
+                    ck.step,
+                    ck.train.schedule.total,
+                    ck.path.display()
+                )
+                .into());
+            }
             out!(
                 "{}: the run is finished (step {} of {}): nothing to do",
                 ck.path.display(),
@@ -869,20 +885,8 @@ pub fn run(args: FinetuneArgs) -> Res<Ended> {
         train.engine
     )?;
     if let Some(l) = &train.lora {
-        let per_block: u64 = [
-            ("q_proj", config.num_attention_heads * config.head_dim, config.hidden_size),
-            ("k_proj", config.num_key_value_heads * config.head_dim, config.hidden_size),
-            ("v_proj", config.num_key_value_heads * config.head_dim, config.hidden_size),
-            ("o_proj", config.hidden_size, config.num_attention_heads * config.head_dim),
-            ("gate_proj", config.intermediate_size, config.hidden_size),
-            ("up_proj", config.intermediate_size, config.hidden_size),
-            ("down_proj", config.hidden_size, config.intermediate_size),
-        ]
-        .iter()
-        .filter(|(n, ..)| l.targets_linear(n))
-        .map(|(_, o, i)| (l.rank * (o + i)) as u64)
-        .sum();
-        let trained = per_block * config.num_hidden_layers as u64;
+        let trained = crate::candle::train::trainable_parameters(&config, &train)
+            .map_err(|e| format!("--lora-rank {}: {e}", l.rank))?;
         out!(
             "LoRA: rank {}, alpha {} (scale {}), targets {}{}: {} trainable parameters ({:.3}% of the model), the base frozen",
             l.rank, l.alpha, l.scale(), l.targets.join(","),
@@ -891,6 +895,18 @@ pub fn run(args: FinetuneArgs) -> Res<Ended> {
             100.0 * trained as f64 / params as f64
         )?;
     }
+
+    // Every output the run will write, checked before anything is allocated or trained: a bad
+    // target must not cost the whole run.
+    let params_bytes = config.parameters().saturating_mul(dtype.size_of() as u64);
+    crate::candle::train::check_outputs(&crate::candle::train::OutputPlan {
+        save: a.save.clone(),
+        resuming: ck.as_ref().map(|c| c.run),
+        checkpoint_bytes: crate::candle::train::checkpoint_bytes(&config, &train, dtype)?,
+        export_merged: a.export_merged.clone(),
+        export_bytes: params_bytes,
+        write_inputs: a.write_inputs.clone(),
+    })?;
 
     // The store at the plan's budgets: the Device tier, host memory for the weights, the
     // optimizer's gradients, masters and moments and the checkpoints, Disk for what memory

@@ -87,13 +87,13 @@ pub struct GenerateArgs {
     #[arg(long, value_name = "K|auto", value_parser = resident_blocks)]
     pub resident: Option<Option<usize>>,
     /// Sampled decoding at this temperature (greedy without it, or with 0).
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     pub temperature: Option<f64>,
     /// Sample among the K likeliest tokens.
     #[arg(long)]
     pub top_k: Option<usize>,
     /// Sample among the likeliest tokens whose probabilities add up to P.
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     pub top_p: Option<f64>,
     /// The sampler's seed.
     #[arg(long, default_value_t = 0)]
@@ -296,7 +296,7 @@ impl Prompts {
 }
 
 /// The prompts as token ids: given as ids, or text tokenized (with the chat template).
-fn prompts(a: &Args) -> Res<Prompts> {
+fn prompts(a: &Args, vocab: usize) -> Res<Prompts> {
     let mut lines = a.prompts.clone();
     if let Some(file) = &a.prompts_file {
         // A regular file, sized before it is read (a FIFO or /dev/zero would never end).
@@ -328,16 +328,17 @@ fn prompts(a: &Args) -> Res<Prompts> {
             })
         }
         #[cfg(feature = "text")]
-        Some(path) => text_prompts(a, path, &lines),
+        Some(path) => text_prompts(a, path, &lines, vocab),
         #[cfg(not(feature = "text"))]
         Some(_) => Err("--tokenizer needs the example built with --features text".into()),
     }
 }
 
 #[cfg(feature = "text")]
-fn text_prompts(a: &Args, path: &Path, lines: &[String]) -> Res<Prompts> {
+fn text_prompts(a: &Args, path: &Path, lines: &[String], vocab: usize) -> Res<Prompts> {
     use crate::candle::text::{eos_tokens, ChatTemplate, Message, Tokenizer};
     let tokenizer = Tokenizer::from_file(path)?;
+    crate::candle::text::check_vocab(&tokenizer, vocab)?;
     let dir = match path.parent() {
         Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
         _ => PathBuf::from("."),
@@ -545,7 +546,7 @@ pub fn run(args: GenerateArgs) -> Res<()> {
         (None, _) => return Err("--config FILE is needed".into()),
     };
     let sampling = Sampling::from_flags(a.temperature, a.top_k, a.top_p, a.seed)?;
-    let p = prompts(&a)?;
+    let p = prompts(&a, config.vocab_size)?;
     let device = crate::candle::default_device()?;
     let dtype = a.dtype.unwrap_or(CDType::F32);
     // Every sequence's positions, checked before anything is sized from them.
@@ -646,6 +647,13 @@ pub fn run(args: GenerateArgs) -> Res<()> {
                 model.blocks_within(budget.saturating_sub(2 * block + kv_bytes))
             }
         };
+        if k > config.num_hidden_layers {
+            return Err(format!(
+                "--resident {k}: the model has {} blocks",
+                config.num_hidden_layers
+            )
+            .into());
+        }
         let model = model.with_resident(k)?;
         // What the first k blocks hold in the store: kept as candle tensors, they never cross.
         let resident: u64 = sizes

@@ -149,27 +149,10 @@ pub fn text_side(m: &Resolved, tokenizer: Option<&Path>, config: &LlamaConfig) -
         })?,
     };
     let tok = Tokenizer::from_file(&path)?;
-    if tok.vocab_size() > config.vocab_size {
-        return Err(format!(
-            "{}: the tokenizer has {} tokens, the model's vocabulary {}: not this model's \
-             tokenizer",
-            path.display(),
-            tok.vocab_size(),
-            config.vocab_size
-        )
-        .into());
-    }
+    crate::candle::text::check_vocab(&tok, config.vocab_size)?;
     let dir = dir_of(&path);
-    let template_file = dir.join("tokenizer_config.json");
-    let template = match template_file.exists() {
-        true => match ChatTemplate::from_file(&template_file) {
-            Ok(t) => Some(t),
-            // A tokenizer_config.json without a chat template: a base model.
-            Err(e) if e.to_string().contains("chat_template") => None,
-            Err(e) => return Err(e.into()),
-        },
-        false => None,
-    };
+    // None for a base model (no chat template); a template that does not parse is an error.
+    let template = ChatTemplate::beside(&path)?;
     let (eos, eos_from) = match eos_tokens(&dir, &tok)? {
         Some(e) => (e.ids, e.from),
         None => (Vec::new(), "none known".to_string()),
@@ -269,6 +252,13 @@ impl Llm {
                 a.config.rank,
                 a.linears.len()
             );
+        }
+        if flags.resident > config.num_hidden_layers {
+            return Err(format!(
+                "--resident {}: the model has {} blocks",
+                flags.resident, config.num_hidden_layers
+            )
+            .into());
         }
         let layers = Layers::new(store, weights, &device)?;
         let model = OutOfCoreLlama::new(layers, &config, dtype)?.with_resident(flags.resident)?;

@@ -570,3 +570,80 @@ fn an_interrupted_run_saves_a_checkpoint_that_resumes_to_the_whole_runs_losses()
         assert_eq!(got, want, "SIG{signal}: the interrupted and resumed run's losses");
     }
 }
+
+/// Issue 40's front-end findings through the binary: every output and input checked before the
+/// first step (a bad target never costs the run), and arguments the OS allows but UTF-8 does
+/// not refused by name, never a panic.
+#[test]
+fn outputs_and_inputs_are_refused_before_the_first_step() {
+    use std::os::unix::ffi::OsStrExt;
+    let dir = tempfile::tempdir().unwrap();
+    let p = |n: &str| dir.path().join(n).to_str().unwrap().to_string();
+    std::fs::write(p("a-file"), "x").unwrap();
+    std::fs::create_dir(p("full")).unwrap();
+    std::fs::write(p("full/keep.txt"), "mine").unwrap();
+    // A tokenizer for the tiny model's 256 ids would not do (the byte tokenizer has 260): a
+    // config of 260.
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(config()).unwrap()).unwrap();
+    cfg["vocab_size"] = 260.into();
+    std::fs::write(p("config.json"), cfg.to_string()).unwrap();
+    std::fs::write(p("tokenizer.json"), super::text::byte_tokenizer_json()).unwrap();
+    let fifo = p("fifo");
+    assert!(Command::new("mkfifo").arg(&fifo).status().unwrap().success());
+    // Another run's checkpoints in a directory.
+    let other = p("other");
+    let mut args = tiny_run(1);
+    args.extend(strings(&["--save", &other]));
+    assert_eq!(run(&args, Duration::from_secs(60)).code, Some(0));
+    let text = |extra: &[&str]| {
+        let mut v = strings(&["--config", &p("config.json"), "--tokenizer", &p("tokenizer.json")]);
+        v.extend(strings(&["--seq", "8", "--micro-batch", "1", "--accum", "1", "--steps", "2"]));
+        v.extend(strings(extra));
+        v
+    };
+    let cases: Vec<(Vec<String>, &str)> = vec![
+        ([tiny_run(2), strings(&["--save", &p("a-file")])].concat(), "a-file"),
+        ([tiny_run(2), strings(&["--save", &other])].concat(), "one run's checkpoints"),
+        (
+            [tiny_run(2), strings(&["--lora-rank", "2", "--export-merged", &p("full")])].concat(),
+            "not empty",
+        ),
+        (
+            [tiny_run(2), strings(&["--lora-rank", "2", "--export-merged", &p("a-file")])].concat(),
+            "a-file",
+        ),
+        (text(&["--text", "/dev/zero"]), "/dev/zero"),
+        (text(&["--jsonl", &fifo]), "fifo"),
+        ([tiny_run(2), strings(&["--lora-rank", "72057594037927936"])].concat(), "--lora-rank"),
+    ];
+    for (args, want) in cases {
+        let r = run(&args, Duration::from_secs(60));
+        assert_ne!(r.code, Some(0), "{args:?}: {}", r.stdout);
+        assert!(r.stderr.contains(want), "{args:?}: wanted {want:?} in {}", r.stderr);
+        assert!(!r.stderr.contains("panicked"), "{args:?}: {}", r.stderr);
+        assert!(!r.stdout.lines().any(|l| l.starts_with("step ")), "{args:?}: a step ran");
+    }
+    assert_eq!(std::fs::read_to_string(p("full/keep.txt")).unwrap(), "mine");
+    // Not UTF-8: a path is taken as it is (and not found), text is refused by name.
+    let bad = std::ffi::OsStr::from_bytes(b"/tmp/\xffno-such-model");
+    for (cmd, extra) in [("finetune", &[][..]), ("generate", &["--prompt-tokens", "1"][..])] {
+        let out = Command::new(env!("CARGO_BIN_EXE_strata"))
+            .args([cmd, "--model"])
+            .arg(bad)
+            .args(extra)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{cmd}: {err}");
+        assert!(err.contains("no such file"), "{cmd}: {err}");
+    }
+    let out = Command::new(env!("CARGO_BIN_EXE_strata"))
+        .args(["generate", "--config", &config(), "--init", "random", "--prompt"])
+        .arg(std::ffi::OsStr::from_bytes(b"\xff"))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("UTF-8") && !err.contains("panicked"), "{err}");
+}
