@@ -85,7 +85,7 @@ pub struct GenerateArgs {
     /// Keep the first K blocks as candle tensors (auto: as many as fit beside two streamed
     /// blocks and the cache).
     #[arg(long, value_name = "K|auto", value_parser = resident_blocks)]
-    pub resident: Option<Option<usize>>,
+    pub resident: Option<Resident>,
     /// Sampled decoding at this temperature (greedy without it, or with 0).
     #[arg(long, allow_negative_numbers = true)]
     pub temperature: Option<f64>,
@@ -128,11 +128,20 @@ fn stop_list(s: &str) -> Result<Vec<u32>, String> {
     token_list(s)
 }
 
-fn resident_blocks(s: &str) -> Result<Option<usize>, String> {
+/// `--resident`'s value.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Resident {
+    /// The first K blocks.
+    Blocks(usize),
+    /// As many as fit.
+    Auto,
+}
+
+fn resident_blocks(s: &str) -> Result<Resident, String> {
     if s == "auto" {
-        return Ok(None);
+        return Ok(Resident::Auto);
     }
-    s.parse().map(Some).map_err(|_| format!("{s}: a count of blocks or `auto`"))
+    s.parse().map(Resident::Blocks).map_err(|_| format!("{s}: a count of blocks or `auto`"))
 }
 
 /// The flags, checked against each other.
@@ -201,7 +210,10 @@ impl GenerateArgs {
             max_new: self.max_new,
             dtype: self.dtype,
             device_budget: self.device_budget,
-            resident: self.resident,
+            resident: self.resident.map(|r| match r {
+                Resident::Blocks(k) => Some(k),
+                Resident::Auto => None,
+            }),
             temperature: self.temperature,
             top_k: self.top_k,
             top_p: self.top_p,
@@ -574,19 +586,36 @@ pub fn run(args: GenerateArgs) -> Res<()> {
         _ => crate::DType::F32,
     };
     let weight_bytes = match (&a.model, init_dtype) {
-        (None, crate::DType::BF16) => 2 * config.parameters(),
-        _ => 4 * config.parameters(),
+        (None, crate::DType::BF16) => 2u64.saturating_mul(config.parameters()),
+        _ => 4u64.saturating_mul(config.parameters()),
     };
-    let kv_bytes = (2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim)
-        as u64
-        * dtype.size_in_bytes() as u64
-        * positions as u64;
+    let kv_bytes = [
+        2,
+        config.num_hidden_layers as u64,
+        config.num_key_value_heads as u64,
+        config.head_dim as u64,
+        dtype.size_in_bytes() as u64,
+        positions as u64,
+    ]
+    .iter()
+    .try_fold(1u64, |a, &b| a.checked_mul(b))
+    .ok_or_else(|| {
+        format!(
+            "the KV caches of {positions} positions overflow: fewer prompts or a smaller --max-new"
+        )
+    })?;
+    // Weights and caches, twice (the store's host copy and room to move), checked.
+    let room = weight_bytes
+        .checked_add(kv_bytes)
+        .and_then(|b| b.checked_mul(2))
+        .ok_or("the model and its KV caches overflow: a smaller --max-new")?;
+    crate::cli::check_host_memory("the model and its KV caches", u128::from(room) / 2)?;
     // The store: a Device tier of the budget (or room for everything), host memory for the rest.
-    let budget = a.device_budget.unwrap_or(2 * (weight_bytes + kv_bytes) + (1 << 20));
+    let budget = a.device_budget.unwrap_or(room.saturating_add(1 << 20));
     let builder = crate::Store::builder()
         .capacity(crate::Tier::Device, budget)
         .prefetch_budget(budget)
-        .capacity(crate::Tier::Pinned, 2 * (weight_bytes + kv_bytes) + (64 << 20));
+        .capacity(crate::Tier::Pinned, room.saturating_add(64 << 20));
     let store = crate::candle::store_for(&device, builder)?;
     let weights = match &a.model {
         Some(path) => load_weights(&store, &config, path)?,

@@ -231,8 +231,12 @@ impl Llm {
             .and_then(|n| n.checked_mul(positions))
             .map(|n| n as u64)
             .ok_or("the KV caches' size overflows: fewer positions (--max-batch, the context)")?;
-        let weight_bytes = 4 * config.parameters();
-        let budget = flags.device_budget.unwrap_or(2 * (weight_bytes + kv_bytes) + (1 << 20));
+        let weight_bytes = 4u64.saturating_mul(config.parameters());
+        let room = weight_bytes
+            .checked_add(kv_bytes)
+            .and_then(|b| b.checked_mul(2))
+            .ok_or("the model and its KV caches overflow: fewer positions")?;
+        let budget = flags.device_budget.unwrap_or(room.saturating_add(1 << 20));
         crate::cli::check_host_memory(
             "the model and its caches",
             u128::from(weight_bytes) + u128::from(kv_bytes),
@@ -240,7 +244,7 @@ impl Llm {
         let builder = crate::Store::builder()
             .capacity(crate::Tier::Device, budget)
             .prefetch_budget(budget)
-            .capacity(crate::Tier::Pinned, 2 * (weight_bytes + kv_bytes) + (64 << 20));
+            .capacity(crate::Tier::Pinned, room.saturating_add(64 << 20));
         let store = crate::candle::store_for(&device, builder)?;
         let weights = load_weights(&store, &config, &m.weights)?;
         let mut merged = String::new();
