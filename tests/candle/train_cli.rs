@@ -638,6 +638,17 @@ fn outputs_and_inputs_are_refused_before_the_first_step() {
         assert_eq!(out.status.code(), Some(1), "{cmd}: {err}");
         assert!(err.contains("no such file"), "{cmd}: {err}");
     }
+    // --resident takes a count or `auto`; past the model's blocks it is refused.
+    for (k, code) in [("auto", 0), ("2", 0), ("99", 1)] {
+        let out = Command::new(env!("CARGO_BIN_EXE_strata"))
+            .args(["generate", "--config", &config(), "--init", "random", "--prompt-tokens"])
+            .args(["1,2", "--max-new", "2", "--resident", k])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(code), "--resident {k}: {err}");
+        assert!(!err.contains("panicked"), "--resident {k}: {err}");
+    }
     let out = Command::new(env!("CARGO_BIN_EXE_strata"))
         .args(["generate", "--config", &config(), "--init", "random", "--prompt"])
         .arg(std::ffi::OsStr::from_bytes(b"\xff"))
