@@ -290,6 +290,50 @@ fn move_to_keeps_its_promise_while_prefetches_wait() {
     });
 }
 
+/// A "move" of a pinned tensor to the tier it is already on changes nothing, even when its pin
+/// is queued for Device room and room has come free since (room that is given back starts no
+/// queued pin by itself: the next hint or view does). It used to start the queued pin before
+/// returning, so the tensor was on Device after `move_to(c, Disk)` returned Ok. The randomized
+/// test below hit this when a loaded machine kept a worker's flight (memory that counts as
+/// taken) alive across a pin; here views hold the room, deterministically.
+#[test]
+fn a_no_op_move_of_a_pinned_tensor_does_not_start_its_queued_pin() {
+    common::each_backend("a_no_op_move_of_a_queued_pin", |backend| {
+        let store = small_store(backend, PolicyKind::Frequency);
+        let l32 = 32 * KIB as usize;
+        let (a, da) = put(&store, "a", l32, 40);
+        let (b, db) = put(&store, "b", l32, 41);
+        let (c, dc) = put(&store, "c", l32, 42);
+        store.move_to(c, Tier::Disk).unwrap();
+        let s = store.stream().unwrap();
+        let va = store.device_view(a, &s).unwrap();
+        let vb = store.device_view(b, &s).unwrap();
+        store.pin(&[c]).unwrap();
+        assert_eq!(store.tier_of(c).unwrap(), Tier::Disk, "no room: Device held by views");
+        drop((va, vb));
+        store.move_to(c, Tier::Disk).expect("a move of a pinned tensor to where it is");
+        assert_eq!(
+            store.tier_of(c).unwrap(),
+            Tier::Disk,
+            "move_to(c, Disk) of a pinned c on Disk returned Ok; tiers now {:?}",
+            store.info(c).unwrap().tiers
+        );
+        expect_busy(store.move_to(c, Tier::Pinned), c, "pinned, queued, move_to Pinned");
+        // The pin still holds: the next hint starts it, and a view finds c on the device.
+        store.release(&[]).unwrap();
+        assert_eq!(store.tier_of(c).unwrap(), Tier::Device, "the queued pin, started");
+        let vc = store.device_view(c, &s).unwrap();
+        assert!(view_read(&vc) == dc, "c's bytes on the device");
+        drop(vc);
+        store.unpin(&[c]).unwrap();
+        store.move_to(c, Tier::Disk).expect("unpinned: movable");
+        assert_eq!(store.read(a).unwrap(), da);
+        assert_eq!(store.read(b).unwrap(), db);
+        assert_eq!(store.read(c).unwrap(), dc);
+        store.check_err().unwrap();
+    });
+}
+
 // ---------------------------------------------------------------------------------------------
 // Randomized test against a shadow model.
 

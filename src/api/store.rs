@@ -283,7 +283,8 @@ impl Store {
     /// Moves the tensor to `tier` and returns when the copy is done: afterwards
     /// `tier_of(id) == tier` and no faster tier holds a copy. Room is made in `tier` by demoting
     /// other tensors if needed. A tensor held by a view, pin or layer scope can only be "moved"
-    /// where it already is.
+    /// where it already is, which changes nothing (a pin still waiting for Device room stays
+    /// waiting: the next hint or view starts it).
     pub fn move_to(&self, id: TensorId, tier: Tier) -> Result<()> {
         let moved = || ops::move_to(&self.shared, id, tier);
         match tier {

@@ -628,8 +628,11 @@ pub(crate) fn move_to(sh: &Shared, id: TensorId, tier: Tier) -> Result<()> {
             st.drop_replica(id, t);
         }
     }
-    // A pin or scope that came during the move waits in the queue for it: start it now.
-    if st.res.get(id).is_ok_and(|e| e.queued && (e.pins > 0 || e.scopes > 0)) {
+    // A pin or scope that came during the move waits in the queue for it: start it now. Not
+    // one that was held before: its "move" went where it already was, which changes nothing,
+    // and so afterwards `tier_of(id) == tier` still holds; a pin queued for room it was already
+    // waiting for is started, as before the move, by the next hint or view.
+    if holders == 0 && st.res.get(id).is_ok_and(|e| e.queued && (e.pins > 0 || e.scopes > 0)) {
         super::prefetch::pump_waiting(sh, &mut st);
     }
     Ok(())
