@@ -108,7 +108,9 @@ pub fn run(args: ChatArgs) -> Res<()> {
         let mut stream = TextStream::new(&llm.text.tokenizer);
         let mut failed = None;
         let out = generate_batch(&llm.model, &[&ids], max_new, &sampling, &llm.text.eos, |_, t| {
-            if llm.text.eos.contains(&t) {
+            // An end token, or an id past the tokenizer's vocabulary (a model's padded one):
+            // no text.
+            if llm.text.eos.contains(&t) || t as usize >= llm.text.tokenizer.vocab_size() {
                 return Ok(());
             }
             if let Some(piece) = stream.push(t)? {
@@ -126,8 +128,13 @@ pub fn run(args: ChatArgs) -> Res<()> {
         let out = out?.pop().ok_or("no sequence generated")?;
         let rest = stream.finish()?;
         crate::cli::print(&format!("{rest}\n"))?;
-        let answer: Vec<u32> =
-            out.tokens.iter().copied().filter(|t| !llm.text.eos.contains(t)).collect();
+        let vocab = llm.text.tokenizer.vocab_size();
+        let answer: Vec<u32> = out
+            .tokens
+            .iter()
+            .copied()
+            .filter(|&t| !llm.text.eos.contains(&t) && (t as usize) < vocab)
+            .collect();
         history.push(Message::new("assistant", llm.text.tokenizer.decode(&answer, true)?));
         if !out.stopped {
             eprintln!("(stopped at --max-new {max_new})");

@@ -284,7 +284,13 @@ impl Prompts {
         #[cfg(feature = "text")]
         if let (Some(t), 1) = (&self.tokenizer, self.ids.len()) {
             let mut stream = crate::candle::text::TextStream::new(t);
+            let vocab = t.vocab_size();
             return Box::new(move |_, token| {
+                // An id the model has and its tokenizer lacks (a vocabulary padded past the
+                // tokenizer's, as Qwen2's is) has no text.
+                if token as usize >= vocab {
+                    return Ok(());
+                }
                 if let Some(piece) = stream.push(token)? {
                     out_raw!("{piece}")?;
                     std::io::Write::flush(&mut std::io::stdout())
@@ -300,7 +306,9 @@ impl Prompts {
     fn text(&self, tokens: &[u32]) -> Res<Option<String>> {
         #[cfg(feature = "text")]
         if let Some(t) = &self.tokenizer {
-            return Ok(Some(t.decode(tokens, true)?));
+            let known: Vec<u32> =
+                tokens.iter().copied().filter(|&x| (x as usize) < t.vocab_size()).collect();
+            return Ok(Some(t.decode(&known, true)?));
         }
         let _ = tokens;
         Ok(None)

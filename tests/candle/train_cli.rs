@@ -658,3 +658,28 @@ fn outputs_and_inputs_are_refused_before_the_first_step() {
     assert_eq!(out.status.code(), Some(2), "{err}");
     assert!(err.contains("UTF-8") && !err.contains("panicked"), "{err}");
 }
+
+/// A model whose vocabulary is padded past its tokenizer's (as Qwen2's is) generates text: the
+/// ids the tokenizer lacks have no text, and the generation is not thrown away at the end.
+#[test]
+fn ids_past_the_tokenizers_vocabulary_have_no_text() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = |n: &str| dir.path().join(n).to_str().unwrap().to_string();
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(config()).unwrap()).unwrap();
+    cfg["vocab_size"] = 400.into();
+    std::fs::write(p("config.json"), cfg.to_string()).unwrap();
+    std::fs::write(p("tokenizer.json"), super::text::byte_tokenizer_json()).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_strata"))
+        .args(["generate", "--config", &p("config.json"), "--init", "random", "--tokenizer"])
+        .args([&p("tokenizer.json"), "--prompt", "hello", "--max-new", "40"])
+        .output()
+        .unwrap();
+    let (stdout, stderr) =
+        (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    let last = stdout.lines().last().unwrap();
+    let ids: Vec<u32> = last.split(',').map(|t| t.parse().unwrap()).collect();
+    assert_eq!(ids.len(), 40, "{stdout}");
+    assert!(ids.iter().any(|&t| t >= 260), "no id past the tokenizer's 260 to test: {ids:?}");
+}
