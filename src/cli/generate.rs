@@ -72,7 +72,7 @@ pub struct GenerateArgs {
     /// Token ids that end a sequence (`none`: never early; default: the model's end of
     /// sequence).
     #[arg(long, value_name = "IDS|none", value_parser = stop_list)]
-    pub stop_tokens: Option<Vec<u32>>,
+    pub stop_tokens: Option<TokenIds>,
     /// New tokens at most.
     #[arg(long, default_value_t = 16)]
     pub max_new: usize,
@@ -121,11 +121,15 @@ fn token_list(s: &str) -> Result<Vec<u32>, String> {
     token_ids(s, "token ids").map_err(|e| e.to_string())
 }
 
-fn stop_list(s: &str) -> Result<Vec<u32>, String> {
+/// Token ids as one flag's value (clap reads an `Option<Vec<_>>` as several values).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TokenIds(pub Vec<u32>);
+
+fn stop_list(s: &str) -> Result<TokenIds, String> {
     if s == "none" {
-        return Ok(Vec::new());
+        return Ok(TokenIds(Vec::new()));
     }
-    token_list(s)
+    token_list(s).map(TokenIds)
 }
 
 /// `--resident`'s value.
@@ -206,7 +210,7 @@ impl GenerateArgs {
             tokenizer,
             chat: self.chat,
             system: self.system,
-            stop_tokens: self.stop_tokens,
+            stop_tokens: self.stop_tokens.map(|t| t.0),
             max_new: self.max_new,
             dtype: self.dtype,
             device_budget: self.device_budget,

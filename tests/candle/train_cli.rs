@@ -642,7 +642,7 @@ fn outputs_and_inputs_are_refused_before_the_first_step() {
     for (k, code) in [("auto", 0), ("2", 0), ("99", 1)] {
         let out = Command::new(env!("CARGO_BIN_EXE_strata"))
             .args(["generate", "--config", &config(), "--init", "random", "--prompt-tokens"])
-            .args(["1,2", "--max-new", "2", "--resident", k])
+            .args(["1,2", "--max-new", "2", "--resident", k, "--stop-tokens", "none"])
             .output()
             .unwrap();
         let err = String::from_utf8_lossy(&out.stderr);
