@@ -826,6 +826,9 @@ impl fmt::Display for Prediction {
 
 /// The tensors as an aligned table: name, dtype, shape, bytes; one line each, in file order.
 pub fn tensor_table(tensors: &[TensorEntry]) -> String {
+    // Names in the order a person counts: `layers.2` before `layers.10`.
+    let mut tensors: Vec<&TensorEntry> = tensors.iter().collect();
+    tensors.sort_by(|a, b| natural_cmp(&a.name, &b.name));
     let shapes: Vec<String> = tensors.iter().map(|t| shape_str(&t.shape)).collect();
     let sizes: Vec<String> = tensors.iter().map(|t| format_size(t.bytes)).collect();
     let name_w = tensors.iter().map(|t| t.name.chars().count()).max().unwrap_or(0).clamp(4, 60);
@@ -847,6 +850,37 @@ pub fn tensor_table(tensors: &[TensorEntry]) -> String {
         );
     }
     s
+}
+
+/// Compares names with their runs of digits as numbers (`layers.2` < `layers.10`), the rest
+/// byte by byte; equal numbers with more leading zeros sort after.
+fn natural_cmp(a: &str, b: &str) -> std::cmp::Ordering {
+    use std::cmp::Ordering;
+    let (mut a, mut b) = (a.as_bytes(), b.as_bytes());
+    let digits = |s: &[u8]| s.iter().take_while(|c| c.is_ascii_digit()).count();
+    loop {
+        match (a.first(), b.first()) {
+            (None, None) => return Ordering::Equal,
+            (None, Some(_)) => return Ordering::Less,
+            (Some(_), None) => return Ordering::Greater,
+            (Some(x), Some(y)) if x.is_ascii_digit() && y.is_ascii_digit() => {
+                let (na, nb) = (digits(a), digits(b));
+                let (ra, rb) = (&a[..na], &b[..nb]);
+                let trim = |r: &[u8]| {
+                    let z = r.iter().take_while(|&&c| c == b'0').count();
+                    r[z..].to_vec()
+                };
+                let (ta, tb) = (trim(ra), trim(rb));
+                let by_value = ta.len().cmp(&tb.len()).then_with(|| ta.cmp(&tb));
+                match by_value.then_with(|| na.cmp(&nb)) {
+                    Ordering::Equal => (a, b) = (&a[na..], &b[nb..]),
+                    o => return o,
+                }
+            }
+            (Some(x), Some(y)) if x != y => return x.cmp(y),
+            _ => (a, b) = (&a[1..], &b[1..]),
+        }
+    }
 }
 
 /// `[4096, 4096]`; `[]` for a scalar.
@@ -903,6 +937,34 @@ mod tests {
     }
 
     const MIB: u64 = 1 << 20;
+
+    #[test]
+    fn names_sort_as_a_person_counts() {
+        let mut names = vec![
+            "model.layers.10.mlp",
+            "model.layers.2.mlp",
+            "model.layers.1.mlp",
+            "model.layers.02.mlp",
+            "lm_head",
+            "model.layers.1.attn",
+            "model.layers.1",
+        ];
+        names.sort_by(|a, b| natural_cmp(a, b));
+        assert_eq!(
+            names,
+            [
+                "lm_head",
+                "model.layers.1",
+                "model.layers.1.attn",
+                "model.layers.1.mlp",
+                "model.layers.2.mlp",
+                "model.layers.02.mlp",
+                "model.layers.10.mlp",
+            ]
+        );
+        let table = tensor_table(&[t("b.10", DType::F32, &[1]), t("b.9", DType::F32, &[1])]);
+        assert!(table.find("b.9").unwrap() < table.find("b.10").unwrap(), "{table}");
+    }
 
     #[test]
     fn optimizer_parses_and_prints() {

@@ -6,7 +6,7 @@
 //! Test files are written with the `safetensors` crate, or by hand (8-byte little-endian header
 //! length, JSON header, data) where they must be malformed or laid out a particular way.
 
-mod common;
+use crate::common;
 
 use std::collections::{HashMap, HashSet};
 use std::panic::{catch_unwind, AssertUnwindSafe};

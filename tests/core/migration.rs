@@ -2,7 +2,7 @@
 //! each backend; a tensor larger than the 16 MiB staging buffers through the chunked paths;
 //! writes in every tier.
 
-mod common;
+use crate::common;
 
 use common::{assert_budgets, random_bytes, tiers, Backend};
 use strata::{DType, Store, TensorId, Tier};

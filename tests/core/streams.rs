@@ -9,7 +9,7 @@
 //! dropped inside queued work, and a resident tensor's view waited for another thread's disk
 //! read.
 
-mod common;
+use crate::common;
 
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
@@ -266,22 +266,32 @@ fn a_hit_stays_fast_while_another_thread_misses_a_large_disk_tensor() {
             took
         });
         // Hits on this thread while the other reads 64 MiB from disk.
-        let mut worst = Duration::ZERO;
-        let mut hits = 0u32;
+        let mut took = Vec::new();
         while !miss.is_finished() {
             let t = Instant::now();
             drop(store.device_view(small, &s).unwrap());
-            worst = worst.max(t.elapsed());
-            hits += 1;
+            took.push(t.elapsed());
         }
         let miss_took = miss.join().unwrap();
+        took.sort();
+        // The 90th percentile against a quarter of the miss, the worst against three quarters: a
+        // hit the OS preempted (other tests' threads, a loaded machine: 62 ms of a 336 ms miss
+        // seen) is not a hit that waited; a hit that waits for the miss's read waits for nearly
+        // all of it, and ends the loop with it.
+        let hits = took.len();
+        assert!(hits >= 10, "{hits} hits during the miss: they waited for it");
+        let (p90, worst) = (took[hits * 9 / 10], took[hits - 1]);
         println!(
-            "{}: {hits} hits during a {BIG}-byte disk miss of {miss_took:?}: worst {worst:?}",
+            "{}: {hits} hits during a {BIG}-byte disk miss of {miss_took:?}: 90th percentile \
+             {p90:?}, worst {worst:?}",
             backend.name()
         );
-        assert!(hits > 1, "no hit ran during the miss");
         assert!(
-            worst * 4 < miss_took,
+            p90 * 4 < miss_took,
+            "hits took {p90:?} (90th percentile) during a miss of {miss_took:?}: they waited"
+        );
+        assert!(
+            worst * 4 < miss_took * 3,
             "a hit took {worst:?} during a miss of {miss_took:?}: it waited for the miss"
         );
         s.synchronize().unwrap();

@@ -1,6 +1,6 @@
 //! Device and mapped views on the host backend: contents, dirty write-back, holds, kernels.
 
-mod common;
+use crate::common;
 
 use common::{random_bytes, tiers};
 use strata::kernels::{self, Kernels};

@@ -2,7 +2,7 @@
 //! tensors). `examples/many_tensors.rs` runs the 200k-tensor case; this test keeps a 20k-tensor
 //! one in CI.
 
-mod common;
+use crate::common;
 
 use std::time::{Duration, Instant};
 

@@ -2,7 +2,7 @@
 //! (Fault injection at every failure site is `tests/faults.rs`; killed processes are
 //! `tests/crash.rs`.)
 
-mod common;
+use crate::common;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;

@@ -7,7 +7,7 @@
 //! integrity without locks: the header names the tensor, the body is one fill byte, and the fill
 //! byte is one its owner has written (a bit set in `written` before the write is issued).
 
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};

@@ -1,7 +1,7 @@
 //! Every error a caller can provoke, each with its variant and a check that nothing partial was
 //! left behind (names free, stats unchanged, other tensors intact).
 
-mod common;
+use crate::common;
 
 use std::os::unix::fs::FileExt;
 
@@ -24,7 +24,7 @@ fn store_with(backend: Backend, caps: [u64; 4]) -> Store {
     for t in Tier::ALL {
         b = b.capacity(t, caps[t.index()]);
     }
-    // Budgets here are exact arithmetic of the tensors put: no write reserve (tests/reliability.rs
+    // Budgets here are exact arithmetic of the tensors put: no write reserve (tests/host/reliability.rs
     // checks the reserve).
     b.write_reserve(false).build().expect("build store")
 }

@@ -2,9 +2,9 @@
 //! lookup over tiny budgets, checked after every step against a plain `HashMap` shadow.
 //!
 //! Seeded and deterministic: a failure names the policy, seed and step. Rerun one seed with
-//! `STRATA_MODEL_SEED=<seed> cargo test --test model`.
+//! `STRATA_MODEL_SEED=<seed> cargo test --test core model::`.
 
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 

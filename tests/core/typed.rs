@@ -1,7 +1,7 @@
 //! The typed API: `put_slice`, `read_vec`, `write_slice` and typed views, for every element type,
 //! through every tier; a type that is not the tensor's dtype is a typed error.
 
-mod common;
+use crate::common;
 
 use common::{each_backend, Backend};
 use strata::half::{bf16, f16};

@@ -11,7 +11,7 @@
 //! on the view's stream (`common::view_read` / `common::view_write`). Residency, miss and byte
 //! assertions are the same on both.
 
-mod common;
+use crate::common;
 
 use common::{assert_budgets, random_bytes, view_read, view_write, Backend};
 use strata::{DType, PolicyKind, Stats, Store, TensorId, Tier};

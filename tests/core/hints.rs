@@ -5,14 +5,14 @@
 //!   tier and for `remove`, and free again once unpinned / once the scope drops.
 //! - A seeded randomized test mixes the hints with put / read / write / remove / move_to and
 //!   device views over tiny budgets, checked against a `HashMap` shadow after every operation.
-//!   Rerun one seed with `STRATA_HINTS_SEED=<seed> cargo test --test hints`.
+//!   Rerun one seed with `STRATA_HINTS_SEED=<seed> cargo test --test core hints::`.
 //! - `Store::trace` writes a Chrome trace of the copies, and the copy / stall times add up.
 //!
 //! Every test runs on the host backend and, where there is a GPU, on the CUDA backend
 //! (`common::each_backend`); device views are read and written through `common::view_read` /
 //! `common::view_write`, which work on both.
 
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};

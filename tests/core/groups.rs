@@ -1,7 +1,7 @@
 //! Groups: every tensor has one (put gives `Other`), `Stats` reports bytes per group and tier,
 //! and the accounting follows the tensors as they move.
 
-mod common;
+use crate::common;
 
 use strata::{DType, Group, LoadOptions, PolicyKind, Store, Tier};
 

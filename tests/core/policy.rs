@@ -5,7 +5,7 @@
 //! the rest to Pinned; a read that misses Device promotes (when the policy admits it), demoting
 //! Device victims in the policy's order.
 
-mod common;
+use crate::common;
 
 use common::{assert_budgets, random_bytes, Backend};
 use strata::{DType, PolicyKind, Store, TensorId, Tier};
