@@ -567,6 +567,9 @@ mod configs;
 mod generate;
 #[path = "candle/gguf.rs"]
 mod gguf;
+#[cfg(feature = "text")]
+#[path = "candle/gguf_text.rs"]
+mod gguf_text;
 #[path = "candle/lora.rs"]
 mod lora;
 #[cfg(feature = "text")]

@@ -269,6 +269,20 @@ impl From<Error> for candle_core::Error {
     }
 }
 
+/// The error of type `E` carried in `e` (as `candle_core::Error::Io` of an `io::Error::other`,
+/// how [`TrainError`](train::TrainError) and [`GgufTokenizerError`](text::GgufTokenizerError)
+/// travel), under any backtrace or context candle added.
+pub(crate) fn find_carried<E: std::error::Error + 'static>(e: &candle_core::Error) -> Option<&E> {
+    use candle_core::Error as C;
+    match e {
+        C::Io(io) => io.get_ref()?.downcast_ref::<E>(),
+        C::WithBacktrace { inner, .. } | C::Context { inner, .. } | C::WithPath { inner, .. } => {
+            find_carried(inner)
+        }
+        _ => None,
+    }
+}
+
 /// A strata error as a candle error, naming the tensor it concerns (one line: the name, then
 /// the strata error's chain).
 pub(crate) fn strata_err(name: &str, e: Error) -> candle_core::Error {

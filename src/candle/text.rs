@@ -28,6 +28,9 @@ use std::path::Path;
 
 use serde_json::Value;
 
+mod gguf;
+pub use gguf::{GgufText, GgufTokenizerError, PRE_TOKENIZERS};
+
 fn text_err(why: String) -> candle_core::Error {
     candle_core::Error::Msg(why).bt()
 }
@@ -59,34 +62,22 @@ impl Tokenizer {
         Ok(Tokenizer { inner })
     }
 
-    /// The tokenizer a GGUF file carries (`tokenizer.ggml.*`). strata does not build one from
-    /// GGUF metadata yet (llama.cpp's tokenizer kinds and pre-tokenizers would each have to
-    /// equal the model's `tokenizer.json`), so this is an error naming what the file has
-    /// (`tokenizer.ggml.model`, `tokenizer.ggml.pre`) and saying what to do: give the model's
-    /// `tokenizer.json` (from the repository the GGUF file was converted from, or written by
-    /// transformers from the file: `benches/peers/smollm2_from_gguf.py`).
+    /// The tokenizer a GGUF file carries in its metadata (`tokenizer.ggml.*`), built as
+    /// [`GgufText`] describes: `gpt2` (byte-level BPE, split as the file's
+    /// `tokenizer.ggml.pre` says) and `llama` (SentencePiece BPE) files; another kind, an
+    /// unknown pre-tokenizer or metadata that does not make a tokenizer is a
+    /// [`GgufTokenizerError`] naming the key.
     ///
     /// ```
     /// # fn main() -> candle_core::Result<()> {
-    /// let f = strata::Gguf::open("tests/fixtures/llama.gguf")?;
-    /// let e = strata::candle::text::Tokenizer::from_gguf(&f).unwrap_err().to_string();
-    /// assert!(e.contains("tokenizer.ggml.model \"llama\"") && e.contains("tokenizer.json"), "{e}");
+    /// let f = strata::Gguf::open("tests/fixtures/tiny-gpt2.gguf")?;
+    /// let t = strata::candle::text::Tokenizer::from_gguf(&f)?;
+    /// let ids = t.encode("<|im_start|>user\nHello 42", false)?;
+    /// assert_eq!(t.decode(&ids, false)?, "<|im_start|>user\nHello 42");
     /// # Ok(()) }
     /// ```
     pub fn from_gguf(file: &crate::Gguf) -> candle_core::Result<Tokenizer> {
-        let text = |k: &str| file.get(k).and_then(|v| v.as_str()).map(|s| format!("{s:?}"));
-        let what = match (text("tokenizer.ggml.model"), text("tokenizer.ggml.pre")) {
-            (None, _) => "no tokenizer (no tokenizer.ggml.model)".to_string(),
-            (Some(m), None) => format!("a tokenizer of tokenizer.ggml.model {m}"),
-            (Some(m), Some(p)) => {
-                format!("a tokenizer of tokenizer.ggml.model {m}, tokenizer.ggml.pre {p}")
-            }
-        };
-        Err(text_err(format!(
-            "{} has {what}: strata does not read GGUF tokenizers; give the model's \
-             tokenizer.json (Tokenizer::from_file)",
-            file.path().display()
-        )))
+        GgufText::read(file).map_err(GgufTokenizerError::into_candle)?.tokenizer()
     }
 
     /// The tokens of `text`; `add_special_tokens` adds what the tokenizer's post-processor adds

@@ -227,14 +227,7 @@ impl TrainError {
     /// The [`TrainError`] inside `e`, if it is one (under any backtrace or context candle
     /// added).
     pub fn find(e: &candle_core::Error) -> Option<&TrainError> {
-        use candle_core::Error as E;
-        match e {
-            E::Io(io) => io.get_ref()?.downcast_ref::<TrainError>(),
-            E::WithBacktrace { inner, .. }
-            | E::Context { inner, .. }
-            | E::WithPath { inner, .. } => Self::find(inner),
-            _ => None,
-        }
+        super::find_carried(e)
     }
 }
 
