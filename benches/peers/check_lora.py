@@ -22,6 +22,11 @@ takes a step that float32 rounding of that tiny gradient changes by a sizeable p
 learning rate, and LoRA makes such elements: B starts at zero, so A's first gradients are tiny.
 The script names the worst element and how far it is, beside the share of elements that agree.
 
+Over a GGUF base (QLoRA: `strata finetune --model FILE.gguf ...`; --write-inputs then writes no
+weights), give `--gguf FILE`: the base is transformers' float32 dequantization of the file
+(`AutoModelForCausalLM.from_pretrained(dir, gguf_file=name, dtype=torch.float32)`), which
+dequantizes as the `gguf` package does, and so as strata does.
+
 Usage (from a checkout, `cargo run --release -- finetune ...` runs the same command):
   strata finetune --config CONFIG \\
       --init random --seed 1 --steps 5 --device-budget 256KiB --lora-rank 4 --lora-alpha 8 \\
@@ -34,7 +39,8 @@ With --save-peft DIR it saves PEFT's trained adapter (`save_pretrained`) and pri
 the first step's batch through it: `strata finetune` with the same flags and `--adapter DIR`
 (and no --lora-* flags: the adapter's config gives them) prints that loss at its step 1.
 The hyperparameters must be the run's (`strata finetune`'s defaults are the defaults here).
-Exits 1 when a float32 difference exceeds its tolerance.
+Exits 1 when a float32 difference exceeds its tolerance (the adapters' also passes when strata's
+are no farther from torch float64's than torch float32's are).
 """
 
 import argparse
@@ -54,8 +60,17 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from check_llama_train import diffs as full_diffs, lr_at  # noqa: E402
 
 
+GGUF = None  # --gguf FILE: the base is this GGUF file, dequantized by transformers' loader
+
+
 def base_model(inputs, dtype):
     from transformers import LlamaConfig, LlamaForCausalLM
+    if GGUF:
+        from transformers import AutoModelForCausalLM
+        directory, name = os.path.split(os.path.abspath(GGUF))
+        model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32,
+                                                     attn_implementation="eager")
+        return model.to(dtype)
     cfg = json.load(open(os.path.join(inputs, "config.json")))
     hf = LlamaConfig(**{k: v for k, v in cfg.items() if k not in ("architectures", "strata_checkpoint")})
     hf._attn_implementation = "eager"
@@ -175,6 +190,8 @@ def main():
     ap.add_argument("--log", required=True, help="strata finetune's stdout")
     ap.add_argument("--steps", type=int, required=True)
     ap.add_argument("--merged", help="strata finetune's --export-merged folder")
+    ap.add_argument("--gguf", help="the run's base, a GGUF file (strata finetune --model FILE.gguf): "
+                    "transformers' GGUF loader dequantizes it to float32")
     ap.add_argument("--save-peft", help="save PEFT's trained adapter there (for strata finetune --adapter)")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--min-lr", type=float)
@@ -185,6 +202,8 @@ def main():
     ap.add_argument("--adapter-tol", type=float, default=1e-3, help="on the adapters' relative L2")
     ap.add_argument("--logit-tol", type=float, default=1e-5)
     a = ap.parse_args()
+    global GGUF
+    GGUF = a.gguf
     if a.min_lr is None:
         a.min_lr = a.lr / 10
     if a.warmup is None:
@@ -221,7 +240,14 @@ def main():
     count = sum(v.numel() for v in w32.values())
     print(f"worst adapter element: {k}[{d.argmax().item()}] off by {d.max().item():.2e} (the tensor's largest "
           f"update {upd:.2e}); {close} of {count} adapter elements within 1% of that update")
-    ok = st[0] <= a.tol and st[1] <= a.adapter_tol
+    # The adapters agree when they are within --adapter-tol of torch f32's, or no farther from
+    # torch f64's than torch f32's own are (float32 rounding, which AdamW's division by tiny
+    # second moments amplifies, as the doc above says, can exceed the tolerance in both).
+    adapters_ok = st[1] <= a.adapter_tol or s64[1] <= t_64[1]
+    if st[1] > a.adapter_tol and adapters_ok:
+        print(f"adapters: strata is {s64[1]:.2e} from torch f64, torch f32 {t_64[1]:.2e}: within float32's own "
+              "difference")
+    ok = st[0] <= a.tol and adapters_ok
 
     # strata's adapter in PyTorch: PeftModel.from_pretrained on the checkpoint directory.
     from peft import PeftModel
@@ -236,6 +262,29 @@ def main():
         print(f"strata's adapter in PeftModel.from_pretrained({os.path.basename(ck)}): logits vs strata's "
               f"{r:.2e} of the largest logit")
         ok = ok and r <= a.logit_tol
+    # The first step's batch through strata's trained adapter in PEFT: the loss strata printed
+    # for it ("the first step's batch through the trained model: loss X").
+    said = [re.search(r"the first step's batch through the trained model: loss ([-0-9.eE+]+)", line)
+            for line in open(a.log)]
+    said = [float(m.group(1)) for m in said if m]
+    if said:
+        accum = tokens.shape[0] // a.steps
+        counted = sum(float(masks[i].sum()) for i in range(accum)) if masks is not None else \
+            float(accum * tokens.shape[1] * (tokens.shape[2] - 1))
+        total = 0.0
+        with torch.no_grad():
+            for i in range(accum):
+                t = tokens[i].long()
+                logits = peft_model(input_ids=t[:, :-1]).logits
+                ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), t[:, 1:].reshape(-1),
+                                     reduction="none")
+                if masks is not None:
+                    ce = ce * masks[i].reshape(-1)
+                total += (ce.sum() / counted).item()
+        r = abs(said[0] - total) / abs(total)
+        print(f"the first step's batch through strata's adapter: loss strata {said[0]:.6f}, PEFT "
+              f"{total:.6f} (relative difference {r:.2e})")
+        ok = ok and r <= a.tol
     if a.merged:
         from transformers import LlamaForCausalLM
         merged = LlamaForCausalLM.from_pretrained(a.merged, torch_dtype=torch.float32,

@@ -545,7 +545,12 @@ pub fn merge_adapter_into(
             }
         }
         if !matches!(info.dtype, DType::F32 | DType::BF16) {
-            candle_core::bail!("{base} is {}: adapters merge into f32 or bf16 weights", info.dtype);
+            candle_core::bail!(
+                "{base} is {}: adapters merge into f32 or bf16 weights (over a quantized GGUF \
+                 base, export the merged model with strata finetune --export-merged DIR and \
+                 run that)",
+                info.dtype
+            );
         }
         pairs.push((index, a, b));
     }

@@ -1,5 +1,6 @@
 //! Text in, text out (feature `text`): a Hugging Face `tokenizer.json` read with the
-//! `tokenizers` crate ([`Tokenizer`]), decoded as tokens come ([`TextStream`]: a piece is
+//! `tokenizers` crate ([`Tokenizer`]), or the tokenizer, chat template and special tokens of a
+//! GGUF file's metadata ([`GgufText`], as llama.cpp reads them), decoded as tokens come ([`TextStream`]: a piece is
 //! printed once its bytes make whole characters), chat templates from `tokenizer_config.json`
 //! rendered with minijinja as transformers renders them ([`ChatTemplate`]), the model's end of
 //! sequence ([`eos_tokens`]), and training data: documents and chats turned into token

@@ -549,7 +549,8 @@ pub fn put_random_tensors(
 ///
 /// A GGUF file (named `*.gguf`) is loaded by [`load_gguf_weights`](super::load_gguf_weights)
 /// instead: its tensors under Hugging Face's names, in the file's dtypes (block-quantized
-/// ones included, for generation: the trainer refuses them by name).
+/// ones included: generation dequantizes them where a layer is fetched, and the trainer takes
+/// them as a frozen base under LoRA adapters, QLoRA, refusing to train them by name).
 pub fn load_weights(
     store: &Store,
     config: &LlamaConfig,
@@ -982,7 +983,19 @@ impl Trainer {
             if info.shape != shape {
                 candle_core::bail!("{name} has shape {:?}, the config says {shape:?}", info.shape);
             }
-            let d = compute_dtype(info.dtype)?;
+            // A block-quantized weight (a GGUF base) is frozen: it is dequantized to f32
+            // where a stage fetches it, and never written.
+            let d = match info.dtype {
+                q if q.is_quantized() && train.is_trained(&name) => {
+                    return Err(TrainError::Invalid(format!(
+                        "{name} is {q}: a quantized weight is not trained; train LoRA \
+                         adapters over it (TrainConfig::lora, --lora-rank R) or freeze it"
+                    ))
+                    .into_candle())
+                }
+                q if q.is_quantized() => CDType::F32,
+                d => compute_dtype(d)?,
+            };
             if *dtype.get_or_insert(d) != d {
                 candle_core::bail!("{name} is {:?}: every parameter must have one dtype", d);
             }
@@ -1883,9 +1896,14 @@ fn prepare_masks(tc: &TrainConfig, masks: &[Tensor]) -> candle_core::Result<(Vec
     Ok((out, count))
 }
 
+/// A parameter's values in f32 (a quantized one dequantized, as the `gguf` package does).
 fn read_f32(store: &Store, name: &str, id: TensorId) -> candle_core::Result<Vec<f32>> {
     let info = store.info(id).map_err(|e| strata_err(name, e))?;
     Ok(match info.dtype {
+        q if q.is_quantized() => {
+            let bytes = store.read(id).map_err(|e| strata_err(name, e))?;
+            crate::quant::dequantize(q, &bytes).map_err(|e| strata_err(name, e))?
+        }
         DType::F32 => store.read_vec::<f32>(id).map_err(|e| strata_err(name, e))?,
         DType::BF16 => store
             .read_vec::<half::bf16>(id)

@@ -48,8 +48,10 @@ pub struct FinetuneArgs {
     /// The model's Hugging Face `config.json` (default: the one beside --model).
     #[arg(long, value_name = "FILE")]
     pub config: Option<PathBuf>,
-    /// The base weights: a `.safetensors` file, a sharded checkpoint's index, a directory, or a
-    /// Hugging Face id found in the local Hugging Face cache (Llama, Mistral or Qwen2 names).
+    /// The base weights: a `.safetensors` file, a sharded checkpoint's index, a directory, a
+    /// GGUF file (its config, tokenizer and chat template from its metadata; quantized weights
+    /// kept quantized, a frozen base for LoRA), or a Hugging Face id found in the local Hugging
+    /// Face cache (Llama, Mistral or Qwen2 names).
     #[arg(long, value_name = "PATH|ID", conflicts_with = "init")]
     pub model: Option<ModelArg>,
     /// Random weights instead of --model (`random`, seeded by --seed).
@@ -185,7 +187,8 @@ pub struct FinetuneArgs {
     /// loss on the responses only.
     #[arg(long, value_name = "FILE")]
     pub jsonl: Option<PathBuf>,
-    /// A `tokenizer.json` (default: the one beside --model).
+    /// A `tokenizer.json` or a GGUF file (default: a GGUF --model's own, else the one beside
+    /// --model).
     #[arg(long, value_name = "FILE")]
     pub tokenizer: Option<PathBuf>,
 }
@@ -298,7 +301,7 @@ impl FinetuneArgs {
         let text_flag = self.text.is_some() || self.jsonl.is_some();
         let tokenizer = match (&self.tokenizer, &model, text_flag) {
             (Some(t), _, _) => Some(t.clone()),
-            (None, Some(m), true) => model::beside(&m.weights, "tokenizer.json"),
+            (None, Some(m), true) => model::tokenizer_path(&m.weights, None),
             _ => None,
         };
         let a = Args {
@@ -362,7 +365,8 @@ impl Args {
 
     fn checked(self) -> Res<Args> {
         let a = self;
-        if a.config.is_none() && a.resume.is_none() {
+        let gguf = a.model.as_deref().is_some_and(model::is_gguf);
+        if a.config.is_none() && a.resume.is_none() && !gguf {
             return Err(
                 "--config is required (or --model DIR with its config.json, or --resume DIR)"
                     .into(),
@@ -391,9 +395,14 @@ impl Args {
         if texts.iter().filter(|&&x| x).count() > 1 {
             return Err("--data, --text and --jsonl: one of them".into());
         }
-        if (a.text.is_some() || a.jsonl.is_some()) != a.tokenizer.is_some() {
+        // A resumed run finds its tokenizer from its base model, as a new run does.
+        let text = a.text.is_some() || a.jsonl.is_some();
+        if (text && a.tokenizer.is_none() && a.resume.is_none()) || (!text && a.tokenizer.is_some())
+        {
             return Err(
-                "--text FILE and --jsonl FILE go with --tokenizer FILE (a tokenizer.json)".into()
+                "--text FILE and --jsonl FILE go with --tokenizer FILE (a tokenizer.json; \
+                        a GGUF model's own is taken)"
+                    .into(),
             );
         }
         if a.in_memory && a.resident_twin {
@@ -562,24 +571,19 @@ impl Data {
     /// target counted are left out.
     #[cfg(feature = "text")]
     fn text(a: &Args, vocab: usize, seq: usize) -> Res<Data> {
-        use crate::candle::text::{
-            check_vocab, eos_tokens, pack, read_jsonl, read_text_input, ChatTemplate, Tokenizer,
-            Tokens,
-        };
+        use crate::candle::text::{pack, read_jsonl, read_text_input, Tokens};
         let tok_path = a.tokenizer.as_ref().ok_or("--tokenizer FILE is needed")?;
-        let tokenizer = Tokenizer::from_file(tok_path)?;
-        check_vocab(&tokenizer, vocab)?;
-        let dir = tok_path.parent().unwrap_or(Path::new("."));
-        let eos = eos_tokens(dir, &tokenizer)?.and_then(|e| e.ids.first().copied());
+        let side = model::text_side(tok_path, vocab)?;
+        let tokenizer = &side.tokenizer;
+        let eos = side.eos.first().copied();
         let (path, examples) = match (&a.text, &a.jsonl) {
             (Some(p), _) => {
                 let text = read_text_input(p)?;
-                (p, vec![Tokens::document(&tokenizer, &text, eos)?])
+                (p, vec![Tokens::document(tokenizer, &text, eos)?])
             }
             (None, Some(p)) => {
                 let text = read_text_input(p)?;
-                let template = ChatTemplate::beside(tok_path)?;
-                (p, read_jsonl(&text, &tokenizer, template.as_ref(), eos)?)
+                (p, read_jsonl(&text, tokenizer, side.template.as_ref(), eos)?)
             }
             _ => return Err("--text FILE or --jsonl FILE".into()),
         };
@@ -770,6 +774,9 @@ pub fn run(args: FinetuneArgs) -> Res<Ended> {
     let config = match (&a.config, &ck, &a.model) {
         (Some(p), _, _) => LlamaConfig::from_file(p)?,
         (None, Some(ck), _) => ck.config.clone(),
+        (None, None, Some(m)) if model::is_gguf(m) => {
+            LlamaConfig::from_gguf(&crate::Gguf::open(m)?)?
+        }
         (None, None, Some(m)) => LlamaConfig::from_file(m.join("config.json"))?,
         (None, None, None) => return Err("--config is required".into()),
     };
@@ -830,7 +837,7 @@ pub fn run(args: FinetuneArgs) -> Res<Ended> {
         if a.tokenizer.is_none() {
             a.tokenizer = saved_notes
                 .get("base_model")
-                .and_then(|m| model::beside(Path::new(m), "tokenizer.json"));
+                .and_then(|m| model::tokenizer_path(Path::new(m), None));
         }
         if a.tokenizer.is_none() || (a.text.is_none() && a.jsonl.is_none()) {
             return Err("the run trains on text: give its --text or --jsonl FILE again (and \
@@ -1151,11 +1158,26 @@ pub fn run(args: FinetuneArgs) -> Res<Ended> {
             trainer.save_merged(dir)?;
             // A model directory a user can run or upload: the base's tokenizer, chat template
             // and generation config beside the merged weights.
-            let base_dir = base_model.as_deref().or(a.tokenizer.as_deref().and_then(Path::parent));
-            if let Some(base) = base_dir {
-                for f in TEXT_FILES {
-                    if let Some(src) = model::beside(base, f) {
-                        copy_whole(&src, &dir.join(f))?;
+            let tokenizer = a
+                .tokenizer
+                .clone()
+                .or_else(|| base_model.as_deref().and_then(|m| model::tokenizer_path(m, None)));
+            match tokenizer {
+                // A GGUF base's tokenizer, chat template and special tokens, written as Hugging
+                // Face's files.
+                Some(t) if model::is_gguf(&t) => {
+                    crate::candle::text::GgufText::read(&crate::Gguf::open(&t)?)?
+                        .write_hf_files(dir)?;
+                }
+                t => {
+                    let base_dir = base_model
+                        .as_deref()
+                        .filter(|m| !model::is_gguf(m))
+                        .or(t.as_deref().and_then(Path::parent));
+                    for f in TEXT_FILES {
+                        if let Some(src) = base_dir.and_then(|b| model::beside(b, f)) {
+                            copy_whole(&src, &dir.join(f))?;
+                        }
                     }
                 }
             }
@@ -1368,8 +1390,18 @@ fn write_inputs(
     std::fs::create_dir_all(dir)?;
     let named: Vec<(crate::TensorId, String)> =
         weights.iter().map(|(n, id)| (*id, n.clone())).collect();
-    let meta = BTreeMap::from([("format".to_string(), "pt".to_string())]);
-    store.save_safetensors_with(dir.join("model.safetensors"), &named, &meta)?;
+    let quantized =
+        weights.iter().any(|(_, id)| store.info(*id).is_ok_and(|i| i.dtype.is_quantized()));
+    if quantized {
+        // Safetensors cannot hold block-quantized weights: the checker reads the GGUF file.
+        out!(
+            "--write-inputs: the base is quantized (a GGUF file): its weights are not written \
+             (benches/peers/check_lora.py --gguf FILE reads them from the file)"
+        )?;
+    } else {
+        let meta = BTreeMap::from([("format".to_string(), "pt".to_string())]);
+        store.save_safetensors_with(dir.join("model.safetensors"), &named, &meta)?;
+    }
     std::fs::write(dir.join("config.json"), config.to_json())?;
     let mut tokens = Vec::new();
     for step in 0..steps {

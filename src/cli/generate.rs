@@ -59,8 +59,8 @@ pub struct GenerateArgs {
     /// One prompt a line: text with a tokenizer, token ids without.
     #[arg(long, value_name = "FILE")]
     pub prompts: Option<PathBuf>,
-    /// A tokenizer.json (default with --prompt or --chat: the one beside the weights; without
-    /// one, --prompts FILE holds token ids).
+    /// A tokenizer.json or a GGUF file (default with --prompt or --chat: a GGUF model's own,
+    /// else the one beside the weights; without one, --prompts FILE holds token ids).
     #[arg(long, value_name = "FILE")]
     pub tokenizer: Option<PathBuf>,
     /// Render each prompt as a user message with the model's chat template.
@@ -189,12 +189,13 @@ impl GenerateArgs {
     fn check(self) -> Res<Args> {
         let resolved = self.model.as_deref().map(model::resolve).transpose()?;
         let text = !self.prompt.is_empty() || self.tokenizer.is_some() || self.chat;
-        // With text prompts and no --tokenizer: the one beside the weights.
+        // With text prompts and no --tokenizer: a GGUF model's own, or the one beside the
+        // weights.
         let tokenizer = match (&self.tokenizer, &resolved) {
             (Some(t), _) => Some(t.clone()),
             (None, Some(m)) if text => Some(
-                model::beside(&m.weights, "tokenizer.json")
-                    .ok_or("--prompt and --chat need a tokenizer: no tokenizer.json beside the model: give --tokenizer FILE")?,
+                model::tokenizer_path(&m.weights, None)
+                    .ok_or_else(|| model::no_tokenizer(&m.weights, "--prompt and --chat need"))?,
             ),
             _ => None,
         };
@@ -360,16 +361,20 @@ fn prompts(a: &Args, vocab: usize) -> Res<Prompts> {
 
 #[cfg(feature = "text")]
 fn text_prompts(a: &Args, path: &Path, lines: &[String], vocab: usize) -> Res<Prompts> {
-    use crate::candle::text::{eos_tokens, ChatTemplate, Message, Tokenizer};
-    let tokenizer = Tokenizer::from_file(path)?;
-    crate::candle::text::check_vocab(&tokenizer, vocab)?;
-    let dir = match path.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
-        _ => PathBuf::from("."),
-    };
-    let template = match a.chat {
-        true => Some(ChatTemplate::from_file(dir.join("tokenizer_config.json"))?),
-        false => None,
+    use crate::candle::text::Message;
+    let side = model::text_side(path, vocab)?;
+    let tokenizer = side.tokenizer;
+    let template = match (a.chat, side.template) {
+        (true, Some(t)) => Some(t),
+        (true, None) => {
+            return Err(format!(
+                "--chat: the model has no chat template (none beside {}, or in its GGUF \
+                 metadata): prompt it without --chat",
+                path.display()
+            )
+            .into())
+        }
+        (false, _) => None,
     };
     let mut ids = Vec::with_capacity(lines.len());
     for line in lines {
@@ -389,12 +394,12 @@ fn text_prompts(a: &Args, path: &Path, lines: &[String], vocab: usize) -> Res<Pr
     }
     let stop = match &a.stop_tokens {
         Some(s) => s.clone(),
-        None => match eos_tokens(&dir, &tokenizer)? {
-            Some(eos) => {
-                out!("stops at {:?} ({})", eos.ids, eos.from)?;
-                eos.ids
+        None => match side.eos.is_empty() {
+            false => {
+                out!("stops at {:?} ({})", side.eos, side.eos_from)?;
+                side.eos
             }
-            None => {
+            true => {
                 out!(
                     "no end-of-sequence token beside the tokenizer: {} new tokens each",
                     a.max_new

@@ -120,59 +120,80 @@ impl Resolved {
 
 /// The text side of a model: its tokenizer, chat template and end-of-sequence tokens.
 pub struct TextSide {
-    /// `tokenizer.json`.
+    /// `tokenizer.json`'s, or a GGUF file's.
     pub tokenizer: Tokenizer,
-    /// The chat template of `tokenizer_config.json`, when the model has one.
+    /// The chat template of `tokenizer_config.json` (or a GGUF file's), when the model has one.
     pub template: Option<ChatTemplate>,
     /// The tokens that end a generation (empty: none known).
     pub eos: Vec<u32>,
     /// Where they were read from.
     pub eos_from: String,
+    /// The GGUF file's text side, when the tokenizer is a GGUF file's.
+    pub gguf: Option<crate::candle::text::GgufText>,
 }
 
-/// The tokenizer (`--tokenizer FILE`, else `tokenizer.json` beside the weights), its chat
-/// template and end-of-sequence tokens; a tokenizer whose ids run past the model's vocabulary is
-/// refused here, before anything is generated.
-pub fn text_side(m: &Resolved, tokenizer: Option<&Path>, config: &LlamaConfig) -> Res<TextSide> {
-    let path = match tokenizer {
-        Some(t) => t.to_path_buf(),
-        None => beside(&m.weights, "tokenizer.json").ok_or_else(|| {
-            format!(
-                "no tokenizer.json beside {}: give the model's --tokenizer FILE{}",
-                m.weights.display(),
-                if is_gguf(&m.weights) {
-                    " (a GGUF file's own tokenizer, tokenizer.ggml.*, is not read yet)"
-                } else {
-                    ""
-                }
-            )
-        })?,
-    };
-    let tok = Tokenizer::from_file(&path)?;
-    crate::candle::text::check_vocab(&tok, config.vocab_size)?;
-    let dir = dir_of(&path);
+/// Where a model's tokenizer is: `--tokenizer FILE` (a `tokenizer.json`, or a GGUF file whose
+/// metadata has one), else a GGUF model's own metadata, else the `tokenizer.json` beside the
+/// weights; `None` when there is none of these.
+pub fn tokenizer_path(weights: &Path, flag: Option<&Path>) -> Option<PathBuf> {
+    match flag {
+        Some(t) => Some(t.to_path_buf()),
+        None if is_gguf(weights) => Some(weights.to_path_buf()),
+        None => beside(weights, "tokenizer.json"),
+    }
+}
+
+/// The error of a model with no tokenizer found ([`tokenizer_path`]).
+pub fn no_tokenizer(weights: &Path, what: &str) -> String {
+    format!(
+        "{what} a tokenizer: no tokenizer.json beside {}: give the model's --tokenizer FILE",
+        weights.display()
+    )
+}
+
+/// The tokenizer at `path` ([`tokenizer_path`]: a `tokenizer.json`, with the chat template and
+/// end-of-sequence tokens of the files beside it; or a GGUF file, with its metadata's), checked
+/// against the model's vocabulary of `vocab`: a tokenizer whose ids run past it is refused
+/// here, before anything is generated or trained.
+pub fn text_side(path: &Path, vocab: usize) -> Res<TextSide> {
+    if is_gguf(path) {
+        let file = crate::Gguf::open(path)?;
+        let g = crate::candle::text::GgufText::read(&file)?;
+        let tok = g.tokenizer()?;
+        crate::candle::text::check_vocab(&tok, vocab)?;
+        let eos = g.stop_tokens();
+        let eos_from = if eos.is_empty() {
+            "none known".to_string()
+        } else {
+            format!("{}: tokenizer.ggml.eos_token_id", path.display())
+        };
+        let template = g.chat_template()?;
+        return Ok(TextSide { tokenizer: tok, template, eos, eos_from, gguf: Some(g) });
+    }
+    let tok = Tokenizer::from_file(path)?;
+    crate::candle::text::check_vocab(&tok, vocab)?;
     // None for a base model (no chat template); a template that does not parse is an error.
-    let template = ChatTemplate::beside(&path)?;
-    let (eos, eos_from) = match eos_tokens(&dir, &tok)? {
+    let template = ChatTemplate::beside(path)?;
+    let (eos, eos_from) = match eos_tokens(&dir_of(path), &tok)? {
         Some(e) => (e.ids, e.from),
         None => (Vec::new(), "none known".to_string()),
     };
-    Ok(TextSide { tokenizer: tok, template, eos, eos_from })
+    Ok(TextSide { tokenizer: tok, template, eos, eos_from, gguf: None })
 }
 
 /// How the model is loaded: the flags `chat` and `serve` share.
 #[derive(clap::Args, Debug, Clone)]
 pub struct ModelFlags {
     /// The model: a `.safetensors` file, a sharded checkpoint's index, a directory (Llama,
-    /// Mistral or Qwen2 as Hugging Face ships them), or a Hugging Face id found in the local
-    /// Hugging Face cache.
+    /// Mistral or Qwen2 as Hugging Face ships them), a GGUF file (its config, tokenizer and chat
+    /// template from its metadata), or a Hugging Face id found in the local Hugging Face cache.
     #[arg(long, value_name = "PATH|ID")]
     pub model: ModelArg,
     /// The model's config.json (default: the one beside the weights).
     #[arg(long, value_name = "FILE")]
     pub config: Option<PathBuf>,
-    /// A tokenizer.json (default: the one beside the weights; its tokenizer_config.json gives
-    /// the chat template).
+    /// A tokenizer.json (default: a GGUF model's own, else the one beside the weights; its
+    /// tokenizer_config.json gives the chat template), or a GGUF file's.
     #[arg(long, value_name = "FILE")]
     pub tokenizer: Option<PathBuf>,
     /// A PEFT LoRA adapter directory merged into the weights in the store (the model's files
@@ -222,7 +243,9 @@ impl Llm {
     pub fn load(flags: &ModelFlags, positions: usize) -> Res<Llm> {
         let m = resolve(&flags.model)?;
         let config = m.llama_config(flags.config.as_deref())?;
-        let text = text_side(&m, flags.tokenizer.as_deref(), &config)?;
+        let tokenizer = tokenizer_path(&m.weights, flags.tokenizer.as_deref())
+            .ok_or_else(|| no_tokenizer(&m.weights, "the model needs"))?;
+        let text = text_side(&tokenizer, config.vocab_size)?;
         let device = crate::candle::default_device()?;
         let dtype = flags.dtype;
         let kv_bytes = (2 * config.num_hidden_layers * config.num_key_value_heads)

@@ -683,3 +683,80 @@ fn ids_past_the_tokenizers_vocabulary_have_no_text() {
     assert_eq!(ids.len(), 40, "{stdout}");
     assert!(ids.iter().any(|&t| t >= 260), "no id past the tokenizer's 260 to test: {ids:?}");
 }
+
+/// QLoRA over a quantized GGUF base (`tests/fixtures/tiny-gpt2.gguf`: Q8_0, Q4_1 and Q4_0
+/// weights, its tokenizer and chat template in its metadata, no --config, no --tokenizer): the
+/// base comes quantized through the Device tier, the loss on the first batch goes down,
+/// a run stopped and resumed ends with the whole run's losses, and the merged export is a
+/// Hugging Face directory (f32 weights, config, the GGUF's tokenizer and chat template as
+/// files) that `strata generate --chat` runs.
+#[test]
+fn qlora_over_a_gguf_base_trains_resumes_and_exports_a_dequantized_merged_model() {
+    let gguf = format!("{}/tests/fixtures/tiny-gpt2.gguf", env!("CARGO_MANIFEST_DIR"));
+    let data = format!("{}/examples/data/strata-faq.jsonl", env!("CARGO_MANIFEST_DIR"));
+    let dir = tempfile::tempdir().unwrap();
+    let (whole, part, merged) =
+        (dir.path().join("whole"), dir.path().join("part"), dir.path().join("merged"));
+    let mut lora = strings(&["--model", &gguf, "--jsonl", &data, "--lora-rank", "4"]);
+    lora.extend(strings(&["--seq", "16", "--micro-batch", "1", "--accum", "2", "--steps", "6"]));
+    lora.extend(strings(&["--lr", "2e-2", "--device-budget", "256KiB"]));
+    let mut args = lora.clone();
+    args.extend(strings(&["--save", whole.to_str().unwrap(), "--export-merged"]));
+    args.push(merged.to_str().unwrap().to_string());
+    let w = run(&args, Duration::from_secs(300));
+    assert_eq!(w.code, Some(0), "{}", w.stderr);
+    let want = losses(&w.stdout);
+    assert_eq!(want.len(), 6, "{}", w.stdout);
+    // The first batch through the trained model: "loss A (it was B at step 1".
+    let line = w.stdout.lines().find(|l| l.contains("the first step's batch")).unwrap();
+    let nums: Vec<f64> = line
+        .split(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .filter_map(|s| s.parse().ok())
+        .collect();
+    assert!(nums[0] < nums[1] - 0.05, "the loss did not go down: {line}");
+    // The quantized base came through the Device tier.
+    assert!(w.stdout.contains("moved [pinned->device"), "{}", w.stdout);
+
+    let mut args = lora.clone();
+    args.extend(strings(&["--save", part.to_str().unwrap(), "--stop-after", "3"]));
+    let r = run(&args, Duration::from_secs(300));
+    assert_eq!(r.code, Some(0), "{}", r.stderr);
+    let mut got = losses(&r.stdout);
+    // Resumed without --model, --tokenizer or --config: the checkpoint names its GGUF base.
+    let resume = strings(&["--resume", part.to_str().unwrap(), "--save", part.to_str().unwrap()]);
+    let mut resume = resume;
+    resume.extend(strings(&["--jsonl", &data]));
+    let r = run(&resume, Duration::from_secs(300));
+    assert_eq!(r.code, Some(0), "{}", r.stderr);
+    got.extend(losses(&r.stdout));
+    assert_eq!(got, want);
+
+    for f in ["config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json"] {
+        assert!(merged.join(f).is_file(), "{f}");
+    }
+    let mut st = 0;
+    for e in std::fs::read_dir(&merged).unwrap() {
+        let p = e.unwrap().path();
+        if p.extension().is_some_and(|x| x == "safetensors") {
+            let bytes = std::fs::read(&p).unwrap();
+            let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+            for (name, t) in file.tensors() {
+                assert_eq!(t.dtype(), safetensors::Dtype::F32, "{name}");
+                st += 1;
+            }
+        }
+    }
+    assert_eq!(st, 2 + 2 * 9, "the embedding, the final norm and 2 blocks of 9 tensors");
+    // The merged model and the GGUF base chat, each with its own tokenizer and template.
+    for model in [merged.to_str().unwrap(), gguf.as_str()] {
+        let out = Command::new(env!("CARGO_BIN_EXE_strata"))
+            .args(["generate", "--model", model, "--chat", "--prompt", "What is strata?"])
+            .args(["--max-new", "4", "--device-budget", "64KiB"])
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        let (o, e) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        assert!(out.status.success(), "{model}: {e}");
+        assert!(o.contains("stops at [2]"), "{model}: {o}");
+    }
+}

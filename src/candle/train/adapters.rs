@@ -188,7 +188,8 @@ impl Trainer {
     }
 
     /// Writes the model with its adapters merged (`W + scale · B·A` in f32, rounded once to the
-    /// weights' dtype: PEFT's `merge_and_unload`) into the new directory `dir` as a plain
+    /// weights' dtype, f32 for a quantized base's weights, which are dequantized as the `gguf`
+    /// package dequantizes them: PEFT's `merge_and_unload`) into the new directory `dir` as a plain
     /// Hugging Face checkpoint: one `model-NNNNN-of-NNNNN.safetensors` a stage,
     /// `model.safetensors.index.json` and `config.json` (loadable by
     /// [`load_weights`](super::load_weights), `LlamaForCausalLM.from_pretrained`, and this
@@ -276,14 +277,21 @@ impl Trainer {
                         merge(&w, &get(&s.a.0)?, &get(&s.b.0)?, scale)?
                     }
                 };
-                let bytes: Vec<u8> = match info.dtype {
-                    DType::BF16 => bytemuck::cast_slice(
-                        &w.to_dtype(CDType::BF16)?.flatten_all()?.to_vec1::<half::bf16>()?,
-                    )
-                    .to_vec(),
-                    _ => bytemuck::cast_slice(&w.flatten_all()?.to_vec1::<f32>()?).to_vec(),
+                // A quantized base weight (a GGUF file's) is written dequantized, in f32.
+                let (dtype, bytes): (DType, Vec<u8>) = match info.dtype {
+                    DType::BF16 => (
+                        DType::BF16,
+                        bytemuck::cast_slice(
+                            &w.to_dtype(CDType::BF16)?.flatten_all()?.to_vec1::<half::bf16>()?,
+                        )
+                        .to_vec(),
+                    ),
+                    _ => (
+                        DType::F32,
+                        bytemuck::cast_slice(&w.flatten_all()?.to_vec1::<f32>()?).to_vec(),
+                    ),
                 };
-                tensors.push((p.name.clone(), info.dtype, info.shape, bytes));
+                tensors.push((p.name.clone(), dtype, info.shape, bytes));
             }
             if tensors.is_empty() {
                 continue;
