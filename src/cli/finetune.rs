@@ -807,8 +807,13 @@ pub fn run(args: FinetuneArgs) -> Res<Ended> {
         );
     }
     let budgets = Budgets { device: a.device_budget, pinned: a.pinned_budget };
+    // The base the run trains over: --model, or the one a resumed run's checkpoint names.
+    let base = a
+        .model
+        .clone()
+        .or_else(|| ck.as_ref().and_then(|c| c.notes.get("base_model")).map(PathBuf::from));
     if a.plan_only {
-        let plan = TrainPlan::new(&config, &train, dtype, &machine, budgets)?;
+        let plan = plan_for(&config, &train, dtype, &machine, budgets, base.as_deref())?;
         out!("{plan}\nplan's {} ({})", plan.floor(&machine, None), machine.rates())?;
         return Ok(Ended::Done);
     }
@@ -920,7 +925,7 @@ pub fn run(args: FinetuneArgs) -> Res<Ended> {
     // cannot hold.
     let out_of_core = !a.in_memory;
     let plan = if out_of_core {
-        let plan = TrainPlan::new(&config, &train, dtype, &machine, budgets)?;
+        let plan = plan_for(&config, &train, dtype, &machine, budgets, base.as_deref())?;
         out!("{plan}")?;
         Some(plan)
     } else {
@@ -1221,6 +1226,32 @@ pub fn run(args: FinetuneArgs) -> Res<Ended> {
     let last = losses.last().ok_or("no step ran")?;
     out!("{last}")?;
     Ok(Ended::Done)
+}
+
+/// The run's memory plan; a GGUF base's weights are planned at the bytes they are stored in
+/// (quantized blocks), the others at `dtype`'s.
+fn plan_for(
+    config: &LlamaConfig,
+    train: &TrainConfig,
+    dtype: DType,
+    machine: &Machine,
+    budgets: Budgets,
+    base: Option<&Path>,
+) -> Res<TrainPlan> {
+    let Some(path) = base.filter(|p| model::is_gguf(p)) else {
+        return Ok(TrainPlan::new(config, train, dtype, machine, budgets)?);
+    };
+    let file = crate::Gguf::open(path)?;
+    let sizes: HashMap<String, u64> = file
+        .tensors()
+        .iter()
+        .filter_map(|t| Some((crate::candle::hf_name(&t.name)?, t.bytes)))
+        .collect();
+    let elem = dtype.size_of() as u64;
+    let stored = |name: &str, shape: &[usize]| {
+        sizes.get(name).copied().unwrap_or(shape.iter().product::<usize>() as u64 * elem)
+    };
+    Ok(TrainPlan::with_weight_bytes(config, train, dtype, machine, budgets, &stored)?)
 }
 
 /// The out-of-core steps' throughput against the resident twin's, in one run: the medians of

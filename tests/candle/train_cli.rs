@@ -699,7 +699,7 @@ fn qlora_over_a_gguf_base_trains_resumes_and_exports_a_dequantized_merged_model(
         (dir.path().join("whole"), dir.path().join("part"), dir.path().join("merged"));
     let mut lora = strings(&["--model", &gguf, "--jsonl", &data, "--lora-rank", "4"]);
     lora.extend(strings(&["--seq", "16", "--micro-batch", "1", "--accum", "2", "--steps", "6"]));
-    lora.extend(strings(&["--lr", "2e-2", "--device-budget", "256KiB"]));
+    lora.extend(strings(&["--lr", "2e-2", "--device-budget", "64KiB"]));
     let mut args = lora.clone();
     args.extend(strings(&["--save", whole.to_str().unwrap(), "--export-merged"]));
     args.push(merged.to_str().unwrap().to_string());

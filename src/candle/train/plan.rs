@@ -259,6 +259,24 @@ impl TrainPlan {
         machine: &Machine,
         given: Budgets,
     ) -> candle_core::Result<TrainPlan> {
+        let elem = dtype.size_of() as u64;
+        let dense = |_: &str, s: &[usize]| s.iter().product::<usize>() as u64 * elem;
+        Self::with_weight_bytes(config, train, dtype, machine, given, &dense)
+    }
+
+    /// [`TrainPlan::new`] for weights stored in other sizes than `dtype`'s: `stored(name,
+    /// shape)` is the bytes of the model's tensor `name` in the store (a GGUF base's
+    /// block-quantized weights: their blocks' bytes). The Device tier, the host memory and the
+    /// step's traffic are sized by them; candle's working set by `dtype`, which the weights are
+    /// dequantized to where a stage fetches them.
+    pub fn with_weight_bytes(
+        config: &LlamaConfig,
+        train: &TrainConfig,
+        dtype: DType,
+        machine: &Machine,
+        given: Budgets,
+        stored: &dyn Fn(&str, &[usize]) -> u64,
+    ) -> candle_core::Result<TrainPlan> {
         let refuse = |why: String| TrainError::Invalid(why).into_candle();
         let elem = dtype.size_of() as u64;
         let (mb, seq, accum) = (train.micro_batch as u64, train.seq as u64, train.accum as u64);
@@ -281,8 +299,21 @@ impl TrainPlan {
         }
         let tokens_mb = mb * seq;
         let tensors = config.tensors();
-        let numel = |s: &[usize]| s.iter().product::<usize>() as u64;
-        let stage_max = (config.block_parameters()).max(v * h) * elem;
+        let bytes: Vec<u64> = tensors.iter().map(|(n, s)| stored(n, s)).collect();
+        // The largest block's weights as stored, and the largest stage's (a block, or the
+        // embedding or the head).
+        let mut per_block = vec![0u64; config.num_hidden_layers];
+        let mut outside = 0u64;
+        for ((name, _), &b) in tensors.iter().zip(&bytes) {
+            match super::layer_of(name).and_then(|l| per_block.get_mut(l)) {
+                Some(sum) => *sum += b,
+                None => outside = outside.max(b),
+            }
+        }
+        let block = per_block.iter().copied().max().unwrap_or(0);
+        let stage_max = block.max(outside);
+        // A stage as candle holds it: in `dtype`.
+        let stage_compute = (config.block_parameters()).max(v * h) * elem;
         let block_ck = accum * tokens_mb * h * elem;
         let checkpoint = tokens_mb * h * elem;
 
@@ -290,15 +321,15 @@ impl TrainPlan {
         // its f32 gradients, every micro-batch's hidden state and its gradient, one block's
         // forward and backward for a micro-batch (fused attention: no seq × seq), the head's
         // logits and their softmax and gradients, the embedding's f32 gradient.
-        let working_set = 2 * stage_max
-            + stage_max / elem * 4
+        let working_set = 2 * stage_compute
+            + stage_compute / elem * 4
             + 2 * accum * tokens_mb * h * elem
             + tokens_mb * (12 * h + 6 * inter) * 4
             + tokens_mb * v * 16
             + v * h * 4;
         let cuda_reserve = if machine.device_is_host { 0 } else { GIB };
         let streaming = 2 * stage_max + 2 * block_ck;
-        let params: u64 = tensors.iter().map(|(_, s)| numel(s) * elem).sum();
+        let params: u64 = bytes.iter().sum();
         let ck_total = layers * block_ck;
         let device_budget = match given.device {
             Some(d) => d,
@@ -308,7 +339,6 @@ impl TrainPlan {
                 room.min(params + ck_total + stage_max + (64 << 20))
             }
         };
-        let block = config.block_parameters() * elem;
         if device_budget < block {
             return Err(refuse(format!(
                 "a Device tier of {} cannot hold one block's weights ({}): every block would be \
@@ -328,8 +358,8 @@ impl TrainPlan {
         // What the trainer makes, in its order: the weights (moved to Pinned), the optimizer's
         // gradients then its masters and moments, then the activation checkpoints.
         let mut made: Vec<(Group, u64, Home)> = Vec::new();
-        for (_, s) in &tensors {
-            made.push((Group::Param, numel(s) * elem, Home::PinnedOnly));
+        for &b in &bytes {
+            made.push((Group::Param, b, Home::PinnedOnly));
         }
         let trainable = trainable_sizes(config, train)?;
         let total = trainable.iter().try_fold(0u64, |a, &n| a.checked_add(n));
@@ -680,6 +710,17 @@ mod tests {
         LlamaConfig::from_file("examples/configs/tiny-llama.json").unwrap()
     }
 
+    /// A host of 16 GiB whose device is its memory (CPU candle), as `detect` makes it.
+    fn host_machine() -> Machine {
+        Machine {
+            device_bytes: 16 << 30,
+            device_is_host: true,
+            host_bytes: 16 << 30,
+            flops: None,
+            ..Machine::h100()
+        }
+    }
+
     fn budgets(device: u64) -> Budgets {
         Budgets { device: Some(device), ..Budgets::default() }
     }
@@ -692,14 +733,7 @@ mod tests {
     fn a_device_tier_too_small_for_a_resident_update_is_refused_naming_the_least() {
         let c = tiny();
         let t = TrainConfig { micro_batch: 1, seq: 32, accum: 1, ..TrainConfig::default() };
-        // A host of 16 GiB whose device is its memory (CPU candle), as `detect` makes it.
-        let m = Machine {
-            device_bytes: 16 << 30,
-            device_is_host: true,
-            host_bytes: 16 << 30,
-            flops: None,
-            ..Machine::h100()
-        };
+        let m = host_machine();
         let resident = TrainConfig { engine: Engine::GpuResident, ..t.clone() };
         let e = TrainPlan::new(&c, &resident, DType::F32, &m, budgets(300 << 10))
             .unwrap_err()
@@ -718,5 +752,32 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("(its weights and gradient on the device: 128.00 KiB)"), "{e}");
+    }
+
+    /// A quantized base (a GGUF file's weights, a quarter of their f32 bytes here) is planned
+    /// by its stored bytes: a Device tier smaller than an f32 block but as large as a stored one
+    /// is taken, and a step's PCIe traffic is the stored bytes'.
+    #[test]
+    fn a_quantized_base_is_planned_by_its_stored_bytes() {
+        let c = tiny();
+        let lora = crate::candle::LoraConfig::new(4, 8.0, &["q_proj", "v_proj"]);
+        let t = TrainConfig {
+            micro_batch: 1,
+            seq: 32,
+            accum: 1,
+            lora: Some(lora),
+            ..TrainConfig::default()
+        };
+        let m = host_machine();
+        let f32_block = c.block_parameters() * 4;
+        let quarter = |_: &str, s: &[usize]| s.iter().product::<usize>() as u64;
+        let small = budgets(f32_block / 2);
+        let e = TrainPlan::new(&c, &t, DType::F32, &m, small).unwrap_err().to_string();
+        assert!(e.contains("cannot hold one block's weights"), "{e}");
+        let q = TrainPlan::with_weight_bytes(&c, &t, DType::F32, &m, small, &quarter).unwrap();
+        let f = TrainPlan::new(&c, &t, DType::F32, &m, budgets(f32_block * 4)).unwrap();
+        let weights = |p: &TrainPlan| p.placed[Group::Param.index()].iter().sum::<u64>();
+        assert_eq!(weights(&f), 4 * weights(&q));
+        assert_eq!(f.pcie.0 - q.pcie.0, 2 * (weights(&f) - weights(&q)));
     }
 }
