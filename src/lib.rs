@@ -56,10 +56,11 @@
 //! `strata::candle` serves a store's tensors to candle models (`docs/candle.md`).
 //!
 //! ## Inside
-//! The crate is layered in the order its calls run; each layer is a folder (or a few files) and
-//! imports only the layers below it (a test, `tests/layers.rs`, fails on any other import).
-//! `docs/architecture.md` says what each layer does and how a device-view miss and a training
-//! step go through them. `unsafe` lives only in the backend and the tier arenas. The `strata`
+//! The crate is layered in the order its calls run; each layer is a folder of `src/` (the bottom
+//! one, `base/`, holds the types and the error; `compute/` the optimizer, plans and kernels built
+//! on the public API) and imports only the layers below it (a test, `tests/layers.rs`, fails on
+//! any other import). `docs/architecture.md` says what each layer does and how a device-view miss
+//! and a training step go through them. `unsafe` lives only in the backend and the tier arenas. The `strata`
 //! binary's code sits behind the `cli` feature (on by default) with its dependencies (clap,
 //! indicatif, plotters, csv; `docs/dependencies.md`); everything else builds with
 //! `default-features = false`.
@@ -77,11 +78,8 @@ pub mod cli;
 #[cfg(feature = "candle")]
 pub mod candle;
 
-pub mod kernels;
-pub mod linalg;
-pub mod optim;
-pub mod plan;
-pub mod probe;
+mod compute;
+pub use compute::{kernels, linalg, optim, plan, probe};
 
 mod api;
 
@@ -97,25 +95,20 @@ mod tiers;
 mod backend;
 pub use backend::sim::{LinkSharing, Simulation};
 
-mod element;
-mod error;
+mod base;
 #[doc(hidden)] // fault injection for strata's own tests (feature `failpoints`); not an API
-pub mod failpoint;
-pub mod quant;
-mod sync;
-#[cfg(test)]
-mod testutil;
-mod types;
+pub use base::failpoint;
+pub use base::quant;
 
 pub use api::{
     host_memory_available, DeviceView, HostRead, HostView, LayerScope, LoadOptions, MappedView,
     Stats, Store, StoreBuilder, Stream, TensorInfo, TierStats,
 };
 pub use api::{Gguf, GgufTensor, GgufValue, Loaded, LoadedFile, LoadedTensor};
-pub use element::Element;
-pub use error::{Error, Result};
+pub use base::element::Element;
+pub use base::error::{Error, Result};
+pub use base::types::{format_size, parse_size, BackendKind, DType, Group, TensorId, Tier};
 pub use policy::{FrequencyPolicy, LruPolicy, Policy, PolicyKind, SchedulePolicy, VictimKey};
-pub use types::{format_size, parse_size, BackendKind, DType, Group, TensorId, Tier};
 
 /// Number of CUDA devices the driver reports, or why there is no usable GPU (no driver library,
 /// `cuInit` failed, no device). Never panics, also on machines without CUDA.

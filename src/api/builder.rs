@@ -12,7 +12,8 @@ use crate::backend::cuda::{self, CudaBackend};
 use crate::backend::host::HostBackend;
 use crate::backend::sim::{SimClock, Simulation};
 use crate::backend::Backend;
-use crate::error::{Error, Result};
+use crate::base::error::{Error, Result};
+use crate::base::types::{format_size, BackendKind, Tier};
 use crate::migrate::timeline::{Clock, Timeline};
 use crate::migrate::workers::Workers;
 use crate::migrate::{Counters, Shared, State};
@@ -23,7 +24,6 @@ use crate::tiers::arena::{MemArena, StagingBuf};
 use crate::tiers::disk::DiskSlab;
 use crate::tiers::staging::StagingPool;
 use crate::tiers::{TierBooks, TierMem};
-use crate::types::{format_size, BackendKind, Tier};
 
 /// Default budgets: Device, Pinned, Mapped, Disk.
 const DEFAULT_CAPACITY: [u64; 4] = [1 << 30, 1 << 30, 256 << 20, 64 << 30];
@@ -316,8 +316,8 @@ impl StoreBuilder {
         let disk_cap = self.capacity[Tier::Disk.index()];
         let disk = if disk_cap > 0 {
             let dir = self.disk_dir.as_deref();
-            crate::failpoint::check(
-                crate::failpoint::Site::DiskOpen,
+            crate::base::failpoint::check(
+                crate::base::failpoint::Site::DiskOpen,
                 dir.unwrap_or(std::path::Path::new("<temp dir>")),
             )?;
             let (slab, alloc) = DiskSlab::open(dir, disk_cap, true)?;

@@ -16,10 +16,10 @@ pub use checkpoint::{Loaded, LoadedFile, LoadedTensor};
 pub use gguf::{Gguf, GgufTensor, GgufValue};
 
 use super::Store;
-use crate::error::{Error, Result};
+use crate::base::error::{Error, Result};
+use crate::base::types::{DType, Group, TensorId, Tier};
 use crate::migrate::load::{self, InFile};
 use crate::tiers::file::ExternalFile;
-use crate::types::{DType, Group, TensorId, Tier};
 
 /// How [`Store::load_checkpoint`] and [`Store::load_safetensors`] load a checkpoint.
 #[derive(Clone, Debug, Default)]

@@ -3,12 +3,12 @@
 use std::sync::Arc;
 
 use super::Store;
-use crate::error::{Error, Result};
+use crate::base::error::{Error, Result};
+use crate::base::types::TensorId;
 use crate::migrate::prefetch::{self, Outcome};
 use crate::migrate::timeline;
 use crate::migrate::{Locked, Shared};
 use crate::residency::Source;
-use crate::types::TensorId;
 
 impl Store {
     /// Starts bringing these tensors to the Device tier and returns at once. A later

@@ -2,7 +2,7 @@
 //! tiers' used bytes) checked against the tensors after random operations through the public
 //! API (`State::check_books`, in migration, does the checking).
 
-use crate::testutil::Rng;
+use crate::base::testutil::Rng;
 use crate::{DType, Group, PolicyKind, Store, Tier};
 
 #[test]

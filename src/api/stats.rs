@@ -2,7 +2,7 @@
 
 use std::fmt;
 
-use crate::types::{format_size, BackendKind, Group, Tier};
+use crate::base::types::{format_size, BackendKind, Group, Tier};
 
 /// Use of one tier.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

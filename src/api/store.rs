@@ -7,12 +7,12 @@ use std::sync::Arc;
 use super::{DeviceView, HostRead, HostView, MappedView, Stats, Stream, TierStats};
 use crate::backend::sim::Simulation;
 use crate::backend::Backend;
-use crate::element::Element;
-use crate::error::{Error, Result};
+use crate::base::element::Element;
+use crate::base::error::{Error, Result};
+use crate::base::types::{BackendKind, DType, Group, TensorId, Tier};
 use crate::migrate::ops;
 use crate::migrate::Shared;
 use crate::tiers::Ext;
-use crate::types::{BackendKind, DType, Group, TensorId, Tier};
 
 /// A tiered tensor store. `Send + Sync`: share it (`Arc<Store>` or `&Store`) between threads.
 ///

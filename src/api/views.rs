@@ -6,13 +6,13 @@ use cudarc::driver::{CudaSlice, CudaStream, CudaView, CudaViewMut};
 
 use crate::backend::cuda::BorrowedSlice;
 use crate::backend::RawStream;
-use crate::element::Element;
-use crate::error::{Error, Result};
+use crate::base::element::Element;
+use crate::base::error::{Error, Result};
+use crate::base::types::{BackendKind, DType, TensorId, Tier};
 use crate::migrate::ops;
 use crate::migrate::Shared;
 use crate::residency::Meta;
 use crate::tiers::arena::WriteLease;
-use crate::types::{BackendKind, DType, TensorId, Tier};
 
 /// An ordered queue of device work: a cudarc [`CudaStream`] on the CUDA backend, a worker thread
 /// that runs jobs in order on the host backend. Code written against `Stream` runs on both.

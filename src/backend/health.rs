@@ -12,7 +12,7 @@
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::OnceLock;
 
-use crate::error::{Error, Result};
+use crate::base::error::{Error, Result};
 
 /// Failures of the driver in a row after which the backend is declared failed.
 pub(crate) const STRIKES: u32 = 3;

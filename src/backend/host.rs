@@ -20,7 +20,7 @@ use parking_lot::{Condvar, Mutex};
 
 use super::sim::{Lane, SimClock};
 use super::{Addr, Block, BlockOwner, MemKind, RawStream};
-use crate::error::{Error, Result};
+use crate::base::error::{Error, Result};
 
 /// Alignment of host-backend blocks: a page, so O_DIRECT reads may land in them.
 const HOST_BLOCK_ALIGN: usize = 4096;
@@ -232,7 +232,7 @@ impl HostStream {
                 Self::sim_issue(lane, 0.0, Some(len));
             }
             None => self.submit(Box::new(move || {
-                if let Some(d) = crate::failpoint::copy_delay() {
+                if let Some(d) = crate::base::failpoint::copy_delay() {
                     std::thread::sleep(d);
                 }
                 job.run()

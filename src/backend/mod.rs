@@ -16,9 +16,9 @@ pub(crate) mod sim;
 
 use std::sync::Arc;
 
-use crate::error::Result;
-use crate::sync::Signal;
-use crate::types::BackendKind;
+use crate::base::error::Result;
+use crate::base::sync::Signal;
+use crate::base::types::BackendKind;
 
 /// What kind of memory a [`Block`] is.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -196,7 +196,10 @@ impl RawStream {
     /// 3. Host-to-host copies are not issued to a stream (`Addr::Host` to `Addr::Host`); the store
     ///    copies those on the CPU.
     pub(crate) unsafe fn copy(&self, dst: Addr, src: Addr, len: usize) -> Result<()> {
-        crate::failpoint::check(crate::failpoint::Site::Copy, std::path::Path::new("<copy>"))?;
+        crate::base::failpoint::check(
+            crate::base::failpoint::Site::Copy,
+            std::path::Path::new("<copy>"),
+        )?;
         match self {
             // SAFETY: forwarded from this function's contract.
             RawStream::Host(s) => unsafe { s.copy(dst, src, len) },
@@ -208,8 +211,8 @@ impl RawStream {
     /// Records an event after everything issued so far: without timing (on CUDA, from the
     /// context's pool of `DISABLE_TIMING` events).
     pub(crate) fn record(&self) -> Result<RawEvent> {
-        crate::failpoint::check(
-            crate::failpoint::Site::EventRecord,
+        crate::base::failpoint::check(
+            crate::base::failpoint::Site::EventRecord,
             std::path::Path::new("<event>"),
         )?;
         match self {
@@ -228,8 +231,8 @@ impl RawStream {
             RawStream::Cuda(s)
                 if s.cu_stream() as usize as u64 == PER_THREAD_STREAM && self.key() != key =>
             {
-                crate::failpoint::check(
-                    crate::failpoint::Site::EventRecord,
+                crate::base::failpoint::check(
+                    crate::base::failpoint::Site::EventRecord,
                     std::path::Path::new("<event>"),
                 )?;
                 let legacy = LEGACY_STREAM as usize as cudarc::driver::sys::CUstream;
@@ -269,8 +272,8 @@ impl RawStream {
 
     /// Makes later work on this stream wait for `ev`, without blocking the calling thread.
     pub(crate) fn wait(&self, ev: &RawEvent) -> Result<()> {
-        crate::failpoint::check(
-            crate::failpoint::Site::StreamWait,
+        crate::base::failpoint::check(
+            crate::base::failpoint::Site::StreamWait,
             std::path::Path::new("<stream>"),
         )?;
         match (self, ev) {
@@ -287,7 +290,7 @@ impl RawStream {
 
     /// Blocks until everything issued to this stream has run. The caller holds no store lock.
     pub(crate) fn synchronize(&self) -> Result<()> {
-        crate::sync::assert_unlocked("synchronizing a stream");
+        crate::base::sync::assert_unlocked("synchronizing a stream");
         match self {
             RawStream::Host(s) => {
                 s.record().synchronize();
@@ -308,7 +311,7 @@ impl RawStream {
             RawStream::Cuda(s)
                 if s.cu_stream() as usize as u64 == PER_THREAD_STREAM && self.key() != key =>
             {
-                crate::sync::assert_unlocked("synchronizing a stream");
+                crate::base::sync::assert_unlocked("synchronizing a stream");
                 let _bound = cuda::bind(s.context())?;
                 let legacy = LEGACY_STREAM as usize as cudarc::driver::sys::CUstream;
                 // SAFETY: the legacy default stream's handle is valid in every context; the
@@ -374,9 +377,9 @@ impl RawEvent {
 
     /// Blocks the calling thread until the event is complete. The caller holds no store lock.
     pub(crate) fn synchronize(&self) -> Result<()> {
-        crate::sync::assert_unlocked("waiting for an event");
-        crate::failpoint::check(
-            crate::failpoint::Site::Synchronize,
+        crate::base::sync::assert_unlocked("waiting for an event");
+        crate::base::failpoint::check(
+            crate::base::failpoint::Site::Synchronize,
             std::path::Path::new("<event>"),
         )?;
         match self {
@@ -436,9 +439,10 @@ impl Backend {
     /// Allocates a block of `len` bytes of `kind`. Called when an arena reserves a chunk or a
     /// staging pool is made, never per tensor.
     pub(crate) fn alloc(&self, kind: MemKind, len: usize) -> Result<Block> {
-        if let Err(e) =
-            crate::failpoint::check(crate::failpoint::Site::Alloc, std::path::Path::new("<alloc>"))
-        {
+        if let Err(e) = crate::base::failpoint::check(
+            crate::base::failpoint::Site::Alloc,
+            std::path::Path::new("<alloc>"),
+        ) {
             return Err(match e {
                 crate::Error::OutOfMemory { .. } => {
                     crate::Error::OutOfMemory { tier: host::kind_tier(kind), bytes: len as u64 }

@@ -19,7 +19,7 @@ use parking_lot::Mutex;
 ///   `bytes × bytes_scale` at the direction's bandwidth, or, while a copy in the other direction
 ///   is already scheduled, at what that copy leaves of the two-way bandwidth (one copy engine
 ///   each way, one link);
-/// - a kernel issued by [`Linalg`](crate::linalg::Linalg) takes
+/// - a kernel issued by [`Linalg`](crate::compute::linalg::Linalg) takes
 ///   `flops × flops_scale / gemm_flops_per_s` (GEMMs) or `bytes × scale / memory_bytes_per_s`
 ///   (elementwise work; `scale` is `bytes_scale` for store tensors and weight-shaped operands,
 ///   `matrix_bytes_scale` for `Linalg` matrices such as activations);
@@ -67,7 +67,7 @@ pub struct Simulation {
     pub sharing: LinkSharing,
     /// Bytes each copied byte, or byte of elementwise work on a store tensor, stands for.
     pub bytes_scale: f64,
-    /// Bytes each byte of elementwise work on a [`Matrix`](crate::linalg::Matrix) (activations,
+    /// Bytes each byte of elementwise work on a [`Matrix`](crate::compute::linalg::Matrix) (activations,
     /// gradients in flight) stands for.
     pub matrix_bytes_scale: f64,
     /// Flops each computed flop stands for.

@@ -18,7 +18,7 @@ use super::llama::{
     block_forward, embed, head_logits, BlockWeights, KvCache, LlamaConfig, Rope, SeededRng, EMBED,
 };
 use super::{strata_err, tensor_from_bytes, wait_for_writer, Layers};
-use crate::types::{DType, Group, TensorId};
+use crate::base::types::{DType, Group, TensorId};
 use crate::{DeviceView, Store};
 
 /// How the next token is picked from the logits.

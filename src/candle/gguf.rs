@@ -16,7 +16,7 @@ use std::path::Path;
 use super::llama::LlamaConfig;
 use super::llama_config::bad_config;
 use super::strata_err;
-use crate::types::{Group, TensorId};
+use crate::base::types::{Group, TensorId};
 use crate::{Gguf, GgufValue, LoadOptions, Store};
 
 /// The architectures read (`general.architecture`).

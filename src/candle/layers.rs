@@ -12,7 +12,7 @@ use parking_lot::Mutex;
 use super::{
     candle_dtype, read_tensor, strata_err, stream_for, tensor_from_bytes, unsupported_dtype,
 };
-use crate::types::{TensorId, Tier};
+use crate::base::types::{TensorId, Tier};
 use crate::{Loaded, Store, Stream};
 
 /// What [`Layers`] handed to candle, and what it cost beside the store's own moves (which

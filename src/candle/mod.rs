@@ -80,8 +80,8 @@ use std::sync::Arc;
 
 use candle_core::{Device, Tensor};
 
-use crate::error::{Error, Result};
-use crate::types::{DType, TensorId};
+use crate::base::error::{Error, Result};
+use crate::base::types::{DType, TensorId};
 use crate::{Store, StoreBuilder, Stream};
 
 /// Builds a store whose backend goes with a candle device, shared (`Arc`) as every type of
@@ -210,7 +210,7 @@ pub(crate) fn read_text_file_needed(path: &std::path::Path) -> candle_core::Resu
 
 /// The candle dtype a tensor of `dtype` loads as, as candle's safetensors loader does it
 /// (`U16` is widened to `U32`; a block-quantized tensor is dequantized to `F32`, exactly, by
-/// [`quant::dequantize`](crate::quant::dequantize)); `None` for the dtypes candle has no type
+/// [`quant::dequantize`](crate::base::quant::dequantize)); `None` for the dtypes candle has no type
 /// for.
 pub(crate) fn candle_dtype(dtype: DType) -> Option<candle_core::DType> {
     use candle_core::DType as C;
@@ -372,7 +372,8 @@ pub(crate) fn tensor_from_bytes(
 ) -> candle_core::Result<Tensor> {
     let Some(cd) = candle_dtype(dtype) else { return Err(unsupported_dtype(name, dtype)) };
     if dtype.is_quantized() {
-        let values = crate::quant::dequantize(dtype, bytes).map_err(|e| strata_err(name, e))?;
+        let values =
+            crate::base::quant::dequantize(dtype, bytes).map_err(|e| strata_err(name, e))?;
         return Tensor::from_vec(values, shape, device);
     }
     if dtype == DType::U16 {

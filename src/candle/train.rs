@@ -17,7 +17,7 @@
 //!    `sum(output · grad_output)`; the weight gradients summed over the micro-batches in place,
 //!    one f32 buffer a parameter (a tied table's starting as the head's share), and handed to
 //!    the store (group `Grad`), where the optimizer takes them;
-//! 4. *update*: [`strata::optim`](crate::optim)'s AdamW (fp32 masters and moments in the store,
+//! 4. *update*: [`strata::optim`](crate::compute::optim)'s AdamW (fp32 masters and moments in the store,
 //!    group `OptimizerState`; the Cpu engine by default). No update starts before the loss and
 //!    the global gradient norm, summed on the device and read in one host sync, are known to be
 //!    finite (a step that diverged changes nothing:
@@ -71,8 +71,8 @@ mod device_adamw;
 mod grads;
 mod outputs;
 mod plan;
-use crate::optim::{AdamW, Algorithm, Engine, Optimizer, OptimizerConfig};
-use crate::types::{DType, Group, TensorId, Tier};
+use crate::base::types::{DType, Group, TensorId, Tier};
+use crate::compute::optim::{AdamW, Algorithm, Engine, Optimizer, OptimizerConfig};
 use crate::{LoadOptions, Store, Stream};
 pub use checkpoint::{Checkpoint, CheckpointFile};
 use clock::{span_seconds, ComputeClock};
@@ -1394,7 +1394,7 @@ impl Trainer {
             io.iter().map(|(ids, _)| embed(&table, ids)).collect::<candle_core::Result<_>>()?;
         clock.stop()?;
         drop(table);
-        crate::failpoint::check(crate::failpoint::Site::Compute, Path::new("forward"))?;
+        crate::base::failpoint::check(crate::base::failpoint::Site::Compute, Path::new("forward"))?;
         for l in 0..n_layers {
             let stage = block_stage(l);
             self.wait_for(&[stage, stage + 1])?;
@@ -1491,7 +1491,10 @@ impl Trainer {
             }
             clock.stop()?;
             drop((w, vars, bw));
-            crate::failpoint::check(crate::failpoint::Site::Compute, Path::new("backward"))?;
+            crate::base::failpoint::check(
+                crate::base::failpoint::Site::Compute,
+                Path::new("backward"),
+            )?;
             self.hand_over_all(&mut acc, &mut ss)?;
         }
 
@@ -1931,7 +1934,7 @@ struct TwinParam {
 /// loss run through candle's plain `backward` (no recompute), the gradients summed over
 /// micro-batches into one f32 buffer per parameter on the device, and AdamW with fp32 masters
 /// and moments on the device too, updated in place by strata's optimizer arithmetic (its host
-/// loop [`cpu_update_scaled`](crate::optim::cpu_update_scaled) on the CPU, its `strata_adamw`
+/// loop [`cpu_update_scaled`](crate::compute::optim::cpu_update_scaled) on the CPU, its `strata_adamw`
 /// kernel on CUDA): nothing crosses to the host but the loss and the gradient norm, read in one
 /// sync a step. It is the trainer's reference (on the CPU its losses and weights are the
 /// trainer's, bit for bit: with the Llama block or a [`Block`] of your own

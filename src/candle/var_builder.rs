@@ -10,7 +10,7 @@ use candle_nn::var_builder::SimpleBackend;
 use candle_nn::VarBuilder;
 
 use super::{candle_dtype, read_tensor, strata_err, unsupported_dtype};
-use crate::types::TensorId;
+use crate::base::types::TensorId;
 use crate::{LoadOptions, Loaded, Store};
 
 /// Serves the tensors of a store to a candle-nn `VarBuilder`, under their names in the

@@ -15,12 +15,12 @@ use smallvec::SmallVec;
 use super::timeline::{Span, TimePoint, Track};
 use super::Shared;
 use crate::backend::{RawEvent, RawStream};
-use crate::error::{Error, Result};
+use crate::base::error::{Error, Result};
+use crate::base::types::{TensorId, Tier};
 use crate::tiers::arena::{self, ReadLease, StagingBuf, WriteLease};
 use crate::tiers::disk::DiskRange;
 use crate::tiers::file::ExternalFile;
 use crate::tiers::staging::{copier, StagingSet};
-use crate::types::{TensorId, Tier};
 
 /// Where a copy reads.
 pub(crate) enum Src<'a> {
@@ -137,7 +137,7 @@ impl HostCopy<'_> {
     /// flight. `staging` is where device copies go through (a worker's own buffers, or taken
     /// from the store's pool when `None`).
     pub(crate) fn run(self, shared: &Shared, staging: Option<&mut [StagingBuf]>) -> Result<Done> {
-        crate::sync::assert_unlocked("a copy's host work");
+        crate::base::sync::assert_unlocked("a copy's host work");
         if self.is_dma(shared) {
             // A DMA that must also be finished now (a move that returns when done).
             let done = self.issue(shared)?;
@@ -224,13 +224,19 @@ impl HostCopy<'_> {
             // CPU to CPU: memcpy.
             (Src::Mem(_, s), Dst::Mem(_, d)) if s.bytes().is_some() && d.bytes().is_some() => {
                 let (Some(sb), Some(db)) = (s.bytes(), d.bytes_mut()) else { unreachable!() };
-                crate::failpoint::check(crate::failpoint::Site::HostCopy, "<host copy>".as_ref())?;
+                crate::base::failpoint::check(
+                    crate::base::failpoint::Site::HostCopy,
+                    "<host copy>".as_ref(),
+                )?;
                 copier().copy(db, sb);
                 Ok(none(None, None))
             }
             (Src::User(data), Dst::Mem(_, d)) if d.bytes().is_some() => {
                 let db = d.bytes_mut().expect("checked");
-                crate::failpoint::check(crate::failpoint::Site::HostCopy, "<host copy>".as_ref())?;
+                crate::base::failpoint::check(
+                    crate::base::failpoint::Site::HostCopy,
+                    "<host copy>".as_ref(),
+                )?;
                 copier().copy(db, data);
                 Ok(none(None, None))
             }
@@ -395,7 +401,7 @@ pub(crate) fn read_into(
     waits: &[RawEvent],
     out: &mut [u8],
 ) -> Result<()> {
-    crate::sync::assert_unlocked("a read's host work");
+    crate::base::sync::assert_unlocked("a read's host work");
     let device = matches!(src, Src::Mem(Tier::Device, _));
     if !device {
         for ev in waits {
@@ -404,7 +410,10 @@ pub(crate) fn read_into(
     }
     match src {
         Src::Mem(_, s) if s.bytes().is_some() => {
-            crate::failpoint::check(crate::failpoint::Site::HostCopy, "<host copy>".as_ref())?;
+            crate::base::failpoint::check(
+                crate::base::failpoint::Site::HostCopy,
+                "<host copy>".as_ref(),
+            )?;
             copier().copy(out, s.bytes().expect("checked"));
             Ok(())
         }

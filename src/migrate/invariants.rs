@@ -3,9 +3,9 @@
 //! bytes against the replicas, the tiers' used bytes against the extents held.
 
 use super::State;
+use crate::base::types::Tier;
 use crate::placement::victims::{rank_of, Level};
 use crate::tiers::Ext;
-use crate::types::Tier;
 
 impl State {
     /// Panics with a description of the first book that disagrees with the tensors.

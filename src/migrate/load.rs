@@ -6,12 +6,12 @@ use std::sync::Arc;
 use super::ops;
 use super::room::Got;
 use super::{prepare_copy, release_failed, run_copy, Shared};
-use crate::error::{Error, Result};
+use crate::base::error::{Error, Result};
+use crate::base::types::{DType, Group, TensorId, Tier};
 use crate::placement::victims::Level;
 use crate::residency::{Meta, Replica};
 use crate::tiers::file::ExternalFile;
 use crate::tiers::Ext;
-use crate::types::{DType, Group, TensorId, Tier};
 
 /// A tensor of a checked file, to register under `name`.
 pub(crate) struct InFile {

@@ -33,10 +33,10 @@ use std::time::Instant;
 use smallvec::SmallVec;
 
 use crate::backend::{Pending, RawEvent};
-use crate::error::{Error, Result};
+use crate::base::error::{Error, Result};
+use crate::base::types::{TensorId, Tier};
 use crate::residency::{Flight, Replica};
 use crate::tiers::Ext;
-use crate::types::{TensorId, Tier};
 use copy::{Done, Dst, HostCopy, Src};
 
 impl Shared {

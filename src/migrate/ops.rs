@@ -9,13 +9,13 @@ use super::room::{self, Got};
 use super::{copy_replica, fill_replica, prepare_fill, run_copy};
 use super::{Locked, Shared, State};
 use crate::backend::{RawEvent, RawStream};
-use crate::element::Element;
-use crate::error::{Error, Result};
+use crate::base::element::Element;
+use crate::base::error::{Error, Result};
+use crate::base::types::{DType, Group, TensorId, Tier};
 use crate::placement::victims::Level;
 use crate::residency::Meta;
 use crate::tiers::arena::WriteLease;
 use crate::tiers::Ext;
-use crate::types::{DType, Group, TensorId, Tier};
 
 /// Bytes of a tensor of `dtype` and `shape` ([`DType::bytes_for`]): `BadShape` when the count
 /// overflows or a quantized tensor's rows are not whole blocks.

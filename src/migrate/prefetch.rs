@@ -10,11 +10,11 @@ use super::room::Got;
 use super::workers::{JobKind, Runner};
 use super::{copy_replica, ops, prepare_copy, run_copy};
 use super::{Locked, Shared};
-use crate::error::{Error, Result};
+use crate::base::error::{Error, Result};
+use crate::base::types::{TensorId, Tier};
 use crate::placement::victims::Level;
 use crate::residency::Source;
 use crate::tiers::Ext;
-use crate::types::{TensorId, Tier};
 
 /// What became of one prefetch request.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -11,11 +11,11 @@
 use super::copy::HostCopy;
 use super::{prepare_copy, run_copy};
 use super::{Locked, Shared};
-use crate::error::Result;
+use crate::base::error::Result;
+use crate::base::types::{TensorId, Tier};
 use crate::placement::victims::{Cursor, Level};
 use crate::residency::{Flight, Replica};
 use crate::tiers::Ext;
-use crate::types::{TensorId, Tier};
 use std::sync::Arc;
 
 /// What an allocation got.

@@ -7,13 +7,13 @@ use parking_lot::{Mutex, MutexGuard};
 use super::timeline::{Span, TimePoint, Timeline, Track};
 use super::workers::Workers;
 use crate::backend::{Backend, Pending, RawEvent};
-use crate::error::Error;
+use crate::base::error::Error;
+use crate::base::types::{TensorId, Tier};
 use crate::placement::victims::Level;
 use crate::placement::Placement;
 use crate::residency::{Flight, Residency, Source};
 use crate::tiers::arena::StagingBuf;
 use crate::tiers::{TierBooks, TierMem};
-use crate::types::{TensorId, Tier};
 
 /// Counters of what happened, for [`Stats`](crate::Stats).
 #[derive(Default)]
@@ -86,7 +86,7 @@ impl State {
 
     /// Counts `id` under the write reserve and makes the reserve fit it: `OutOfMemory` (and
     /// nothing counted) when there is no room to keep a second copy of it aside.
-    pub(crate) fn cover(&mut self, id: TensorId) -> crate::error::Result<()> {
+    pub(crate) fn cover(&mut self, id: TensorId) -> crate::base::error::Result<()> {
         let Ok(e) = self.res.get_mut(id) else { return Ok(()) };
         if e.covered || !self.books.reserve.enabled {
             return Ok(());
@@ -378,7 +378,7 @@ impl Shared {
     /// its jobs inline) runs when the guard drops, after the lock is released.
     pub(crate) fn lock(&self) -> Locked<'_> {
         let g = self.state.lock();
-        crate::sync::note_locked();
+        crate::base::sync::note_locked();
         Locked { guard: Some(g), shared: self }
     }
 
@@ -391,8 +391,8 @@ impl Shared {
     /// has failed for good; its outcome is noted in the backend's health otherwise.
     pub(crate) fn device_work<T>(
         &self,
-        f: impl FnOnce() -> crate::error::Result<T>,
-    ) -> crate::error::Result<T> {
+        f: impl FnOnce() -> crate::base::error::Result<T>,
+    ) -> crate::base::error::Result<T> {
         self.health.check()?;
         let r = f();
         self.health.note(&r);
@@ -425,7 +425,7 @@ impl Locked<'_> {
     pub(crate) fn release(&mut self) {
         if let Some(g) = self.guard.take() {
             drop(g);
-            crate::sync::note_unlocked();
+            crate::base::sync::note_unlocked();
         }
         if let Some(e) = self.shared.workers.get() {
             e.run_inline(self.shared);
@@ -436,7 +436,7 @@ impl Locked<'_> {
     pub(crate) fn retake(&mut self) {
         if self.guard.is_none() {
             self.guard = Some(self.shared.state.lock());
-            crate::sync::note_locked();
+            crate::base::sync::note_locked();
         }
     }
 }
@@ -445,7 +445,7 @@ impl Drop for Locked<'_> {
     fn drop(&mut self) {
         if let Some(g) = self.guard.take() {
             drop(g);
-            crate::sync::note_unlocked();
+            crate::base::sync::note_unlocked();
         }
         if let Some(e) = self.shared.workers.get() {
             e.run_inline(self.shared);

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use crate::backend::{Backend, RawEvent};
-use crate::error::{Error, Result};
+use crate::base::error::{Error, Result};
 
 /// Spans kept for stats and traces; older ones are dropped.
 pub(crate) const MAX_SPANS: usize = 100_000;

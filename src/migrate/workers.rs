@@ -19,9 +19,9 @@ use std::thread::JoinHandle;
 
 use parking_lot::{Condvar, Mutex};
 
-use crate::error::{Error, Result};
+use crate::base::error::{Error, Result};
+use crate::base::types::TensorId;
 use crate::residency::Source;
-use crate::types::TensorId;
 
 /// What a job does.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -131,8 +131,11 @@ impl Workers {
         let mut handles = Vec::new();
         for w in 0..workers.max(1) {
             let (q, r, n) = (engine.queue.clone(), runner.clone(), engine.queued.clone());
-            crate::failpoint::check(crate::failpoint::Site::WorkerStart, "<worker>".as_ref())
-                .inspect_err(|_| stop_threads(&engine.queue, &mut handles))?;
+            crate::base::failpoint::check(
+                crate::base::failpoint::Site::WorkerStart,
+                "<worker>".as_ref(),
+            )
+            .inspect_err(|_| stop_threads(&engine.queue, &mut handles))?;
             let h = std::thread::Builder::new()
                 .name(format!("strata-mover-{w}"))
                 .spawn(move || worker(w, q, r, n))

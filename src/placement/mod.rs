@@ -11,9 +11,9 @@ pub(crate) mod victims;
 
 use std::collections::VecDeque;
 
+use crate::base::types::{TensorId, Tier};
 use crate::residency::{Residency, Source};
 use crate::tiers::TierBooks;
-use crate::types::{TensorId, Tier};
 use policy::Policy;
 use victims::{Level, VictimIndex};
 

@@ -21,10 +21,10 @@
 use std::collections::BTreeSet;
 use std::ops::Bound;
 
+use crate::base::types::{Group, TensorId, Tier};
 use crate::placement::policy::{Policy, VictimKey};
 use crate::residency::{Entry, Source};
 use crate::tiers::Fits;
-use crate::types::{Group, TensorId, Tier};
 
 /// A victim's rank: every tensor of a lower rank goes before any of a higher one.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]

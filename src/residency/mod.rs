@@ -25,10 +25,10 @@ pub(crate) use slab::Slab;
 pub(crate) use uses::Uses;
 
 use crate::backend::{Pending, RawEvent};
-use crate::error::{Error, Result};
-use crate::sync::Signal;
+use crate::base::error::{Error, Result};
+use crate::base::sync::Signal;
+use crate::base::types::{DType, Group, TensorId, Tier};
 use crate::tiers::Ext;
-use crate::types::{DType, Group, TensorId, Tier};
 
 /// What never changes about a tensor.
 #[derive(Debug)]

@@ -2,7 +2,7 @@
 //! is an index and a comparison of the id's number with the slot's (numbers are never reused,
 //! so an id outlives its tensor harmlessly, and a reused slot does not answer to an old id).
 
-use crate::types::TensorId;
+use crate::base::types::TensorId;
 
 struct Slot<T> {
     /// The number of the id the value answers to.

@@ -10,7 +10,7 @@
 use smallvec::SmallVec;
 
 use crate::backend::{RawEvent, RawStream};
-use crate::error::Result;
+use crate::base::error::Result;
 
 /// Uses kept before complete ones are pruned.
 const PRUNE_AT: usize = 4;
@@ -79,7 +79,7 @@ mod tests {
         assert_eq!(u.len(), 1, "a stream's later use replaces its earlier");
         // Stream a is blocked until `gate` is set: a use recorded behind it stays incomplete,
         // and b must not run past it.
-        let gate = std::sync::Arc::new(crate::sync::Signal::default());
+        let gate = std::sync::Arc::new(crate::base::sync::Signal::default());
         let g = gate.clone();
         let RawStream::Host(ah) = &a else { unreachable!() };
         ah.launch(Box::new(move || g.wait()));

@@ -328,7 +328,7 @@ impl ExtentAllocator {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::testutil::Rng;
+    use crate::base::testutil::Rng;
 
     #[test]
     fn alloc_free_coalesce() {

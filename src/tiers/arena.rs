@@ -22,9 +22,9 @@
 //!    before the CPU touches bytes the copy writes or reads.
 
 use crate::backend::{Addr, Backend, Block, MemKind, RawEvent, RawStream};
-use crate::error::Result;
+use crate::base::error::Result;
+use crate::base::types::Tier;
 use crate::tiers::alloc::ExtentAllocator;
-use crate::types::Tier;
 
 /// The smallest piece a tier's budget is reserved in when the backend cannot give it whole.
 pub(crate) const MIN_PIECE: u64 = 64 << 20;

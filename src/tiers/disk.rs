@@ -18,7 +18,7 @@ use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use crate::error::{Error, Result};
+use crate::base::error::{Error, Result};
 use crate::tiers::alloc::ExtentAllocator;
 
 /// Alignment of extents and of the file length; also what `O_DIRECT` needs of buffer addresses,
@@ -183,7 +183,7 @@ impl DiskSlab {
     /// Writes `data` at `off` (a multiple of 4096) inside extent `r`.
     pub(crate) fn write_range(&self, r: DiskRange, off: u64, data: &[u8]) -> Result<()> {
         let at = self.check(r, off, data.len())?;
-        crate::failpoint::check(crate::failpoint::Site::DiskWrite, &self.name())?;
+        crate::base::failpoint::check(crate::base::failpoint::Site::DiskWrite, &self.name())?;
         let res = match self.direct() {
             Some(d) => write_direct(d, at, data),
             None => self.file.write_all_at(data, at),
@@ -212,7 +212,7 @@ impl DiskSlab {
     /// the crc: a caller reading a tensor piece by piece checks it over the whole.
     pub(crate) fn read_range(&self, r: DiskRange, off: u64, out: &mut [u8]) -> Result<()> {
         let at = self.check(r, off, out.len())?;
-        crate::failpoint::check(crate::failpoint::Site::DiskRead, &self.name())?;
+        crate::base::failpoint::check(crate::base::failpoint::Site::DiskRead, &self.name())?;
         let res = match self.direct() {
             Some(d) => read_direct(d, at, out),
             None => self.file.read_exact_at(out, at),
@@ -258,7 +258,7 @@ impl SlabBacking {
         let (Ok(off), Ok(n)) = (i64::try_from(offset), i64::try_from(len)) else {
             return Err(Error::InvalidArgument(format!("slab range {offset}+{len}")));
         };
-        crate::failpoint::check(crate::failpoint::Site::DiskWrite, &self.name)?;
+        crate::base::failpoint::check(crate::base::failpoint::Site::DiskWrite, &self.name)?;
         // SAFETY: `fallocate` only reads its integer arguments; the descriptor is the open
         // slab file's, valid while `self.file` lives (across the call).
         let rc = unsafe { libc::fallocate(self.file.as_raw_fd(), 0, off, n) };
@@ -327,7 +327,7 @@ mod tests {
     use super::*;
 
     fn random(len: usize, seed: u64) -> Vec<u8> {
-        crate::testutil::Rng::new(seed).bytes(len)
+        crate::base::testutil::Rng::new(seed).bytes(len)
     }
 
     /// One slab trying O_DIRECT (it succeeds unless the temp dir refuses it) and one buffered.

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 
 use memmap2::Mmap;
 
-use crate::error::{Error, Result};
+use crate::base::error::{Error, Result};
 use crate::tiers::disk::ALIGN;
 
 /// A user's file of tensors (safetensors), mapped read-only so that tensors can live in it in
@@ -76,7 +76,7 @@ impl ExternalFile {
                 self.path.display()
             )));
         };
-        crate::failpoint::check(crate::failpoint::Site::FileRead, &self.path)?;
+        crate::base::failpoint::check(crate::base::failpoint::Site::FileRead, &self.path)?;
         let aligned = offset % ALIGN as u64 == 0
             && buf.as_ptr() as usize % ALIGN == 0
             && buf.len() % ALIGN == 0;

@@ -22,8 +22,8 @@ use std::sync::Arc;
 use smallvec::SmallVec;
 
 use crate::backend::{Pending, RawEvent};
-use crate::sync::Signal;
-use crate::types::Tier;
+use crate::base::sync::Signal;
+use crate::base::types::Tier;
 use alloc::ExtentAllocator;
 use arena::{Extent, MemArena};
 use disk::{DiskRange, DiskSlab};
@@ -231,12 +231,12 @@ impl TierBooks {
     /// piece when it was reserved in several (`pinned 8 GiB in 4 pieces, the largest 2 GiB`).
     pub(crate) fn describe(&self, t: Tier) -> String {
         let Some(a) = self.alloc_of(t) else { return format!("{t} (disabled)") };
-        let cap = crate::types::format_size(a.len());
+        let cap = crate::base::types::format_size(a.len());
         match a.spans() {
             1 => format!("{t} {cap}"),
             n => format!(
                 "{t} {cap} in {n} pieces, the largest {}",
-                crate::types::format_size(a.largest_span())
+                crate::base::types::format_size(a.largest_span())
             ),
         }
     }

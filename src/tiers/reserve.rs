@@ -16,8 +16,8 @@ use std::sync::Arc;
 
 use super::arena::Extent;
 use super::disk::SlabBacking;
-use crate::sync::Signal;
-use crate::types::Tier;
+use crate::base::sync::Signal;
+use crate::base::types::Tier;
 
 /// The reserve's books.
 #[derive(Default)]

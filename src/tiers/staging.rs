@@ -8,7 +8,7 @@ use parking_lot::{Condvar, Mutex};
 
 use super::arena::StagingBuf;
 use crate::backend::Backend;
-use crate::error::Result;
+use crate::base::error::Result;
 
 /// Pinned staging buffers reserved at build, lent to one operation at a time in sets of a few
 /// (one copy in flight per buffer while the CPU fills the next). Taking them waits, without the
@@ -44,7 +44,7 @@ impl StagingPool {
     /// Takes `n` buffers (at most half the pool, at least one), waiting until they are free.
     /// They go back when the returned set drops. The caller holds no store lock.
     pub(crate) fn take(&self, n: usize) -> StagingSet<'_> {
-        crate::sync::assert_unlocked("waiting for staging buffers");
+        crate::base::sync::assert_unlocked("waiting for staging buffers");
         let n = n.clamp(1, (self.total / 2).max(1));
         let mut free = self.free.lock();
         while free.len() < n {

@@ -5,9 +5,9 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::{Component, Path, PathBuf};
 
-use crate::error::{Error, Result};
+use crate::base::error::{Error, Result};
+use crate::base::types::TensorId;
 use crate::tiers::file::{check_regular, read_regular};
-use crate::types::TensorId;
 use crate::Store;
 
 use super::bad;

@@ -13,9 +13,9 @@ use std::path::Path;
 use std::sync::Arc;
 
 use super::{bad, Found};
-use crate::error::{Error, Result};
+use crate::base::error::{Error, Result};
+use crate::base::types::DType;
 use crate::tiers::file::ExternalFile;
-use crate::types::DType;
 
 /// Arrays of arrays nest at most this deep (llama.cpp writes one level).
 const MAX_DEPTH: usize = 4;

@@ -20,10 +20,10 @@ use safetensors::tensor::{Dtype as StDtype, Metadata, TensorInfo};
 
 use super::{bad, to_st};
 use crate::api::Store;
-use crate::error::{Error, Result};
-use crate::failpoint::{self, Site};
+use crate::base::error::{Error, Result};
+use crate::base::failpoint::{self, Site};
+use crate::base::types::TensorId;
 use crate::tiers::file::{check_regular, link_unnamed};
-use crate::types::TensorId;
 
 /// The `safetensors` readers' limit on a header.
 const MAX_HEADER: usize = 100_000_000;

@@ -47,7 +47,7 @@ use half::{bf16, f16};
 use parking_lot::Mutex;
 
 use super::{bind, lib_present, Lib};
-use crate::error::{Error, Result};
+use crate::base::error::{Error, Result};
 
 const SOURCE: &str = include_str!("../../../cuda/fused.cu");
 /// The bf16 helpers the source uses, prepended before compiling.

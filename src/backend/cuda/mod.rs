@@ -18,8 +18,8 @@ use std::sync::Arc;
 use cudarc::driver::{result, sys, CudaContext, CudaEvent, CudaStream, DriverError};
 
 use super::{Addr, Block, BlockOwner, MemKind, RawStream};
-use crate::error::{Error, Result};
-use crate::types::Tier;
+use crate::base::error::{Error, Result};
+use crate::base::types::Tier;
 
 /// A CUDA library strata calls through cudarc.
 #[derive(Clone, Copy, Debug)]
@@ -240,7 +240,7 @@ impl CudaBackend {
         format!(
             "cuda: device {} ({name}, {} HBM)",
             self.ctx.ordinal(),
-            crate::types::format_size(total)
+            crate::base::types::format_size(total)
         )
     }
 }

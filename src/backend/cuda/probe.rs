@@ -1,6 +1,6 @@
 //! Raw transfer measurements straight through the driver, without the store: the reference
 //! figures the store's own paths are compared with (`strata bench`, the bandwidth example),
-//! published as [`strata::probe`](crate::probe).
+//! published as [`strata::probe`](crate::compute::probe).
 //!
 //! [`GpuProbe`] measures every raw GPU path of `strata bench` ([`GpuPath`]): copies from pinned
 //! and pageable host memory, both directions at once, device to device, a streaming kernel read
@@ -29,7 +29,7 @@ use cudarc::driver::{
     LaunchConfig, PushKernelArg,
 };
 
-use crate::error::{Error, Result};
+use crate::base::error::{Error, Result};
 
 /// Direction of a raw copy.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -608,8 +608,8 @@ impl GpuProbe {
                     return Err(Error::InvalidArgument(format!(
                         "{} of managed memory is more than half the free device memory \
                          (limit {})",
-                        crate::types::format_size(bytes as u64),
-                        crate::types::format_size(limit as u64)
+                        crate::base::types::format_size(bytes as u64),
+                        crate::base::types::format_size(limit as u64)
                     )));
                 }
                 lazy(&mut self.managed, || DevMem::alloc_managed(ctx, limit))?;

@@ -23,7 +23,7 @@ use cudarc::driver::{
 use half::bf16;
 
 use super::{bind, load_kernels};
-use crate::error::{Error, Result};
+use crate::base::error::{Error, Result};
 
 /// The bf16 helpers the sources use, prepended before compiling.
 const BF16_H: &str = include_str!("../../../cuda/bf16.cuh");

@@ -10,12 +10,12 @@ use candle_core::{DType as CDType, Device, Tensor};
 
 use super::checkpoint::{alive, sync_dir};
 use super::{read_f32, refs, strata_err, TrainError, Trainer};
+use crate::base::types::DType;
 use crate::candle::llama::{embed, head_logits, EMBED};
 use crate::candle::lora::{
     merge, peft_name, read_adapter, write_adapter_config, LoraConfig, ADAPTER_FILE,
 };
 use crate::candle::LlamaConfig;
-use crate::types::DType;
 
 fn io(path: &Path, e: std::io::Error) -> candle_core::Error {
     crate::Error::io(path, e).into()
@@ -233,7 +233,7 @@ impl Trainer {
             if dir.exists() {
                 std::fs::remove_dir(dir).map_err(|e| io(dir, e))?;
             }
-            crate::failpoint::check(crate::failpoint::Site::SaveRename, dir)?;
+            crate::base::failpoint::check(crate::base::failpoint::Site::SaveRename, dir)?;
             std::fs::rename(&tmp, dir).map_err(|e| io(dir, e))?;
             sync_dir(&parent)
         });
@@ -373,7 +373,7 @@ fn clean_stale_exports(parent: &Path) {
 fn write_synced(path: &Path, bytes: &[u8]) -> candle_core::Result<()> {
     use std::io::Write;
     use std::os::unix::fs::OpenOptionsExt;
-    crate::failpoint::check(crate::failpoint::Site::SaveWrite, path)?;
+    crate::base::failpoint::check(crate::base::failpoint::Site::SaveWrite, path)?;
     let mut f = std::fs::OpenOptions::new()
         .write(true)
         .create_new(true)
@@ -381,7 +381,7 @@ fn write_synced(path: &Path, bytes: &[u8]) -> candle_core::Result<()> {
         .open(path)
         .map_err(|e| io(path, e))?;
     f.write_all(bytes).map_err(|e| io(path, e))?;
-    crate::failpoint::check(crate::failpoint::Site::SaveSync, path)?;
+    crate::base::failpoint::check(crate::base::failpoint::Site::SaveSync, path)?;
     f.sync_all().map_err(|e| io(path, e))
 }
 

@@ -26,9 +26,9 @@ use std::sync::Mutex;
 
 use super::adapters::is_adapter;
 use super::{LlamaConfig, LoraConfig, LrSchedule, TrainConfig, TrainError, Trainer};
+use crate::base::types::{DType, TensorId};
 use crate::candle::lora::{peft_name, ADAPTER_CONFIG, ADAPTER_FILE};
-use crate::optim::{AdamW, Engine};
-use crate::types::{DType, TensorId};
+use crate::compute::optim::{AdamW, Engine};
 use crate::LoadOptions;
 
 /// The commit record's name in a checkpoint directory.
@@ -766,7 +766,7 @@ pub(super) fn save(tr: &Trainer, dir: &Path, keep: usize) -> candle_core::Result
 /// both hidden, or the new one in place (an `.old-` beside it): [`Checkpoint::newest`] and the
 /// next save find the newest whole one ([`stranded`]). A failure puts the old one back.
 fn replace(dir: &Path, tmp: &Path, dest: &Path) -> candle_core::Result<()> {
-    use crate::failpoint::{check, Site};
+    use crate::base::failpoint::{check, Site};
     let name = dest.file_name().and_then(|n| n.to_str()).unwrap_or("checkpoint");
     let aside = match dest.exists() {
         false => None,

@@ -6,7 +6,7 @@
 
 use candle_core::{CpuStorage, DType as CDType, Device, InplaceOp2, Layout, Tensor};
 
-use crate::optim::{cpu_update_scaled, AdamW, Algorithm, GradSlice};
+use crate::compute::optim::{cpu_update_scaled, AdamW, Algorithm, GradSlice};
 
 /// One parameter's state on the device: `[3, n]` f32, the master weights, `exp_avg` and
 /// `exp_avg_sq` (rows 0, 1, 2).
@@ -147,7 +147,7 @@ impl InplaceOp2 for AdamStep<'_> {
             .ok_or_else(|| out_of("a state"))?;
         let (mut p, mut rest) = s.split_at_mut(n);
         let (mut m, mut v) = rest.split_at_mut(n);
-        let args = crate::optim::adam_args(&self.h, self.t);
+        let args = crate::compute::optim::adam_args(&self.h, self.t);
         k.adamw(&stream, [&mut p, &mut m, &mut v], GradView::F32(&g), self.scale, None, args)
             .map_err(candle_core::Error::from)
     }

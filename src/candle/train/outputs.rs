@@ -6,8 +6,8 @@ use std::path::{Path, PathBuf};
 
 use super::checkpoint::{list as steps_in, run_of};
 use super::{plan::trainable_sizes, LlamaConfig, TrainConfig, TrainError};
+use crate::base::types::DType;
 use crate::format_size;
-use crate::types::DType;
 
 /// What a run will write, for [`check_outputs`].
 #[derive(Clone, Debug, Default)]

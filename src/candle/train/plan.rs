@@ -22,9 +22,9 @@
 use std::fmt;
 
 use super::{TrainConfig, TrainError};
+use crate::base::types::{format_size, DType, Group, Tier};
 use crate::candle::llama::LlamaConfig;
-use crate::optim::{update_bytes, AdamW, Algorithm, Engine};
-use crate::types::{format_size, DType, Group, Tier};
+use crate::compute::optim::{update_bytes, AdamW, Algorithm, Engine};
 
 const GIB: u64 = 1 << 30;
 
@@ -110,18 +110,18 @@ impl Machine {
 
     /// Measures the PCIe bandwidths (pinned copies of 256 MiB on a CUDA store, a memcpy of
     /// 32 MiB on the host backend) and the host's AdamW rate (an in-place update of 64 MiB over
-    /// `threads` threads), in well under a second ([`crate::optim::Bandwidths::measure`],
-    /// [`crate::optim::host_update_bandwidth`]).
+    /// `threads` threads), in well under a second ([`crate::compute::optim::Bandwidths::measure`],
+    /// [`crate::compute::optim::host_update_bandwidth`]).
     pub fn measure(&mut self, store: &crate::Store, threads: usize) -> crate::Result<()> {
         if store.cuda_context().is_some() {
-            let bw = crate::optim::Bandwidths::measure(store, threads)?;
+            let bw = crate::compute::optim::Bandwidths::measure(store, threads)?;
             (self.h2d, self.d2h) = (bw.h2d, bw.d2h);
         } else {
             // The host backend's "PCIe" is a memcpy on one thread: its read and write.
-            let copy = crate::optim::host_copy_bandwidth(1, 32 << 20)? / 2.0;
+            let copy = crate::compute::optim::host_copy_bandwidth(1, 32 << 20)? / 2.0;
             (self.h2d, self.d2h) = (copy, copy);
         }
-        self.host_update = crate::optim::host_update_bandwidth(threads, 64 << 20);
+        self.host_update = crate::compute::optim::host_update_bandwidth(threads, 64 << 20);
         Ok(())
     }
 }

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
-use crate::error::{Error, Result};
+use crate::base::error::{Error, Result};
 use crate::probe::DISK_CHUNK;
 
 /// What `O_DIRECT` needs of offsets, lengths and buffer addresses.

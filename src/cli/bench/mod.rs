@@ -46,9 +46,9 @@ use std::sync::Arc;
 
 use cudarc::driver::CudaContext;
 
-use crate::error::{Error, Result};
+use crate::base::error::{Error, Result};
+use crate::base::types::{format_size, parse_size, Tier};
 use crate::probe::{GpuPath, GpuProbe, Timing};
-use crate::types::{format_size, parse_size, Tier};
 
 pub use report::{MachineInfo, Measurement, Ratio, Report, Skip, Timer};
 pub use svg::svg_plot;

@@ -2,8 +2,8 @@
 
 use std::fmt::Write as _;
 
+use crate::base::types::{format_size, Tier};
 use crate::probe::{GpuInfo, Timing, GATHER_ONE_IN};
-use crate::types::{format_size, Tier};
 
 /// How a measurement was timed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

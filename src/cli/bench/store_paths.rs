@@ -9,8 +9,8 @@ use std::time::Instant;
 use cudarc::driver::CudaContext;
 
 use crate::api::Stream;
-use crate::error::{Error, Result};
-use crate::types::{DType, TensorId, Tier};
+use crate::base::error::{Error, Result};
+use crate::base::types::{DType, TensorId, Tier};
 use crate::Store;
 
 /// A store holding one tensor, for timing its moves.

@@ -7,7 +7,7 @@ use plotters::element::DashedPathElement;
 use plotters::prelude::*;
 
 use super::report::{short_size, Report};
-use crate::error::{Error, Result};
+use crate::base::error::{Error, Result};
 
 /// Matplotlib's "tab10" palette: distinct on white, and for most colour-blind readers.
 const PALETTE: [RGBColor; 10] = [

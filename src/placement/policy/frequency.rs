@@ -3,7 +3,7 @@
 use lru::LruCache;
 
 use super::{Policy, VictimKey};
-use crate::types::{TensorId, Tier};
+use crate::base::types::{TensorId, Tier};
 
 /// Half-life of an access count when none is given, in accesses (to any tensor).
 const DEFAULT_HALF_LIFE: u64 = 1024;

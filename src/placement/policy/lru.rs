@@ -3,7 +3,7 @@
 use lru::LruCache;
 
 use super::{Policy, VictimKey};
-use crate::types::{TensorId, Tier};
+use crate::base::types::{TensorId, Tier};
 
 /// Evicts the least recently used tensor first and always admits a promotion.
 ///

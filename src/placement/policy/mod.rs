@@ -17,7 +17,7 @@ use std::cmp::Ordering;
 use std::fmt;
 use std::str::FromStr;
 
-use crate::types::{TensorId, Tier};
+use crate::base::types::{TensorId, Tier};
 
 mod frequency;
 mod lru;

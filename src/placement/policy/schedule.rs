@@ -14,7 +14,7 @@
 use std::collections::HashMap;
 
 use super::{FrequencyPolicy, Policy, VictimKey};
-use crate::types::{TensorId, Tier};
+use crate::base::types::{TensorId, Tier};
 
 /// Longest access sequence recorded while looking for a schedule.
 const MAX_RECORD: usize = 1 << 20;

@@ -46,8 +46,8 @@ use half::bf16;
 
 use crate::backend::cuda::programs::{self, GpuFloat, Mlp, Op};
 use crate::backend::sim::SimClock;
-use crate::error::{Error, Result};
-use crate::types::DType;
+use crate::base::error::{Error, Result};
+use crate::base::types::DType;
 use crate::{DeviceView, Store, Stream};
 
 /// Blocks of the loss kernel, and so the length of its partial sums (see [`Linalg::loss_grad`]).

@@ -74,7 +74,7 @@ impl std::str::FromStr for Tier {
 /// [`DType::block`] elements, each block a fixed number of bytes (scales and packed quants): a
 /// tensor of one is sized by [`DType::bytes_for`] (its innermost dimension a whole number of
 /// blocks), moved, checksummed and saved as those bytes, and turned into `f32` by
-/// [`quant::dequantize`](crate::quant::dequantize).
+/// [`quant::dequantize`](crate::base::quant::dequantize).
 ///
 /// ```
 /// use strata::DType;

@@ -16,7 +16,7 @@
 
 use std::path::Path;
 
-use crate::error::Result;
+use crate::base::error::Result;
 
 /// A place where the library can fail.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

@@ -4,7 +4,7 @@
 //! [`Store::put_slice`]: crate::Store::put_slice
 //! [`Store::read_vec`]: crate::Store::read_vec
 
-use crate::types::DType;
+use crate::base::types::DType;
 
 /// A Rust type that holds one element of a tensor of dtype [`Element::DTYPE`]: `f64`, `f32`,
 /// [`half::f16`], [`half::bf16`], `i64`, `i32`, `i16`, `i8`, `u64`, `u32`, `u16`, `u8` and `bool`.

@@ -6,7 +6,7 @@
 
 use std::path::PathBuf;
 
-use crate::types::{TensorId, Tier};
+use crate::base::types::{TensorId, Tier};
 
 /// Everything that can go wrong in strata.
 #[derive(Debug, thiserror::Error)]
@@ -14,7 +14,7 @@ use crate::types::{TensorId, Tier};
 pub enum Error {
     /// The tensor is larger than the capacity of every enabled tier (or of the tier asked for):
     /// it can never be stored, whatever is evicted.
-    #[error("a tensor of {} is larger than {what}", crate::types::format_size(*bytes))]
+    #[error("a tensor of {} is larger than {what}", crate::base::types::format_size(*bytes))]
     TooLarge {
         /// Size of the tensor in bytes.
         bytes: u64,
@@ -22,7 +22,7 @@ pub enum Error {
         what: String,
     },
     /// No room in `tier` now, even after demoting every tensor that may be demoted.
-    #[error("out of memory in tier {tier}: {} requested", crate::types::format_size(*bytes))]
+    #[error("out of memory in tier {tier}: {} requested", crate::base::types::format_size(*bytes))]
     OutOfMemory {
         /// The tier that ran out.
         tier: Tier,
@@ -70,12 +70,12 @@ pub enum Error {
     },
     /// A typed access ([`Store::read_vec`](crate::Store::read_vec), a typed view) asked for a
     /// Rust type that is not the tensor's dtype.
-    #[error("tensor {id} is {dtype}: {}, not as {asked}", crate::element::how_to_read(*dtype))]
+    #[error("tensor {id} is {dtype}: {}, not as {asked}", crate::base::element::how_to_read(*dtype))]
     DTypeMismatch {
         /// The tensor.
         id: TensorId,
         /// Its dtype.
-        dtype: crate::types::DType,
+        dtype: crate::base::types::DType,
         /// The Rust type asked for.
         asked: &'static str,
     },

@@ -78,8 +78,8 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use crate::error::{Error, Result};
-use crate::types::{format_size, DType, Tier};
+use crate::base::error::{Error, Result};
+use crate::base::types::{format_size, DType, Tier};
 use crate::{LoadOptions, Store};
 
 /// One tensor of a file, as the file's header describes it.
@@ -632,7 +632,7 @@ impl Bandwidths {
     }
 
     /// Measures briefly what a prediction needs. `pcie`: the pinned H2D and D2H bandwidth with
-    /// [`raw_pinned_copy`](crate::probe::raw_pinned_copy) of 64 MiB (median of 5 after a
+    /// [`raw_pinned_copy`](crate::compute::probe::raw_pinned_copy) of 64 MiB (median of 5 after a
     /// warm-up), when there is a GPU; without one a note says PCIe time is not predicted.
     /// `disk`: a file to read up to 64 MiB of, bypassing the page cache (`O_DIRECT`) where the
     /// file system allows, for the disk read bandwidth (also used for writes). Never fails: what
@@ -680,11 +680,13 @@ fn measure_pcie() -> Result<(f64, f64)> {
     let ctx = cudarc::driver::CudaContext::new(0)
         .map_err(|e| Error::Cuda { call: "cuDevicePrimaryCtxRetain", message: e.to_string() })?;
     let mut gbps = [0.0f64; 2];
-    for (g, dir) in gbps
-        .iter_mut()
-        .zip([crate::probe::Direction::HostToDevice, crate::probe::Direction::DeviceToHost])
-    {
-        let secs = crate::probe::median(&crate::probe::raw_pinned_copy(&ctx, BYTES, dir, 5)?);
+    for (g, dir) in gbps.iter_mut().zip([
+        crate::compute::probe::Direction::HostToDevice,
+        crate::compute::probe::Direction::DeviceToHost,
+    ]) {
+        let secs = crate::compute::probe::median(&crate::compute::probe::raw_pinned_copy(
+            &ctx, BYTES, dir, 5,
+        )?);
         if secs <= 0.0 {
             return Err(Error::InvalidArgument("a copy took no measurable time".into()));
         }

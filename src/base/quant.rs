@@ -9,8 +9,8 @@
 
 use half::f16;
 
-use crate::error::{Error, Result};
-use crate::types::DType;
+use crate::base::error::{Error, Result};
+use crate::base::types::DType;
 
 /// Dequantizes `bytes`, whole blocks of `dtype`, into `f32` values (a block's elements in order).
 ///

@@ -70,10 +70,10 @@ use crossbeam::channel::{unbounded, Receiver, Sender};
 use half::bf16;
 
 use crate::backend::cuda::programs::{AdamArgs, GradView, OptimKernels};
-use crate::error::{Error, Result};
-use crate::linalg::Float;
-use crate::probe::{median, raw_pinned_copy, Direction};
-use crate::types::{format_size, DType, Group, TensorId, Tier};
+use crate::base::error::{Error, Result};
+use crate::base::types::{format_size, DType, Group, TensorId, Tier};
+use crate::compute::linalg::Float;
+use crate::compute::probe::{median, raw_pinned_copy, Direction};
 use crate::{DeviceView, HostView, Store, Stream};
 
 /// AdamW's hyperparameters (PyTorch's defaults, but `weight_decay` 0 as the out-of-core
@@ -259,7 +259,7 @@ impl Bandwidths {
 /// (bytes read + bytes written) / seconds, the median of five after a warm-up (`strata bench`'s
 /// `host_memcpy`, on these threads).
 pub fn host_copy_bandwidth(threads: usize, bytes: usize) -> Result<f64> {
-    let t = crate::probe::host_memcpy_on(bytes.max(1), resolve_threads(threads), 1, 5)?;
+    let t = crate::compute::probe::host_memcpy_on(bytes.max(1), resolve_threads(threads), 1, 5)?;
     Ok(2.0 * t.bytes as f64 / t.median_s())
 }
 
@@ -999,7 +999,7 @@ impl Optimizer {
     /// are unspecified afterwards until it is written again (the GPU engines
     /// [`Store::discard`] it, so evicting it costs no write-back). Accumulate into it on the
     /// optimizer's stream, for example with
-    /// [`Linalg::accumulate`](crate::linalg::Linalg::accumulate) on a
+    /// [`Linalg::accumulate`](crate::compute::linalg::Linalg::accumulate) on a
     /// [`Store::device_view_for_overwrite`] (first micro-batch) or [`Store::device_view`]
     /// (later ones) view.
     pub fn grad(&self, param: TensorId) -> Result<TensorId> {

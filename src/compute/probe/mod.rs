@@ -12,7 +12,7 @@
 use std::sync::Barrier;
 use std::time::Instant;
 
-use crate::error::{Error, Result};
+use crate::base::error::{Error, Result};
 
 pub use crate::backend::cuda::probe::{
     gather_shape, median, median_after_first, raw_pinned_copy, Direction, GpuInfo, GpuPath,

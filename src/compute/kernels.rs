@@ -20,7 +20,7 @@
 use std::sync::Arc;
 
 use crate::backend::cuda::programs::Verify;
-use crate::error::{Error, Result};
+use crate::base::error::{Error, Result};
 use crate::{DeviceView, Store, Stream};
 
 /// A running checksum kept on the device (CUDA) or the host (host backend), summed with wrapping
