@@ -60,21 +60,19 @@
 //! one, `base/`, holds the types and the error; `compute/` the optimizer, plans and kernels built
 //! on the public API) and imports only the layers below it (a test, `tests/layers.rs`, fails on
 //! any other import). `docs/architecture.md` says what each layer does and how a device-view miss
-//! and a training step go through them. `unsafe` lives only in the backend and the tier arenas. The `strata`
-//! binary's code sits behind the `cli` feature (on by default) with its dependencies (clap,
-//! indicatif, plotters, csv; `docs/dependencies.md`); everything else builds with
-//! `default-features = false`.
+//! and a training step go through them. `unsafe` lives only in the backend and the tier arenas.
+//! The `strata` binary's commands are modules of the binary (`src/main.rs`, `src/cli/`), built
+//! on this crate's public API like any other program, behind the `cli` feature (on by default)
+//! with their dependencies (clap, indicatif, plotters, csv; `docs/dependencies.md`); the library
+//! builds with `default-features = false`.
 //!
 #![doc = include_str!("../docs/layers.md")]
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(clippy::undocumented_unsafe_blocks)]
 #![warn(missing_docs)]
 
-// The layers, in call order (docs/layers.md).
-#[cfg(feature = "cli")]
-#[doc(hidden)] // the `strata` binary's commands: public for the binary, not an API
-pub mod cli;
-
+// The layers, in call order (docs/layers.md); the command line above them is the binary's
+// (src/main.rs, src/cli/).
 #[cfg(feature = "candle")]
 pub mod candle;
 
@@ -104,7 +102,7 @@ pub use api::{
     host_memory_available, DeviceView, HostRead, HostView, LayerScope, LoadOptions, MappedView,
     Stats, Store, StoreBuilder, Stream, TensorInfo, TierStats,
 };
-pub use api::{Gguf, GgufTensor, GgufValue, Loaded, LoadedFile, LoadedTensor};
+pub use api::{Gguf, GgufTensor, GgufValue, Loaded, LoadedFile, LoadedTensor, MappedFile};
 pub use base::element::Element;
 pub use base::error::{Error, Result};
 pub use base::types::{format_size, parse_size, BackendKind, DType, Group, TensorId, Tier};
@@ -132,6 +130,18 @@ pub fn cuda_device_count() -> std::result::Result<usize, String> {
 /// ```
 pub fn ignore_file_size_signal() -> std::io::Result<()> {
     tiers::file::ignore_sigxfsz()
+}
+
+/// Bytes an unprivileged process may still write on the file system holding `dir` (`statvfs`'s
+/// `f_bavail × f_frsize`), the disk's counterpart of [`host_memory_available`]: what
+/// `strata bench` checks its disk paths against, and the candle trainer's plan its Disk tier.
+///
+/// ```
+/// assert!(strata::disk_space_available(&std::env::temp_dir())? > 0);
+/// # Ok::<(), std::io::Error>(())
+/// ```
+pub fn disk_space_available(dir: &std::path::Path) -> std::io::Result<u64> {
+    tiers::file::free_space(dir)
 }
 
 /// Re-export of the cudarc version strata is built against, so embedders name the same types.

@@ -1,13 +1,15 @@
 //! The `strata` command line: `strata demo`, `bench`, `train-demo`, `inspect` (a checkpoint's
 //! tensors and a memory plan), `load` (a checkpoint into a store), and a model's `generate`,
-//! `chat`, `finetune` and `serve`. The commands live in
-//! `strata::cli`; this only parses the flags and dispatches.
+//! `chat`, `finetune` and `serve`. The commands live in [`cli`], a module of this binary built
+//! on the library's public API (`strata::...`); this only parses the flags and dispatches.
 
 use std::io::Write as _;
 use std::process::ExitCode;
 
 use clap::Parser;
-use strata::cli::{self, Cli, Cmd};
+use cli::{Cli, Cmd};
+
+mod cli;
 
 fn main() -> ExitCode {
     let args = Cli::parse();

@@ -648,15 +648,8 @@ fn compute_refuses_dtypes_it_does_not_run() {
             Ok(_) => panic!("{d}: the optimizer took it"),
         }
     }
-    #[cfg(feature = "cli")]
-    for d in NEW {
-        let cfg =
-            strata::cli::train::TrainConfig { dtype: Some(d), host: true, ..Default::default() };
-        match strata::cli::train::run(&cfg, |_| Ok(())) {
-            Err(Error::InvalidArgument(m)) => assert!(m.contains(&d.to_string()), "{m}"),
-            other => panic!("train-demo in {d}: {:?}", other.map(|_| ())),
-        }
-    }
+    // `strata train-demo` refuses them too: its unit test
+    // `train_demo_refuses_dtypes_it_does_not_run` (src/cli/train/tests.rs).
 }
 
 /// A load that copies shows its tensors to no one before it is done: another thread looking

@@ -185,7 +185,11 @@ fn root_names(lib: &str) -> BTreeMap<String, String> {
         }
     }
     // Functions defined in lib.rs itself, by the layer of what they call.
-    for (f, module) in [("cuda_device_count", "backend"), ("ignore_file_size_signal", "tiers")] {
+    for (f, module) in [
+        ("cuda_device_count", "backend"),
+        ("ignore_file_size_signal", "tiers"),
+        ("disk_space_available", "tiers"),
+    ] {
         names.insert(f.into(), module.into());
     }
     names

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Independent numpy check of strata's out-of-core training example (`--mode train`).
 
-The model (the contract of `strata::cli::train`): L bias-free [H, H] linear layers,
+The model (the contract of `strata train-demo`'s trainer, src/cli/train.rs): L bias-free [H, H] linear layers,
 a_0 = x, z_i = a_i @ W_i.T, a_{i+1} = relu(z_i) for i < L-1, output z_{L-1},
 loss = 0.5 * sum((out - y)**2) / R over all R rows (also with micro-batches), the same
 full batch every step. Backward: dL/dout = (out - y) / R, dW_i = dz_i.T @ a_i,

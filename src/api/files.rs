@@ -36,6 +36,43 @@ pub struct LoadOptions {
     pub group: Group,
 }
 
+/// A regular file mapped read-only, opened as [`Store::load_checkpoint`] opens a checkpoint's
+/// files: a path that is not a regular file (a directory, a FIFO, a device) is
+/// [`Error::NotAFile`] and is never opened, a missing or unreadable one an [`Error::Io`] naming
+/// it. For a program that parses a format of its own from a file's bytes without copying them
+/// (the `strata` binary's `train-demo` reads its `--init` and `--data` safetensors files so).
+///
+/// The file must not be truncated or rewritten while it is mapped (as with any memory-mapped
+/// reader, and as [`Store::load_checkpoint`] asks of a checkpoint's files).
+///
+/// ```
+/// # fn main() -> strata::Result<()> {
+/// let f = strata::MappedFile::open("tests/fixtures/quants.gguf")?;
+/// assert!(f.bytes().starts_with(b"GGUF"));
+/// let dir = std::env::temp_dir();
+/// assert!(matches!(strata::MappedFile::open(&dir), Err(strata::Error::NotAFile { .. })));
+/// # Ok(()) }
+/// ```
+#[derive(Debug)]
+pub struct MappedFile(ExternalFile);
+
+impl MappedFile {
+    /// Opens and maps the file at `path`.
+    pub fn open(path: impl AsRef<Path>) -> Result<MappedFile> {
+        ExternalFile::open(path.as_ref()).map(MappedFile)
+    }
+
+    /// The whole file.
+    pub fn bytes(&self) -> &[u8] {
+        self.0.bytes()
+    }
+
+    /// Its path.
+    pub fn path(&self) -> &Path {
+        self.0.path()
+    }
+}
+
 fn from_st(d: StDtype) -> Option<DType> {
     Some(match d {
         StDtype::F64 => DType::F64,

@@ -11,7 +11,9 @@ mod store;
 mod views;
 
 pub use builder::{host_memory_available, StoreBuilder};
-pub use files::{Gguf, GgufTensor, GgufValue, LoadOptions, Loaded, LoadedFile, LoadedTensor};
+pub use files::{
+    Gguf, GgufTensor, GgufValue, LoadOptions, Loaded, LoadedFile, LoadedTensor, MappedFile,
+};
 pub use hints::LayerScope;
 pub use stats::{Stats, TierStats};
 pub use store::{Store, TensorInfo};

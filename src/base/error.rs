@@ -182,8 +182,15 @@ pub enum Error {
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 impl Error {
-    /// An [`Error::Io`] for `path`, or [`Error::DiskFull`] when the OS said the device is full.
-    pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+    /// An [`Error::Io`] for `path`, or [`Error::DiskFull`] when the OS said the device is full
+    /// (`ENOSPC`, `EDQUOT`): how strata reports a failed file operation, for a program that
+    /// reports its own the same way (the `strata` binary's `bench` does).
+    ///
+    /// ```
+    /// let full = std::io::Error::from_raw_os_error(libc::ENOSPC);
+    /// assert!(matches!(strata::Error::io("/tmp/x", full), strata::Error::DiskFull { .. }));
+    /// ```
+    pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
         let path = path.into();
         if source.raw_os_error() == Some(libc::ENOSPC)
             || source.raw_os_error() == Some(libc::EDQUOT)

@@ -1,26 +1,16 @@
 //! The command line of `strata train-demo` and `examples/out_of_core.rs` ([`TrainDemoArgs`],
 //! parsed with clap), and the value parsers every `strata` subcommand shares, so that an option
-//! is spelled, checked and explained the same way wherever it appears.
-//!
-//! ```
-//! use strata::cli::args::TrainDemoArgs;
-//! let a = TrainDemoArgs::try_parse(["--mode=train", "--layers", "4", "--lr", "0.01"])?;
-//! assert_eq!(a.layers, Some(4));
-//! let e = TrainDemoArgs::try_parse(["--lr", "-1"]).unwrap_err().to_string();
-//! assert!(e.contains("must be a positive finite number"), "{e}");
-//! let e = TrainDemoArgs::try_parse(["--layer", "4"]).unwrap_err().to_string();
-//! assert!(e.contains("unexpected argument '--layer'"), "{e}");
-//! # Ok::<(), strata::Error>(())
-//! ```
+//! is spelled, checked and explained the same way wherever it appears (the test
+//! `train_demo_flags_parse_and_a_bad_one_says_why` shows a parse).
 
 use std::path::{Path, PathBuf};
 
 use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
 use clap::{Args, Parser, ValueEnum};
 
-use crate::optim::Engine;
-use crate::plan::Optimizer;
-use crate::{parse_size, DType, Error, LinkSharing, PolicyKind, Result, Simulation, Tier};
+use strata::optim::Engine;
+use strata::plan::Optimizer;
+use strata::{parse_size, DType, Error, LinkSharing, PolicyKind, Result, Simulation, Tier};
 
 /// Refuses a value with white space in it (`' 3'`, `'1 GiB'`): a quoting mistake in a script,
 /// better caught than guessed at.
@@ -440,6 +430,7 @@ impl TrainDemoArgs {
 
     /// Parses flags (without a program name): clap's rules (`--flag value`, `--flag=value`),
     /// its error messages as [`Error::InvalidArgument`].
+    #[cfg(test)] // the binary parses its whole command line (`Cli`)
     pub fn try_parse<I, S>(args: I) -> Result<TrainDemoArgs>
     where
         I: IntoIterator<Item = S>,
@@ -524,6 +515,17 @@ fn refuse(flags: &[&str], owner: &str, other: &str) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn train_demo_flags_parse_and_a_bad_one_says_why() -> Result<()> {
+        let a = TrainDemoArgs::try_parse(["--mode=train", "--layers", "4", "--lr", "0.01"])?;
+        assert_eq!(a.layers, Some(4));
+        let e = TrainDemoArgs::try_parse(["--lr", "-1"]).unwrap_err().to_string();
+        assert!(e.contains("must be a positive finite number"), "{e}");
+        let e = TrainDemoArgs::try_parse(["--layer", "4"]).unwrap_err().to_string();
+        assert!(e.contains("unexpected argument '--layer'"), "{e}");
+        Ok(())
+    }
 
     #[test]
     fn numbers_are_checked_with_a_reason() {

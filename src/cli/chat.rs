@@ -9,9 +9,9 @@
 
 use std::io::{BufRead, Write};
 
-use crate::candle::text::{Message, TextStream};
-use crate::candle::{generate_batch, Sampling};
 use crate::cli::model::{Llm, ModelFlags};
+use strata::candle::text::{Message, TextStream};
+use strata::candle::{generate_batch, Sampling};
 
 type Res<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
 

@@ -4,7 +4,7 @@ use std::time::Instant;
 
 use super::args::DemoArgs;
 use super::bar;
-use crate::{format_size, DType, Store, Tier};
+use strata::{format_size, DType, Store, Tier};
 
 /// Deterministic contents of a demo tensor.
 fn contents(layer: usize, part: usize, len: usize) -> Vec<u8> {
@@ -66,7 +66,7 @@ fn check_demo_host(a: &DemoArgs, m: &DemoModel, host_tiers: u64) -> anyhow::Resu
     // The demo holds a layer's contents and what it reads back, beside the budgets held in
     // host memory.
     let need = 2 * u128::from(m.weight_bytes()) + u128::from(host_tiers);
-    if let Some(avail) = crate::host_memory_available() {
+    if let Some(avail) = strata::host_memory_available() {
         if need > u128::from(avail) {
             anyhow::bail!(
                 "the demo needs {} of host memory (two copies of a {} layer, and the budgets \
@@ -112,7 +112,7 @@ fn check_demo_fits(store: &Store, a: &DemoArgs, m: &DemoModel) -> anyhow::Result
 /// Runs `strata demo`.
 pub fn run(a: DemoArgs) -> anyhow::Result<()> {
     let m = DemoModel::new(a.layers, a.layer_size);
-    let gpu = !a.host && crate::cuda_device_count().is_ok_and(|n| n > 0);
+    let gpu = !a.host && strata::cuda_device_count().is_ok_and(|n| n > 0);
     let host_tiers = [if gpu { 0 } else { a.device_budget }, a.pinned_budget, a.mapped_budget]
         .into_iter()
         .fold(0u64, u64::saturating_add);

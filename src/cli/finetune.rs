@@ -1,6 +1,6 @@
 //! `strata finetune`: trains a Llama-family decoder (Llama, Mistral, Qwen2 as Hugging Face ships
 //! them) inside candle with strata holding every byte of its state: out of core under a device
-//! budget ([`crate::candle::Trainer`]), or in memory (`--in-memory`: [`crate::candle::LlamaTwin`],
+//! budget ([`strata::candle::Trainer`]), or in memory (`--in-memory`: [`strata::candle::LlamaTwin`],
 //! every weight, gradient and AdamW state resident on the device), or both in one run
 //! (`--resident-twin`); full training or LoRA adapters (`--lora-rank R`) in PEFT's format.
 //!
@@ -28,15 +28,15 @@ use std::time::Instant;
 
 use candle_core::{Device, Tensor};
 
-use crate::candle::llama::SeededRng;
-use crate::candle::train::{load_tokens, Budgets, Checkpoint, Floor, Machine, TrainPlan};
-use crate::candle::{
+use crate::cli::model::{self, ModelArg};
+use strata::candle::llama::SeededRng;
+use strata::candle::train::{load_tokens, Budgets, Checkpoint, Floor, Machine, TrainPlan};
+use strata::candle::{
     load_weights, put_random_weights, LlamaConfig, LlamaTwin, LoraConfig, LrSchedule, StepReport,
     TrainConfig, Trainer,
 };
-use crate::cli::model::{self, ModelArg};
-use crate::optim::{AdamW, Engine};
-use crate::{format_size, DType, Group, Store, Tier};
+use strata::optim::{AdamW, Engine};
+use strata::{format_size, DType, Group, Store, Tier};
 
 type Res<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
 
@@ -228,7 +228,7 @@ fn clip_norm(s: &str) -> Result<f64, String> {
 }
 
 fn size(s: &str) -> Result<u64, String> {
-    crate::parse_size(s).map_err(|e| e.to_string())
+    strata::parse_size(s).map_err(|e| e.to_string())
 }
 
 fn engine(s: &str) -> Result<Engine, String> {
@@ -571,7 +571,7 @@ impl Data {
     /// target counted are left out.
     #[cfg(feature = "text")]
     fn text(a: &Args, vocab: usize, seq: usize) -> Res<Data> {
-        use crate::candle::text::{pack, read_jsonl, read_text_input, Tokens};
+        use strata::candle::text::{pack, read_jsonl, read_text_input, Tokens};
         let tok_path = a.tokenizer.as_ref().ok_or("--tokenizer FILE is needed")?;
         let side = model::text_side(tok_path, vocab)?;
         let tokenizer = &side.tokenizer;
@@ -775,12 +775,12 @@ pub fn run(args: FinetuneArgs) -> Res<Ended> {
         (Some(p), _, _) => LlamaConfig::from_file(p)?,
         (None, Some(ck), _) => ck.config.clone(),
         (None, None, Some(m)) if model::is_gguf(m) => {
-            LlamaConfig::from_gguf(&crate::Gguf::open(m)?)?
+            LlamaConfig::from_gguf(&strata::Gguf::open(m)?)?
         }
         (None, None, Some(m)) => LlamaConfig::from_file(m.join("config.json"))?,
         (None, None, None) => return Err("--config is required".into()),
     };
-    let device = crate::candle::default_device()?;
+    let device = strata::candle::default_device()?;
     let mut train = train_config(&a, ck.as_ref().map(|c| &c.train));
     train.lora = lora_config(&a, ck.as_ref().map(|c| &c.train))?;
     let dtype = ck.as_ref().map_or(a.dtype.unwrap_or(DType::F32), |c| c.dtype);
@@ -897,7 +897,7 @@ pub fn run(args: FinetuneArgs) -> Res<Ended> {
         train.engine
     )?;
     if let Some(l) = &train.lora {
-        let trained = crate::candle::train::trainable_parameters(&config, &train)
+        let trained = strata::candle::train::trainable_parameters(&config, &train)
             .map_err(|e| format!("--lora-rank {}: {e}", l.rank))?;
         out!(
             "LoRA: rank {}, alpha {} (scale {}), targets {}{}: {} trainable parameters ({:.3}% of the model), the base frozen",
@@ -911,10 +911,10 @@ pub fn run(args: FinetuneArgs) -> Res<Ended> {
     // Every output the run will write, checked before anything is allocated or trained: a bad
     // target must not cost the whole run.
     let params_bytes = config.parameters().saturating_mul(dtype.size_of() as u64);
-    crate::candle::train::check_outputs(&crate::candle::train::OutputPlan {
+    strata::candle::train::check_outputs(&strata::candle::train::OutputPlan {
         save: a.save.clone(),
         resuming: ck.as_ref().map(|c| c.run),
-        checkpoint_bytes: crate::candle::train::checkpoint_bytes(&config, &train, dtype)?,
+        checkpoint_bytes: strata::candle::train::checkpoint_bytes(&config, &train, dtype)?,
         export_merged: a.export_merged.clone(),
         export_bytes: params_bytes,
         write_inputs: a.write_inputs.clone(),
@@ -947,7 +947,7 @@ pub fn run(args: FinetuneArgs) -> Res<Ended> {
     if disk > (48 << 30) {
         builder = builder.capacity(Tier::Disk, disk + (1 << 30));
     }
-    let store = crate::candle::store_for(&device, builder)?;
+    let store = strata::candle::store_for(&device, builder)?;
     out!("candle device: {device:?}; strata: {}", store.backend_description())?;
     if out_of_core && (a.pcie.is_none() || a.host_bandwidth.is_none()) {
         let (pcie, host) = (a.pcie, a.host_bandwidth);
@@ -1143,9 +1143,9 @@ pub fn run(args: FinetuneArgs) -> Res<Ended> {
             })?;
             let mut after = 0f32;
             for (i, tokens) in b.iter().enumerate() {
-                let (ids, targets) = crate::candle::llama::inputs_and_targets(tokens)?;
+                let (ids, targets) = strata::candle::llama::inputs_and_targets(tokens)?;
                 let mask = m.as_ref().map(|m| m[i].flatten_all()).transpose()?;
-                let l = crate::candle::llama::next_token_loss_masked(
+                let l = strata::candle::llama::next_token_loss_masked(
                     &trainer.logits(&ids)?,
                     &targets,
                     mask.as_ref(),
@@ -1171,7 +1171,7 @@ pub fn run(args: FinetuneArgs) -> Res<Ended> {
                 // A GGUF base's tokenizer, chat template and special tokens, written as Hugging
                 // Face's files.
                 Some(t) if model::is_gguf(&t) => {
-                    crate::candle::text::GgufText::read(&crate::Gguf::open(&t)?)?
+                    strata::candle::text::GgufText::read(&strata::Gguf::open(&t)?)?
                         .write_hf_files(dir)?;
                 }
                 t => {
@@ -1241,11 +1241,11 @@ fn plan_for(
     let Some(path) = base.filter(|p| model::is_gguf(p)) else {
         return Ok(TrainPlan::new(config, train, dtype, machine, budgets)?);
     };
-    let file = crate::Gguf::open(path)?;
+    let file = strata::Gguf::open(path)?;
     let sizes: HashMap<String, u64> = file
         .tensors()
         .iter()
-        .filter_map(|t| Some((crate::candle::hf_name(&t.name)?, t.bytes)))
+        .filter_map(|t| Some((strata::candle::hf_name(&t.name)?, t.bytes)))
         .collect();
     let elem = dtype.size_of() as u64;
     let stored = |name: &str, shape: &[usize]| {
@@ -1397,7 +1397,7 @@ fn write_inputs(
     dir: &PathBuf,
     store: &Store,
     config: &LlamaConfig,
-    weights: &[(String, crate::TensorId)],
+    weights: &[(String, strata::TensorId)],
     data: &Data,
     train: &TrainConfig,
     steps: u64,
@@ -1408,7 +1408,7 @@ fn write_inputs(
         .and_then(|n| n.checked_mul(train.micro_batch * (train.seq + 1)))
         .and_then(|n| n.checked_mul(8))
         .ok_or_else(|| format!("--write-inputs: {steps} steps' tokens overflow"))?;
-    if let Some(avail) = crate::host_memory_available() {
+    if let Some(avail) = strata::host_memory_available() {
         if bytes as u64 > avail {
             return Err(format!(
                 "--write-inputs: {steps} steps' tokens need {} of host memory and {} is available",
@@ -1419,7 +1419,7 @@ fn write_inputs(
         }
     }
     std::fs::create_dir_all(dir)?;
-    let named: Vec<(crate::TensorId, String)> =
+    let named: Vec<(strata::TensorId, String)> =
         weights.iter().map(|(n, id)| (*id, n.clone())).collect();
     let quantized =
         weights.iter().any(|(_, id)| store.info(*id).is_ok_and(|i| i.dtype.is_quantized()));

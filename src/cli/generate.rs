@@ -20,11 +20,11 @@ use std::path::{Path, PathBuf};
 
 use candle_core::DType as CDType;
 
-use crate::candle::{
+use crate::cli::model::{self, compute_dtype, ModelArg};
+use strata::candle::{
     generate_batch, load_weights, put_random_weights, CausalLm, InMemoryLlama, Layers, LlamaConfig,
     OutOfCoreLlama, Sampling,
 };
-use crate::cli::model::{self, compute_dtype, ModelArg};
 
 type Res<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
 
@@ -114,7 +114,7 @@ pub struct GenerateArgs {
 }
 
 fn size(s: &str) -> Result<u64, String> {
-    crate::parse_size(s).map_err(|e| e.to_string())
+    strata::parse_size(s).map_err(|e| e.to_string())
 }
 
 fn token_list(s: &str) -> Result<Vec<u32>, String> {
@@ -280,7 +280,7 @@ struct Prompts {
     ids: Vec<Vec<u32>>,
     stop: Vec<u32>,
     #[cfg(feature = "text")]
-    tokenizer: Option<crate::candle::text::Tokenizer>,
+    tokenizer: Option<strata::candle::text::Tokenizer>,
 }
 
 impl Prompts {
@@ -288,7 +288,7 @@ impl Prompts {
     fn streamer(&self) -> Box<dyn FnMut(usize, u32) -> candle_core::Result<()> + '_> {
         #[cfg(feature = "text")]
         if let (Some(t), 1) = (&self.tokenizer, self.ids.len()) {
-            let mut stream = crate::candle::text::TextStream::new(t);
+            let mut stream = strata::candle::text::TextStream::new(t);
             let vocab = t.vocab_size();
             return Box::new(move |_, token| {
                 // An id the model has and its tokenizer lacks (a vocabulary padded past the
@@ -361,7 +361,7 @@ fn prompts(a: &Args, vocab: usize) -> Res<Prompts> {
 
 #[cfg(feature = "text")]
 fn text_prompts(a: &Args, path: &Path, lines: &[String], vocab: usize) -> Res<Prompts> {
-    use crate::candle::text::Message;
+    use strata::candle::text::Message;
     let side = model::text_side(path, vocab)?;
     let tokenizer = side.tokenizer;
     let template = match (a.chat, side.template) {
@@ -526,7 +526,7 @@ fn generate_all<M: CausalLm>(m: &M, a: &Args, p: &Prompts, sampling: &Sampling) 
 /// must move: the weights neither resident (`--resident`, kept beside the Device tier) nor
 /// within the Device tier.
 fn pcie_floor(
-    store: &crate::Store,
+    store: &strata::Store,
     stored: u64,
     resident: u64,
     budget: u64,
@@ -544,7 +544,7 @@ fn pcie_floor(
         )?;
         return Ok(());
     }
-    let h2d = crate::optim::Bandwidths::measure(store, 0)?.h2d;
+    let h2d = strata::optim::Bandwidths::measure(store, 0)?.h2d;
     let per_pass = moved / g.passes as u64;
     let floor = per_pass as f64 / h2d;
     out!(
@@ -552,16 +552,16 @@ fn pcie_floor(
          (pinned to device, measured now{}): {}; the median new token's pass {}: pass / floor \
          = {:.2}; weights {}, {} of them resident beside the Device tier, beyond both {} (the \
          least a pass moves)",
-        crate::format_size(per_pass),
+        strata::format_size(per_pass),
         g.passes,
         h2d / 1e9,
         if store.cuda_context().is_some() { "" } else { "; host backend: a memcpy" },
         ms(floor),
         ms(g.token_pass_s),
         g.token_pass_s / floor,
-        crate::format_size(stored),
-        crate::format_size(resident),
-        crate::format_size(stored.saturating_sub(resident).saturating_sub(budget)),
+        strata::format_size(stored),
+        strata::format_size(resident),
+        strata::format_size(stored.saturating_sub(resident).saturating_sub(budget)),
     )?;
     Ok(())
 }
@@ -571,12 +571,12 @@ pub fn run(args: GenerateArgs) -> Res<()> {
     let a = args.check()?;
     let config = match (&a.config, &a.model) {
         (Some(file), _) => LlamaConfig::from_file(file)?,
-        (None, Some(m)) if model::is_gguf(m) => LlamaConfig::from_gguf(&crate::Gguf::open(m)?)?,
+        (None, Some(m)) if model::is_gguf(m) => LlamaConfig::from_gguf(&strata::Gguf::open(m)?)?,
         (None, _) => return Err("--config FILE is needed".into()),
     };
     let sampling = Sampling::from_flags(a.temperature, a.top_k, a.top_p, a.seed)?;
     let p = prompts(&a, config.vocab_size)?;
-    let device = crate::candle::default_device()?;
+    let device = strata::candle::default_device()?;
     let dtype = a.dtype.unwrap_or(CDType::F32);
     // Every sequence's positions, checked before anything is sized from them.
     let mut positions = 0usize;
@@ -599,11 +599,11 @@ pub fn run(args: GenerateArgs) -> Res<()> {
     // Random weights are stored as a checkpoint of the compute dtype would hold them: bf16 for
     // --dtype bf16 (what crosses PCIe at each pass), f32 otherwise.
     let init_dtype = match dtype {
-        CDType::BF16 => crate::DType::BF16,
-        _ => crate::DType::F32,
+        CDType::BF16 => strata::DType::BF16,
+        _ => strata::DType::F32,
     };
     let weight_bytes = match (&a.model, init_dtype) {
-        (None, crate::DType::BF16) => 2u64.saturating_mul(config.parameters()),
+        (None, strata::DType::BF16) => 2u64.saturating_mul(config.parameters()),
         _ => 4u64.saturating_mul(config.parameters()),
     };
     let kv_bytes = [
@@ -629,17 +629,17 @@ pub fn run(args: GenerateArgs) -> Res<()> {
     crate::cli::check_host_memory("the model and its KV caches", u128::from(room) / 2)?;
     // The store: a Device tier of the budget (or room for everything), host memory for the rest.
     let budget = a.device_budget.unwrap_or(room.saturating_add(1 << 20));
-    let builder = crate::Store::builder()
-        .capacity(crate::Tier::Device, budget)
+    let builder = strata::Store::builder()
+        .capacity(strata::Tier::Device, budget)
         .prefetch_budget(budget)
-        .capacity(crate::Tier::Pinned, room.saturating_add(64 << 20));
-    let store = crate::candle::store_for(&device, builder)?;
+        .capacity(strata::Tier::Pinned, room.saturating_add(64 << 20));
+    let store = strata::candle::store_for(&device, builder)?;
     let weights = match &a.model {
         Some(path) => load_weights(&store, &config, path)?,
         None => put_random_weights(&store, &config, a.init_seed, init_dtype)?,
     };
     if let Some(dir) = &a.adapter {
-        let m = crate::candle::lora::merge_adapter_into(&store, &weights, dir)?;
+        let m = strata::candle::lora::merge_adapter_into(&store, &weights, dir)?;
         out!(
             "merged the LoRA adapter {} (rank {}, alpha {}{}) into {} linears",
             dir.display(),
@@ -662,14 +662,14 @@ pub fn run(args: GenerateArgs) -> Res<()> {
         config.parameters(),
         config.num_hidden_layers,
         device.location(),
-        if a.in_memory { "none (in memory)".to_string() } else { crate::format_size(budget) },
+        if a.in_memory { "none (in memory)".to_string() } else { strata::format_size(budget) },
         p.ids.len(),
         p.ids.iter().map(Vec::len).collect::<Vec<_>>(),
     )?;
     let tokens = if a.in_memory {
         // Every weight read once into candle (StoreBackend is candle-nn's VarBuilder backend).
         use candle_nn::var_builder::SimpleBackend;
-        let backend = crate::candle::StoreBackend::new(store.clone(), weights.clone());
+        let backend = strata::candle::StoreBackend::new(store.clone(), weights.clone());
         let mut map = std::collections::HashMap::new();
         for (name, _) in &weights {
             map.insert(name.clone(), backend.get_unchecked(name, dtype, &device)?);
@@ -710,14 +710,14 @@ pub fn run(args: GenerateArgs) -> Res<()> {
         let before = store.stats();
         let out = generate_all(&model, &a, &p, &sampling)?;
         let s = store.stats();
-        let moved = s.moved_into(crate::Tier::Device) - before.moved_into(crate::Tier::Device);
+        let moved = s.moved_into(strata::Tier::Device) - before.moved_into(strata::Tier::Device);
         out!(
             "out of core: {k} of {} blocks resident; {} into the Device tier, {} evictions; \
              KV cache up to {}",
             config.num_hidden_layers,
-            crate::format_size(moved),
+            strata::format_size(moved),
             s.evictions - before.evictions,
-            crate::format_size(kv_bytes),
+            strata::format_size(kv_bytes),
         )?;
         pcie_floor(&store, stored, resident, budget, moved, &out)?;
         out.tokens

@@ -2,7 +2,7 @@
 
 use super::args::InspectArgs;
 
-use crate::plan::{Bandwidths, Optimizer, PlanConfig};
+use strata::plan::{Bandwidths, Optimizer, PlanConfig};
 
 /// The files a checkpoint came from, when there are several or an index named them: `3 files
 /// named by DIR/model.safetensors.index.json: a, b, c`; long lists shortened.
@@ -47,7 +47,7 @@ pub(crate) fn metadata_line(
 
 /// Runs `strata inspect`.
 pub fn run(a: InspectArgs) -> anyhow::Result<()> {
-    let ckpt = crate::plan::read_checkpoint(&a.path)?;
+    let ckpt = strata::plan::read_checkpoint(&a.path)?;
     let tensors = ckpt.tensors;
     out!("strata inspect {}", a.path.display())?;
     if let Some(line) = files_line(&ckpt.files, ckpt.index.as_deref()) {
@@ -57,9 +57,9 @@ pub fn run(a: InspectArgs) -> anyhow::Result<()> {
         out!("metadata: {line}")?;
     }
     out!()?;
-    out_raw!("{}", crate::plan::tensor_table(&tensors))?;
+    out_raw!("{}", strata::plan::tensor_table(&tensors))?;
     out!()?;
-    out_raw!("{}", crate::plan::totals(&tensors))?;
+    out_raw!("{}", strata::plan::totals(&tensors))?;
     out!()?;
     let cfg = PlanConfig {
         budgets: a.budgets.array(),
@@ -67,7 +67,7 @@ pub fn run(a: InspectArgs) -> anyhow::Result<()> {
         train: a.train,
         fp32_grads: a.fp32_grads,
     };
-    let plan = crate::plan::plan(&tensors, &cfg);
+    let plan = strata::plan::plan(&tensors, &cfg);
     out_raw!("{plan}")?;
     if !a.train && a.optimizer != Optimizer::None {
         out!("note: --optimizer {} counts only with --train", a.optimizer)?;

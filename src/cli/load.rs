@@ -4,7 +4,7 @@ use std::time::Instant;
 
 use super::args::LoadArgs;
 use super::inspect::{files_line, metadata_line};
-use crate::{format_size, LoadOptions, Store, Tier};
+use strata::{format_size, LoadOptions, Store, Tier};
 
 /// Runs `strata load`.
 pub fn run(a: LoadArgs) -> anyhow::Result<()> {
@@ -89,7 +89,7 @@ pub fn run(a: LoadArgs) -> anyhow::Result<()> {
 /// at the end which stayed; any other error ends it.
 fn copy_into(
     store: &Store,
-    loaded: &crate::Loaded,
+    loaded: &strata::Loaded,
     sizes: &[u64],
     tier: Tier,
 ) -> anyhow::Result<()> {
@@ -115,7 +115,7 @@ fn copy_into(
                 copied += 1;
                 copied_bytes += bytes;
             }
-            Err(crate::Error::TooLarge { .. } | crate::Error::OutOfMemory { .. }) => {
+            Err(strata::Error::TooLarge { .. } | strata::Error::OutOfMemory { .. }) => {
                 stayed.push((&t.store_name, bytes));
             }
             Err(e) => {
@@ -160,20 +160,20 @@ fn copy_into(
 
 /// `strata inspect`'s tensor table (names as in the files) with each tensor's crc32, its bytes
 /// read back through the store.
-fn checksum_table(store: &Store, loaded: &crate::Loaded) -> anyhow::Result<String> {
+fn checksum_table(store: &Store, loaded: &strata::Loaded) -> anyhow::Result<String> {
     let mut entries = Vec::with_capacity(loaded.len());
     let mut crcs = Vec::with_capacity(loaded.len());
     for t in loaded {
         let info = store.info(t.id)?;
         crcs.push(crc32fast::hash(&store.read(t.id)?));
-        entries.push(crate::plan::TensorEntry {
+        entries.push(strata::plan::TensorEntry {
             name: t.name.clone(),
             dtype: info.dtype,
             shape: info.shape,
             bytes: info.bytes,
         });
     }
-    let table = crate::plan::tensor_table(&entries);
+    let table = strata::plan::tensor_table(&entries);
     let mut out = String::with_capacity(table.len() + 10 * crcs.len());
     for (i, line) in table.lines().enumerate() {
         match i.checked_sub(1).map(|k| crcs[k]) {

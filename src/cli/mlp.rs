@@ -3,25 +3,17 @@
 //! run forward (inference) or as training steps (forward, backward with input and weight
 //! gradients, SGD on the device), with a layer scope around each layer, and measured against two
 //! floors from the same run: compute (the same GEMMs with every weight resident) and PCIe (the
-//! bytes that must cross / raw pinned bandwidth).
-//!
-//! ```
-//! use strata::cli::mlp::{run, MlpConfig};
-//! let cfg = MlpConfig::parse(["--layers", "4", "--hidden", "64", "--rows", "8",
-//!     "--device-budget", "24KiB", "--mode", "train", "--host"])?;
-//! let report = run(&cfg, |_| Ok(()))?;
-//! assert_eq!(report.matches_resident, Some(true));
-//! # Ok::<(), strata::Error>(())
-//! ```
+//! bytes that must cross / raw pinned bandwidth). The tests (`tests.rs`) check it against the
+//! all-resident run, `simulated_tests.rs` its pipeline in simulated time.
 
 use std::time::Instant;
 
 use half::bf16;
 
 use crate::cli::args::{check_output, ModeArg, OptimizerArg, SimulateArg, TrainDemoArgs};
-use crate::linalg::{Linalg, Matrix};
-use crate::probe::{median, median_after_first, raw_pinned_copy, Direction};
-use crate::{format_size, DType, Error, PolicyKind, Result, Simulation, Store, TensorId, Tier};
+use strata::linalg::{Linalg, Matrix};
+use strata::probe::{median, median_after_first, raw_pinned_copy, Direction};
+use strata::{format_size, DType, Error, PolicyKind, Result, Simulation, Store, TensorId, Tier};
 
 /// Inference or training.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -73,9 +65,9 @@ pub struct MlpConfig {
     /// Also run every weight resident (the compute floor and the correctness reference).
     pub compare: bool,
     /// Simulate this machine on the host backend (`--simulate h100`, or `h100-half` for
-    /// [`LinkSharing::Half`](crate::LinkSharing::Half)): the loop runs a model
+    /// [`LinkSharing::Half`](strata::LinkSharing::Half)): the loop runs a model
     /// with the same layer count and budget in layers, shrunk to `hidden ≤ 64` and `rows ≤ 8`,
-    /// in [simulated time](crate::StoreBuilder::simulate) scaled so that each layer's copies
+    /// in [simulated time](strata::StoreBuilder::simulate) scaled so that each layer's copies
     /// and GEMMs take the time they would at the configured size.
     pub simulate: Option<Simulation>,
     /// Write a Chrome trace of the out-of-core run's copies and waits here (`--trace FILE`).
@@ -111,6 +103,7 @@ impl MlpConfig {
     /// Parses command-line flags ([`TrainDemoArgs`], without a program name) over the defaults
     /// (L=32, H=8192, rows 2048, budget 1 GiB, forward, hints on, 1 ahead, schedule policy, 10
     /// steps). Sizes take units.
+    #[cfg(test)] // the binary parses its whole command line (`Cli`)
     pub fn parse<I, S>(args: I) -> Result<MlpConfig>
     where
         I: IntoIterator<Item = S>,
@@ -263,9 +256,8 @@ pub struct StepReport {
 /// The outcome of [`run`].
 #[derive(Clone, Debug)]
 pub struct MlpReport {
-    /// The backend, in words.
-    pub backend: String,
     /// Every step of the out-of-core run.
+    #[cfg_attr(not(test), allow(dead_code))] // the tests read each step
     pub steps: Vec<StepReport>,
     /// Median step seconds with every weight resident (steps after the first).
     pub compute_seconds: Option<f64>,
@@ -655,7 +647,6 @@ pub fn run(cfg: &MlpConfig, mut progress: impl FnMut(&str) -> Result<()>) -> Res
         (None, None) => None,
     };
     Ok(MlpReport {
-        backend,
         steps,
         compute_seconds: compute,
         h2d_bandwidth,
@@ -738,3 +729,8 @@ impl MlpReport {
         }
     }
 }
+
+#[cfg(test)]
+mod simulated_tests;
+#[cfg(test)]
+mod tests;

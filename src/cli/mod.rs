@@ -1,5 +1,6 @@
-//! The `strata` binary's commands, built on the store's public API (feature `cli`, on by
-//! default); `main.rs` only parses ([`Cli`]) and dispatches. [`demo`] (`strata demo`),
+//! The `strata` binary's commands: a module of the binary, not of the library, built on the
+//! library's public API (`strata::...`) like any other program (feature `cli`, on by default);
+//! `main.rs` only parses ([`Cli`]) and dispatches. [`demo`] (`strata demo`),
 //! [`bench`](mod@bench) (`strata bench`), [`train`] and [`mlp`] (`strata train-demo`: the
 //! out-of-core MLP trainer and the bf16 benchmark loop), [`inspect`] (`strata inspect`), [`load`]
 //! (`strata load`), and their flags ([`args`]). A library user who wants the store alone turns
@@ -10,8 +11,8 @@ use std::io::Write as _;
 
 use clap::{Parser, Subcommand};
 
-use crate::{Error, Result};
 use args::{BenchArgs, DemoArgs, InspectArgs, LoadArgs, TrainDemoArgs};
+use strata::{Error, Result};
 
 /// `println!` that returns the error of a closed stdout instead of panicking on it.
 macro_rules! out {
@@ -48,6 +49,12 @@ pub mod model;
 pub mod serve;
 pub mod train;
 
+/// The integration tests' helpers (`tests/common`), shared with the binary's unit tests: the
+/// backends a test runs on, printing `SKIP` for CUDA without a GPU.
+#[cfg(test)]
+#[path = "../../tests/common/mod.rs"]
+mod common;
+
 /// Writes `text` to stdout as it is. A failed write comes back as [`Error::Io`] on `<stdout>`:
 /// a reader that went away (`strata inspect model.safetensors | head`) ends the command there,
 /// and the binary exits quietly with success on it ([`is_broken_pipe`]) rather than panic as
@@ -68,13 +75,13 @@ pub fn println(line: &str) -> Result<()> {
 /// (`MemAvailable`): a model too large for this host is an error that says so, not an
 /// allocation failure that aborts the process.
 pub(crate) fn check_host_memory(what: &str, bytes: u128) -> Result<()> {
-    let Some(avail) = crate::host_memory_available() else { return Ok(()) };
+    let Some(avail) = strata::host_memory_available() else { return Ok(()) };
     if bytes > avail as u128 {
         return Err(Error::InvalidArgument(format!(
             "{what} needs {} of host memory and {} is available: use a smaller model \
              (--layers, --hidden, --rows)",
-            crate::format_size(u64::try_from(bytes).unwrap_or(u64::MAX)),
-            crate::format_size(avail)
+            strata::format_size(u64::try_from(bytes).unwrap_or(u64::MAX)),
+            strata::format_size(avail)
         )));
     }
     Ok(())

@@ -7,8 +7,8 @@ use std::path::{Path, PathBuf};
 
 use candle_core::DType as CDType;
 
-use crate::candle::text::{eos_tokens, ChatTemplate, Tokenizer};
-use crate::candle::{load_weights, CausalLm, Layers, LlamaConfig, OutOfCoreLlama};
+use strata::candle::text::{eos_tokens, ChatTemplate, Tokenizer};
+use strata::candle::{load_weights, CausalLm, Layers, LlamaConfig, OutOfCoreLlama};
 
 type Res<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
 
@@ -21,8 +21,6 @@ pub type ModelArg = PathBuf;
 pub struct Resolved {
     /// What `load_weights` reads: a `.safetensors` file, an index or a directory.
     pub weights: PathBuf,
-    /// The directory the model's other files are looked for in.
-    pub dir: PathBuf,
     /// `config.json` beside the weights, when there is one.
     pub config: Option<PathBuf>,
 }
@@ -68,10 +66,9 @@ pub fn hub_cache() -> hf_hub::Cache {
 /// (the snapshot `refs/main` points to).
 pub fn resolve(arg: &Path) -> Res<Resolved> {
     if arg.exists() {
-        let dir = dir_of(arg);
         // A GGUF file carries its config in its metadata ([`Resolved::llama_config`]).
-        let config = Some(dir.join("config.json")).filter(|p| p.is_file() && !is_gguf(arg));
-        return Ok(Resolved { weights: arg.to_path_buf(), dir, config });
+        let config = Some(dir_of(arg).join("config.json")).filter(|p| p.is_file() && !is_gguf(arg));
+        return Ok(Resolved { weights: arg.to_path_buf(), config });
     }
     let Some(id) = arg.to_str().filter(|s| is_hub_id(s)) else {
         return Err(format!("--model {}: no such file or directory", arg.display()).into());
@@ -87,8 +84,7 @@ pub fn resolve(arg: &Path) -> Res<Resolved> {
         )
         .into());
     };
-    let dir = dir_of(&config);
-    Ok(Resolved { weights: dir.clone(), dir, config: Some(config) })
+    Ok(Resolved { weights: dir_of(&config), config: Some(config) })
 }
 
 /// Whether `path` names a GGUF file (llama.cpp's format), by its extension.
@@ -104,7 +100,7 @@ impl Resolved {
             (Some(p), _) => p.to_path_buf(),
             (None, Some(p)) => p.clone(),
             (None, None) if is_gguf(&self.weights) => {
-                return Ok(LlamaConfig::from_gguf(&crate::Gguf::open(&self.weights)?)?);
+                return Ok(LlamaConfig::from_gguf(&strata::Gguf::open(&self.weights)?)?);
             }
             (None, None) => {
                 return Err(format!(
@@ -128,8 +124,6 @@ pub struct TextSide {
     pub eos: Vec<u32>,
     /// Where they were read from.
     pub eos_from: String,
-    /// The GGUF file's text side, when the tokenizer is a GGUF file's.
-    pub gguf: Option<crate::candle::text::GgufText>,
 }
 
 /// Where a model's tokenizer is: `--tokenizer FILE` (a `tokenizer.json`, or a GGUF file whose
@@ -157,10 +151,10 @@ pub fn no_tokenizer(weights: &Path, what: &str) -> String {
 /// here, before anything is generated or trained.
 pub fn text_side(path: &Path, vocab: usize) -> Res<TextSide> {
     if is_gguf(path) {
-        let file = crate::Gguf::open(path)?;
-        let g = crate::candle::text::GgufText::read(&file)?;
+        let file = strata::Gguf::open(path)?;
+        let g = strata::candle::text::GgufText::read(&file)?;
         let tok = g.tokenizer()?;
-        crate::candle::text::check_vocab(&tok, vocab)?;
+        strata::candle::text::check_vocab(&tok, vocab)?;
         let eos = g.stop_tokens();
         let eos_from = if eos.is_empty() {
             "none known".to_string()
@@ -168,17 +162,17 @@ pub fn text_side(path: &Path, vocab: usize) -> Res<TextSide> {
             format!("{}: tokenizer.ggml.eos_token_id", path.display())
         };
         let template = g.chat_template()?;
-        return Ok(TextSide { tokenizer: tok, template, eos, eos_from, gguf: Some(g) });
+        return Ok(TextSide { tokenizer: tok, template, eos, eos_from });
     }
     let tok = Tokenizer::from_file(path)?;
-    crate::candle::text::check_vocab(&tok, vocab)?;
+    strata::candle::text::check_vocab(&tok, vocab)?;
     // None for a base model (no chat template); a template that does not parse is an error.
     let template = ChatTemplate::beside(path)?;
     let (eos, eos_from) = match eos_tokens(&dir_of(path), &tok)? {
         Some(e) => (e.ids, e.from),
         None => (Vec::new(), "none known".to_string()),
     };
-    Ok(TextSide { tokenizer: tok, template, eos, eos_from, gguf: None })
+    Ok(TextSide { tokenizer: tok, template, eos, eos_from })
 }
 
 /// How the model is loaded: the flags `chat` and `serve` share.
@@ -212,7 +206,7 @@ pub struct ModelFlags {
 }
 
 fn size(s: &str) -> Result<u64, String> {
-    crate::parse_size(s).map_err(|e| e.to_string())
+    strata::parse_size(s).map_err(|e| e.to_string())
 }
 
 /// `--dtype`'s values.
@@ -229,8 +223,6 @@ pub fn compute_dtype(s: &str) -> Result<CDType, String> {
 pub struct Llm {
     /// The model: its blocks streamed through a store, its KV caches in the store.
     pub model: OutOfCoreLlama,
-    /// Its config.
-    pub config: LlamaConfig,
     /// Its tokenizer, chat template and end-of-sequence tokens.
     pub text: TextSide,
     /// A line that says what was loaded.
@@ -246,7 +238,7 @@ impl Llm {
         let tokenizer = tokenizer_path(&m.weights, flags.tokenizer.as_deref())
             .ok_or_else(|| no_tokenizer(&m.weights, "the model needs"))?;
         let text = text_side(&tokenizer, config.vocab_size)?;
-        let device = crate::candle::default_device()?;
+        let device = strata::candle::default_device()?;
         let dtype = flags.dtype;
         let kv_bytes = (2 * config.num_hidden_layers * config.num_key_value_heads)
             .checked_mul(config.head_dim)
@@ -264,15 +256,15 @@ impl Llm {
             "the model and its caches",
             u128::from(weight_bytes) + u128::from(kv_bytes),
         )?;
-        let builder = crate::Store::builder()
-            .capacity(crate::Tier::Device, budget)
+        let builder = strata::Store::builder()
+            .capacity(strata::Tier::Device, budget)
             .prefetch_budget(budget)
-            .capacity(crate::Tier::Pinned, room.saturating_add(64 << 20));
-        let store = crate::candle::store_for(&device, builder)?;
+            .capacity(strata::Tier::Pinned, room.saturating_add(64 << 20));
+        let store = strata::candle::store_for(&device, builder)?;
         let weights = load_weights(&store, &config, &m.weights)?;
         let mut merged = String::new();
         if let Some(dir) = &flags.adapter {
-            let a = crate::candle::lora::merge_adapter_into(&store, &weights, dir)?;
+            let a = strata::candle::lora::merge_adapter_into(&store, &weights, dir)?;
             merged = format!(
                 "; the LoRA adapter {} (rank {}) merged into {} linears",
                 dir.display(),
@@ -297,9 +289,9 @@ impl Llm {
             config.num_hidden_layers,
             flags.resident,
             model.device().location(),
-            crate::format_size(budget),
+            strata::format_size(budget),
         );
-        Ok(Llm { model, config, text, summary })
+        Ok(Llm { model, text, summary })
     }
 }
 

@@ -5,23 +5,15 @@
 //! `z_i = a_i · W_iᵀ`, `a_{i+1} = relu(z_i)` for `i < L − 1`, output `z_{L−1}`, loss
 //! `0.5 · Σ(output − y)² / R`, the same full batch of `R` rows every step. Weights are store
 //! tensors of group `Param` named `layers.{i}.weight`; gradients, fp32 master weights and the
-//! optimizer's moments are store tensors too ([`crate::optim`]); activations are kept on the
+//! optimizer's moments are store tensors too ([`strata::optim`]); activations are kept on the
 //! device, offloaded through the store, or recomputed from checkpoints (`--activations`).
 //!
 //! Inputs can come from files, so that a run can be checked against an independent
 //! implementation: `--init FILE` (weights `layers.{i}.weight`, `[H, H]`, f32 or bf16; `L` and
 //! `H` are taken from it), `--data FILE` (`x` and `y`, `[R, H]`, f32), and `--save FILE` writes
 //! the final weights (f32, the same names). Without them the weights and data are seeded random.
-//!
-//! ```
-//! use strata::cli::train::{run, TrainConfig};
-//! let cfg = TrainConfig::parse(["--layers", "3", "--hidden", "16", "--rows", "8", "--steps", "3",
-//!     "--optimizer", "adamw", "--activations", "recompute", "--checkpoint-every", "2", "--host"])?;
-//! let report = run(&cfg, |_| Ok(()))?;
-//! assert_eq!(report.losses.len(), 3);
-//! assert!(report.losses[2] < report.losses[0], "the loss goes down: {:?}", report.losses);
-//! # Ok::<(), strata::Error>(())
-//! ```
+//! The tests (`tests.rs`) run it against a plain reference, from `a_short_run_lowers_the_loss`
+//! on.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -32,11 +24,13 @@ use half::bf16;
 use crate::cli::args::{
     check_output, ActivationsArg, DTypeArg, EngineArg, ModeArg, OptimizerArg, TrainDemoArgs,
 };
-use crate::linalg::{loss_value, Float, Linalg, Matrix, LOSS_PARTIALS};
-use crate::optim::{AdamW, Algorithm, Engine, Optimizer, OptimizerConfig, Sgd, StepTraffic};
-use crate::plan::{self, PlanConfig, TensorEntry};
-use crate::probe::median_after_first;
-use crate::{format_size, DType, Error, Group, PolicyKind, Result, Store, TensorId, Tier};
+use strata::linalg::{loss_value, Float, Linalg, Matrix, LOSS_PARTIALS};
+use strata::optim::{AdamW, Algorithm, Engine, Optimizer, OptimizerConfig, Sgd, StepTraffic};
+use strata::plan::{self, PlanConfig, TensorEntry};
+use strata::probe::median_after_first;
+use strata::{
+    format_size, DType, Error, Group, MappedFile, PolicyKind, Result, Store, TensorId, Tier,
+};
 
 /// What happens to the activations the backward pass needs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -157,6 +151,7 @@ impl TrainConfig {
     /// Parses flags ([`TrainDemoArgs`], without a program name) over the defaults (L=32,
     /// H=8192, rows 2048, 5 steps, AdamW lr 1e-3, engine auto, activations keep, device budget
     /// 8 GiB). `--mode train` is accepted and implied.
+    #[cfg(test)] // the binary parses its whole command line (`Cli`)
     pub fn parse<I, S>(args: I) -> Result<TrainConfig>
     where
         I: IntoIterator<Item = S>,
@@ -298,10 +293,9 @@ fn bad_file(path: &Path, tensor: Option<&str>, why: impl Into<String>) -> Error 
     Error::BadFile { path: path.to_path_buf(), tensor: tensor.map(str::to_string), why: why.into() }
 }
 
-/// The file mapped read-only (the disk tier's `ExternalFile`, which owns the mapping's safety
-/// argument).
-fn map_file(path: &Path) -> Result<crate::tiers::file::ExternalFile> {
-    crate::tiers::file::ExternalFile::open(path)
+/// The file mapped read-only ([`MappedFile`], which owns the mapping's safety argument).
+fn map_file(path: &Path) -> Result<MappedFile> {
+    MappedFile::open(path)
 }
 
 /// A tensor's values as f32 (f32 or, where `allow_bf16`, bf16 in the file).
@@ -502,16 +496,12 @@ pub struct EngineRun {
 /// The outcome of [`run`].
 #[derive(Clone, Debug)]
 pub struct TrainReport {
-    /// The backend, in words.
-    pub backend: String,
     /// The compute dtype.
     pub dtype: DType,
     /// The engine that ran.
     pub engine: Engine,
     /// `Auto`'s reasoning, when it chose.
     pub choice: Option<String>,
-    /// Every step.
-    pub steps: Vec<StepRecord>,
     /// Each step's loss.
     pub losses: Vec<f32>,
     /// Median step seconds (after the first step).
@@ -542,8 +532,7 @@ struct RunOut {
     steps: Vec<StepRecord>,
     peak: [u64; 5],
     held: [u64; 5],
-    backend: String,
-    bandwidth: Option<crate::optim::Bandwidths>,
+    bandwidth: Option<strata::optim::Bandwidths>,
 }
 
 /// Runs the training loop `cfg` describes: the all-resident compute floor first (with
@@ -553,7 +542,7 @@ pub fn run(cfg: &TrainConfig, mut progress: impl FnMut(&str) -> Result<()>) -> R
     cfg.check()?;
     let t0 = Instant::now();
     let inputs = Inputs::load(cfg)?;
-    let cuda = !cfg.host && crate::cuda_device_count().is_ok_and(|n| n > 0);
+    let cuda = !cfg.host && strata::cuda_device_count().is_ok_and(|n| n > 0);
     let dtype = cfg.dtype.unwrap_or(if cuda { DType::BF16 } else { DType::F32 });
     let (l, h) = (inputs.layers, inputs.hidden);
     progress(&format!(
@@ -649,7 +638,7 @@ fn run_typed<T: Float>(
     let (pcie, optimizer_floor) = match &out.bandwidth {
         Some(bw) => {
             let grad = if cfg.accumulate > 1 { DType::F32 } else { T::DTYPE };
-            let cpu = crate::optim::update_bytes(&alg, elems, T::DTYPE, grad) as f64 / bw.host;
+            let cpu = strata::optim::update_bytes(&alg, elems, T::DTYPE, grad) as f64 / bw.host;
             let master = if T::DTYPE == DType::F32 { 0 } else { 4 * elems };
             let state = master + 4 * alg.moments() as u64 * elems;
             let mapped = (state as f64 / bw.h2d).max(state as f64 / bw.d2h);
@@ -665,12 +654,10 @@ fn run_typed<T: Float>(
         progress(&format!("final weights written to {}", path.display()))?;
     }
     Ok(TrainReport {
-        backend: out.backend,
         dtype: T::DTYPE,
         engine: out.engine,
         choice: out.choice,
         losses: out.steps.iter().map(|s| s.loss).collect(),
-        steps: out.steps,
         step_seconds,
         peak_device: out.peak,
         held: out.held,
@@ -867,7 +854,6 @@ fn train_once<T: Float>(
     bar.finish_and_clear();
     let s = store.stream()?;
     let la = Linalg::new(&store, &s)?;
-    let backend = store.backend_description();
 
     // Weights: the compute copy in the store, f32 masters set from the exact inputs. Putting a
     // large model takes a while: a bar on stderr (where it is a terminal) counts the layers.
@@ -923,7 +909,7 @@ fn train_once<T: Float>(
         // Auto prices engines with a GPU's costs (a kernel over state already on the device
         // is nearly free; PCIe is what costs). On the host backend there is no GPU: every
         // engine's update runs on host threads, so say what ran rather than a GPU's name alone.
-        if store.backend() == crate::BackendKind::Host && c.engine != Engine::Cpu {
+        if store.backend() == strata::BackendKind::Host && c.engine != Engine::Cpu {
             format!(
                 "{c}; on the host backend (no GPU) the {} engine's update runs on host threads \
                  over the host memory that stands for its tier",
@@ -1036,7 +1022,7 @@ fn train_once<T: Float>(
 
     let order = ops(layers, cfg.activations, k);
     let bandwidth = match (&opt, phase) {
-        (Some(_), Phase::Train) => Some(crate::optim::Bandwidths::measure(&store, cfg.threads)?),
+        (Some(_), Phase::Train) => Some(strata::optim::Bandwidths::measure(&store, cfg.threads)?),
         _ => None,
     };
     let mut peak = [0u64; 5];
@@ -1112,7 +1098,7 @@ fn train_once<T: Float>(
         store.save_safetensors_as(path, &named)?;
     }
     drop(opt);
-    Ok(RunOut { engine: engine_used, choice, steps, peak, held, backend, bandwidth })
+    Ok(RunOut { engine: engine_used, choice, steps, peak, held, bandwidth })
 }
 
 struct Ctx<'a> {
@@ -1412,3 +1398,6 @@ pub fn run_demo(args: &TrainDemoArgs) -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests;

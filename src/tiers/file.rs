@@ -91,9 +91,7 @@ impl ExternalFile {
 }
 
 /// Bytes an unprivileged process may still write on the file system holding `dir`
-/// (`statvfs`'s `f_bavail × f_frsize`): what `strata bench` checks its disk paths against, and
-/// the candle trainer's memory plan its Disk tier.
-#[cfg(any(feature = "cli", feature = "candle"))]
+/// (`statvfs`'s `f_bavail × f_frsize`; [`crate::disk_space_available`]).
 pub(crate) fn free_space(dir: &Path) -> std::io::Result<u64> {
     use std::os::unix::ffi::OsStrExt;
     let c = std::ffi::CString::new(dir.as_os_str().as_bytes())?;

@@ -149,7 +149,7 @@ fn writable_with_room(flag: &str, dir: &Path, bytes: u64, what: &str) -> candle_
             format!("cannot be written ({} refuses a new file: {e})", at.display()),
         ));
     }
-    if let Ok(free) = crate::tiers::file::free_space(&at) {
+    if let Ok(free) = crate::disk_space_available(&at) {
         if free < bytes {
             return Err(refuse(
                 flag,

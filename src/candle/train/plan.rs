@@ -83,7 +83,7 @@ impl Machine {
     /// compute).
     pub fn detect(device: &candle_core::Device) -> Machine {
         let host = crate::host_memory_available().unwrap_or(0);
-        let disk = crate::tiers::file::free_space(&std::env::temp_dir()).unwrap_or(0);
+        let disk = crate::disk_space_available(&std::env::temp_dir()).unwrap_or(0);
         let (device_bytes, device_is_host) = match device {
             #[cfg(feature = "candle-cuda")]
             candle_core::Device::Cuda(d) => {

@@ -10,8 +10,8 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
-use crate::base::error::{Error, Result};
-use crate::probe::DISK_CHUNK;
+use strata::probe::DISK_CHUNK;
+use strata::{Error, Result};
 
 /// What `O_DIRECT` needs of offsets, lengths and buffer addresses.
 const ALIGN: usize = 4096;

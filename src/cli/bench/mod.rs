@@ -17,24 +17,14 @@
 //! | `disk_write` | `O_DIRECT` write of a file in 16 MiB pieces, then `fdatasync` | wall clock |
 //! | `disk_read`, `disk_read_qd4` | cold `O_DIRECT` read of that file, 1 / 4 requests in flight | wall clock |
 //! | `disk_to_device` | `O_DIRECT` read into pinned staging, each piece copied to the device | wall clock |
-//! | `store_<from>_to_<to>` | [`Store::move_to`](crate::Store::move_to) of the tensor's only copy | wall clock |
+//! | `store_<from>_to_<to>` | [`Store::move_to`](strata::Store::move_to) of the tensor's only copy | wall clock |
 //!
 //! Each is run once or more untimed (warm-up), then `reps` times; the median is reported. Without
 //! a GPU (or with [`Options::host_only`]) only the host, disk and store paths run, the store on its
-//! host backend. The raw GPU measurements live in [`crate::probe`] (they need `unsafe`); this
-//! module only drives them and the public [`Store`](crate::Store) API.
-//!
-//! ```no_run
-//! # fn main() -> strata::Result<()> {
-//! let opts = strata::cli::bench::Options {
-//!     sizes: strata::cli::bench::parse_sizes("4KiB,1MiB")?,
-//!     host_only: true,
-//!     ..Default::default()
-//! };
-//! let report = strata::cli::bench::Bench::new(opts)?.run()?;
-//! print!("{}", report.table());
-//! # Ok(()) }
-//! ```
+//! host backend. The raw GPU measurements live in [`strata::probe`] (they need `unsafe`); this
+//! module only drives them and the public [`Store`](strata::Store) API. [`Bench::new`] checks
+//! the [`Options`], [`Bench::run`] measures and gives the [`Report`] (the test
+//! `a_host_only_bench_runs_and_makes_its_table` runs one).
 
 mod disk;
 mod report;
@@ -46,11 +36,11 @@ use std::sync::Arc;
 
 use cudarc::driver::CudaContext;
 
-use crate::base::error::{Error, Result};
-use crate::base::types::{format_size, parse_size, Tier};
-use crate::probe::{GpuPath, GpuProbe, Timing};
+use strata::probe::{GpuPath, GpuProbe, Timing};
+use strata::{format_size, parse_size, Tier};
+use strata::{Error, Result};
 
-pub use report::{MachineInfo, Measurement, Ratio, Report, Skip, Timer};
+pub use report::{MachineInfo, Measurement, Report, Skip, Timer};
 pub use svg::svg_plot;
 
 /// The sizes swept when none are given.
@@ -101,11 +91,6 @@ impl Default for Options {
 
 /// Parses a comma-separated list of sizes with units (`4KiB,1MiB,1GiB`, see
 /// [`parse_size`]). Refuses an empty list and a size of 0.
-///
-/// ```
-/// assert_eq!(strata::cli::bench::parse_sizes("4KiB, 1MiB").unwrap(), vec![4096, 1 << 20]);
-/// assert!(strata::cli::bench::parse_sizes("4KiB,,1MiB").is_err());
-/// ```
 pub fn parse_sizes(list: &str) -> Result<Vec<u64>> {
     if list.trim().is_empty() {
         return Err(Error::InvalidArgument("empty size list (try 4KiB,1MiB,1GiB)".into()));
@@ -126,12 +111,6 @@ pub fn parse_sizes(list: &str) -> Result<Vec<u64>> {
 
 /// Splits a comma-separated list of path names or `prefix*` patterns and checks that each
 /// matches at least one path of [`all_paths`].
-///
-/// ```
-/// let p = strata::cli::bench::parse_paths("h2d_pinned,store_*").unwrap();
-/// assert_eq!(p, vec!["h2d_pinned".to_string(), "store_*".to_string()]);
-/// assert!(strata::cli::bench::parse_paths("h2d_pinnd").is_err());
-/// ```
 pub fn parse_paths(list: &str) -> Result<Vec<String>> {
     let names = all_paths();
     let pats: Vec<String> =
@@ -269,15 +248,10 @@ impl Bench {
         let gpu = if opts.host_only {
             Err("--host given".to_string())
         } else {
-            crate::cuda_device_count()
+            strata::cuda_device_count()
                 .and_then(|_| CudaContext::new(0).map_err(|e| format!("cannot open device 0: {e}")))
         };
         Ok(Bench { host_forced: opts.host_only, opts, sizes, paths, gpu })
-    }
-
-    /// Whether the GPU paths will run.
-    pub fn has_gpu(&self) -> bool {
-        self.gpu.is_ok()
     }
 
     /// The line to print before the sweep: which device, or plainly that no GPU was found.
@@ -415,7 +389,7 @@ impl SizeSweep<'_> {
     /// not an aborted process or a disk filled to the last byte.
     fn lacks(&self, p: &PathSpec) -> Option<String> {
         let (host, disk) = needs(p.kind, self.size, self.ctx.is_some());
-        if let Some(avail) = crate::host_memory_available() {
+        if let Some(avail) = strata::host_memory_available() {
             if host > u128::from(avail) {
                 return Some(format!(
                     "needs {} of host memory, {} available",
@@ -425,7 +399,7 @@ impl SizeSweep<'_> {
             }
         }
         if disk > 0 {
-            if let Ok(free) = crate::tiers::file::free_space(self.dir) {
+            if let Ok(free) = strata::disk_space_available(self.dir) {
                 if disk > u128::from(free) {
                     return Some(format!(
                         "needs {} free in {}, {} free",
@@ -475,7 +449,7 @@ impl SizeSweep<'_> {
                 let probe = self.probe.as_deref_mut().ok_or("needs a GPU")?;
                 probe.measure(path, size, GPU_WARMUP, reps).map_err(err)
             }
-            Kind::HostMemcpy => crate::probe::host_memcpy(size, WALL_WARMUP, reps).map_err(err),
+            Kind::HostMemcpy => strata::probe::host_memcpy(size, WALL_WARMUP, reps).map_err(err),
             Kind::DiskWrite => {
                 // Writing the file is the measurement; a later disk path reuses the file.
                 self.file = None;
@@ -644,6 +618,28 @@ pub fn run(a: crate::cli::args::BenchArgs) -> anyhow::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_host_only_bench_runs_and_makes_its_table() -> Result<()> {
+        let opts =
+            Options { sizes: parse_sizes("4KiB,1MiB")?, host_only: true, ..Default::default() };
+        let report = Bench::new(opts)?.run()?;
+        assert!(!report.table().is_empty());
+        Ok(())
+    }
+
+    #[test]
+    fn a_size_list_parses_and_an_empty_item_is_refused() {
+        assert_eq!(parse_sizes("4KiB, 1MiB").unwrap(), vec![4096, 1 << 20]);
+        assert!(parse_sizes("4KiB,,1MiB").is_err());
+    }
+
+    #[test]
+    fn a_path_list_parses_and_a_misspelt_path_is_refused() {
+        let p = parse_paths("h2d_pinned,store_*").unwrap();
+        assert_eq!(p, vec!["h2d_pinned".to_string(), "store_*".to_string()]);
+        assert!(parse_paths("h2d_pinnd").is_err());
+    }
 
     #[test]
     fn size_lists_parse_with_units() {

@@ -2,8 +2,8 @@
 
 use std::fmt::Write as _;
 
-use crate::base::types::{format_size, Tier};
-use crate::probe::{GpuInfo, Timing, GATHER_ONE_IN};
+use strata::probe::{GpuInfo, Timing, GATHER_ONE_IN};
+use strata::{format_size, Tier};
 
 /// How a measurement was timed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -740,7 +740,7 @@ mod tests {
 
     #[test]
     fn json_parses_as_bench_results_for_inspect() {
-        use crate::plan::Bandwidths;
+        use strata::plan::Bandwidths;
         let mut r = Report::new(vec![1 << 20, 64 << 20], ["h2d_pinned".to_string()]);
         for (size, secs) in [(1u64 << 20, 1e-4), (64 << 20, 2e-3)] {
             let timing = Timing { seconds: vec![secs; 3], bytes: size };

@@ -8,10 +8,10 @@ use std::time::Instant;
 
 use cudarc::driver::CudaContext;
 
-use crate::api::Stream;
-use crate::base::error::{Error, Result};
-use crate::base::types::{DType, TensorId, Tier};
-use crate::Store;
+use strata::Store;
+use strata::Stream;
+use strata::{DType, TensorId, Tier};
+use strata::{Error, Result};
 
 /// A store holding one tensor, for timing its moves.
 pub(super) struct StorePaths {

@@ -7,7 +7,7 @@ use plotters::element::DashedPathElement;
 use plotters::prelude::*;
 
 use super::report::{short_size, Report};
-use crate::base::error::{Error, Result};
+use strata::{Error, Result};
 
 /// Matplotlib's "tab10" palette: distinct on white, and for most colour-blind readers.
 const PALETTE: [RGBColor; 10] = [
@@ -198,7 +198,7 @@ fn draw_legend(
 mod tests {
     use super::*;
     use crate::cli::bench::{Measurement, Timer};
-    use crate::probe::Timing;
+    use strata::probe::Timing;
 
     #[test]
     fn plot_has_a_line_and_a_legend_entry_per_path() {

@@ -13,8 +13,8 @@ use crossbeam::channel::{Receiver, RecvTimeoutError, TryRecvError};
 use tokio::sync::mpsc::UnboundedSender;
 
 use super::metrics::Metrics;
-use crate::candle::text::{TextStream, Tokenizer};
-use crate::candle::{CausalLm, Sampler, Sampling};
+use strata::candle::text::{TextStream, Tokenizer};
+use strata::candle::{CausalLm, Sampler, Sampling};
 
 /// A request, tokenized and checked, waiting for a slot in the batch.
 pub struct Job {

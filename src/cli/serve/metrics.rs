@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
-use crate::{Store, Tier};
+use strata::{Store, Tier};
 
 /// The server's counters and gauges.
 pub struct Metrics {

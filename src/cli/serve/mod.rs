@@ -34,11 +34,11 @@ use crossbeam::channel::{Sender, TrySendError};
 use serde_json::{json, Map, Value};
 use tokio::sync::mpsc;
 
-use crate::candle::text::{ChatTemplate, Message, Tokenizer};
-use crate::candle::Sampling;
 use crate::cli::model::{Llm, ModelFlags};
 use engine::{Event, Finish, Job, Settings};
 use metrics::Metrics;
+use strata::candle::text::{ChatTemplate, Message, Tokenizer};
+use strata::candle::Sampling;
 
 type Res<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
 
@@ -192,7 +192,7 @@ pub fn run(args: ServeArgs) -> Res<()> {
                 }
             };
             let store = Arc::clone(llm.model.layers().store());
-            let h2d = crate::optim::Bandwidths::measure(&store, 0).map(|b| b.h2d).unwrap_or(0.0);
+            let h2d = strata::optim::Bandwidths::measure(&store, 0).map(|b| b.h2d).unwrap_or(0.0);
             let metrics = Arc::new(Metrics::new(store, h2d));
             let tokenizer = Arc::new(llm.text.tokenizer);
             let ready = Ready {

@@ -1,11 +1,10 @@
-//! The out-of-core MLP (strata::cli::mlp, `strata train-demo`) against the all-resident run of the same
+//! The out-of-core MLP ([`super`], `strata train-demo`) against the all-resident run of the same
 //! loop: a tiny model whose weights do not fit the device budget, trained and run forward, with
 //! and without hints, under each policy. On the host backend the GEMMs are the reference loop; on
 //! CUDA, cuBLAS (where a GPU is present).
 
-mod common;
-
-use strata::cli::mlp::{run, MlpConfig, Mode};
+use super::{run, MlpConfig, Mode};
+use crate::cli::common;
 
 fn check(backend: common::Backend, flags: &[&str]) {
     let mut args: Vec<&str> = vec![
@@ -43,6 +42,26 @@ fn check(backend: common::Backend, flags: &[&str]) {
         let misses: u64 = report.steps.iter().skip(1).map(|s| s.prefetch_misses).sum();
         assert_eq!(misses, 0, "{flags:?} on {}: misses after the first step", backend.name());
     }
+}
+
+#[test]
+fn a_tiny_model_trained_out_of_core_matches_the_resident_run() -> strata::Result<()> {
+    let cfg = MlpConfig::parse([
+        "--layers",
+        "4",
+        "--hidden",
+        "64",
+        "--rows",
+        "8",
+        "--device-budget",
+        "24KiB",
+        "--mode",
+        "train",
+        "--host",
+    ])?;
+    let report = run(&cfg, |_| Ok(()))?;
+    assert_eq!(report.matches_resident, Some(true));
+    Ok(())
 }
 
 #[test]

@@ -1,15 +1,15 @@
-//! strata::cli::train on the host backend: the loop against a plain reference written here, gradient
+//! `strata train-demo`'s trainer ([`super`]) on the host backend: the loop against a plain reference written here, gradient
 //! accumulation, the three activation modes, the three optimizer engines, and bad input files.
-
-mod common;
 
 use std::path::{Path, PathBuf};
 
 use safetensors::tensor::TensorView;
 use safetensors::Dtype;
-use strata::cli::args::TrainDemoArgs;
-use strata::cli::train::{load_init, run, Outcome, TrainConfig};
-use strata::Error;
+use strata::{DType, Error};
+
+use super::{load_init, run, Outcome, TrainConfig};
+use crate::cli::args::TrainDemoArgs;
+use crate::cli::common;
 
 fn write_file(path: &Path, tensors: &[(&str, Dtype, Vec<usize>, Vec<u8>)]) {
     let views: Vec<(String, TensorView<'_>)> = tensors
@@ -194,6 +194,31 @@ fn assert_close(got: &[Vec<f32>], want: &[Vec<f32>], tol: f32, what: &str) {
             );
         }
     }
+}
+
+#[test]
+fn a_short_run_lowers_the_loss() -> strata::Result<()> {
+    let cfg = TrainConfig::parse([
+        "--layers",
+        "3",
+        "--hidden",
+        "16",
+        "--rows",
+        "8",
+        "--steps",
+        "3",
+        "--optimizer",
+        "adamw",
+        "--activations",
+        "recompute",
+        "--checkpoint-every",
+        "2",
+        "--host",
+    ])?;
+    let report = run(&cfg, |_| Ok(()))?;
+    assert_eq!(report.losses.len(), 3);
+    assert!(report.losses[2] < report.losses[0], "the loss goes down: {:?}", report.losses);
+    Ok(())
 }
 
 #[test]
@@ -399,13 +424,13 @@ fn offload_and_recompute_that_cannot_fit_say_so_up_front() {
 #[test]
 fn the_example_entry_point_dispatches_by_mode() {
     let args = |s: &str| TrainDemoArgs::try_parse(s.split_whitespace()).unwrap();
-    let t = strata::cli::train::dispatch(
+    let t = super::dispatch(
         &args("--mode train --layers 2 --hidden 16 --rows 4 --steps 2 --device-budget 1MiB --host"),
         |_| Ok(()),
     )
     .unwrap();
     assert!(matches!(t, Outcome::Train(_)));
-    let m = strata::cli::train::dispatch(
+    let m = super::dispatch(
         &args("--mode train --optimizer device-sgd --layers 2 --hidden 16 --rows 4 --steps 2 --device-budget 24KiB --host"),
         |_| Ok(()),
     )
@@ -463,5 +488,18 @@ fn a_model_too_large_for_the_host_is_an_error_not_an_abort() {
     match run(&cfg, |_| Ok(())) {
         Err(Error::InvalidArgument(m)) => assert!(m.contains("of host memory"), "{m}"),
         other => panic!("want a clear error, got {:?}", other.map(|_| ())),
+    }
+}
+
+#[test]
+fn train_demo_refuses_dtypes_it_does_not_run() {
+    // The dtypes the optimizer refuses (tests/checkpoints.rs,
+    // `compute_refuses_dtypes_it_does_not_run`): fp8 and the unsigned integers.
+    for d in [DType::F8E4M3, DType::F8E5M2, DType::U16, DType::U32, DType::U64] {
+        let cfg = TrainConfig { dtype: Some(d), host: true, ..Default::default() };
+        match run(&cfg, |_| Ok(())) {
+            Err(Error::InvalidArgument(m)) => assert!(m.contains(&d.to_string()), "{m}"),
+            other => panic!("train-demo in {d}: {:?}", other.map(|_| ())),
+        }
     }
 }
