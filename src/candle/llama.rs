@@ -20,32 +20,11 @@ use std::collections::HashMap;
 
 use candle_core::{DType as CDType, Device, Tensor, D};
 
-use super::block::{Adapter, Weights};
 use super::fused;
-pub use super::llama_config::{LlamaConfig, RopeScaling};
-
-/// The embedding table's name.
-pub const EMBED: &str = "model.embed_tokens.weight";
-/// The final norm's weight.
-pub const NORM: &str = "model.norm.weight";
-/// The output projection (absent when the embeddings are tied).
-pub const LM_HEAD: &str = "lm_head.weight";
-/// Each block's tensors, after its prefix `model.layers.N.`.
-pub const BLOCK_TENSORS: [&str; 9] = [
-    "input_layernorm.weight",
-    "self_attn.q_proj.weight",
-    "self_attn.k_proj.weight",
-    "self_attn.v_proj.weight",
-    "self_attn.o_proj.weight",
-    "post_attention_layernorm.weight",
-    "mlp.gate_proj.weight",
-    "mlp.up_proj.weight",
-    "mlp.down_proj.weight",
-];
-/// The q/k/v projections' biases, after a block's prefix, when the config has them
-/// ([`LlamaConfig::qkv_bias`], Qwen2): after [`BLOCK_TENSORS`] in a block's list.
-pub const BLOCK_BIASES: [&str; 3] =
-    ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"];
+use super::linear::{Adapter, Weights};
+pub use super::llama_config::{
+    LlamaConfig, RopeScaling, BLOCK_BIASES, BLOCK_TENSORS, EMBED, LM_HEAD, NORM,
+};
 
 /// A seeded generator (SplitMix64) for initial weights and synthetic tokens: the same seed gives
 /// the same numbers on every machine.
@@ -392,7 +371,7 @@ pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> candle_core::Result<Te
 /// gradient gets none computed ([`super::block::linear`]).
 pub fn linear(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
     x.dims3()?;
-    super::block::linear(x, w)
+    super::linear::linear(x, w)
 }
 
 /// Softmax over the last dimension in f32, with the row maximum taken out first (detached: the

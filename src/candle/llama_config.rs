@@ -8,7 +8,31 @@ use std::path::Path;
 use candle_core::DType as CDType;
 use serde_json::{Map, Value};
 
-use super::llama::{BLOCK_BIASES, BLOCK_TENSORS, EMBED, LM_HEAD, NORM};
+// Hugging Face's tensor names, which the config lists with their shapes
+// ([`LlamaConfig::tensors`]); `strata::candle::llama` re-exports them.
+
+/// The embedding table's name.
+pub const EMBED: &str = "model.embed_tokens.weight";
+/// The final norm's weight.
+pub const NORM: &str = "model.norm.weight";
+/// The output projection (absent when the embeddings are tied).
+pub const LM_HEAD: &str = "lm_head.weight";
+/// Each block's tensors, after its prefix `model.layers.N.`.
+pub const BLOCK_TENSORS: [&str; 9] = [
+    "input_layernorm.weight",
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight",
+    "post_attention_layernorm.weight",
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+    "mlp.down_proj.weight",
+];
+/// The q/k/v projections' biases, after a block's prefix, when the config has them
+/// ([`LlamaConfig::qkv_bias`], Qwen2): after [`BLOCK_TENSORS`] in a block's list.
+pub const BLOCK_BIASES: [&str; 3] =
+    ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"];
 
 /// How the rotary frequencies are scaled for contexts longer than the model was trained on
 /// (transformers' `rope_type`; `default` is `None` in [`LlamaConfig::rope_scaling`]).

@@ -383,6 +383,11 @@ pub fn peft_name(name: &str) -> String {
     format!("{PEFT_PREFIX}{name}")
 }
 
+/// Whether `name` is a LoRA adapter's (`...lora_A.weight`, `...lora_B.weight`).
+pub(crate) fn is_adapter(name: &str) -> bool {
+    name.ends_with(".lora_A.weight") || name.ends_with(".lora_B.weight")
+}
+
 /// `W + scale · B·A` in f32 (PEFT's merge, `get_delta_weight`), for `w` of `[out, in]`.
 pub fn merge(w: &Tensor, a: &Tensor, b: &Tensor, scale: f64) -> candle_core::Result<Tensor> {
     let f = candle_core::DType::F32;
@@ -416,7 +421,7 @@ pub fn read_adapter(
     let mut out = HashMap::new();
     for (name, view) in st.tensors() {
         let ours = name.strip_prefix(PEFT_PREFIX).unwrap_or(&name).to_string();
-        if !(ours.ends_with(".lora_A.weight") || ours.ends_with(".lora_B.weight")) {
+        if !is_adapter(&ours) {
             candle_core::bail!(
                 "{}: tensor {name} is not a LoRA A or B of a linear (lora_A.weight, \
                  lora_B.weight): not supported",

@@ -52,6 +52,7 @@ pub mod fused;
 mod generate;
 mod gguf;
 mod layers;
+mod linear;
 pub mod llama;
 mod llama_config;
 pub mod lora;

@@ -512,6 +512,9 @@ fn refuse(flags: &[&str], owner: &str, other: &str) -> Result<()> {
     )))
 }
 
+/// The sizes swept when none are given.
+pub const DEFAULT_SIZES: &str = "4KiB,64KiB,1MiB,16MiB,256MiB,1GiB";
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -732,7 +735,7 @@ pub struct DemoArgs {
 #[derive(clap::Args)]
 pub struct BenchArgs {
     /// Sizes to sweep, comma-separated, with units.
-    #[arg(long, value_name = "SIZE,...", default_value = crate::cli::bench::DEFAULT_SIZES)]
+    #[arg(long, value_name = "SIZE,...", default_value = DEFAULT_SIZES)]
     pub(crate) sizes: String,
     /// Timed runs per path and size [default: 20 up to 16 MiB, 5 above].
     #[arg(long, value_name = "N", value_parser = count, allow_negative_numbers = true)]

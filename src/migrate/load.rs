@@ -3,8 +3,7 @@
 
 use std::sync::Arc;
 
-use super::ops;
-use super::room::Got;
+use super::room::{self, Got};
 use super::{prepare_copy, release_failed, run_copy, Shared};
 use crate::base::error::{Error, Result};
 use crate::base::types::{DType, Group, TensorId, Tier};
@@ -83,7 +82,7 @@ pub(crate) fn register(
                 // A copied tensor is the store's: the write reserve covers it.
                 st.cover(id)?;
                 let level = if t == Tier::Disk { Level::Guess } else { Level::Demand };
-                let ext = match ops::alloc_in(sh, &mut st, t, bytes, id, level, true)? {
+                let ext = match room::alloc_in(sh, &mut st, t, bytes, id, level, true)? {
                     Got::Ext(x) => x,
                     _ => return Err(Error::OutOfMemory { tier: t, bytes }),
                 };

@@ -67,7 +67,7 @@ pub(crate) fn place_new(
     let fits = candidate_tiers(sh, st, bytes, only)?;
     for &t in &fits {
         if let Some(ext) = st.books.try_alloc(t, bytes) {
-            return ready_for_writes(sh, st, t, ext, None).map(|(ext, _)| (t, ext));
+            return room::ready_for_writes(sh, st, t, ext, None).map(|(ext, _)| (t, ext));
         }
     }
     for &t in &fits {
@@ -75,53 +75,10 @@ pub(crate) fn place_new(
             continue;
         }
         if let Got::Ext(ext) = room::alloc(sh, st, t, bytes, id, Level::Demand, true)? {
-            return ready_for_writes(sh, st, t, ext, None).map(|(ext, _)| (t, ext));
+            return room::ready_for_writes(sh, st, t, ext, None).map(|(ext, _)| (t, ext));
         }
     }
     Err(Error::OutOfMemory { tier: *fits.last().expect("not empty"), bytes })
-}
-
-/// After allocating `ext` in `t`: a new Device extent is written only after the device work
-/// still touching its memory's earlier owners, if any (the writer waits for those events:
-/// `writer`, or the host-to-device stream, which writes every copy into the device). Returns
-/// the events waited for. On failure the extent is given back.
-fn ready_for_writes(
-    sh: &Shared,
-    st: &mut State,
-    t: Tier,
-    ext: Ext,
-    writer: Option<&RawStream>,
-) -> Result<(Ext, smallvec::SmallVec<[RawEvent; 2]>)> {
-    if t != Tier::Device {
-        return Ok((ext, smallvec::SmallVec::new()));
-    }
-    let fences = st.books.take_fences(&ext);
-    let stream = writer.unwrap_or(sh.backend.h2d());
-    for ev in &fences {
-        if let Err(e) = stream.wait(ev) {
-            // Back to the books with its fence: the next writer must still wait for it.
-            let waits = fences.iter().cloned().map(crate::backend::Pending::Ev).collect();
-            st.books.retire_device(ext, waits);
-            return Err(e);
-        }
-    }
-    Ok((ext, fences))
-}
-
-/// Allocates in `t` like [`room::alloc`], readying a Device extent for copies into it.
-pub(crate) fn alloc_in(
-    sh: &Shared,
-    st: &mut Locked<'_>,
-    t: Tier,
-    bytes: u64,
-    who: TensorId,
-    level: Level,
-    slow: bool,
-) -> Result<Got> {
-    match room::alloc(sh, st, t, bytes, who, level, slow)? {
-        Got::Ext(ext) => ready_for_writes(sh, st, t, ext, None).map(|(ext, _)| Got::Ext(ext)),
-        other => Ok(other),
-    }
 }
 
 /// A Device extent for a view's miss (a hinted prefetch is evicted only if nothing else makes
@@ -136,7 +93,7 @@ fn alloc_for_view(
 ) -> Result<(Ext, smallvec::SmallVec<[RawEvent; 2]>)> {
     for level in [Level::Demand, Level::Urgent] {
         if let Got::Ext(ext) = room::alloc(sh, st, Tier::Device, bytes, id, level, true)? {
-            return ready_for_writes(sh, st, Tier::Device, ext, writer);
+            return room::ready_for_writes(sh, st, Tier::Device, ext, writer);
         }
     }
     Err(Error::OutOfMemory { tier: Tier::Device, bytes })
@@ -225,7 +182,7 @@ pub(crate) fn write(sh: &Shared, id: TensorId, data: &[u8]) -> Result<()> {
         // put's.
         let mut dst = None;
         if !in_user_file && !avoid_device {
-            match alloc_in(sh, &mut st, fastest, bytes, id, Level::Demand, true) {
+            match room::alloc_in(sh, &mut st, fastest, bytes, id, Level::Demand, true) {
                 Ok(Got::Ext(x)) => dst = Some((fastest, x)),
                 Ok(_) => {}
                 // Room could not be made there (its victims' spills found the file system
@@ -564,7 +521,7 @@ fn promote_after_read(
     }
     let flight = st.start_flight(id, None);
     let res = (|| -> Result<()> {
-        let Got::Ext(ext) = alloc_in(sh, st, top, bytes, id, Level::Demand, true)? else {
+        let Got::Ext(ext) = room::alloc_in(sh, st, top, bytes, id, Level::Demand, true)? else {
             return Ok(());
         };
         fill_replica(sh, st, id, top, ext, data, Some(from))?;
@@ -601,7 +558,7 @@ pub(crate) fn move_to(sh: &Shared, id: TensorId, tier: Tier) -> Result<()> {
             }
             return Ok(());
         }
-        let ext = match alloc_in(sh, &mut st, tier, bytes, id, Level::Demand, true)? {
+        let ext = match room::alloc_in(sh, &mut st, tier, bytes, id, Level::Demand, true)? {
             Got::Ext(x) => x,
             _ => return Err(Error::OutOfMemory { tier, bytes }),
         };
@@ -860,7 +817,8 @@ fn ensure_host(sh: &Shared, id: TensorId, host_backend: bool) -> Result<()> {
             if !st.books.enabled(t) || !st.books.can_ever_fit(t, bytes) {
                 continue;
             }
-            let Got::Ext(ext) = alloc_in(sh, &mut st, t, bytes, id, Level::Demand, true)? else {
+            let Got::Ext(ext) = room::alloc_in(sh, &mut st, t, bytes, id, Level::Demand, true)?
+            else {
                 continue;
             };
             let Some(src) = st.res.get(id)?.fastest_readable() else {

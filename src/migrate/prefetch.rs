@@ -6,9 +6,9 @@
 //! or one that needs victims spilled first, becomes an engine job, and the tensor is in flight
 //! until it has run (a view waits for that job only, moved to the front of the queue).
 
-use super::room::Got;
+use super::room::{self, Got};
 use super::workers::{JobKind, Runner};
-use super::{copy_replica, ops, prepare_copy, run_copy};
+use super::{copy_replica, prepare_copy, run_copy};
 use super::{Locked, Shared};
 use crate::base::error::{Error, Result};
 use crate::base::types::{TensorId, Tier};
@@ -96,7 +96,7 @@ pub(crate) fn prefetch_one(
             return Ok(Outcome::Wait);
         }
     }
-    let ext = match ops::alloc_in(sh, st, Tier::Device, bytes, id, level, false)? {
+    let ext = match room::alloc_in(sh, st, Tier::Device, bytes, id, level, false)? {
         Got::Ext(x) => x,
         Got::NoRoom => return Ok(Outcome::Wait),
         Got::Slow => {
@@ -408,7 +408,8 @@ impl Shared {
         let level = if source == Source::Hint { Level::Demand } else { Level::Guess };
         let res = (|| -> Result<()> {
             let bytes = st.res.get(id)?.bytes();
-            let Got::Ext(ext) = ops::alloc_in(self, &mut st, Tier::Device, bytes, id, level, true)?
+            let Got::Ext(ext) =
+                room::alloc_in(self, &mut st, Tier::Device, bytes, id, level, true)?
             else {
                 return Ok(());
             };

@@ -10,7 +10,8 @@
 
 use super::copy::HostCopy;
 use super::{prepare_copy, run_copy};
-use super::{Locked, Shared};
+use super::{Locked, Shared, State};
+use crate::backend::{Pending, RawEvent, RawStream};
 use crate::base::error::Result;
 use crate::base::types::{TensorId, Tier};
 use crate::placement::victims::{Cursor, Level};
@@ -27,6 +28,50 @@ pub(crate) enum Got {
     /// Room needs host work (a spill, or waiting for memory to come free), which the caller
     /// did not allow.
     Slow,
+}
+
+/// After allocating `ext` in `t`: a new Device extent is written only after the device work
+/// still touching its memory's earlier owners, if any (the writer waits for those events:
+/// `writer`, or the host-to-device stream, which writes every copy into the device). Returns
+/// the events waited for. On failure the extent is given back.
+pub(crate) fn ready_for_writes(
+    sh: &Shared,
+    st: &mut State,
+    t: Tier,
+    ext: Ext,
+    writer: Option<&RawStream>,
+) -> Result<(Ext, smallvec::SmallVec<[RawEvent; 2]>)> {
+    if t != Tier::Device {
+        return Ok((ext, smallvec::SmallVec::new()));
+    }
+    let fences = st.books.take_fences(&ext);
+    let stream = writer.unwrap_or(sh.backend.h2d());
+    for ev in &fences {
+        if let Err(e) = stream.wait(ev) {
+            // Back to the books with its fence: the next writer must still wait for it.
+            let waits = fences.iter().cloned().map(Pending::Ev).collect();
+            st.books.retire_device(ext, waits);
+            return Err(e);
+        }
+    }
+    Ok((ext, fences))
+}
+
+/// Allocates in `t` like [`alloc`], readying a Device extent for copies into it
+/// ([`ready_for_writes`]).
+pub(crate) fn alloc_in(
+    sh: &Shared,
+    st: &mut Locked<'_>,
+    t: Tier,
+    bytes: u64,
+    who: TensorId,
+    level: Level,
+    slow: bool,
+) -> Result<Got> {
+    match alloc(sh, st, t, bytes, who, level, slow)? {
+        Got::Ext(ext) => ready_for_writes(sh, st, t, ext, None).map(|(ext, _)| Got::Ext(ext)),
+        other => Ok(other),
+    }
 }
 
 /// A victim being spilled by host work: planned under the lock, run without it, committed.

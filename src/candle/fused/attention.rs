@@ -16,7 +16,7 @@ use std::sync::OnceLock;
 use candle_core::{CpuStorage, CustomOp3, Layout, Shape, Storage, Tensor, WithDType};
 use rayon::prelude::*;
 
-use super::{axpy, cpu_tensor, dot, with_elem, Elem};
+use super::{axpy, cpu_tensor, dot, with_elem, Elem, Geometry};
 
 /// Causal attention of `q` (`[batch, q_len, heads, head_dim]`) over `k` and `v` (`[batch,
 /// kv_len, kv_heads, head_dim]`), for queries at the last `q_len` of the `kv_len` positions
@@ -88,57 +88,6 @@ struct Attention {
     window: Option<usize>,
     /// `[batch, q_len, heads]` f32, on the forward's device.
     lse: OnceLock<Tensor>,
-}
-
-/// The shapes of one call.
-#[derive(Clone, Copy, Debug)]
-pub(super) struct Geometry {
-    pub(super) b: usize,
-    pub(super) sq: usize,
-    pub(super) skv: usize,
-    pub(super) nh: usize,
-    pub(super) nkv: usize,
-    pub(super) d: usize,
-    pub(super) scale: f32,
-    /// `usize::MAX` for none.
-    pub(super) window: usize,
-}
-
-impl Geometry {
-    fn new(q: &Layout, k: &Layout, scale: f32, window: Option<usize>) -> Geometry {
-        let (qd, kd) = (q.dims(), k.dims());
-        Geometry {
-            b: qd[0],
-            sq: qd[1],
-            nh: qd[2],
-            d: qd[3],
-            skv: kd[1],
-            nkv: kd[2],
-            scale,
-            window: window.unwrap_or(usize::MAX),
-        }
-    }
-
-    fn offset(&self) -> usize {
-        self.skv - self.sq
-    }
-
-    fn group(&self) -> usize {
-        self.nh / self.nkv
-    }
-
-    /// The keys query `i` sees: `lo..hi`.
-    fn keys(&self, i: usize) -> (usize, usize) {
-        let hi = self.offset() + i + 1;
-        (hi.saturating_sub(self.window), hi)
-    }
-
-    /// The queries that see key `j`: `lo..hi` (empty when none does).
-    fn queries(&self, j: usize) -> (usize, usize) {
-        let lo = j.saturating_sub(self.offset()).min(self.sq);
-        let hi = j.saturating_add(self.window).saturating_sub(self.offset()).min(self.sq);
-        (lo, hi.max(lo))
-    }
 }
 
 /// Query rows per work item, and keys per tile, on the CPU.
@@ -486,41 +435,4 @@ fn backward_cpu<T: Elem>(g: &Geometry, f: &Saved) -> (Vec<T>, Vec<T>, Vec<T>) {
         }
     });
     (dq, dk, dv)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn geometry(sq: usize, skv: usize, window: Option<usize>) -> Geometry {
-        Geometry {
-            b: 1,
-            sq,
-            skv,
-            nh: 2,
-            nkv: 1,
-            d: 4,
-            scale: 0.5,
-            window: window.unwrap_or(usize::MAX),
-        }
-    }
-
-    #[test]
-    fn keys_and_queries_are_the_two_readings_of_one_mask() {
-        for (sq, skv, w) in
-            [(5, 5, None), (3, 7, None), (6, 6, Some(2)), (4, 9, Some(3)), (1, 4, Some(1))]
-        {
-            let g = geometry(sq, skv, w);
-            for i in 0..sq {
-                let (lo, hi) = g.keys(i);
-                for j in 0..skv {
-                    let sees = j >= lo && j < hi;
-                    let pos = skv - sq + i;
-                    assert_eq!(sees, j <= pos && w.is_none_or(|w| pos - j < w), "{i} {j}");
-                    let (qlo, qhi) = g.queries(j);
-                    assert_eq!(sees, i >= qlo && i < qhi, "{i} {j} {w:?}");
-                }
-            }
-        }
-    }
 }

@@ -11,8 +11,7 @@ use candle_core::cuda::{CudaDType, CudaDevice, CudaStorage};
 use candle_core::Layout;
 use cudarc::driver::{CudaSlice, CudaView, DeviceRepr, ValidAsZeroBits};
 
-use super::attention::Geometry;
-use super::with_elem;
+use super::{with_elem, Geometry};
 use crate::backend::cuda::fused::{AttnShape, FusedKernels};
 
 /// A new zeroed buffer of `n` elements (at least one) for a kernel's output.

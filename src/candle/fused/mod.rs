@@ -182,9 +182,93 @@ pub(crate) fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
 /// Elements per work item of the element-wise ops on the CPU.
 pub(crate) const CHUNK: usize = 1 << 14;
 
+/// The shapes of one attention call ([`attention`]), read by its CPU kernels (`attention.rs`) and
+/// its CUDA launch (`cuda.rs`).
+#[derive(Clone, Copy, Debug)]
+struct Geometry {
+    b: usize,
+    sq: usize,
+    skv: usize,
+    nh: usize,
+    nkv: usize,
+    d: usize,
+    scale: f32,
+    /// `usize::MAX` for none.
+    window: usize,
+}
+
+impl Geometry {
+    fn new(q: &Layout, k: &Layout, scale: f32, window: Option<usize>) -> Geometry {
+        let (qd, kd) = (q.dims(), k.dims());
+        Geometry {
+            b: qd[0],
+            sq: qd[1],
+            nh: qd[2],
+            d: qd[3],
+            skv: kd[1],
+            nkv: kd[2],
+            scale,
+            window: window.unwrap_or(usize::MAX),
+        }
+    }
+
+    fn offset(&self) -> usize {
+        self.skv - self.sq
+    }
+
+    fn group(&self) -> usize {
+        self.nh / self.nkv
+    }
+
+    /// The keys query `i` sees: `lo..hi`.
+    fn keys(&self, i: usize) -> (usize, usize) {
+        let hi = self.offset() + i + 1;
+        (hi.saturating_sub(self.window), hi)
+    }
+
+    /// The queries that see key `j`: `lo..hi` (empty when none does).
+    fn queries(&self, j: usize) -> (usize, usize) {
+        let lo = j.saturating_sub(self.offset()).min(self.sq);
+        let hi = j.saturating_add(self.window).saturating_sub(self.offset()).min(self.sq);
+        (lo, hi.max(lo))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn geometry(sq: usize, skv: usize, window: Option<usize>) -> Geometry {
+        Geometry {
+            b: 1,
+            sq,
+            skv,
+            nh: 2,
+            nkv: 1,
+            d: 4,
+            scale: 0.5,
+            window: window.unwrap_or(usize::MAX),
+        }
+    }
+
+    #[test]
+    fn keys_and_queries_are_the_two_readings_of_one_mask() {
+        for (sq, skv, w) in
+            [(5, 5, None), (3, 7, None), (6, 6, Some(2)), (4, 9, Some(3)), (1, 4, Some(1))]
+        {
+            let g = geometry(sq, skv, w);
+            for i in 0..sq {
+                let (lo, hi) = g.keys(i);
+                for j in 0..skv {
+                    let sees = j >= lo && j < hi;
+                    let pos = skv - sq + i;
+                    assert_eq!(sees, j <= pos && w.is_none_or(|w| pos - j < w), "{i} {j}");
+                    let (qlo, qhi) = g.queries(j);
+                    assert_eq!(sees, i >= qlo && i < qhi, "{i} {j} {w:?}");
+                }
+            }
+        }
+    }
 
     #[test]
     fn dot_sums_every_element_in_a_fixed_order() {

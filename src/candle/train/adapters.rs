@@ -13,7 +13,7 @@ use super::{read_f32, refs, strata_err, TrainError, Trainer};
 use crate::base::types::DType;
 use crate::candle::llama::{embed, head_logits, EMBED};
 use crate::candle::lora::{
-    merge, peft_name, read_adapter, write_adapter_config, LoraConfig, ADAPTER_FILE,
+    is_adapter, merge, peft_name, read_adapter, write_adapter_config, LoraConfig, ADAPTER_FILE,
 };
 use crate::candle::LlamaConfig;
 
@@ -383,9 +383,4 @@ fn write_synced(path: &Path, bytes: &[u8]) -> candle_core::Result<()> {
     f.write_all(bytes).map_err(|e| io(path, e))?;
     crate::base::failpoint::check(crate::base::failpoint::Site::SaveSync, path)?;
     f.sync_all().map_err(|e| io(path, e))
-}
-
-/// Whether `name` is a LoRA adapter's.
-pub(super) fn is_adapter(name: &str) -> bool {
-    name.ends_with(".lora_A.weight") || name.ends_with(".lora_B.weight")
 }

@@ -24,10 +24,9 @@ use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
-use super::adapters::is_adapter;
 use super::{LlamaConfig, LoraConfig, LrSchedule, TrainConfig, TrainError, Trainer};
 use crate::base::types::{DType, TensorId};
-use crate::candle::lora::{peft_name, ADAPTER_CONFIG, ADAPTER_FILE};
+use crate::candle::lora::{is_adapter, peft_name, ADAPTER_CONFIG, ADAPTER_FILE};
 use crate::compute::optim::{AdamW, Engine};
 use crate::LoadOptions;
 

@@ -40,11 +40,10 @@ use strata::probe::{GpuPath, GpuProbe, Timing};
 use strata::{format_size, parse_size, Tier};
 use strata::{Error, Result};
 
+use crate::cli::args::DEFAULT_SIZES;
 pub use report::{MachineInfo, Measurement, Report, Skip, Timer};
 pub use svg::svg_plot;
 
-/// The sizes swept when none are given.
-pub const DEFAULT_SIZES: &str = "4KiB,64KiB,1MiB,16MiB,256MiB,1GiB";
 /// Sizes up to this get [`SMALL_REPS`] timed runs by default, larger ones [`LARGE_REPS`].
 pub const SMALL_MAX: u64 = 16 << 20;
 /// Default timed runs for sizes up to [`SMALL_MAX`].
