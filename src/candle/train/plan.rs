@@ -1,23 +1,4 @@
-//! A memory plan for [`Trainer`](super::Trainer) on a given machine: the store's budgets, where
-//! each group of the run's state lands (in the order the trainer makes it, as the store places
-//! it), the bytes a step moves, and the step's floor
-//! `max(compute, PCIe bytes / bandwidth, CPU optimizer time, disk time)`. Made before anything
-//! is allocated, so a run that cannot fit is refused rather than left to thrash.
-//!
-//! ```
-//! use strata::candle::train::{Machine, TrainPlan};
-//! use strata::candle::{LlamaConfig, TrainConfig};
-//!
-//! let c = LlamaConfig::from_file("examples/configs/llama2-7b.json").unwrap();
-//! let t = TrainConfig { micro_batch: 1, seq: 2048, accum: 32, ..TrainConfig::default() };
-//! let plan = TrainPlan::new(&c, &t, strata::DType::BF16, &Machine::h100(), Default::default()).unwrap();
-//! // The weights, gradients and optimizer state in pinned memory, the checkpoints past it on
-//! // the device, nothing on disk.
-//! assert_eq!(plan.on_disk(), 0);
-//! // A host of 32 GiB cannot hold the weights and gradients: refused, saying why.
-//! let small = Machine { host_bytes: 32 << 30, ..Machine::h100() };
-//! assert!(TrainPlan::new(&c, &t, strata::DType::BF16, &small, Default::default()).is_err());
-//! ```
+//! The trainer's memory plan on a given machine ([`TrainPlan`]).
 
 use std::fmt;
 
@@ -138,7 +119,26 @@ pub struct Budgets {
 /// Bytes of one group by tier (Device, Pinned, Mapped, Disk).
 type ByTier = [u64; 4];
 
-/// The plan: budgets, placement, traffic and floor (see the [module docs](self)).
+/// A memory plan for [`Trainer`](super::Trainer) on a given machine: the store's budgets, where
+/// each group of the run's state lands (in the order the trainer makes it, as the store places
+/// it), the bytes a step moves, and the step's floor
+/// `max(compute, PCIe bytes / bandwidth, CPU optimizer time, disk time)`. Made before anything
+/// is allocated, so a run that cannot fit is refused rather than left to thrash.
+///
+/// ```
+/// use strata::candle::train::{Machine, TrainPlan};
+/// use strata::candle::{LlamaConfig, TrainConfig};
+///
+/// let c = LlamaConfig::from_file("examples/configs/llama2-7b.json").unwrap();
+/// let t = TrainConfig { micro_batch: 1, seq: 2048, accum: 32, ..TrainConfig::default() };
+/// let plan = TrainPlan::new(&c, &t, strata::DType::BF16, &Machine::h100(), Default::default()).unwrap();
+/// // The weights, gradients and optimizer state in pinned memory, the checkpoints past it on
+/// // the device, nothing on disk.
+/// assert_eq!(plan.on_disk(), 0);
+/// // A host of 32 GiB cannot hold the weights and gradients: refused, saying why.
+/// let small = Machine { host_bytes: 32 << 30, ..Machine::h100() };
+/// assert!(TrainPlan::new(&c, &t, strata::DType::BF16, &small, Default::default()).is_err());
+/// ```
 #[derive(Clone, Debug, PartialEq)]
 pub struct TrainPlan {
     machine: Machine,
@@ -569,11 +569,13 @@ pub struct Floor {
 }
 
 impl Floor {
-    /// The floor of a step that ran: its compute as measured ([`StepReport::compute_seconds`]),
-    /// the bytes it moved between the Device tier and the others over `machine`'s PCIe
-    /// bandwidths, the optimizer's run time in the step (the Cpu engine's,
-    /// [`StepReport::optimizer_seconds`]; the GPU engines' runs on the device, inside the
-    /// compute), and what it moved to and from Disk over the disk's bandwidth.
+    /// The floor of a step that ran: its compute as measured
+    /// ([`StepReport::compute_seconds`](super::StepReport::compute_seconds)), the bytes it moved
+    /// between the Device tier and the others over `machine`'s PCIe bandwidths, the optimizer's
+    /// run time in the step (the Cpu engine's,
+    /// [`StepReport::optimizer_seconds`](super::StepReport::optimizer_seconds); the GPU engines'
+    /// runs on the device, inside the compute), and what it moved to and from Disk over the
+    /// disk's bandwidth.
     pub fn measured(r: &super::StepReport, machine: &Machine, cpu_optimizer: bool) -> Floor {
         let d = Tier::Device.index();
         let (mut h2d, mut d2h, mut disk) = (0u64, 0u64, 0u64);
