@@ -680,16 +680,40 @@ pub fn check_vocab(tokenizer: &Tokenizer, model_vocab: usize) -> candle_core::Re
 /// Reads a JSONL file of training examples (one JSON object a line; blank lines skipped):
 /// `{"messages": [{"role": ..., "content": ...}, ...]}` (a chat: needs `template`) or
 /// `{"prompt": ..., "completion": ...}` (plain text), or `{"text": ...}` (a document). Each
-/// becomes [`Tokens`] with its loss mask; `eos` ends documents and completions.
+/// becomes [`Tokens`] with its loss mask; `eos` ends documents and completions. An error
+/// names the line: `line 2: not a JSON object (...)`.
 pub fn read_jsonl(
     text: &str,
     tokenizer: &Tokenizer,
     template: Option<&ChatTemplate>,
     eos: Option<u32>,
 ) -> candle_core::Result<Vec<Tokens>> {
+    jsonl_lines(text, "line ", tokenizer, template, eos)
+}
+
+/// [`read_jsonl`] of the text of `file`: an error names the file and the line as compilers
+/// do, `chats.jsonl:2: not a JSON object (...)`.
+pub fn read_jsonl_file(
+    file: &Path,
+    text: &str,
+    tokenizer: &Tokenizer,
+    template: Option<&ChatTemplate>,
+    eos: Option<u32>,
+) -> candle_core::Result<Vec<Tokens>> {
+    jsonl_lines(text, &format!("{}:", file.display()), tokenizer, template, eos)
+}
+
+/// [`read_jsonl`], its errors starting with `location` and the line's number.
+fn jsonl_lines(
+    text: &str,
+    location: &str,
+    tokenizer: &Tokenizer,
+    template: Option<&ChatTemplate>,
+    eos: Option<u32>,
+) -> candle_core::Result<Vec<Tokens>> {
     let mut out = Vec::new();
     for (n, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
-        let at = |why: String| text_err(format!("line {}: {why}", n + 1));
+        let at = |why: String| text_err(format!("{location}{}: {why}", n + 1));
         let v: Value =
             serde_json::from_str(line).map_err(|e| at(format!("not a JSON object ({e})")))?;
         let field = |k: &str| -> candle_core::Result<Option<&str>> {
@@ -713,8 +737,8 @@ pub fn read_jsonl(
                 .collect::<candle_core::Result<Vec<_>>>()?;
             let template = template
                 .ok_or_else(|| at("a chat (messages) needs the model's chat template".into()))?;
-            Tokens::chat(tokenizer, template, &messages)
-                .map_err(|e| e.context(format!("line {}", n + 1)))?
+            // The reason on the line's own line (candle's context would put a line break first).
+            Tokens::chat(tokenizer, template, &messages).map_err(|e| at(e.to_string()))?
         } else if let (Some(p), Some(c)) = (field("prompt")?, field("completion")?) {
             Tokens::completion(tokenizer, p, c, eos)?
         } else if let Some(text) = field("text")? {

@@ -571,7 +571,7 @@ impl Data {
     /// target counted are left out.
     #[cfg(feature = "text")]
     fn text(a: &Args, vocab: usize, seq: usize) -> Res<Data> {
-        use strata::candle::text::{pack, read_jsonl, read_text_input, Tokens};
+        use strata::candle::text::{pack, read_jsonl_file, read_text_input, Tokens};
         let tok_path = a.tokenizer.as_ref().ok_or("--tokenizer FILE is needed")?;
         let side = model::text_side(tok_path, vocab)?;
         let tokenizer = &side.tokenizer;
@@ -583,7 +583,7 @@ impl Data {
             }
             (None, Some(p)) => {
                 let text = read_text_input(p)?;
-                (p, read_jsonl(&text, tokenizer, side.template.as_ref(), eos)?)
+                (p, read_jsonl_file(p, &text, tokenizer, side.template.as_ref(), eos)?)
             }
             _ => return Err("--text FILE or --jsonl FILE".into()),
         };

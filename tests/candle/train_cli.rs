@@ -602,7 +602,11 @@ fn outputs_and_inputs_are_refused_before_the_first_step() {
         v.extend(strings(extra));
         v
     };
+    // A JSONL file whose second line is not JSON: the error names the file and the line, the
+    // reason on the same line.
+    std::fs::write(p("bad.jsonl"), "{\"text\": \"hello there\"}\nnope\n").unwrap();
     let cases: Vec<(Vec<String>, &str)> = vec![
+        (text(&["--jsonl", &p("bad.jsonl")]), "bad.jsonl:2: not a JSON object"),
         ([tiny_run(2), strings(&["--save", &p("a-file")])].concat(), "a-file"),
         ([tiny_run(2), strings(&["--save", &other])].concat(), "one run's checkpoints"),
         (
