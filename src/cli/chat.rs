@@ -57,7 +57,7 @@ pub fn run(args: ChatArgs) -> Res<()> {
         )
         .into());
     }
-    let llm = Llm::load(&args.model, context)?;
+    let llm = Llm::load(&args.model, context, "a smaller --context")?;
     let Some(template) = &llm.text.template else {
         return Err("the model has no chat template (tokenizer_config.json's chat_template): \
                     a base model; use `strata generate --prompt TEXT`"

@@ -626,7 +626,11 @@ pub fn run(args: GenerateArgs) -> Res<()> {
         .checked_add(kv_bytes)
         .and_then(|b| b.checked_mul(2))
         .ok_or("the model and its KV caches overflow: a smaller --max-new")?;
-    crate::cli::check_host_memory("the model and its KV caches", u128::from(room) / 2)?;
+    crate::cli::check_host_memory(
+        "the model and its KV caches",
+        u128::from(room) / 2,
+        "fewer or shorter prompts, a smaller --max-new, or a smaller model",
+    )?;
     // The store: a Device tier of the budget (or room for everything), host memory for the rest.
     let budget = a.device_budget.unwrap_or(room.saturating_add(1 << 20));
     let builder = strata::Store::builder()

@@ -495,7 +495,11 @@ pub fn run(cfg: &MlpConfig, mut progress: impl FnMut(&str) -> Result<()>) -> Res
     let scale = sim.map_or(1.0, |s| s.bytes_scale);
     let big = |b: u64| (b as f64 * scale).round() as u64;
     let (l, h) = (data.layers as u128, data.hidden as u128);
-    super::check_host_memory("generating the model's weights", l * h * h * 2 + h * h * 4)?;
+    super::check_host_memory(
+        "generating the model's weights",
+        l * h * h * 2 + h * h * 4,
+        "use a smaller model (--layers, --hidden, --rows)",
+    )?;
     let w = weights(&data);
     let x: Vec<bf16> = values(data.seed, 0, data.rows * data.hidden, 1.0)
         .chunks_exact(2)

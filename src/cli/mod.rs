@@ -73,13 +73,13 @@ pub fn println(line: &str) -> Result<()> {
 
 /// Refuses to allocate `bytes` of host memory for `what` when the machine has less available
 /// (`MemAvailable`): a model too large for this host is an error that says so, not an
-/// allocation failure that aborts the process.
-pub(crate) fn check_host_memory(what: &str, bytes: u128) -> Result<()> {
+/// allocation failure that aborts the process. `fix` says which of the command's flags make
+/// it smaller.
+pub(crate) fn check_host_memory(what: &str, bytes: u128, fix: &str) -> Result<()> {
     let Some(avail) = strata::host_memory_available() else { return Ok(()) };
     if bytes > avail as u128 {
         return Err(Error::InvalidArgument(format!(
-            "{what} needs {} of host memory and {} is available: use a smaller model \
-             (--layers, --hidden, --rows)",
+            "{what} needs {} of host memory and {} is available: {fix}",
             strata::format_size(u64::try_from(bytes).unwrap_or(u64::MAX)),
             strata::format_size(avail)
         )));

@@ -231,8 +231,9 @@ pub struct Llm {
 
 impl Llm {
     /// Loads the model `flags` name, with room in its store for `positions` cached positions
-    /// in all (the KV caches of every sequence at once).
-    pub fn load(flags: &ModelFlags, positions: usize) -> Res<Llm> {
+    /// in all (the KV caches of every sequence at once); `positions_from` names the command's
+    /// flags that set them (said when they do not fit).
+    pub fn load(flags: &ModelFlags, positions: usize, positions_from: &str) -> Res<Llm> {
         let m = resolve(&flags.model)?;
         let config = m.llama_config(flags.config.as_deref())?;
         let tokenizer = tokenizer_path(&m.weights, flags.tokenizer.as_deref())
@@ -245,16 +246,19 @@ impl Llm {
             .and_then(|n| n.checked_mul(dtype.size_in_bytes()))
             .and_then(|n| n.checked_mul(positions))
             .map(|n| n as u64)
-            .ok_or("the KV caches' size overflows: fewer positions (--max-batch, the context)")?;
+            .ok_or_else(|| {
+                format!("the KV caches' size overflows: fewer positions ({positions_from})")
+            })?;
         let weight_bytes = 4u64.saturating_mul(config.parameters());
-        let room = weight_bytes
-            .checked_add(kv_bytes)
-            .and_then(|b| b.checked_mul(2))
-            .ok_or("the model and its KV caches overflow: fewer positions")?;
+        let room =
+            weight_bytes.checked_add(kv_bytes).and_then(|b| b.checked_mul(2)).ok_or_else(|| {
+                format!("the model and its KV caches overflow: fewer positions ({positions_from})")
+            })?;
         let budget = flags.device_budget.unwrap_or(room.saturating_add(1 << 20));
         crate::cli::check_host_memory(
-            "the model and its caches",
+            &format!("the model and the KV caches of {positions} positions"),
             u128::from(weight_bytes) + u128::from(kv_bytes),
+            &format!("fewer positions ({positions_from}), or a smaller model"),
         )?;
         let builder = strata::Store::builder()
             .capacity(strata::Tier::Device, budget)

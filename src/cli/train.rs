@@ -391,6 +391,7 @@ impl Inputs {
                 crate::cli::check_host_memory(
                     "generating the model and its data",
                     4 * (l * h * h + 2 * r * h),
+                    "use a smaller model (--layers, --hidden, --rows)",
                 )?;
                 let a = (3.0 / cfg.hidden as f32).sqrt();
                 let n = cfg.hidden * cfg.hidden;

@@ -184,7 +184,8 @@ pub fn run(args: ServeArgs) -> Res<()> {
     let flags = args.model.clone();
     let engine =
         std::thread::Builder::new().name("strata-serve-engine".into()).spawn(move || {
-            let llm = match Llm::load(&flags, positions) {
+            let from = "a smaller --max-batch or --context: --max-batch × --context";
+            let llm = match Llm::load(&flags, positions, from) {
                 Ok(l) => l,
                 Err(e) => {
                     let _ = ready_tx.send(Err(e));
