@@ -1,13 +1,17 @@
 //! `strata chat`: an interactive conversation with a model, out of core: each line you type is
 //! a user message, the model's chat template renders the whole conversation, and the answer is
 //! streamed as it is generated. `/reset` starts over (the system message kept), `/exit` or
-//! end of input (Ctrl-D) ends.
+//! end of input (Ctrl-D) ends. Ctrl-C during an answer stops that answer (what it said so far
+//! stays in the conversation) and comes back to the prompt; Ctrl-C at the prompt, or a second
+//! one during an answer, exits with status 130.
 //!
 //! ```text
 //! strata chat --model HuggingFaceTB/SmolLM2-135M-Instruct --device-budget 64MiB
 //! ```
 
 use std::io::{BufRead, Write};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 
 use crate::cli::model::{Llm, ModelFlags};
 use strata::candle::text::{Message, TextStream};
@@ -64,7 +68,11 @@ pub fn run(args: ChatArgs) -> Res<()> {
             .into());
     };
     eprintln!("{}", llm.summary);
-    eprintln!("type a message and Enter; /reset starts over, /exit (or Ctrl-D) ends");
+    eprintln!(
+        "type a message and Enter; /reset starts over, /exit (or Ctrl-D) ends; Ctrl-C stops an \
+         answer, or at the prompt ends"
+    );
+    let ctrl_c = CtrlC::register()?;
     let mut history: Vec<Message> = Vec::new();
     if let Some(s) = &args.system {
         history.push(Message::new("system", s));
@@ -107,7 +115,13 @@ pub fn run(args: ChatArgs) -> Res<()> {
         let max_new = args.max_new.min(context - ids.len() + 1);
         let mut stream = TextStream::new(&llm.text.tokenizer);
         let mut failed = None;
+        let mut said = Vec::new();
+        ctrl_c.answering();
         let out = generate_batch(&llm.model, &[&ids], max_new, &sampling, &llm.text.eos, |_, t| {
+            if ctrl_c.interrupted() {
+                candle_core::bail!("stopped by Ctrl-C");
+            }
+            said.push(t);
             // An end token, or an id past the tokenizer's vocabulary (a model's padded one):
             // no text.
             if llm.text.eos.contains(&t) || t as usize >= llm.text.tokenizer.vocab_size() {
@@ -122,22 +136,69 @@ pub fn run(args: ChatArgs) -> Res<()> {
             }
             Ok(())
         });
+        let stopped_by_user = out.is_err() && ctrl_c.interrupted();
+        ctrl_c.prompting();
         if let Some(e) = failed {
             return Err(e.into());
         }
-        let out = out?.pop().ok_or("no sequence generated")?;
+        let (tokens, finished) = match out {
+            Err(_) if stopped_by_user => (said, false),
+            out => {
+                let out = out?.pop().ok_or("no sequence generated")?;
+                (out.tokens, out.stopped)
+            }
+        };
         let rest = stream.finish()?;
         crate::cli::print(&format!("{rest}\n"))?;
         let vocab = llm.text.tokenizer.vocab_size();
-        let answer: Vec<u32> = out
-            .tokens
+        let answer: Vec<u32> = tokens
             .iter()
             .copied()
             .filter(|&t| !llm.text.eos.contains(&t) && (t as usize) < vocab)
             .collect();
         history.push(Message::new("assistant", llm.text.tokenizer.decode(&answer, true)?));
-        if !out.stopped {
+        if stopped_by_user {
+            eprintln!("(stopped by Ctrl-C; Ctrl-C again at the prompt ends)");
+        } else if !finished {
             eprintln!("(stopped at --max-new {max_new})");
         }
+    }
+}
+
+/// What Ctrl-C does: during an answer, the first stops it ([`CtrlC::interrupted`]); at the
+/// prompt, or a second during an answer, the process exits with 130 (128 + SIGINT, as a shell
+/// reports it).
+struct CtrlC {
+    /// A SIGINT now exits.
+    exit_next: Arc<AtomicBool>,
+    /// A SIGINT came since the answer began.
+    interrupted: Arc<AtomicBool>,
+}
+
+impl CtrlC {
+    fn register() -> Res<CtrlC> {
+        use signal_hook::consts::SIGINT;
+        let c = CtrlC {
+            exit_next: Arc::new(AtomicBool::new(true)),
+            interrupted: Arc::new(AtomicBool::new(false)),
+        };
+        // In this order: the exit is decided before this signal arms it for the next.
+        signal_hook::flag::register_conditional_shutdown(SIGINT, 130, Arc::clone(&c.exit_next))?;
+        signal_hook::flag::register(SIGINT, Arc::clone(&c.exit_next))?;
+        signal_hook::flag::register(SIGINT, Arc::clone(&c.interrupted))?;
+        Ok(c)
+    }
+
+    fn answering(&self) {
+        self.interrupted.store(false, Ordering::SeqCst);
+        self.exit_next.store(false, Ordering::SeqCst);
+    }
+
+    fn prompting(&self) {
+        self.exit_next.store(true, Ordering::SeqCst);
+    }
+
+    fn interrupted(&self) -> bool {
+        self.interrupted.load(Ordering::SeqCst)
     }
 }

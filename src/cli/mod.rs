@@ -176,6 +176,10 @@ pub enum Cmd {
     #[cfg(feature = "text")]
     Generate(Box<generate::GenerateArgs>),
     /// Chats with a model interactively: its chat template, streamed tokens, /reset, /exit.
+    ///
+    /// Each line typed is a user message; the answer streams as it is generated. Ctrl-C during
+    /// an answer stops it (what it said stays in the conversation) and returns to the prompt;
+    /// Ctrl-C at the prompt, or twice, exits with status 130; /exit or Ctrl-D ends.
     #[cfg(feature = "text")]
     Chat(Box<chat::ChatArgs>),
     /// Trains a model, or LoRA adapters over it, out of core; Ctrl-C saves and stops.
