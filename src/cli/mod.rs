@@ -192,10 +192,11 @@ pub enum Cmd {
     Finetune(Box<finetune::FinetuneArgs>),
     /// Serves a model over an OpenAI-compatible HTTP API, batching concurrent requests.
     ///
-    /// GET /v1/models, POST /v1/completions and /v1/chat/completions (streamed or not),
-    /// /health and Prometheus /metrics. Requests arriving while others decode join the batch
-    /// at the next token pass; a full queue answers 429; SIGTERM or Ctrl-C stops taking
-    /// requests, finishes those in flight within --shutdown-timeout and exits 0.
+    /// GET /v1/models (and /v1/models/NAME), POST /v1/completions and /v1/chat/completions
+    /// (streamed or not), /health and Prometheus /metrics. Requests arriving while others
+    /// decode join the batch at the next token pass; a full queue answers 429; SIGTERM or
+    /// Ctrl-C stops taking requests, finishes those in flight within --shutdown-timeout and
+    /// exits 0; a second one exits at once (143 for SIGTERM, 130 for Ctrl-C).
     #[cfg(feature = "serve")]
     Serve(Box<serve::ServeArgs>),
 }

@@ -165,6 +165,8 @@ pub fn run<M: CausalLm>(
             };
             metrics.queued.store(jobs.len() as u64, Ordering::Relaxed);
             if job.events.is_closed() {
+                // Its client went away while it waited.
+                metrics.cancelled.fetch_add(1, Ordering::Relaxed);
                 continue;
             }
             match admit(model, tokenizer, job) {

@@ -13,7 +13,7 @@ use strata::{Store, Tier};
 
 /// The server's counters and gauges.
 pub struct Metrics {
-    /// Requests answered, by endpoint and HTTP status.
+    /// Requests, by endpoint and HTTP status (499: the client went away before the answer).
     requests: Mutex<BTreeMap<(&'static str, u16), u64>>,
     /// Jobs waiting for a slot in the batch.
     pub queued: AtomicU64,
@@ -23,7 +23,7 @@ pub struct Metrics {
     pub tokens: AtomicU64,
     /// Prompt tokens admitted.
     pub prompt_tokens: AtomicU64,
-    /// Sequences dropped because their client went away.
+    /// Requests dropped because their client went away (in the batch or still queued).
     pub cancelled: AtomicU64,
     /// Token passes that failed.
     pub failed: AtomicU64,
@@ -58,7 +58,7 @@ impl Metrics {
         }
     }
 
-    /// Counts an answered request.
+    /// Counts a request by the status it was answered with.
     pub fn request(&self, endpoint: &'static str, status: u16) {
         *self.requests.lock().entry((endpoint, status)).or_default() += 1;
     }
@@ -92,7 +92,7 @@ impl Metrics {
         metric(
             "requests_total",
             "counter",
-            "Requests answered, by endpoint and status.",
+            "Requests, by endpoint and status (499: the client went away before the answer).",
             &requests,
         );
         let get = |a: &AtomicU64| vec![(String::new(), a.load(Ordering::Relaxed) as f64)];
@@ -113,7 +113,7 @@ impl Metrics {
         metric(
             "cancelled_total",
             "counter",
-            "Sequences dropped because their client went away.",
+            "Requests dropped because their client went away (in the batch or still queued).",
             &get(&self.cancelled),
         );
         metric("failed_passes_total", "counter", "Token passes that failed.", &get(&self.failed));

@@ -13,18 +13,22 @@
 //! JSON, an unknown model or field, `max_tokens` past `--max-tokens`, a prompt past the
 //! context); a full queue 429 with `Retry-After`; a client that disconnects frees its slot at
 //! the next pass. SIGTERM or Ctrl-C: the server stops taking requests, finishes those in
-//! flight within `--shutdown-timeout` seconds, and exits 0.
+//! flight within `--shutdown-timeout` seconds (closing at once the connections that hold no
+//! request), and exits 0; a second SIGTERM or Ctrl-C exits at once, non-zero. Headers and
+//! bodies are read within `--read-timeout` seconds each.
 
 pub mod engine;
+pub mod http;
 pub mod metrics;
 
-use std::net::SocketAddr;
+use std::collections::hash_map::RandomState;
+use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use axum::body::Bytes;
-use axum::extract::State;
+use axum::extract::{FromRequest, Path, State};
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
@@ -54,7 +58,7 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 8080)]
     pub port: u16,
     /// The model's name in the API (default: the last part of --model).
-    #[arg(long, value_name = "NAME")]
+    #[arg(long, value_name = "NAME", value_parser = non_empty)]
     pub served_model_name: Option<String>,
     /// Sequences decoding at once (one pass of the weights serves them all).
     #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u64).range(1..=4096))]
@@ -69,12 +73,34 @@ pub struct ServeArgs {
     /// max_position_embeddings, at most 4096).
     #[arg(long, value_parser = clap::value_parser!(u64).range(2..))]
     pub context: Option<u64>,
-    /// The largest request body, in bytes.
-    #[arg(long, default_value_t = 1 << 20)]
+    /// The largest request body, in bytes (a larger one: 413).
+    #[arg(long, default_value_t = 1 << 20, value_parser = at_least_one_byte)]
     pub max_body: usize,
-    /// Seconds to finish requests in flight after SIGTERM or Ctrl-C.
+    /// Seconds to finish requests in flight after SIGTERM or Ctrl-C (a second one stops at
+    /// once).
     #[arg(long, default_value_t = 30)]
     pub shutdown_timeout: u64,
+    /// Seconds a client has to send a request's headers, and then its body (past them: the
+    /// connection is closed, or 408).
+    #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=86_400))]
+    pub read_timeout: u64,
+}
+
+fn non_empty(s: &str) -> Result<String, String> {
+    if s.trim().is_empty() {
+        return Err("an empty name: clients send it as \"model\"; give a name, or leave the \
+                    flag out for the last part of --model"
+            .into());
+    }
+    Ok(s.to_string())
+}
+
+fn at_least_one_byte(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(0) => Err("0 bytes would refuse every request: at least 1 (default 1048576)".into()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(format!("{s:?}: a number of bytes ({e})")),
+    }
 }
 
 /// What every handler shares.
@@ -91,6 +117,13 @@ struct App {
     metrics: Arc<Metrics>,
     stopping: AtomicBool,
     next_id: AtomicU64,
+    /// Unseeded requests: each draws the next number, hashed with the time and this process's
+    /// random keys, so requests that arrive together still get seeds of their own.
+    next_seed: AtomicU64,
+    seed_keys: RandomState,
+    /// How long a request's body may take to arrive.
+    read_timeout: Duration,
+    max_body: usize,
 }
 
 /// An error answered as OpenAI answers one.
@@ -98,19 +131,25 @@ struct ApiError {
     status: StatusCode,
     message: String,
     kind: &'static str,
-    param: Option<&'static str>,
+    /// The request's field that is wrong.
+    param: Option<String>,
     code: Option<&'static str>,
 }
 
 impl ApiError {
-    fn bad(message: impl Into<String>, param: Option<&'static str>) -> ApiError {
+    fn bad(message: impl Into<String>, param: Option<&str>) -> ApiError {
         ApiError {
             status: StatusCode::BAD_REQUEST,
             message: message.into(),
             kind: "invalid_request_error",
-            param,
+            param: param.map(str::to_string),
             code: None,
         }
+    }
+
+    fn param(mut self, field: &str) -> ApiError {
+        self.param = Some(field.to_string());
+        self
     }
 
     fn code(mut self, code: &'static str) -> ApiError {
@@ -157,6 +196,8 @@ struct Request {
 
 /// Runs `strata serve` with these flags until SIGTERM or Ctrl-C.
 pub fn run(args: ServeArgs) -> Res<()> {
+    // Before the model loads: a host that does not resolve or a port in use is said at once.
+    let listener = http::bind(&args.host, args.port)?;
     let probe = crate::cli::model::resolve(&args.model.model)?;
     let config = probe.llama_config(args.model.config.as_deref())?;
     let context = match args.context {
@@ -225,13 +266,17 @@ pub fn run(args: ServeArgs) -> Res<()> {
         metrics: ready.metrics,
         stopping: AtomicBool::new(false),
         next_id: AtomicU64::new(0),
+        next_seed: AtomicU64::new(0),
+        seed_keys: RandomState::new(),
+        read_timeout: Duration::from_secs(args.read_timeout),
+        max_body: args.max_body,
     });
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .thread_name("strata-serve")
         .build()?;
-    let served = runtime.block_on(serve(Arc::clone(&app), &args));
+    let served = runtime.block_on(serve(Arc::clone(&app), &args, listener));
     // Every sender gone: the engine finishes what it holds and returns.
     drop(app);
     runtime.shutdown_timeout(Duration::from_secs(1));
@@ -251,62 +296,27 @@ struct Ready {
     metrics: Arc<Metrics>,
 }
 
-async fn serve(app: Arc<App>, args: &ServeArgs) -> Res<()> {
-    let addr: SocketAddr = format!("{}:{}", args.host, args.port)
-        .parse()
-        .map_err(|e| format!("--host {} --port {}: {e}", args.host, args.port))?;
-    let listener = tokio::net::TcpListener::bind(addr)
-        .await
-        .map_err(|e| format!("cannot listen on {addr}: {e}"))?;
+/// Serves the API on `listener` until SIGTERM or Ctrl-C ([`http::serve`]).
+async fn serve(app: Arc<App>, args: &ServeArgs, listener: std::net::TcpListener) -> Res<()> {
     let local = listener.local_addr()?;
     out!("listening on http://{local} (model {:?}); SIGTERM or Ctrl-C stops", app.name)?;
-    let max_body = args.max_body;
     let router = Router::new()
         .route("/v1/models", get(models))
+        .route("/v1/models/{id}", get(model))
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/health", get(health))
         .route("/metrics", get(metrics_text))
         .fallback(not_found)
-        .layer(axum::extract::DefaultBodyLimit::max(max_body))
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(axum::extract::DefaultBodyLimit::max(args.max_body))
         .with_state(Arc::clone(&app));
-    let (stop_tx, mut stop_rx) = tokio::sync::watch::channel(false);
-    let signal_app = Arc::clone(&app);
-    tokio::spawn(async move {
-        let mut term =
-            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-                Ok(s) => s,
-                Err(e) => {
-                    tracing::error!("cannot wait for SIGTERM: {e}");
-                    return;
-                }
-            };
-        tokio::select! {
-            _ = term.recv() => {}
-            _ = tokio::signal::ctrl_c() => {}
-        }
-        signal_app.stopping.store(true, Ordering::SeqCst);
-        let _ = stop_tx.send(true);
-    });
-    let graceful = {
-        let mut rx = stop_rx.clone();
-        async move {
-            let _ = rx.wait_for(|s| *s).await;
-        }
+    let timeouts = http::Timeouts {
+        shutdown: Duration::from_secs(args.shutdown_timeout),
+        read: Duration::from_secs(args.read_timeout),
     };
-    let server = axum::serve(listener, router).with_graceful_shutdown(graceful);
-    let timeout = Duration::from_secs(args.shutdown_timeout);
-    let bounded = async move {
-        let _ = stop_rx.wait_for(|s| *s).await;
-        tokio::time::sleep(timeout).await;
-    };
-    tokio::select! {
-        r = server => r.map_err(|e| format!("the server failed: {e}"))?,
-        () = bounded => {
-            out!("requests still in flight after --shutdown-timeout {}s: stopped anyway", timeout.as_secs())?;
-        }
-    }
-    Ok(())
+    http::serve(listener, router, timeouts, move || app.stopping.store(true, Ordering::SeqCst))
+        .await
 }
 
 async fn not_found() -> Response {
@@ -322,6 +332,23 @@ async fn not_found() -> Response {
     .response()
 }
 
+async fn method_not_allowed(method: axum::http::Method, uri: axum::http::Uri) -> Response {
+    let allowed = match uri.path() {
+        "/v1/completions" | "/v1/chat/completions" => "POST",
+        _ => "GET",
+    };
+    let mut r = ApiError {
+        status: StatusCode::METHOD_NOT_ALLOWED,
+        message: format!("{method} {}: this endpoint takes {allowed}", uri.path()),
+        kind: "invalid_request_error",
+        param: None,
+        code: Some("method_not_allowed"),
+    }
+    .response();
+    r.headers_mut().insert(header::ALLOW, HeaderValue::from_static(allowed));
+    r
+}
+
 async fn health(State(app): State<Arc<App>>) -> Response {
     if app.stopping.load(Ordering::SeqCst) {
         return (StatusCode::SERVICE_UNAVAILABLE, axum::Json(json!({"status": "stopping"})))
@@ -335,41 +362,93 @@ async fn metrics_text(State(app): State<Arc<App>>) -> Response {
         .into_response()
 }
 
+/// The model object `/v1/models` lists.
+fn model_object(app: &App) -> Value {
+    json!({"id": app.name, "object": "model", "created": app.created, "owned_by": "strata"})
+}
+
 async fn models(State(app): State<Arc<App>>) -> Response {
-    axum::Json(json!({"object": "list", "data": [{"id": app.name, "object": "model",
-        "created": app.created, "owned_by": "strata"}]}))
-    .into_response()
+    axum::Json(json!({"object": "list", "data": [model_object(&app)]})).into_response()
 }
 
-async fn completions(
-    State(app): State<Arc<App>>,
-    body: Result<Bytes, axum::extract::rejection::BytesRejection>,
-) -> Response {
-    handle(app, Endpoint::Completions, body).await
+/// OpenAI's retrieve: `GET /v1/models/{id}`.
+async fn model(State(app): State<Arc<App>>, Path(id): Path<String>) -> Response {
+    if id == app.name {
+        return axum::Json(model_object(&app)).into_response();
+    }
+    ApiError {
+        status: StatusCode::NOT_FOUND,
+        message: format!("the model {id:?} does not exist here: this server serves {:?}", app.name),
+        kind: "invalid_request_error",
+        param: Some("model".into()),
+        code: Some("model_not_found"),
+    }
+    .response()
 }
 
-async fn chat_completions(
-    State(app): State<Arc<App>>,
-    body: Result<Bytes, axum::extract::rejection::BytesRejection>,
-) -> Response {
-    handle(app, Endpoint::Chat, body).await
+async fn completions(State(app): State<Arc<App>>, req: axum::extract::Request) -> Response {
+    handle(app, Endpoint::Completions, req).await
 }
 
-async fn handle(
-    app: Arc<App>,
+async fn chat_completions(State(app): State<Arc<App>>, req: axum::extract::Request) -> Response {
+    handle(app, Endpoint::Chat, req).await
+}
+
+/// Counts a request in `requests_total` once: with its status when answered, or as 499 (the
+/// client closed the request) when the client went away first and its handler was dropped.
+struct Counted<'a> {
+    app: &'a App,
     endpoint: Endpoint,
-    body: Result<Bytes, axum::extract::rejection::BytesRejection>,
-) -> Response {
-    let r = answer(&app, endpoint, body).await;
+    status: Option<u16>,
+}
+
+impl Drop for Counted<'_> {
+    fn drop(&mut self) {
+        self.app.metrics.request(self.endpoint.name(), self.status.unwrap_or(499));
+    }
+}
+
+async fn handle(app: Arc<App>, endpoint: Endpoint, req: axum::extract::Request) -> Response {
+    let mut counted = Counted { app: &app, endpoint, status: None };
+    let r = answer(&app, endpoint, req).await;
     let r = r.unwrap_or_else(|e| e.response());
-    app.metrics.request(endpoint.name(), r.status().as_u16());
+    counted.status = Some(r.status().as_u16());
     r
+}
+
+/// Reads a request's body within `--read-timeout` and `--max-body`.
+async fn read_body(app: &App, req: axum::extract::Request) -> Result<Bytes, ApiError> {
+    match tokio::time::timeout(app.read_timeout, Bytes::from_request(req, &())).await {
+        Err(_) => Err(ApiError {
+            status: StatusCode::REQUEST_TIMEOUT,
+            message: format!(
+                "the body did not arrive within --read-timeout {}s",
+                app.read_timeout.as_secs()
+            ),
+            kind: "invalid_request_error",
+            param: None,
+            code: Some("request_timeout"),
+        }),
+        Ok(Err(e)) if e.status() == StatusCode::PAYLOAD_TOO_LARGE => Err(ApiError {
+            status: StatusCode::PAYLOAD_TOO_LARGE,
+            message: format!(
+                "the request body is past this server's limit of {} bytes (--max-body)",
+                app.max_body
+            ),
+            kind: "invalid_request_error",
+            param: None,
+            code: Some("body_too_large"),
+        }),
+        Ok(Err(e)) => Err(ApiError::bad(format!("the request body could not be read: {e}"), None)
+            .code("bad_body")),
+        Ok(Ok(b)) => Ok(b),
+    }
 }
 
 async fn answer(
     app: &Arc<App>,
     endpoint: Endpoint,
-    body: Result<Bytes, axum::extract::rejection::BytesRejection>,
+    req: axum::extract::Request,
 ) -> Result<Response, ApiError> {
     if app.stopping.load(Ordering::SeqCst) {
         return Err(ApiError {
@@ -380,9 +459,7 @@ async fn answer(
             code: Some("shutting_down"),
         });
     }
-    let body = body.map_err(|e| {
-        ApiError::bad(format!("the request body could not be read: {e}"), None).code("bad_body")
-    })?;
+    let body = read_body(app, req).await?;
     // Tokenizing and rendering a template are CPU work: off the runtime's threads.
     let req_app = Arc::clone(app);
     let req = tokio::task::spawn_blocking(move || read_request(&req_app, endpoint, &body))
@@ -602,6 +679,7 @@ fn read_request(app: &App, endpoint: Endpoint, body: &[u8]) -> Result<Request, A
     };
     if let Some(k) = o.keys().find(|k| !READ.contains(&k.as_str())) {
         return Err(ApiError::bad(format!("{k:?}: this server does not support the field"), None)
+            .param(k)
             .code("unsupported_field"));
     }
     match o.get("model") {
@@ -697,8 +775,10 @@ fn read_request(app: &App, endpoint: Endpoint, body: &[u8]) -> Result<Request, A
     }
     let seed = match o.get("seed") {
         None | Some(Value::Null) => {
-            // No seed: a different draw for every request.
-            now() ^ app.next_id.load(Ordering::Relaxed).wrapping_mul(0x9E37_79B9_7F4A_7C15)
+            // No seed: a different draw for every request, those that arrive together too.
+            let n = app.next_seed.fetch_add(1, Ordering::Relaxed);
+            let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+            app.seed_keys.hash_one((n, nanos))
         }
         Some(v) => v
             .as_i64()
@@ -733,11 +813,25 @@ fn read_request(app: &App, endpoint: Endpoint, body: &[u8]) -> Result<Request, A
         Some(Value::Bool(b)) => *b,
         Some(_) => return Err(ApiError::bad("stream must be true or false", Some("stream"))),
     };
-    let include_usage = o
-        .get("stream_options")
-        .and_then(|s| s.get("include_usage"))
-        .and_then(Value::as_bool)
-        .unwrap_or(false);
+    let include_usage = match o.get("stream_options") {
+        None | Some(Value::Null) => false,
+        Some(_) if !stream => {
+            return Err(ApiError::bad(
+                "stream_options is only allowed with \"stream\": true",
+                Some("stream_options"),
+            ))
+        }
+        Some(v) => match v.get("include_usage") {
+            None | Some(Value::Null) => false,
+            Some(Value::Bool(b)) => *b,
+            Some(_) => {
+                return Err(ApiError::bad(
+                    "stream_options.include_usage must be true or false",
+                    Some("stream_options"),
+                ))
+            }
+        },
+    };
     Ok(Request { prompt, max_new, sampling, stop, stream, include_usage })
 }
 
