@@ -263,7 +263,8 @@ pub struct MlpReport {
     pub compute_seconds: Option<f64>,
     /// Raw pinned host-to-device bandwidth (bytes/s), CUDA only.
     pub h2d_bandwidth: Option<f64>,
-    /// Bytes that must cross PCIe per step, each direction: `(to device, from device)`.
+    /// The least bytes that must cross PCIe per step, each direction: `(to device, from
+    /// device)`: the weights that do not fit the Device tier, once a pass (Belady's optimum).
     pub min_bytes: (u64, u64),
     /// `max(min_bytes) / h2d_bandwidth`.
     pub pcie_seconds: Option<f64>,
@@ -272,8 +273,7 @@ pub struct MlpReport {
     /// `step_seconds / max(compute, pcie)`.
     pub ratio: Option<f64>,
     /// Bytes the run moved per step, each direction (medians of the steps after the first):
-    /// what the step time is bounded by in fact, where the run moved fewer bytes than
-    /// `min_bytes` assumes must cross.
+    /// `min_bytes` and up to a layer in flight a pass.
     pub moved_bytes: (u64, u64),
     /// Whether the final weights (train) or outputs (forward) equal the all-resident run's,
     /// bit for bit; `None` when the resident run did not run.
@@ -630,10 +630,14 @@ pub fn run(cfg: &MlpConfig, mut progress: impl FnMut(&str) -> Result<()>) -> Res
         }
         None => (None, 0.0),
     };
-    // Bytes that must cross per step: what does not fit, plus two layers in flight.
-    let must = (cfg.model_bytes() + 2 * cfg.layer_bytes())
-        .saturating_sub(cfg.device_budget)
-        .min(cfg.model_bytes());
+    // Bytes that must cross per step, at best (Belady's optimum for the step's order of
+    // layers): the device keeps `device_budget` bytes of weights from one pass to the next and
+    // every other byte crosses once a pass. Forward: M - B in. Training, forward then backward:
+    // 2(M - B) in (the turn keeps the budget's layers) and the M - B updated bytes that cannot
+    // stay, out. (This floor used to add two layers in flight, which the pipeline does not
+    // need: a run printed a step at 0.967x "its floor".) The pipeline keeps room for one layer
+    // in flight, so it moves up to a layer more than this a pass.
+    let must = cfg.model_bytes().saturating_sub(cfg.device_budget);
     let min_bytes = match cfg.mode {
         Mode::Forward => (must, 0),
         Mode::Train => (2 * must, must),
