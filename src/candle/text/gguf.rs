@@ -260,7 +260,7 @@ pub(crate) fn byte_chars() -> [char; 256] {
 }
 
 impl GgufText {
-    /// Reads the text side of `file` (see the [module](self)).
+    /// Reads the text side of `file` (what it holds: [`GgufText`]).
     pub fn read(file: &Gguf) -> Res<GgufText> {
         let m = Meta { file };
         let path = || file.path().to_path_buf();
