@@ -52,8 +52,11 @@
 //! Every failure is an [`Error`] a caller can act on, and a failed call leaves every tensor as
 //! it was. Built on the store: [`optim`] (SGD and AdamW over store tensors), [`linalg`] and
 //! [`kernels`] (GEMMs and kernels over views), [`probe`] (raw transfer measurements), [`plan`]
-//! (memory plans of a tensor file); behind the `candle` feature (off by default),
-//! `strata::candle` serves a store's tensors to candle models (`docs/candle.md`).
+//! (memory plans of a tensor file). [`Machine`] is the one description of a machine (memories,
+//! links, rates and where each comes from; presets, detection and measurement) that plans, the
+//! optimizer's choice, the trainer's plan and [`Simulation`] read. Behind the `candle` feature
+//! (off by default), `strata::candle` serves a store's tensors to candle models
+//! (`docs/candle.md`).
 //!
 //! ## Inside
 //! The crate is layered in the order its calls run; each layer is a folder of `src/` (the bottom
@@ -105,6 +108,7 @@ pub use api::{
 pub use api::{Gguf, GgufTensor, GgufValue, Loaded, LoadedFile, LoadedTensor, MappedFile};
 pub use base::element::Element;
 pub use base::error::{Error, Result};
+pub use base::machine::Machine;
 pub use base::types::{format_size, parse_size, BackendKind, DType, Group, TensorId, Tier};
 pub use policy::{FrequencyPolicy, LruPolicy, Policy, PolicyKind, SchedulePolicy, VictimKey};
 

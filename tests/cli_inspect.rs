@@ -114,10 +114,20 @@ fn inspect_training_plan_counts_optimizer_state_and_uses_bench_results() {
     let state = stdout.lines().find(|l| l.starts_with("optimizer state")).unwrap();
     assert!(state.contains("24.25 KiB"), "{state}");
     assert!(stdout.contains("2P + G + S"), "{stdout}");
-    assert!(stdout.contains("bandwidths from") && stdout.contains("gpu-box"), "{stdout}");
-    assert!(stdout.contains("h2d_pinned: 50.00 GB/s at 1.00 GiB"), "{stdout}");
+    let on = format!("on the machine of {bench_arg} (gpu-box, 2026-11-23T08:30:00Z):");
+    assert!(stdout.contains(&on), "{stdout}");
+    assert!(stdout.contains(&format!("h2d 50.00 GB/s (h2d_pinned at 1.00 GiB in {bench_arg})")));
     let total = stdout.lines().find(|l| l.starts_with("predicted transfer time")).unwrap();
     assert!(total.ends_with("one after the other)"), "{total}");
+
+    // A preset instead: its figures, named, and not with a bench file.
+    let preset = ["inspect", "--device-budget", "0", "--train", "--machine", "h200"];
+    let (out, stdout, stderr) = run(&preset, &file);
+    assert!(out.status.success(), "stdout:\n{stdout}\nstderr:\n{stderr}");
+    assert!(stdout.contains("on the H200 preset (141 GB HBM"), "{stdout}");
+    assert!(stdout.contains("h2d 54.30 GB/s (assumed: the H100 preset's PCIe"), "{stdout}");
+    let (out, _, stderr) = run(&[&preset[..], &["--bench", bench_arg]].concat(), &file);
+    assert!(!out.status.success() && stderr.contains("cannot be used with"), "{stderr}");
 }
 
 #[test]

@@ -4,12 +4,17 @@
 //! time (`strata train-demo --simulate h100`) are the binary's unit tests
 //! (`src/cli/mlp/simulated_tests.rs`).
 
-use strata::{DType, Error, Simulation, Store, Tier};
+use strata::{DType, Error, Machine, Simulation, Store, Tier};
+
+/// The simulator's view of the H100 preset.
+fn h100() -> Simulation {
+    Simulation::of(&Machine::h100()).unwrap()
+}
 
 #[test]
 fn model_check_a_copy_takes_its_simulated_time_and_overlaps_the_host() {
     // Each byte stands for 1 MiB: 64 KiB is timed as 64 GiB, about 1.27 s at 54.3 GB/s.
-    let sim = Simulation::h100().scaled((1 << 20) as f64, 1.0);
+    let sim = h100().scaled((1 << 20) as f64, 1.0);
     let store = Store::builder()
         .simulate(sim)
         .capacity(Tier::Device, 1 << 20)
@@ -42,14 +47,14 @@ fn model_check_a_copy_takes_its_simulated_time_and_overlaps_the_host() {
 
 #[test]
 fn bad_simulations_are_refused() {
-    let mut sim = Simulation::h100();
+    let mut sim = h100();
     sim.h2d_bytes_per_s = -1.0;
     assert!(matches!(Store::builder().simulate(sim).build(), Err(Error::InvalidArgument(_))));
 }
 
 #[test]
 fn streams_of_a_simulated_store_and_a_real_one_do_not_mix() {
-    let sim = Store::builder().simulate(Simulation::h100()).build().unwrap();
+    let sim = Store::builder().simulate(h100()).build().unwrap();
     let real = Store::builder().host_backend().build().unwrap();
     let w = sim.put("w", DType::U8, &[4096], &[1; 4096]).unwrap();
     let v = real.put("v", DType::U8, &[4096], &[2; 4096]).unwrap();
@@ -59,7 +64,7 @@ fn streams_of_a_simulated_store_and_a_real_one_do_not_mix() {
     assert!(sim.device_view(w, &s_sim).is_ok());
     assert!(real.device_view(v, &s_real).is_ok());
     // Two simulated stores have two clocks.
-    let other = Store::builder().simulate(Simulation::h100()).build().unwrap();
+    let other = Store::builder().simulate(h100()).build().unwrap();
     let s_other = other.stream().unwrap();
     assert!(matches!(sim.device_view(w, &s_other), Err(Error::BackendMismatch(_))));
     assert!(matches!(strata::linalg::Linalg::new(&sim, &s_other), Err(Error::BackendMismatch(_))));

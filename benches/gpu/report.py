@@ -296,7 +296,7 @@ def parse_mlp(text, step):
     meta = step.get("meta", {})
     label = meta.get("label", step["name"])
     group = meta.get("group", GROUPS["mlp"])
-    simulated = bool(first(r"^simulated: ", text)) or "(simulated H2D)" in text
+    simulated = bool(first(r"^simulated: ", text)) or "(simulated H2D" in text
     # Under --simulate every line the example prints starts with "simulated: ".
     text = re.sub(r"^simulated: ", "", text, flags=re.M)
     compute = first(r"^compute floor \(all resident\): (" + NUM + ") ms", text)

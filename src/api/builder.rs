@@ -152,15 +152,16 @@ impl StoreBuilder {
     }
 
     /// The host backend in simulated time: copies and kernels take the time they would take on
-    /// the machine `sim` describes, and the store's timings ([`Stats`](crate::Stats), traces, step times read
-    /// from events) are simulated ones. For planning an out-of-core run and studying its
+    /// the machine `sim` describes ([`Simulation::of`] a [`Machine`](crate::Machine)), and the
+    /// store's timings ([`Stats`](crate::Stats), traces, step times read from events) are
+    /// simulated ones. For planning an out-of-core run and studying its
     /// pipeline on a machine without a GPU; see [`Simulation`] for what the model leaves out.
     ///
     /// ```
-    /// use strata::{DType, Simulation, Store, Tier};
+    /// use strata::{DType, Machine, Simulation, Store, Tier};
     /// # fn main() -> strata::Result<()> {
-    /// // Each simulated byte stands for 1 MiB: a 64 KiB tensor is timed as 64 GiB.
-    /// let sim = Simulation::h100().scaled((1 << 20) as f64, 1.0);
+    /// // The H100 preset, each simulated byte standing for 1 MiB: 64 KiB is timed as 64 GiB.
+    /// let sim = Simulation::of(&Machine::h100())?.scaled((1 << 20) as f64, 1.0);
     /// let store = Store::builder().simulate(sim).capacity(Tier::Device, 1 << 20).build()?;
     /// let w = store.put("w", DType::U8, &[65536], &[1; 65536])?;
     /// store.move_to(w, Tier::Pinned)?;

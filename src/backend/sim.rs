@@ -7,6 +7,8 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
+use crate::base::machine::Machine;
+
 /// A GPU machine to simulate on the host backend: what a run would cost on it, computed on a
 /// machine without one.
 ///
@@ -31,7 +33,7 @@ use parking_lot::Mutex;
 /// the dependency graph the store and its caller built. Runs are deterministic. The scales let a
 /// small model stand for a large one: a model whose tensors are `k` times smaller and whose GEMMs
 /// do `m` times fewer flops runs with `bytes_scale = k`, `flops_scale = m`, and is timed as the
-/// large one (`examples/out_of_core.rs --simulate h100` does this).
+/// large one (`strata train-demo --simulate h100` does this).
 ///
 /// What the model leaves out: the host's own run time (only `launch_seconds` per operation
 /// counts); contention between kernels (each stream is its own lane, so kernels on different
@@ -46,8 +48,9 @@ use parking_lot::Mutex;
 /// fed from the Disk tier are timed as host-bound. It is a model for planning and for finding a
 /// pipeline's bubbles, not a measurement.
 ///
-/// Start from [`Simulation::h100`] and change fields: the struct may gain fields, so it cannot be
-/// written as a literal outside strata.
+/// Start from a machine ([`Simulation::of`]) and change fields: the struct may gain fields, so it
+/// cannot be written as a literal outside strata. The rates are the machine's; the scales and the
+/// link sharing are the simulation's own.
 #[derive(Clone, Copy, Debug, PartialEq)]
 #[non_exhaustive]
 pub struct Simulation {
@@ -75,25 +78,37 @@ pub struct Simulation {
 }
 
 impl Simulation {
-    /// The reference H100 machine of `docs/benchmarks.md` (PCIe Gen5, measured 2026-11-23):
-    /// pinned H2D 54.3 GB/s and D2H 55.0 GB/s (`strata bench`, 1 GiB), both directions 88 GB/s
-    /// (`../shared/design.md`), bf16 GEMMs at 796 Tflop/s (the all-resident forward pass of
-    /// `examples/out_of_core.rs`, 32 layers of 8192², rows 2048, in 11.05 ms), elementwise work
-    /// at 3 TB/s (device-to-device copy, read + write). `launch_seconds` is 5 µs, an assumption
-    /// (a kernel launch or async copy costs a few µs of host time; not measured here). Scales 1.
-    pub fn h100() -> Simulation {
-        Simulation {
-            h2d_bytes_per_s: 54.3e9,
-            d2h_bytes_per_s: 55.0e9,
-            both_bytes_per_s: 88.0e9,
-            gemm_flops_per_s: 796e12,
-            memory_bytes_per_s: 3.0e12,
-            launch_seconds: 5e-6,
+    /// The simulator's view of `machine`: its `h2d`, `d2h`, `both_ways`, `gemm_flops`, `hbm`
+    /// (elementwise work) and `launch_seconds`, copies sharing the link as
+    /// [`LinkSharing::Leftover`], scales 1. A figure the machine lacks, or rates that break the
+    /// two-way rule, is an [`Error::InvalidArgument`](crate::Error::InvalidArgument) naming it.
+    ///
+    /// `Simulation::of(&Machine::h100())` is the reference H100 of `docs/benchmarks.md`'s
+    /// simulated figures (pinned H2D 54.3 GB/s, D2H 55.0 GB/s, 88 GB/s both ways, bf16 GEMMs at
+    /// 796 TFLOP/s, elementwise work at 3 TB/s, 5 µs per launch: see
+    /// [`Machine::h100`](crate::Machine::h100) for where each comes from).
+    pub fn of(machine: &Machine) -> crate::Result<Simulation> {
+        let need = |figure: &str, value: Option<f64>| machine.require(figure, value);
+        let launch = machine.launch_seconds.ok_or_else(|| {
+            crate::Error::InvalidArgument(format!(
+                "{}: launch_seconds is not known: a simulation needs it",
+                machine.name
+            ))
+        })?;
+        let sim = Simulation {
+            h2d_bytes_per_s: need("h2d", machine.h2d)?,
+            d2h_bytes_per_s: need("d2h", machine.d2h)?,
+            both_bytes_per_s: need("both_ways", machine.both_ways)?,
+            gemm_flops_per_s: need("gemm_flops", machine.gemm_flops)?,
+            memory_bytes_per_s: need("hbm", machine.hbm)?,
+            launch_seconds: launch,
             sharing: LinkSharing::Leftover,
             bytes_scale: 1.0,
             matrix_bytes_scale: 1.0,
             flops_scale: 1.0,
-        }
+        };
+        sim.check()?;
+        Ok(sim)
     }
 
     /// The same machine with each simulated byte (of copies and of all elementwise work)
@@ -334,20 +349,57 @@ mod tests {
         assert_eq!(c.kernel_seconds(1000.0, 250.0, 250.0), 2.0);
     }
 
+    fn h100() -> Simulation {
+        Simulation::of(&Machine::h100()).unwrap()
+    }
+
     #[test]
     fn bad_specs_are_refused() {
-        assert!(Simulation::h100().check().is_ok());
-        let mut s = Simulation::h100();
+        assert!(h100().check().is_ok());
+        let mut s = h100();
         s.both_bytes_per_s = 0.0;
         assert!(s.check().is_err());
-        let mut s = Simulation::h100();
+        let mut s = h100();
         s.launch_seconds = f64::NAN;
         assert!(s.check().is_err());
         // The two-way bandwidth lies between one direction's and the sum of both.
         for both in [50e9, 120e9] {
-            let mut s = Simulation::h100();
+            let mut s = h100();
             s.both_bytes_per_s = both;
             assert!(s.check().is_err(), "{both}");
         }
+    }
+
+    /// The H100 preset's simulation is, number for number, the reference machine the simulated
+    /// figures of `docs/benchmarks.md` were made on (what `Simulation::h100()` gave before the
+    /// machine model had one home), so those figures stay true.
+    #[test]
+    fn the_h100_preset_simulates_the_reference_machine_of_the_benchmarks() {
+        let s = h100();
+        assert_eq!(
+            (s.h2d_bytes_per_s, s.d2h_bytes_per_s, s.both_bytes_per_s),
+            (54.3e9, 55.0e9, 88.0e9)
+        );
+        assert_eq!((s.gemm_flops_per_s, s.memory_bytes_per_s), (796e12, 3.0e12));
+        assert_eq!(s.launch_seconds, 5e-6);
+        assert_eq!(s.sharing, LinkSharing::Leftover);
+        assert_eq!((s.bytes_scale, s.matrix_bytes_scale, s.flops_scale), (1.0, 1.0, 1.0));
+        // The H200's: the same link and GEMMs (assumed), its own memory bandwidth.
+        let h200 = Simulation::of(&Machine::h200()).unwrap();
+        assert_eq!(h200, Simulation { memory_bytes_per_s: 4.3e12, ..s });
+    }
+
+    /// A machine without a figure the simulation needs, or whose link breaks the two-way rule,
+    /// gives no simulation, and the error names the figure and the machine.
+    #[test]
+    fn a_machine_missing_a_rate_is_refused_naming_it() {
+        let m = Machine { gemm_flops: None, ..Machine::h100() };
+        let e = Simulation::of(&m).unwrap_err().to_string();
+        assert!(e.contains("gemm_flops is not known") && e.contains("H100 preset"), "{e}");
+        let m = Machine { launch_seconds: None, ..Machine::h100() };
+        assert!(Simulation::of(&m).unwrap_err().to_string().contains("launch_seconds"));
+        let m = Machine { both_ways: Some(200e9), ..Machine::h100() };
+        assert!(Simulation::of(&m).unwrap_err().to_string().contains("both_bytes_per_s"));
+        assert!(Simulation::of(&Machine::unknown("x")).is_err());
     }
 }

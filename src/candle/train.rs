@@ -79,7 +79,7 @@ use clock::{span_seconds, ComputeClock};
 use device_adamw::{DeviceState, Kernels};
 use grads::{add_grad, clip_factor, embedding_backward, loss_and_norm, sum_of_squares};
 pub use outputs::{check_outputs, checkpoint_bytes, OutputPlan};
-pub use plan::{trainable_parameters, Budgets, Floor, Machine, TrainPlan};
+pub use plan::{trainable_parameters, Budgets, Floor, TrainPlan};
 
 /// The learning rate of each step: linear warmup from `peak / warmup` to `peak` over the first
 /// `warmup` steps, then a cosine from `peak` down to `min` at step `total` (and `min` after).

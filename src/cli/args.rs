@@ -10,7 +10,9 @@ use clap::{Args, Parser, ValueEnum};
 
 use strata::optim::Engine;
 use strata::plan::Optimizer;
-use strata::{parse_size, DType, Error, LinkSharing, PolicyKind, Result, Simulation, Tier};
+use strata::{
+    parse_size, DType, Error, LinkSharing, Machine, PolicyKind, Result, Simulation, Tier,
+};
 
 /// Refuses a value with white space in it (`' 3'`, `'1 GiB'`): a quoting mistake in a script,
 /// better caught than guessed at.
@@ -248,23 +250,73 @@ pub enum ActivationsArg {
     Recompute,
 }
 
-/// `--simulate`.
+/// `--machine`: a machine's figures written down (a preset, not a measurement of the machine
+/// that runs), for plans and predictions made for it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum MachineArg {
+    /// The lent H100 (80 GB HBM, PCIe Gen5 as measured on it): `strata::Machine::h100()`.
+    H100,
+    /// The H200 lent now (141 GB HBM; its PCIe and GEMM rates assumed to be the H100's):
+    /// `strata::Machine::h200()`.
+    H200,
+}
+
+impl MachineArg {
+    /// The preset.
+    pub fn machine(self) -> Machine {
+        match self {
+            MachineArg::H100 => Machine::h100(),
+            MachineArg::H200 => Machine::h200(),
+        }
+    }
+
+    /// What it is called where a given figure changes it: "the H100 preset".
+    pub fn label(self) -> &'static str {
+        match self {
+            MachineArg::H100 => "the H100 preset",
+            MachineArg::H200 => "the H200 preset",
+        }
+    }
+}
+
+/// `--simulate`: a preset machine (`strata::Machine`) and how opposite copies share its link.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum SimulateArg {
-    /// The reference H100 (`Simulation::h100()`).
+    /// The H100 preset (`Machine::h100()`), the reference of docs/benchmarks.md's simulated
+    /// figures.
     H100,
-    /// The same, opposite copies sharing the link half and half (`LinkSharing::Half`).
+    /// The H200 preset (`Machine::h200()`: its PCIe and GEMM rates assumed to be the H100's).
+    H200,
+    /// The H100 preset, opposite copies sharing the link half and half (`LinkSharing::Half`).
     H100Half,
 }
 
 impl SimulateArg {
-    /// The simulated machine.
-    pub fn simulation(self) -> Simulation {
-        let mut s = Simulation::h100();
+    /// The preset simulated.
+    pub fn machine(self) -> Machine {
+        match self {
+            SimulateArg::H100 | SimulateArg::H100Half => Machine::h100(),
+            SimulateArg::H200 => Machine::h200(),
+        }
+    }
+
+    /// What the figures are for: "the H100 preset", "the H200 preset", "the H100 preset, link
+    /// shared half and half".
+    pub fn label(self) -> &'static str {
+        match self {
+            SimulateArg::H100 => "the H100 preset",
+            SimulateArg::H200 => "the H200 preset",
+            SimulateArg::H100Half => "the H100 preset, link shared half and half",
+        }
+    }
+
+    /// The simulated machine: [`Simulation::of`] the preset, with the link sharing asked for.
+    pub fn simulation(self) -> Result<Simulation> {
+        let mut s = Simulation::of(&self.machine())?;
         if self == SimulateArg::H100Half {
             s.sharing = LinkSharing::Half;
         }
-        s
+        Ok(s)
     }
 }
 
@@ -391,7 +443,8 @@ pub struct TrainDemoArgs {
     #[arg(long, value_parser = weights_tier(), help_heading = BENCH)]
     pub weights_in: Option<Tier>,
     /// Run in simulated time on the host backend, a small model timed as the one asked for on
-    /// the modelled machine (h100-half: opposite copies share the link half and half).
+    /// a preset machine's figures, not a measurement (h100-half: opposite copies share the link
+    /// half and half).
     #[arg(long, value_enum, help_heading = BENCH)]
     pub simulate: Option<SimulateArg>,
     /// Write a Chrome trace of the out-of-core run's copies and waits here.
@@ -613,6 +666,11 @@ mod tests {
         }
         let twice = TrainDemoArgs::try_parse(["--simulate", "h100", "--simulate=h100-half"]);
         assert_eq!(twice.unwrap().simulate, Some(SimulateArg::H100Half));
+        let h200 = TrainDemoArgs::try_parse(["--simulate", "h200"]).unwrap().simulate.unwrap();
+        assert_eq!(h200.machine(), Machine::h200());
+        assert_eq!(h200.simulation().unwrap().memory_bytes_per_s, 4.3e12);
+        let e = TrainDemoArgs::try_parse(["--simulate", "a100"]).unwrap_err().to_string();
+        assert!(e.contains("h100, h200, h100-half"), "{e}");
         let help = TrainDemoArgs::try_parse(["--help"]).unwrap_err().to_string();
         assert!(help.contains("--checkpoint-every") && help.contains("--simulate"), "{help}");
         assert!(help.contains("--no-compare") && help.contains("--no-hints"), "{help}");
@@ -676,9 +734,13 @@ pub struct InspectArgs {
     /// Count gradients in fp32 (4 bytes per element), as for accumulation over micro-batches.
     #[arg(long)]
     pub(crate) fp32_grads: bool,
-    /// Bandwidths from a `strata bench --json` results file [default: measured briefly].
-    #[arg(long, value_name = "FILE.json")]
+    /// Bandwidths from a `strata bench --json` results file [default: measured briefly on this
+    /// machine].
+    #[arg(long, value_name = "FILE.json", conflicts_with = "machine")]
     pub(crate) bench: Option<std::path::PathBuf>,
+    /// Predict for a preset machine's figures (written down, not measured here) instead.
+    #[arg(long, value_enum)]
+    pub(crate) machine: Option<MachineArg>,
 }
 
 #[derive(clap::Args)]

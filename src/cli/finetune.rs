@@ -28,15 +28,16 @@ use std::time::Instant;
 
 use candle_core::{Device, Tensor};
 
+use crate::cli::args::MachineArg;
 use crate::cli::model::{self, ModelArg};
 use strata::candle::llama::SeededRng;
-use strata::candle::train::{load_tokens, Budgets, Checkpoint, Floor, Machine, TrainPlan};
+use strata::candle::train::{load_tokens, Budgets, Checkpoint, Floor, TrainPlan};
 use strata::candle::{
     load_weights, put_random_weights, LlamaConfig, LlamaTwin, LoraConfig, LrSchedule, StepReport,
     TrainConfig, Trainer,
 };
 use strata::optim::{AdamW, Engine};
-use strata::{format_size, DType, Group, Store, Tier};
+use strata::{format_size, DType, Group, Machine, Store, Tier};
 
 type Res<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
 
@@ -137,9 +138,11 @@ pub struct FinetuneArgs {
     /// Print the memory plan and exit, allocating nothing.
     #[arg(long)]
     pub plan_only: bool,
-    /// Plan for the lent H100's figures instead of this machine's.
-    #[arg(long, value_parser = ["h100"])]
-    pub machine: Option<String>,
+    /// Plan for a preset machine's figures (written down, not measured here: h100, the lent
+    /// H100; h200, the H200 lent now, its PCIe and GEMM rates assumed to be the H100's) instead
+    /// of this machine's.
+    #[arg(long, value_enum)]
+    pub machine: Option<MachineArg>,
     /// The machine's device memory, for the plan.
     #[arg(long, value_parser = size, value_name = "SIZE")]
     pub hbm: Option<u64>,
@@ -274,7 +277,7 @@ struct Args {
     in_memory: bool,
     resident_twin: bool,
     plan_only: bool,
-    h100: bool,
+    machine: Option<MachineArg>,
     hbm: Option<u64>,
     host_memory: Option<u64>,
     disk: Option<u64>,
@@ -333,7 +336,7 @@ impl FinetuneArgs {
             in_memory: self.in_memory,
             resident_twin: self.resident_twin,
             plan_only: self.plan_only,
-            h100: self.machine.is_some(),
+            machine: self.machine,
             hbm: self.hbm,
             host_memory: self.host_memory,
             disk: self.disk,
@@ -786,24 +789,17 @@ pub fn run(args: FinetuneArgs) -> Res<Ended> {
     let dtype = ck.as_ref().map_or(a.dtype.unwrap_or(DType::F32), |c| c.dtype);
     // The memory plan for the machine (this one, or the figures given), made before anything is
     // allocated: a run that cannot fit is refused here.
-    let mut machine = if a.h100 { Machine::h100() } else { Machine::detect(&device) };
+    let mut machine = a.machine.map_or_else(|| Machine::detect(&device), MachineArg::machine);
     let given = [&a.hbm, &a.host_memory, &a.disk].iter().any(|x| x.is_some());
-    machine.device_bytes = a.hbm.unwrap_or(machine.device_bytes);
-    machine.host_bytes = a.host_memory.unwrap_or(machine.host_bytes);
-    machine.disk_bytes = a.disk.unwrap_or(machine.disk_bytes);
-    if let Some(b) = a.pcie {
-        (machine.h2d, machine.d2h) = (b, b);
-    }
-    machine.host_update = a.host_bandwidth.unwrap_or(machine.host_update);
-    machine.disk = a.disk_bandwidth.unwrap_or(machine.disk);
-    machine.flops = a.tflops.or(machine.flops);
+    given_figures(&mut machine, &a);
     if given {
+        let size = |b: Option<u64>| b.map_or("unknown".to_string(), format_size);
         machine.name = format!(
             "{} with {} of device memory, {} of host memory, {} of disk",
-            if a.h100 { "the lent H100" } else { "this machine" },
-            format_size(machine.device_bytes),
-            format_size(machine.host_bytes),
-            format_size(machine.disk_bytes)
+            a.machine.map_or("this machine", MachineArg::label),
+            size(machine.device_bytes),
+            size(machine.host_bytes),
+            size(machine.disk_bytes)
         );
     }
     let budgets = Budgets { device: a.device_budget, pinned: a.pinned_budget };
@@ -814,7 +810,12 @@ pub fn run(args: FinetuneArgs) -> Res<Ended> {
         .or_else(|| ck.as_ref().and_then(|c| c.notes.get("base_model")).map(PathBuf::from));
     if a.plan_only {
         let plan = plan_for(&config, &train, dtype, &machine, budgets, base.as_deref())?;
-        out!("{plan}\nplan's {} ({})", plan.floor(&machine, None), machine.rates())?;
+        out!(
+            "{plan}\nplan's {} ({} on {})",
+            plan.floor(&machine, None),
+            machine.rates(),
+            machine.name
+        )?;
         return Ok(Ended::Done);
     }
     // Every size and hyperparameter checked before anything is allocated.
@@ -950,17 +951,20 @@ pub fn run(args: FinetuneArgs) -> Res<Ended> {
     let store = strata::candle::store_for(&device, builder)?;
     out!("candle device: {device:?}; strata: {}", store.backend_description())?;
     if out_of_core && (a.pcie.is_none() || a.host_bandwidth.is_none()) {
-        let (pcie, host) = (a.pcie, a.host_bandwidth);
+        // This machine's link and host, measured: the figures a preset gave for them are
+        // another machine's.
         machine.measure(&store, train.optimizer_threads)?;
-        machine.h2d = pcie.unwrap_or(machine.h2d);
-        machine.d2h = pcie.unwrap_or(machine.d2h);
-        machine.host_update = host.unwrap_or(machine.host_update);
+        given_figures(&mut machine, &a);
+        if a.machine.is_some() {
+            machine.name.push_str(", its link and host rates measured on this machine");
+        }
     }
     if let Some(plan) = &plan {
         out!(
-            "plan's {} ({}{}; the steps below measure their compute)",
+            "plan's {} ({} on {}{}; the steps below measure their compute)",
             plan.floor(&machine, None),
             machine.rates(),
+            machine.name,
             if store.cuda_context().is_none() {
                 "; host backend: \"PCIe\" is a memcpy"
             } else {
@@ -1226,6 +1230,39 @@ pub fn run(args: FinetuneArgs) -> Res<Ended> {
     let last = losses.last().ok_or("no step ran")?;
     out!("{last}")?;
     Ok(Ended::Done)
+}
+
+/// The machine's figures the flags give (`--hbm`, `--pcie`, ...), each noted as given.
+fn given_figures(m: &mut Machine, a: &Args) {
+    let mut noted = Vec::new();
+    let sizes = [
+        (&mut m.device_bytes, a.hbm, "device_bytes"),
+        (&mut m.host_bytes, a.host_memory, "host_bytes"),
+        (&mut m.disk_bytes, a.disk, "disk_bytes"),
+    ];
+    for (slot, value, name) in sizes {
+        if value.is_some() {
+            *slot = value;
+            noted.push(name);
+        }
+    }
+    let rates = [
+        (&mut m.h2d, a.pcie, "h2d"),
+        (&mut m.d2h, a.pcie, "d2h"),
+        (&mut m.host_update, a.host_bandwidth, "host_update"),
+        (&mut m.disk_read, a.disk_bandwidth, "disk_read"),
+        (&mut m.disk_write, a.disk_bandwidth, "disk_write"),
+        (&mut m.model_flops, a.tflops, "model_flops"),
+    ];
+    for (slot, value, name) in rates {
+        if value.is_some() {
+            *slot = value;
+            noted.push(name);
+        }
+    }
+    for figure in noted {
+        m.note(figure, "given on the command line");
+    }
 }
 
 /// The run's memory plan; a GGUF base's weights are planned at the bytes they are stored in

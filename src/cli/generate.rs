@@ -544,7 +544,9 @@ fn pcie_floor(
         )?;
         return Ok(());
     }
-    let h2d = strata::optim::Bandwidths::measure(store, 0)?.h2d;
+    let mut machine = strata::Machine::unknown("this machine");
+    machine.measure_link(store)?;
+    let h2d = machine.require("h2d", machine.h2d)?;
     let per_pass = moved / g.passes as u64;
     let floor = per_pass as f64 / h2d;
     out!(

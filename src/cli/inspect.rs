@@ -2,7 +2,8 @@
 
 use super::args::InspectArgs;
 
-use strata::plan::{Bandwidths, Optimizer, PlanConfig};
+use strata::plan::{Optimizer, PlanConfig};
+use strata::Machine;
 
 /// The files a checkpoint came from, when there are several or an index named them: `3 files
 /// named by DIR/model.safetensors.index.json: a, b, c`; long lists shortened.
@@ -74,23 +75,38 @@ pub fn run(a: InspectArgs) -> anyhow::Result<()> {
     }
     out!()?;
     let traffic = plan.traffic();
-    let bw = match &a.bench {
-        Some(path) => Bandwidths::from_bench_json(path)?,
-        None => {
-            let pcie = traffic.h2d + traffic.d2h > 0;
-            let disk = traffic.disk_read + traffic.disk_write > 0;
-            // The largest file: the disk figure is a read of up to 64 MiB of it.
-            let largest = ckpt
-                .files
-                .iter()
-                .max_by_key(|f| std::fs::metadata(f).map_or(0, |m| m.len()))
-                .map(|f| f.as_path());
-            Bandwidths::measure(pcie, largest.filter(|_| disk))
+    let machine = match (&a.bench, a.machine) {
+        (Some(path), _) => Machine::from_bench_json(path)?,
+        (None, Some(preset)) => preset.machine(),
+        (None, None) => {
+            let mut m = Machine::unknown("this machine (measured now)");
+            if traffic.h2d + traffic.d2h > 0 {
+                m.measure_gpu_link();
+            }
+            if traffic.disk_read + traffic.disk_write > 0 {
+                // The largest file: the disk figure is a read of up to 64 MiB of it.
+                let largest =
+                    ckpt.files.iter().max_by_key(|f| std::fs::metadata(f).map_or(0, |m| m.len()));
+                if let Some(file) = largest {
+                    m.measure_disk(file);
+                }
+            }
+            m
         }
     };
-    out_raw!("{}", plan.predict(&bw))?;
-    for n in &bw.notes {
-        out!("  {n}")?;
+    out!("on {}:", machine.name)?;
+    out_raw!("{}", plan.predict(&machine))?;
+    // The figures of the transfers there are, and where they come from (d2h falls back to
+    // h2d's figure, disk_write to disk_read's, as the prediction takes them).
+    let moved = [traffic.h2d, traffic.d2h, traffic.disk_read, traffic.disk_write];
+    let used: Vec<&str> = ["h2d", "d2h", "disk_read", "disk_write"]
+        .into_iter()
+        .zip(moved)
+        .filter(|&(_, bytes)| bytes > 0)
+        .map(|(figure, _)| figure)
+        .collect();
+    for line in machine.describe(&used).lines() {
+        out!("  {line}")?;
     }
     Ok(())
 }

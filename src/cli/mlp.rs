@@ -64,12 +64,12 @@ pub struct MlpConfig {
     pub host: bool,
     /// Also run every weight resident (the compute floor and the correctness reference).
     pub compare: bool,
-    /// Simulate this machine on the host backend (`--simulate h100`, or `h100-half` for
-    /// [`LinkSharing::Half`](strata::LinkSharing::Half)): the loop runs a model
+    /// Simulate a preset machine on the host backend (`--simulate h100`, `h200`, or `h100-half`
+    /// for [`LinkSharing::Half`](strata::LinkSharing::Half)): the loop runs a model
     /// with the same layer count and budget in layers, shrunk to `hidden ≤ 64` and `rows ≤ 8`,
     /// in [simulated time](strata::StoreBuilder::simulate) scaled so that each layer's copies
     /// and GEMMs take the time they would at the configured size.
-    pub simulate: Option<Simulation>,
+    pub simulate: Option<SimulateArg>,
     /// Write a Chrome trace of the out-of-core run's copies and waits here (`--trace FILE`).
     pub trace: Option<std::path::PathBuf>,
 }
@@ -144,7 +144,7 @@ impl MlpConfig {
             weights_in: a.weights_in.unwrap_or(d.weights_in),
             host: a.host,
             compare: a.compare(),
-            simulate: a.simulate.map(SimulateArg::simulation),
+            simulate: a.simulate,
             trace: a.trace.clone(),
         };
         c.check()?;
@@ -205,8 +205,9 @@ impl MlpConfig {
     /// The model that runs and the scales of a simulation: with `--simulate`, the same layers,
     /// budgets in layers, shrunk to `hidden ≤ 64` and `rows ≤ 8`, on a simulated store whose
     /// bytes and flops stand for the configured model's; else `self` unchanged.
-    fn data_model(&self) -> (MlpConfig, Option<Simulation>) {
-        let Some(sim) = self.simulate else { return (self.clone(), None) };
+    fn data_model(&self) -> Result<(MlpConfig, Option<Simulation>)> {
+        let Some(sim) = self.simulate else { return Ok((self.clone(), None)) };
+        let sim = sim.simulation()?;
         let mut d = self.clone();
         d.hidden = self.hidden.min(64);
         d.rows = self.rows.min(8);
@@ -220,7 +221,7 @@ impl MlpConfig {
         d.host = true;
         let mut sim = sim.scaled(bytes, flops);
         sim.matrix_bytes_scale = wide * tall; // activations are rows × hidden
-        (d, Some(sim))
+        Ok((d, Some(sim)))
     }
 
     /// Layer order of one step: forward 0..L, then backward L..0 when training.
@@ -282,6 +283,9 @@ pub struct MlpReport {
     pub max_abs_diff: f32,
     /// Whether the times are simulated ([`MlpConfig::simulate`]).
     pub simulated: bool,
+    /// The machine the figures are for: the simulated preset ("the H100 preset"), or "this
+    /// machine".
+    pub machine: &'static str,
 }
 
 /// Deterministic values uniform in `[-a, a]` (xorshift64 from `seed` and `stream`).
@@ -487,7 +491,7 @@ pub fn run(cfg: &MlpConfig, mut progress: impl FnMut(&str) -> Result<()>) -> Res
     let t0 = Instant::now();
     // With --simulate a small model runs, timed (and its bytes counted) as `cfg`'s; every line
     // says so.
-    let (data, sim) = cfg.data_model();
+    let (data, sim) = cfg.data_model()?;
     let mut progress = |line: &str| match sim {
         Some(_) => progress(&simulated(line)),
         None => progress(line),
@@ -516,9 +520,10 @@ pub fn run(cfg: &MlpConfig, mut progress: impl FnMut(&str) -> Result<()>) -> Res
     ))?;
     if sim.is_some() {
         progress(&format!(
-            "runs [{h}, {h}] layers with {} rows, timed as the model above on the simulated \
-             machine (strata::Simulation): times are not measurements",
+            "runs [{h}, {h}] layers with {} rows, timed as the model above on {}, simulated \
+             (strata::Simulation): times are not measurements",
             data.rows,
+            cfg.simulate.map_or_else(String::new, |s| s.machine().name),
             h = data.hidden
         ))?;
     }
@@ -666,6 +671,7 @@ pub fn run(cfg: &MlpConfig, mut progress: impl FnMut(&str) -> Result<()>) -> Res
         matches_resident,
         max_abs_diff,
         simulated: sim.is_some(),
+        machine: cfg.simulate.map_or("this machine", SimulateArg::label),
     })
 }
 
@@ -695,11 +701,12 @@ impl MlpReport {
         if let (Some(bw), Some(p)) = (self.h2d_bandwidth, self.pcie_seconds) {
             writeln!(
                 f,
-                "PCIe floor: {} in, {} out per step at {:.2} GB/s ({}) = {:.2} ms",
+                "PCIe floor: {} in, {} out per step at {:.2} GB/s ({} of {}) = {:.2} ms",
                 format_size(self.min_bytes.0),
                 format_size(self.min_bytes.1),
                 bw / 1e9,
                 if self.simulated { "simulated H2D" } else { "raw pinned H2D" },
+                self.machine,
                 p * 1e3
             )?;
         }

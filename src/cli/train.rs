@@ -533,7 +533,8 @@ struct RunOut {
     steps: Vec<StepRecord>,
     peak: [u64; 5],
     held: [u64; 5],
-    bandwidth: Option<strata::optim::Bandwidths>,
+    /// This machine's rates, measured before the training steps.
+    bandwidth: Option<strata::Machine>,
 }
 
 /// Runs the training loop `cfg` describes: the all-resident compute floor first (with
@@ -636,14 +637,15 @@ fn run_typed<T: Float>(
     let moved_acts = if cfg.activations == Activations::Keep { 0 } else { act_bytes };
     let passes = cfg.accumulate as u64;
     let min_bytes = (passes * (2 * must + moved_acts), passes * moved_acts);
-    let (pcie, optimizer_floor) = match &out.bandwidth {
-        Some(bw) => {
+    let rates = out.bandwidth.as_ref().and_then(|m| Some((m.h2d?, m.d2h?, m.host_copy?)));
+    let (pcie, optimizer_floor) = match rates {
+        Some((h2d, d2h, host)) => {
             let grad = if cfg.accumulate > 1 { DType::F32 } else { T::DTYPE };
-            let cpu = strata::optim::update_bytes(&alg, elems, T::DTYPE, grad) as f64 / bw.host;
+            let cpu = strata::optim::update_bytes(&alg, elems, T::DTYPE, grad) as f64 / host;
             let master = if T::DTYPE == DType::F32 { 0 } else { 4 * elems };
             let state = master + 4 * alg.moments() as u64 * elems;
-            let mapped = (state as f64 / bw.h2d).max(state as f64 / bw.d2h);
-            let p = (min_bytes.0 as f64 / bw.h2d).max(min_bytes.1 as f64 / bw.d2h);
+            let mapped = (state as f64 / h2d).max(state as f64 / d2h);
+            let p = (min_bytes.0 as f64 / h2d).max(min_bytes.1 as f64 / d2h);
             (Some((min_bytes, p)), Some(cpu.min(mapped)))
         }
         None => (None, None),
@@ -1023,7 +1025,11 @@ fn train_once<T: Float>(
 
     let order = ops(layers, cfg.activations, k);
     let bandwidth = match (&opt, phase) {
-        (Some(_), Phase::Train) => Some(strata::optim::Bandwidths::measure(&store, cfg.threads)?),
+        (Some(_), Phase::Train) => {
+            let mut m = strata::Machine::unknown("this machine (measured now)");
+            m.measure(&store, cfg.threads)?;
+            Some(m)
+        }
         _ => None,
     };
     let mut peak = [0u64; 5];

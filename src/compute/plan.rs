@@ -3,8 +3,8 @@
 //! cross PCIe (and come from disk) would take per step. `strata inspect` prints one.
 //!
 //! ```
-//! use strata::plan::{plan, Bandwidths, Optimizer, PlanConfig, TensorEntry};
-//! use strata::DType;
+//! use strata::plan::{plan, Optimizer, PlanConfig, TensorEntry};
+//! use strata::{DType, Machine};
 //!
 //! // Two bf16 weights of 1 MiB each, trained with Adam, with 4 MiB of device memory.
 //! let tensors: Vec<TensorEntry> = (0..2)
@@ -25,8 +25,8 @@
 //! // Per step the optimizer state crosses PCIe in and out.
 //! let t = p.traffic();
 //! assert_eq!((t.h2d, t.d2h), (12 << 20, 12 << 20));
-//! let bw = Bandwidths { h2d_gbps: Some(25.0), d2h_gbps: Some(25.0), ..Bandwidths::default() };
-//! let s = p.predict(&bw).pcie_s().unwrap();
+//! let link = Machine { h2d: Some(25e9), d2h: Some(25e9), ..Machine::unknown("a 25 GB/s link") };
+//! let s = p.predict(&link).pcie_s().unwrap();
 //! assert!((s - 2.0 * 12.0 * 1048576.0 / 25e9).abs() < 1e-12);
 //! ```
 //!
@@ -72,15 +72,11 @@
 
 use std::collections::BTreeMap;
 use std::fmt::{self, Write as _};
-use std::fs::File;
-use std::io::Read as _;
-use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::time::Instant;
 
 use crate::base::error::{Error, Result};
 use crate::base::types::{format_size, DType, Tier};
-use crate::{LoadOptions, Store};
+use crate::{LoadOptions, Machine, Store};
 
 /// One tensor of a file, as the file's header describes it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -459,24 +455,21 @@ impl MemoryPlan {
         }
     }
 
-    /// The predicted transfer time of one step with these bandwidths (D2H at the H2D figure and
-    /// disk writes at the read figure where those are missing).
-    pub fn predict(&self, bw: &Bandwidths) -> Prediction {
+    /// The predicted transfer time of one step on `machine` (its `h2d`, `d2h`, `disk_read` and
+    /// `disk_write`; D2H at the H2D figure and disk writes at the read figure where those are
+    /// missing).
+    pub fn predict(&self, machine: &Machine) -> Prediction {
         let t = self.traffic();
-        let secs = |bytes: u64, gbps: Option<f64>| -> Option<f64> {
-            if bytes == 0 {
-                return Some(0.0);
-            }
-            gbps.filter(|g| g.is_finite() && *g > 0.0).map(|g| bytes as f64 / (g * 1e9))
-        };
+        let secs = Machine::seconds;
+        let m = machine;
         Prediction {
             traffic: t,
             formulas: self.formulas(),
             secs: [
-                secs(t.h2d, bw.h2d_gbps),
-                secs(t.d2h, bw.d2h_gbps.or(bw.h2d_gbps)),
-                secs(t.disk_read, bw.disk_read_gbps),
-                secs(t.disk_write, bw.disk_write_gbps.or(bw.disk_read_gbps)),
+                secs(t.h2d, m.h2d),
+                secs(t.d2h, m.d2h.or(m.h2d)),
+                secs(t.disk_read, m.disk_read),
+                secs(t.disk_write, m.disk_write.or(m.disk_read)),
             ],
         }
     }
@@ -562,193 +555,6 @@ impl fmt::Display for MemoryPlan {
         }
         Ok(())
     }
-}
-
-/// Bandwidths for the prediction, in GB/s (10^9 bytes per second); `None`: not known.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct Bandwidths {
-    /// Pinned host to device.
-    pub h2d_gbps: Option<f64>,
-    /// Device to pinned host (the H2D figure is used when missing).
-    pub d2h_gbps: Option<f64>,
-    /// Disk read.
-    pub disk_read_gbps: Option<f64>,
-    /// Disk write (the read figure is used when missing).
-    pub disk_write_gbps: Option<f64>,
-    /// Where the figures come from, one line each (printed under the prediction).
-    pub notes: Vec<String>,
-}
-
-impl Bandwidths {
-    /// The figures of a `strata bench --json` results file: for `h2d_pinned`, `d2h_pinned`,
-    /// `disk_read` and `disk_write`, the cell of the largest size measured. A missing path stays
-    /// `None`. An unreadable file is an [`Error::Io`]; a file that is not such JSON an
-    /// [`Error::InvalidArgument`] naming it.
-    pub fn from_bench_json(path: impl AsRef<Path>) -> Result<Bandwidths> {
-        let path = path.as_ref();
-        let bytes = crate::tiers::file::read_regular(path)?;
-        let text = String::from_utf8(bytes).map_err(|_| {
-            Error::InvalidArgument(format!("{} is not a text file", path.display()))
-        })?;
-        Bandwidths::from_bench_json_str(&text, &path.display().to_string())
-    }
-
-    /// [`Bandwidths::from_bench_json`] of the file's text; `name` names it in errors and notes.
-    pub fn from_bench_json_str(text: &str, name: &str) -> Result<Bandwidths> {
-        let bad = |why: String| {
-            Error::InvalidArgument(format!("{name} is not a `strata bench --json` file: {why}"))
-        };
-        let v: serde_json::Value = serde_json::from_str(text).map_err(|e| bad(e.to_string()))?;
-        let results =
-            v.get("results").and_then(|r| r.as_array()).ok_or_else(|| bad("no results".into()))?;
-        let machine = v.get("hostname").and_then(|h| h.as_str()).unwrap_or("unknown host");
-        let date = v.get("date").and_then(|d| d.as_str()).unwrap_or("unknown date");
-        let mut bw = Bandwidths::default();
-        bw.notes.push(format!("bandwidths from {name} ({machine}, {date}):"));
-        for (path, slot) in [
-            ("h2d_pinned", &mut bw.h2d_gbps),
-            ("d2h_pinned", &mut bw.d2h_gbps),
-            ("disk_read", &mut bw.disk_read_gbps),
-            ("disk_write", &mut bw.disk_write_gbps),
-        ] {
-            let best = results
-                .iter()
-                .filter(|r| r.get("path").and_then(|p| p.as_str()) == Some(path))
-                .filter_map(|r| {
-                    let size = r.get("size_bytes")?.as_u64()?;
-                    let gbps = r.get("gbps")?.as_f64().filter(|g| g.is_finite() && *g > 0.0)?;
-                    Some((size, gbps))
-                })
-                .max_by_key(|&(size, _)| size);
-            match best {
-                Some((size, gbps)) => {
-                    *slot = Some(gbps);
-                    bw.notes.push(format!("  {path}: {gbps:.2} GB/s at {}", format_size(size)));
-                }
-                None => bw.notes.push(format!("  {path}: not in the file")),
-            }
-        }
-        Ok(bw)
-    }
-
-    /// Measures briefly what a prediction needs. `pcie`: the pinned H2D and D2H bandwidth with
-    /// [`raw_pinned_copy`](crate::compute::probe::raw_pinned_copy) of 64 MiB (median of 5 after a
-    /// warm-up), when there is a GPU; without one a note says PCIe time is not predicted.
-    /// `disk`: a file to read up to 64 MiB of, bypassing the page cache (`O_DIRECT`) where the
-    /// file system allows, for the disk read bandwidth (also used for writes). Never fails: what
-    /// could not be measured stays `None` with a note saying why.
-    pub fn measure(pcie: bool, disk: Option<&Path>) -> Bandwidths {
-        let mut bw = Bandwidths::default();
-        if pcie {
-            match crate::cuda_device_count() {
-                Ok(n) if n > 0 => match measure_pcie() {
-                    Ok((h2d, d2h)) => {
-                        bw.h2d_gbps = Some(h2d);
-                        bw.d2h_gbps = Some(d2h);
-                        bw.notes.push(format!(
-                            "pinned copies of 64 MiB on GPU 0, measured now: H2D {h2d:.2} GB/s, \
-                             D2H {d2h:.2} GB/s"
-                        ));
-                    }
-                    Err(e) => bw.notes.push(format!("PCIe time not predicted: {e}")),
-                },
-                Ok(_) => bw.notes.push("PCIe time not predicted (no GPU)".into()),
-                Err(why) => bw.notes.push(format!("PCIe time not predicted (no GPU: {why})")),
-            }
-        }
-        if let Some(path) = disk {
-            match measure_disk(path) {
-                Ok((gbps, bytes, direct)) => {
-                    bw.disk_read_gbps = Some(gbps);
-                    bw.notes.push(format!(
-                        "disk: {gbps:.2} GB/s reading {} of the file now ({}); writes assumed \
-                         as fast",
-                        format_size(bytes),
-                        if direct { "O_DIRECT" } else { "buffered: may be the page cache" }
-                    ));
-                }
-                Err(e) => bw.notes.push(format!("disk time not predicted: {}", e.chain())),
-            }
-        }
-        bw
-    }
-}
-
-/// Median pinned H2D and D2H GB/s of 64 MiB copies on GPU 0.
-fn measure_pcie() -> Result<(f64, f64)> {
-    const BYTES: usize = 64 << 20;
-    let ctx = cudarc::driver::CudaContext::new(0)
-        .map_err(|e| Error::Cuda { call: "cuDevicePrimaryCtxRetain", message: e.to_string() })?;
-    let mut gbps = [0.0f64; 2];
-    for (g, dir) in gbps.iter_mut().zip([
-        crate::compute::probe::Direction::HostToDevice,
-        crate::compute::probe::Direction::DeviceToHost,
-    ]) {
-        let secs = crate::compute::probe::median(&crate::compute::probe::raw_pinned_copy(
-            &ctx, BYTES, dir, 5,
-        )?);
-        if secs <= 0.0 {
-            return Err(Error::InvalidArgument("a copy took no measurable time".into()));
-        }
-        *g = BYTES as f64 / secs / 1e9;
-    }
-    Ok((gbps[0], gbps[1]))
-}
-
-/// Reads up to 64 MiB of `path` in 16 MiB pieces: (GB/s, bytes read, whether `O_DIRECT`).
-fn measure_disk(path: &Path) -> Result<(f64, u64, bool)> {
-    const PIECE: usize = 16 << 20;
-    const MAX: u64 = 64 << 20;
-    const ALIGN: usize = 4096;
-    let io = |e| Error::io(path, e);
-    let len = crate::tiers::file::check_regular(path)?.len();
-    if len < (1 << 20) {
-        return Err(Error::InvalidArgument(format!(
-            "{} is under 1 MiB, too small to time (give --bench)",
-            path.display()
-        )));
-    }
-    let want = len.min(MAX);
-    let mut buf = vec![0u8; PIECE + ALIGN];
-    let off = buf.as_ptr().align_offset(ALIGN).min(ALIGN);
-    let piece = buf
-        .get_mut(off..off + PIECE)
-        .ok_or_else(|| Error::InvalidArgument("could not align a read buffer".into()))?;
-    // O_DIRECT first; if the file system refuses it, a buffered read.
-    if let Ok(f) = crate::tiers::file::open_regular(path, libc::O_DIRECT) {
-        if let Ok(r) = timed_read(&f, piece, want) {
-            return Ok((r.0, r.1, true));
-        }
-    }
-    let mut f = crate::tiers::file::open_regular(path, 0)?;
-    let t = Instant::now();
-    let mut done = 0u64;
-    while done < want {
-        let n = (want - done).min(PIECE as u64) as usize;
-        let dst = piece.get_mut(..n).unwrap_or_default();
-        f.read_exact(dst).map_err(io)?;
-        done += n as u64;
-    }
-    let secs = t.elapsed().as_secs_f64().max(1e-9);
-    Ok((done as f64 / secs / 1e9, done, false))
-}
-
-/// Reads `want` bytes (whole aligned pieces) with positioned reads: (GB/s, bytes read).
-fn timed_read(f: &File, piece: &mut [u8], want: u64) -> std::io::Result<(f64, u64)> {
-    let t = Instant::now();
-    let mut done = 0u64;
-    while done < want {
-        let n = f.read_at(piece, done)?;
-        if n == 0 {
-            break;
-        }
-        done += n as u64;
-    }
-    let secs = t.elapsed().as_secs_f64().max(1e-9);
-    if done == 0 {
-        return Err(std::io::Error::from(std::io::ErrorKind::UnexpectedEof));
-    }
-    Ok((done as f64 / secs / 1e9, done))
 }
 
 /// A prediction of one step's transfer time.
@@ -1114,44 +920,19 @@ mod tests {
     fn prediction_divides_by_bandwidth_and_says_when_it_cannot() {
         let ts: Vec<_> = (0..4).map(|i| t(&format!("w{i}"), DType::F32, &[1 << 18])).collect();
         let p = plan(&ts, &cfg([MIB, MIB, 0, 0], Optimizer::None, false));
-        let bw =
-            Bandwidths { h2d_gbps: Some(10.0), disk_read_gbps: Some(1.0), ..Bandwidths::default() };
-        let pr = p.predict(&bw);
+        let m = Machine { h2d: Some(10e9), disk_read: Some(1e9), ..Machine::unknown("m") };
+        let pr = p.predict(&m);
         let want_pcie = (3 * MIB) as f64 / 10e9;
         let want_disk = (2 * MIB) as f64 / 1e9;
         assert!((pr.pcie_s().unwrap() - want_pcie).abs() < 1e-15);
         assert!((pr.disk_s().unwrap() - want_disk).abs() < 1e-15);
         assert!((pr.total_s().unwrap() - want_pcie - want_disk).abs() < 1e-15);
-        let none = p.predict(&Bandwidths::default());
+        let none = p.predict(&Machine::unknown("m"));
         assert_eq!((none.pcie_s(), none.disk_s()), (None, None));
         assert!(none.to_string().contains("not predicted"), "{none}");
         // Everything on the device: nothing to move, zero without any bandwidth.
         let all = plan(&ts, &cfg([4 * MIB, 0, 0, 0], Optimizer::None, false));
-        assert_eq!(all.predict(&Bandwidths::default()).total_s(), Some(0.0));
-    }
-
-    #[test]
-    fn bench_json_gives_the_largest_size() {
-        let json = r#"{"tool": "strata bench", "hostname": "gpu1", "date": "2026-11-23T08:30:00Z",
-            "results": [
-              {"path": "h2d_pinned", "size_bytes": 4096, "gbps": 2.5, "median_s": 1e-6},
-              {"path": "h2d_pinned", "size_bytes": 1073741824, "gbps": 54.45, "median_s": 0.02},
-              {"path": "h2d_pinned", "size_bytes": 1048576, "gbps": 40.0, "median_s": 0.0},
-              {"path": "d2h_pinned", "size_bytes": 1073741824, "gbps": 55.05, "median_s": 0.02},
-              {"path": "disk_read", "size_bytes": 1073741824, "gbps": null, "median_s": 0.5},
-              {"path": "disk_read", "size_bytes": 16777216, "gbps": 2.1, "median_s": 0.008}
-            ]}"#;
-        let bw = Bandwidths::from_bench_json_str(json, "b.json").unwrap();
-        assert_eq!(bw.h2d_gbps, Some(54.45));
-        assert_eq!(bw.d2h_gbps, Some(55.05));
-        assert_eq!(bw.disk_read_gbps, Some(2.1), "a null cell is skipped");
-        assert_eq!(bw.disk_write_gbps, None);
-        assert!(bw.notes[0].contains("gpu1") && bw.notes[0].contains("b.json"), "{:?}", bw.notes);
-        assert!(bw.notes.iter().any(|n| n.contains("disk_write: not in")), "{:?}", bw.notes);
-        assert!(Bandwidths::from_bench_json_str("{}", "x.json").is_err());
-        assert!(Bandwidths::from_bench_json_str("not json", "x.json").is_err());
-        let missing = Bandwidths::from_bench_json("/nonexistent/strata-bench.json");
-        assert!(matches!(missing, Err(Error::Io { .. })));
+        assert_eq!(all.predict(&Machine::unknown("m")).total_s(), Some(0.0));
     }
 
     #[test]
@@ -1181,19 +962,5 @@ mod tests {
         let junk = dir.path().join("junk.safetensors");
         std::fs::write(&junk, b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all").unwrap();
         assert!(matches!(read_tensors(&junk), Err(Error::BadFile { .. })));
-    }
-
-    #[test]
-    fn disk_measure_reads_a_file_or_says_why_not() {
-        let dir = tempfile::tempdir().unwrap();
-        let small = dir.path().join("small");
-        std::fs::write(&small, [0u8; 100]).unwrap();
-        let bw = Bandwidths::measure(false, Some(&small));
-        assert_eq!(bw.disk_read_gbps, None);
-        assert!(bw.notes[0].contains("too small"), "{:?}", bw.notes);
-        let big = dir.path().join("big");
-        std::fs::write(&big, vec![7u8; 3 << 20]).unwrap();
-        let bw = Bandwidths::measure(false, Some(&big));
-        assert!(bw.disk_read_gbps.is_some_and(|g| g > 0.0), "{:?}", bw.notes);
     }
 }

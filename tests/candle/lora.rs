@@ -622,7 +622,8 @@ fn a_frozen_linear_gives_the_inputs_gradient_of_candles_product_and_none_to_its_
 /// qualified targets (`self_attn.q_proj`) are the adapters the trainer makes.
 #[test]
 fn absurd_ranks_are_refused_and_qualified_targets_count_what_trains() {
-    use strata::candle::train::{trainable_parameters, Machine, TrainPlan};
+    use strata::candle::train::{trainable_parameters, TrainPlan};
+    use strata::Machine;
     let c = tiny(false);
     for rank in [1usize << 56, usize::MAX, 1 << 40] {
         let t = TrainConfig {

@@ -477,6 +477,41 @@ fn the_plan_for_7b_on_the_h100_fits_and_one_that_cannot_is_refused() {
     assert!(r.stdout.contains("disk: ") && !r.stdout.contains("disk: nothing"), "{}", r.stdout);
 }
 
+/// The same plan on the H200 preset: printed for the H200 by name with its 141 GB of HBM, every
+/// byte in memory, its floor's figures named as the preset's; an unknown preset is refused by
+/// the flag's parser, naming the presets.
+#[test]
+fn the_plan_for_7b_on_the_h200_names_the_machine_and_its_memory() {
+    let c = format!("{}/examples/configs/llama2-7b.json", env!("CARGO_MANIFEST_DIR"));
+    let mut args = strings(&[
+        "--config",
+        &c,
+        "--dtype",
+        "bf16",
+        "--seq",
+        "2048",
+        "--micro-batch",
+        "1",
+        "--accum",
+        "32",
+        "--plan-only",
+        "--machine",
+        "h200",
+    ]);
+    let r = run(&args, Duration::from_secs(60));
+    assert_eq!(r.code, Some(0), "{}{}", r.stdout, r.stderr);
+    let first = r.stdout.lines().find(|l| l.starts_with("memory plan on")).unwrap_or_default();
+    assert!(first.contains("the H200 preset (141 GB HBM"), "{}", r.stdout);
+    assert!(r.stdout.contains("disk: nothing (everything fits in memory)"), "{}", r.stdout);
+    let floor = r.stdout.lines().find(|l| l.starts_with("plan's floor")).unwrap_or_default();
+    assert!(floor.contains("PCIe at 54.3/55.0 GB/s") && floor.contains("on the H200 preset"));
+    args.pop();
+    args.push("a100".into());
+    let r = run(&args, Duration::from_secs(60));
+    assert_eq!(r.code, Some(2), "{}", r.stderr);
+    assert!(r.stderr.contains("[possible values: h100, h200]"), "{}", r.stderr);
+}
+
 /// A LoRA run stopped and resumed (its base found again from the run's notes:
 /// the seed) ends where the whole run ends, adapters and their state bit for bit; its
 /// checkpoints are PEFT adapter directories; LoRA flags that disagree with the run, or come

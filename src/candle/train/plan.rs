@@ -6,104 +6,48 @@ use super::{TrainConfig, TrainError};
 use crate::base::types::{format_size, DType, Group, Tier};
 use crate::candle::llama::LlamaConfig;
 use crate::compute::optim::{update_bytes, AdamW, Algorithm, Engine};
+use crate::Machine;
 
 const GIB: u64 = 1 << 30;
 
-/// The machine a plan is made for: its memories and the bandwidths and compute rate the
-/// step's floor is figured with.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Machine {
-    /// What the machine is, for the plan's first line.
-    pub name: String,
-    /// Device memory (HBM), bytes: the Device tier and candle's working set.
-    pub device_bytes: u64,
-    /// The device's memory is the host's (CPU candle on the host backend): the Device tier and
-    /// candle's working set come out of host memory.
-    pub device_is_host: bool,
-    /// Host memory, bytes: the Pinned tier, and the system's and the process's own.
-    pub host_bytes: u64,
-    /// Free disk where the Disk tier's files go, bytes.
-    pub disk_bytes: u64,
-    /// PCIe bandwidth host to device, bytes/s.
-    pub h2d: f64,
-    /// PCIe bandwidth device to host, bytes/s.
-    pub d2h: f64,
-    /// The host's AdamW rate: bytes of an update's traffic ([`update_bytes`]) per second.
-    pub host_update: f64,
-    /// Disk bandwidth, bytes/s (read and write alike).
-    pub disk: f64,
-    /// Model FLOP/s the step's compute is figured at, where it is not measured.
-    pub flops: Option<f64>,
-}
-
 impl Machine {
-    /// The lent H100 machine: 80 GB of HBM, 125 GiB of host memory, 64 GiB of disk; PCIe
-    /// Gen5's 55 GB/s each way (measured, `docs/design.md`), the virtual disk's 1.5 GB/s
-    /// (measured), a host AdamW of 50 GB/s (the host's memory bandwidth, an estimate) and
-    /// 400 TFLOPS (issue 32's target, not a measurement).
-    pub fn h100() -> Machine {
-        Machine {
-            name: "the lent H100 (80 GB HBM, 125 GiB host, 64 GiB disk)".into(),
-            device_bytes: 80_000_000_000,
-            device_is_host: false,
-            host_bytes: 125 * GIB,
-            disk_bytes: 64 * GIB,
-            h2d: 55e9,
-            d2h: 55e9,
-            host_update: 50e9,
-            disk: 1.5e9,
-            flops: Some(400e12),
-        }
-    }
-
-    /// This machine's memories: the device's (a CUDA device's total memory; for the CPU, host
-    /// memory, which the Device tier then shares), the host memory available now
-    /// (`MemAvailable`), the free disk under the temporary directory (where the Disk tier's
-    /// files go). The bandwidths are the lent machine's until [`Machine::measure`] measures
-    /// them; the disk's stays as given; the compute rate is left unknown (a run measures its
-    /// compute).
+    /// This machine's memories (feature `candle`): the device's (a CUDA device's total memory;
+    /// for the CPU, host memory, which the Device tier then shares), the host memory available
+    /// now (`MemAvailable`), the free disk under the temporary directory (where the Disk tier's
+    /// files go), each noted, and what cannot be read left unknown with a note. The rates are not
+    /// known until [`Machine::measure`] measures them; the compute rate is left unknown (a run
+    /// measures its compute).
     pub fn detect(device: &candle_core::Device) -> Machine {
-        let host = crate::host_memory_available().unwrap_or(0);
-        let disk = crate::disk_space_available(&std::env::temp_dir()).unwrap_or(0);
-        let (device_bytes, device_is_host) = match device {
+        let host = crate::host_memory_available();
+        let tmp = std::env::temp_dir();
+        let disk = crate::disk_space_available(&tmp).ok();
+        let (device_bytes, device_is_host, device_note) = match device {
             #[cfg(feature = "candle-cuda")]
-            candle_core::Device::Cuda(d) => {
-                (d.cuda_stream().context().total_mem().map_or(0, |b| b as u64), false)
-            }
-            _ => (host, true),
-        };
-        Machine {
-            name: format!(
-                "this machine ({} device memory{}, {} host memory available, {} free disk)",
-                format_size(device_bytes),
-                if device_is_host { " shared with the host" } else { "" },
-                format_size(host),
-                format_size(disk)
+            candle_core::Device::Cuda(d) => (
+                d.cuda_stream().context().total_mem().ok().map(|b| b as u64),
+                false,
+                "the CUDA device's total memory",
             ),
-            device_bytes,
-            device_is_host,
-            host_bytes: host,
-            disk_bytes: disk,
-            flops: None,
-            ..Machine::h100()
+            _ => (host, true, "host memory: candle computes on the CPU, the Device tier shares it"),
+        };
+        let size = |b: Option<u64>| b.map_or("unknown".to_string(), format_size);
+        let mut m = Machine::unknown(format!(
+            "this machine ({} device memory{}, {} host memory available, {} free disk)",
+            size(device_bytes),
+            if device_is_host { " shared with the host" } else { "" },
+            size(host),
+            size(disk)
+        ));
+        (m.device_bytes, m.device_is_host, m.host_bytes, m.disk_bytes) =
+            (device_bytes, device_is_host, host, disk);
+        m.note("device_bytes", device_note);
+        m.note("host_bytes", "MemAvailable, read now");
+        m.note("disk_bytes", format!("free under {}, read now", tmp.display()));
+        for f in ["h2d", "d2h", "host_update", "disk_read", "disk_write"] {
+            m.note(f, "not measured (Machine::measure, or give it)");
         }
-    }
-
-    /// Measures the PCIe bandwidths (pinned copies of 256 MiB on a CUDA store, a memcpy of
-    /// 32 MiB on the host backend) and the host's AdamW rate (an in-place update of 64 MiB over
-    /// `threads` threads), in well under a second ([`crate::compute::optim::Bandwidths::measure`],
-    /// [`crate::compute::optim::host_update_bandwidth`]).
-    pub fn measure(&mut self, store: &crate::Store, threads: usize) -> crate::Result<()> {
-        if store.cuda_context().is_some() {
-            let bw = crate::compute::optim::Bandwidths::measure(store, threads)?;
-            (self.h2d, self.d2h) = (bw.h2d, bw.d2h);
-        } else {
-            // The host backend's "PCIe" is a memcpy on one thread: its read and write.
-            let copy = crate::compute::optim::host_copy_bandwidth(1, 32 << 20)? / 2.0;
-            (self.h2d, self.d2h) = (copy, copy);
-        }
-        self.host_update = crate::compute::optim::host_update_bandwidth(threads, 64 << 20);
-        Ok(())
+        m.note("model_flops", "not known: a run measures its compute");
+        m
     }
 }
 
@@ -126,8 +70,9 @@ type ByTier = [u64; 4];
 /// is allocated, so a run that cannot fit is refused rather than left to thrash.
 ///
 /// ```
-/// use strata::candle::train::{Machine, TrainPlan};
+/// use strata::candle::train::TrainPlan;
 /// use strata::candle::{LlamaConfig, TrainConfig};
+/// use strata::Machine;
 ///
 /// let c = LlamaConfig::from_file("examples/configs/llama2-7b.json").unwrap();
 /// let t = TrainConfig { micro_batch: 1, seq: 2048, accum: 32, ..TrainConfig::default() };
@@ -136,7 +81,7 @@ type ByTier = [u64; 4];
 /// // the device, nothing on disk.
 /// assert_eq!(plan.on_disk(), 0);
 /// // A host of 32 GiB cannot hold the weights and gradients: refused, saying why.
-/// let small = Machine { host_bytes: 32 << 30, ..Machine::h100() };
+/// let small = Machine { host_bytes: Some(32 << 30), ..Machine::h100() };
 /// assert!(TrainPlan::new(&c, &t, strata::DType::BF16, &small, Default::default()).is_err());
 /// ```
 #[derive(Clone, Debug, PartialEq)]
@@ -250,8 +195,10 @@ impl TrainPlan {
     /// streaming stages beside the largest tensor's update (its buffers on the device: a
     /// conservative bound, the worst case of a stage in use and the next in flight, with the
     /// least that satisfies it named); the weights and gradients past the Pinned tier, what
-    /// spills past the free disk. (A tensor larger than the Device tier, such as a large
-    /// embedding table, is read from host memory: slower, not refused.)
+    /// spills past the free disk; a memory the machine does not know (its host memory, free
+    /// disk, and device memory where no Device budget is given). (A tensor larger than the
+    /// Device tier, such as a large embedding table, is read from host memory: slower, not
+    /// refused.)
     pub fn new(
         config: &LlamaConfig,
         train: &TrainConfig,
@@ -327,6 +274,19 @@ impl TrainPlan {
             + tokens_mb * (12 * h + 6 * inter) * 4
             + tokens_mb * v * 16
             + v * h * 4;
+        // The memories the plan is made from; one it needs and the machine lacks is refused.
+        let memory = |figure: &'static str, value: Option<u64>, flag: &str| {
+            value.ok_or_else(|| {
+                refuse(format!(
+                    "{}: {figure} is not known{}: set the machine's {figure} (`strata finetune \
+                     {flag}`)",
+                    machine.name,
+                    machine.source(figure).map_or(String::new(), |s| format!(" ({s})"))
+                ))
+            })
+        };
+        let host_bytes = memory("host_bytes", machine.host_bytes, "--host-memory")?;
+        let disk_bytes = memory("disk_bytes", machine.disk_bytes, "--disk")?;
         let cuda_reserve = if machine.device_is_host { 0 } else { GIB };
         let streaming = 2 * stage_max + 2 * block_ck;
         let params: u64 = bytes.iter().sum();
@@ -334,7 +294,8 @@ impl TrainPlan {
         let device_budget = match given.device {
             Some(d) => d,
             None => {
-                let room = machine.device_bytes.saturating_sub(working_set + cuda_reserve);
+                let device = memory("device_bytes", machine.device_bytes, "--hbm")?;
+                let room = device.saturating_sub(working_set + cuda_reserve);
                 // No more than the model's weights, its checkpoints and a stage to spare.
                 room.min(params + ck_total + stage_max + (64 << 20))
             }
@@ -349,9 +310,8 @@ impl TrainPlan {
                 format_size(streaming)
             )));
         }
-        let host_reserve = (8 * GIB).max(machine.host_bytes / 16).min(machine.host_bytes / 4);
-        let host_left = machine
-            .host_bytes
+        let host_reserve = (8 * GIB).max(host_bytes / 16).min(host_bytes / 4);
+        let host_left = host_bytes
             .saturating_sub(host_reserve)
             .saturating_sub(if machine.device_is_host { device_budget + working_set } else { 0 });
 
@@ -423,8 +383,7 @@ impl TrainPlan {
 
         let mut placed = [[0u64; 4]; 5];
         let mut used = [0u64; 4];
-        let caps =
-            [device_budget.saturating_sub(streaming), pinned_budget, mapped, machine.disk_bytes];
+        let caps = [device_budget.saturating_sub(streaming), pinned_budget, mapped, disk_bytes];
         for &(group, bytes, home) in &made {
             let fits = |t: Tier, used: &[u64; 4]| used[t.index()] + bytes <= caps[t.index()];
             let order: &[Tier] = match home {
@@ -448,7 +407,7 @@ impl TrainPlan {
                     _ => format!(
                         "the {} that host memory cannot hold do not fit the {} of free disk",
                         group.name(),
-                        format_size(machine.disk_bytes)
+                        format_size(disk_bytes)
                     ),
                 };
                 return Err(refuse(format!(
@@ -456,7 +415,7 @@ impl TrainPlan {
                      system and the process)",
                     config_name(config),
                     machine.name,
-                    format_size(machine.host_bytes),
+                    format_size(host_bytes),
                     format_size(host_reserve)
                 )));
             };
@@ -479,7 +438,7 @@ impl TrainPlan {
                 config_name(config),
                 machine.name,
                 format_size(left * checkpoint),
-                format_size(machine.disk_bytes)
+                format_size(disk_bytes)
             )));
         }
 
@@ -541,72 +500,92 @@ impl TrainPlan {
     }
 
     /// The step's floor from `m`'s figures (the plan's machine, or the same one with measured
-    /// bandwidths), and what bounds it: seconds of compute (`compute`, measured, or the
-    /// machine's FLOP/s), PCIe, the CPU optimizer (with the state it reads from disk) and the
-    /// checkpoints' disk I/O.
+    /// rates), and what bounds it: seconds of compute (`compute`, measured, or the machine's
+    /// `model_flops`), PCIe, the CPU optimizer (with the state it reads from disk) and the
+    /// checkpoints' disk I/O; a part whose rate the machine does not know is `None`.
     pub fn floor(&self, m: &Machine, compute: Option<f64>) -> Floor {
-        let compute = compute.or_else(|| m.flops.map(|f| self.flops / f));
-        let pcie = (self.pcie.0 as f64 / m.h2d).max(self.pcie.1 as f64 / m.d2h);
-        let st_disk = 2 * self.placed[Group::OptimizerState.index()][Tier::Disk.index()];
-        let optimizer = self.optimizer_bytes as f64 / m.host_update + st_disk as f64 / m.disk;
-        let disk = self.disk_io.saturating_sub(st_disk) as f64 / m.disk;
-        Floor { compute, pcie, optimizer, disk }
+        let compute = compute.or_else(|| m.model_flops.map(|f| self.flops / f));
+        let st_disk = self.placed[Group::OptimizerState.index()][Tier::Disk.index()];
+        let optimizer = Machine::seconds(self.optimizer_bytes, m.host_update)
+            .zip(disk_both_ways(m, st_disk, st_disk))
+            .map(|(a, b)| a + b);
+        let ck = self.disk_io.saturating_sub(2 * st_disk) / 2;
+        Floor {
+            compute,
+            pcie: pcie_seconds(m, self.pcie.0, self.pcie.1),
+            optimizer,
+            disk: disk_both_ways(m, ck, ck),
+        }
     }
 }
 
-/// A step's floor, in seconds, by what bounds it.
+/// Seconds of `h2d` and `d2h` bytes over `m`'s link, the busier direction.
+fn pcie_seconds(m: &Machine, h2d: u64, d2h: u64) -> Option<f64> {
+    Some(Machine::seconds(h2d, m.h2d)?.max(Machine::seconds(d2h, m.d2h)?))
+}
+
+/// Seconds of reading `read` and writing `write` bytes on `m`'s disk, one after the other.
+fn disk_both_ways(m: &Machine, read: u64, write: u64) -> Option<f64> {
+    Some(Machine::seconds(read, m.disk_read)? + Machine::seconds(write, m.disk_write)?)
+}
+
+/// A step's floor, in seconds, by what bounds it; `None` where a part's rate is not known.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Floor {
     /// Candle's compute (`None` where neither measured nor given a rate).
     pub compute: Option<f64>,
-    /// The PCIe bytes over the bandwidth, the busier direction.
-    pub pcie: f64,
+    /// The PCIe bytes over the link's rate, the busier direction.
+    pub pcie: Option<f64>,
     /// The CPU optimizer: its traffic over the host's rate, plus the state it reads from and
     /// writes to disk.
-    pub optimizer: f64,
+    pub optimizer: Option<f64>,
     /// The checkpoints' disk I/O.
-    pub disk: f64,
+    pub disk: Option<f64>,
 }
 
 impl Floor {
     /// The floor of a step that ran: its compute as measured
     /// ([`StepReport::compute_seconds`](super::StepReport::compute_seconds)), the bytes it moved
-    /// between the Device tier and the others over `machine`'s PCIe bandwidths, the optimizer's
-    /// run time in the step (the Cpu engine's,
+    /// between the Device tier and the others over `machine`'s PCIe rates, the optimizer's run
+    /// time in the step (the Cpu engine's,
     /// [`StepReport::optimizer_seconds`](super::StepReport::optimizer_seconds); the GPU engines'
-    /// runs on the device, inside the compute), and what it moved to and from Disk over the
-    /// disk's bandwidth.
+    /// runs on the device, inside the compute), and what it read from and wrote to Disk over the
+    /// disk's rates.
     pub fn measured(r: &super::StepReport, machine: &Machine, cpu_optimizer: bool) -> Floor {
-        let d = Tier::Device.index();
-        let (mut h2d, mut d2h, mut disk) = (0u64, 0u64, 0u64);
+        let (d, k) = (Tier::Device.index(), Tier::Disk.index());
+        let (mut h2d, mut d2h, mut read, mut write) = (0u64, 0u64, 0u64, 0u64);
         for t in Tier::ALL {
             let i = t.index();
             if i != d {
                 h2d += r.moved[i][d];
                 d2h += r.moved[d][i];
             }
-            let k = Tier::Disk.index();
             if i != k {
-                disk += r.moved[i][k] + r.moved[k][i];
+                write += r.moved[i][k];
+                read += r.moved[k][i];
             }
         }
         Floor {
             compute: Some(r.compute_seconds),
-            pcie: (h2d as f64 / machine.h2d).max(d2h as f64 / machine.d2h),
-            optimizer: if cpu_optimizer { r.optimizer_seconds } else { 0.0 },
-            disk: disk as f64 / machine.disk,
+            pcie: pcie_seconds(machine, h2d, d2h),
+            optimizer: Some(if cpu_optimizer { r.optimizer_seconds } else { 0.0 }),
+            disk: disk_both_ways(machine, read, write),
         }
     }
 
-    /// The floor: the largest of the four (of the three known, where compute is not).
+    /// The floor: the largest of the four parts known (0 where none is).
     pub fn seconds(&self) -> f64 {
-        self.compute.unwrap_or(0.0).max(self.pcie).max(self.optimizer).max(self.disk)
+        [self.compute, self.pcie, self.optimizer, self.disk]
+            .into_iter()
+            .flatten()
+            .fold(0.0, f64::max)
     }
 
-    /// What bounds the step: `compute`, `PCIe`, `the CPU optimizer` or `disk`.
+    /// What bounds the step: `compute`, `PCIe`, `the CPU optimizer` or `disk` (of the parts
+    /// known).
     pub fn bound(&self) -> &'static str {
-        let s = self.seconds();
-        if self.compute == Some(s) {
+        let s = Some(self.seconds());
+        if self.compute == s {
             "compute"
         } else if self.pcie == s {
             "PCIe"
@@ -620,16 +599,18 @@ impl Floor {
 
 impl fmt::Display for Floor {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let c = self.compute.map_or("not known, left out".into(), |c| format!("{:.1} ms", c * 1e3));
+        let part = |x: Option<f64>| {
+            x.map_or("not known, left out".into(), |x| format!("{:.1} ms", x * 1e3))
+        };
         write!(
             f,
-            "floor {:.1} ms, bound by {} (compute {c}, PCIe {:.1} ms, CPU optimizer {:.1} ms, \
-             disk {:.1} ms)",
+            "floor {:.1} ms, bound by {} (compute {}, PCIe {}, CPU optimizer {}, disk {})",
             self.seconds() * 1e3,
             self.bound(),
-            self.pcie * 1e3,
-            self.optimizer * 1e3,
-            self.disk * 1e3
+            part(self.compute),
+            part(self.pcie),
+            part(self.optimizer),
+            part(self.disk)
         )
     }
 }
@@ -690,20 +671,6 @@ impl fmt::Display for TrainPlan {
     }
 }
 
-impl Machine {
-    /// The figures a floor is made with, for the line that prints it.
-    pub fn rates(&self) -> String {
-        format!(
-            "PCIe at {:.1}/{:.1} GB/s, host AdamW at {:.1} GB/s, disk at {:.1} GB/s{}",
-            self.h2d / 1e9,
-            self.d2h / 1e9,
-            self.host_update / 1e9,
-            self.disk / 1e9,
-            self.flops.map_or(String::new(), |x| format!(", compute at {:.0} TFLOPS", x / 1e12))
-        )
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -715,10 +682,10 @@ mod tests {
     /// A host of 16 GiB whose device is its memory (CPU candle), as `detect` makes it.
     fn host_machine() -> Machine {
         Machine {
-            device_bytes: 16 << 30,
+            device_bytes: Some(16 << 30),
             device_is_host: true,
-            host_bytes: 16 << 30,
-            flops: None,
+            host_bytes: Some(16 << 30),
+            model_flops: None,
             ..Machine::h100()
         }
     }

@@ -740,15 +740,14 @@ mod tests {
 
     #[test]
     fn json_parses_as_bench_results_for_inspect() {
-        use strata::plan::Bandwidths;
         let mut r = Report::new(vec![1 << 20, 64 << 20], ["h2d_pinned".to_string()]);
         for (size, secs) in [(1u64 << 20, 1e-4), (64 << 20, 2e-3)] {
             let timing = Timing { seconds: vec![secs; 3], bytes: size };
             r.results.push(Measurement::new("h2d_pinned", size, &timing, Timer::CudaEvents));
         }
-        let bw = Bandwidths::from_bench_json_str(&r.to_json(), "r.json").unwrap();
-        let want = (64u64 << 20) as f64 / 2e-3 / 1e9;
-        assert!((bw.h2d_gbps.unwrap() - want).abs() < 1e-6 * want, "{bw:?}");
+        let m = strata::Machine::from_bench_json_str(&r.to_json(), "r.json").unwrap();
+        let want = (64u64 << 20) as f64 / 2e-3;
+        assert!((m.h2d.unwrap() - want).abs() < 1e-6 * want, "{m:?}");
     }
 
     #[test]

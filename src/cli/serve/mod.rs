@@ -234,7 +234,8 @@ pub fn run(args: ServeArgs) -> Res<()> {
                 }
             };
             let store = Arc::clone(llm.model.layers().store());
-            let h2d = strata::optim::Bandwidths::measure(&store, 0).map(|b| b.h2d).unwrap_or(0.0);
+            let mut machine = strata::Machine::unknown("this machine");
+            let h2d = machine.measure_link(&store).ok().and(machine.h2d).unwrap_or(0.0);
             let metrics = Arc::new(Metrics::new(store, h2d));
             let tokenizer = Arc::new(llm.text.tokenizer);
             let ready = Ready {

@@ -24,8 +24,8 @@
 //!   updates it in place over PCIe, zero-copy, without migrating it.
 //! - [`Engine::GpuResident`]: the state is migrated to the device like any tensor (the policy
 //!   evicts and writes it back when the device budget is short), and the same kernel runs on it.
-//! - [`Engine::Auto`]: picks one of the three from the bandwidths measured on the machine and
-//!   the tier budgets ([`AutoChoice`] says which and why).
+//! - [`Engine::Auto`]: picks one of the three from the rates measured on the machine
+//!   ([`Machine::measure`]) and the tier budgets ([`AutoChoice`] says which and why).
 //!
 //! Every engine computes the same f32 operations in the same order (the GPU kernels use
 //! round-to-nearest intrinsics, no fused multiply-add), so they give the same bits, and the CPU
@@ -73,8 +73,8 @@ use crate::backend::cuda::programs::{AdamArgs, GradView, OptimKernels};
 use crate::base::error::{Error, Result};
 use crate::base::types::{format_size, DType, Group, TensorId, Tier};
 use crate::compute::linalg::Float;
-use crate::compute::probe::{median, raw_pinned_copy, Direction};
-use crate::{DeviceView, HostView, Store, Stream};
+use crate::compute::probe::median;
+use crate::{DeviceView, HostView, Machine, Store, Stream};
 
 /// AdamW's hyperparameters (PyTorch's defaults, but `weight_decay` 0 as the out-of-core
 /// example's contract asks; PyTorch's default is 0.01). Held in f64 as PyTorch holds them (Python
@@ -225,36 +225,6 @@ impl OptimizerConfig {
     }
 }
 
-/// Bandwidths an [`Engine::Auto`] decision is made from, in bytes per second.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct Bandwidths {
-    /// Pinned host to device (on the host backend: a single-thread host copy).
-    pub h2d: f64,
-    /// Device to pinned host.
-    pub d2h: f64,
-    /// Host memory traffic of a multi-threaded copy (bytes read plus bytes written per second).
-    pub host: f64,
-}
-
-impl Bandwidths {
-    /// Measures the three on `store`'s backend with `threads` host threads (about a second).
-    pub fn measure(store: &Store, threads: usize) -> Result<Bandwidths> {
-        let host = host_copy_bandwidth(threads, 256 << 20)?;
-        match store.cuda_context() {
-            Some(ctx) => {
-                let bytes = 256 << 20;
-                let h = median(&raw_pinned_copy(ctx, bytes, Direction::HostToDevice, 5)?);
-                let d = median(&raw_pinned_copy(ctx, bytes, Direction::DeviceToHost, 5)?);
-                Ok(Bandwidths { h2d: bytes as f64 / h, d2h: bytes as f64 / d, host })
-            }
-            None => {
-                let one = host_copy_bandwidth(1, 64 << 20)? / 2.0;
-                Ok(Bandwidths { h2d: one, d2h: one, host })
-            }
-        }
-    }
-}
-
 /// Host memory bandwidth of a copy of `bytes` split over `threads` threads (0: every core):
 /// (bytes read + bytes written) / seconds, the median of five after a warm-up (`strata bench`'s
 /// `host_memcpy`, on these threads).
@@ -299,8 +269,8 @@ pub struct AutoChoice {
     pub engine: Engine,
     /// `(engine, estimated seconds per step, or why it cannot run)` for each concrete engine.
     pub estimates: Vec<(Engine, std::result::Result<f64, String>)>,
-    /// The bandwidths used.
-    pub bandwidths: Bandwidths,
+    /// The machine whose rates the estimates used (`h2d`, `d2h`, `host_copy`).
+    pub machine: Machine,
 }
 
 impl std::fmt::Display for AutoChoice {
@@ -315,12 +285,15 @@ impl std::fmt::Display for AutoChoice {
                 Err(why) => write!(f, "{e}: {why}")?,
             }
         }
+        let m = &self.machine;
+        let gbs = |x: Option<f64>| x.map_or("?".to_string(), |x| format!("{:.1}", x / 1e9));
         write!(
             f,
-            "; from H2D {:.1} GB/s, D2H {:.1} GB/s, host copy {:.1} GB/s)",
-            self.bandwidths.h2d / 1e9,
-            self.bandwidths.d2h / 1e9,
-            self.bandwidths.host / 1e9
+            "; from H2D {} GB/s, D2H {} GB/s, host copy {} GB/s on {})",
+            gbs(m.h2d),
+            gbs(m.d2h),
+            gbs(m.host_copy),
+            m.name
         )
     }
 }
@@ -334,7 +307,8 @@ fn per_elem(alg: &Algorithm, param: DType, grad: DType) -> (u64, u64, u64) {
 }
 
 /// Estimates each engine's step (the optimizer's part, and the links it shares with the rest
-/// of the step) and picks the fastest.
+/// of the step) on `machine` (its `h2d`, `d2h` and `host_copy`) and picks the fastest. An engine
+/// whose estimate needs a figure the machine lacks is not picked, and says which figure.
 pub fn choose(
     alg: &Algorithm,
     elems: u64,
@@ -342,23 +316,29 @@ pub fn choose(
     grad: DType,
     traffic: &StepTraffic,
     capacities: [u64; 4],
-    bw: &Bandwidths,
+    machine: &Machine,
 ) -> AutoChoice {
     let (s, g, p) = per_elem(alg, param, grad);
     let (state, gbytes, pbytes) = (s * elems, g * elems, p * elems);
-    let link = |h2d: u64, d2h: u64| {
-        ((traffic.h2d_bytes + h2d) as f64 / bw.h2d).max((traffic.d2h_bytes + d2h) as f64 / bw.d2h)
+    let rate = |figure: &str, value: Option<f64>| {
+        machine.require(figure, value).map_err(|e| e.to_string())
+    };
+    let link = |h2d: u64, d2h: u64| -> std::result::Result<f64, String> {
+        let (up, down) = (rate("h2d", machine.h2d)?, rate("d2h", machine.d2h)?);
+        Ok(((traffic.h2d_bytes + h2d) as f64 / up).max((traffic.d2h_bytes + d2h) as f64 / down))
     };
     let own_state = if param == DType::F32 { 0 } else { pbytes };
     let mut estimates = Vec::new();
     // Cpu: the gradient goes down, the CPU reads state and gradient, writes state and the
     // compute copy; the new compute copy goes up with the streamed weights.
-    let cpu_host = (2 * state + gbytes + own_state) as f64 / bw.host;
     let host_room = capacities[Tier::Pinned.index()] + capacities[Tier::Disk.index()];
     estimates.push((
         Engine::Cpu,
         if state + gbytes <= host_room {
-            Ok(link(0, gbytes).max(cpu_host))
+            rate("host_copy", machine.host_copy).and_then(|host| {
+                let cpu_host = (2 * state + gbytes + own_state) as f64 / host;
+                Ok(link(0, gbytes)?.max(cpu_host))
+            })
         } else {
             Err(format!("needs {} of Pinned + Disk", format_size(state + gbytes)))
         },
@@ -367,7 +347,7 @@ pub fn choose(
     estimates.push((
         Engine::GpuMapped,
         if state <= capacities[Tier::Mapped.index()] {
-            Ok(link(state, state))
+            link(state, state)
         } else {
             Err(format!(
                 "needs {} of Mapped (budget {})",
@@ -380,13 +360,13 @@ pub fn choose(
     // every step.
     let room = capacities[Tier::Device.index()].saturating_sub(traffic.device_bytes + gbytes);
     let swapped = state.saturating_sub(room);
-    estimates.push((Engine::GpuResident, Ok(link(swapped, swapped))));
+    estimates.push((Engine::GpuResident, link(swapped, swapped)));
     let engine = estimates
         .iter()
         .filter_map(|(e, r)| r.as_ref().ok().map(|s| (*e, *s)))
         .min_by(|a, b| a.1.total_cmp(&b.1))
         .map_or(Engine::Cpu, |(e, _)| e);
-    AutoChoice { engine, estimates, bandwidths: *bw }
+    AutoChoice { engine, estimates, machine: machine.clone() }
 }
 
 fn resolve_threads(threads: usize) -> usize {
@@ -747,8 +727,9 @@ fn f32_bytes(v: &[f32]) -> Vec<u8> {
 impl Optimizer {
     /// An optimizer for `params` (bf16 or f32 store tensors). Creates each parameter's gradient,
     /// master weights (bf16 parameters) and moments (AdamW) in the store, placed for the engine,
-    /// and, for `Auto`, measures the bandwidths and picks the engine. GPU work (the GPU engines'
-    /// kernels, and gradients accumulated by the caller) runs on `stream`.
+    /// and, for `Auto`, measures the machine ([`Machine::measure`]) and picks the engine. GPU
+    /// work (the GPU engines' kernels, and gradients accumulated by the caller) runs on
+    /// `stream`.
     pub fn new(
         store: Arc<Store>,
         stream: &Stream,
@@ -786,8 +767,9 @@ impl Optimizer {
                 let grad = cfg.grad_dtype.unwrap_or(dtype);
                 let stats = store.stats();
                 let caps = [0, 1, 2, 3].map(|t| stats.tiers[t].capacity);
-                let bw = Bandwidths::measure(&store, cfg.threads)?;
-                let c = choose(&cfg.algorithm, elems, dtype, grad, &cfg.traffic, caps, &bw);
+                let mut machine = Machine::unknown("this machine (measured now)");
+                machine.measure(&store, cfg.threads)?;
+                let c = choose(&cfg.algorithm, elems, dtype, grad, &cfg.traffic, caps, &machine);
                 let e = c.engine;
                 choice = Some(c);
                 e
@@ -1635,6 +1617,30 @@ mod tests {
                 .build()
                 .unwrap(),
         )
+    }
+
+    /// Auto's estimates on a machine: the H200 preset has no host copy rate, so the Cpu engine
+    /// is not estimated there and says which figure it lacks; with one, the CPU step of a large
+    /// model against a short Mapped tier wins, and the choice names the machine.
+    #[test]
+    fn auto_estimates_on_a_machine_and_names_what_it_lacks() {
+        let alg = Algorithm::AdamW(AdamW::default());
+        let traffic = StepTraffic { h2d_bytes: 1 << 30, d2h_bytes: 0, device_bytes: 1 << 30 };
+        let caps = [2 << 30, 64 << 30, 1 << 20, 0];
+        let (f, b) = (DType::F32, DType::BF16);
+        let preset = Machine::h200();
+        let c = choose(&alg, 1 << 30, b, f, &traffic, caps, &preset);
+        let cpu = &c.estimates[0];
+        assert_eq!(cpu.0, Engine::Cpu);
+        assert!(cpu.1.as_ref().unwrap_err().contains("host_copy is not known"), "{c}");
+        assert_eq!(c.engine, Engine::GpuResident, "{c}");
+        let measured = Machine { host_copy: Some(200e9), ..Machine::h200() };
+        let c = choose(&alg, 1 << 30, b, f, &traffic, caps, &measured);
+        assert_eq!(c.engine, Engine::Cpu, "{c}");
+        assert!(c.to_string().contains("host copy 200.0 GB/s on the H200 preset"), "{c}");
+        // The CPU step: state read and written, the gradient read, the bf16 copy written.
+        let want = (2 * 12 + 4 + 2) as f64 * (1u64 << 30) as f64 / 200e9;
+        assert!((c.estimates[0].1.as_ref().unwrap() - want).abs() < 1e-9, "{c}");
     }
 
     /// Two steps of AdamW on one f32 parameter from `grad`: the first at lr 0.1 with the gradient
