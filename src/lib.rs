@@ -87,7 +87,9 @@ mod api;
 mod migrate;
 
 mod placement;
-pub use placement::policy;
+pub use placement::policy::{
+    FrequencyPolicy, LruPolicy, Policy, PolicyKind, SchedulePolicy, VictimKey,
+};
 
 mod residency;
 
@@ -110,7 +112,6 @@ pub use base::element::Element;
 pub use base::error::{Error, Result};
 pub use base::machine::Machine;
 pub use base::types::{format_size, parse_size, BackendKind, DType, Group, TensorId, Tier};
-pub use policy::{FrequencyPolicy, LruPolicy, Policy, PolicyKind, SchedulePolicy, VictimKey};
 
 /// Number of CUDA devices the driver reports, or why there is no usable GPU (no driver library,
 /// `cuInit` failed, no device). Never panics, also on machines without CUDA.

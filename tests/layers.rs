@@ -20,6 +20,10 @@
 //! in `lib.rs` reaches; the binary, which sees only the public API, names `lib.rs` for such an
 //! item, and a public module's file for a path into it (`strata::optim::Sgd`). A module's own
 //! children named without a prefix (`mod copy; use copy::Done;`) are its parts, not imports.
+//!
+//! Beside the layers, one home per item: every public item of the library has one public path
+//! ([`every_public_item_has_one_path`]), read from the same code (`pub mod`, `pub` items and
+//! `pub use` re-exports, followed through `use`s to the file that defines the item).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
@@ -375,7 +379,7 @@ fn defines(root: &str, name: &str) -> bool {
 /// The file a path names, from the root of the library (`crate::` in the library, `strata::` in
 /// the binary) or of the binary (`crate::` in the binary's files): the deepest module file it
 /// reaches, through `lib.rs`'s re-exports where it starts with one (a re-export of a re-export,
-/// `pub use placement::policy;` and then `policy::X`, takes two); the root file for an item the
+/// `pub use a::m;` and then `pub use m::X;`, takes two); the root file for an item the
 /// root defines itself; `None` for an external crate `lib.rs` re-exports (`cudarc`).
 fn file_named(
     files: &Files,
@@ -732,4 +736,215 @@ fn the_binary_names_the_library_by_its_public_paths() {
     let r = check(TOY_TABLE, &files, &[], &[]);
     assert_eq!(r.unlisted_skips.len(), 1, "{r:?}");
     assert!(r.unlisted_skips[0].starts_with("cmd/mod.rs (cmd) names low/mod.rs (low)"), "{r:?}");
+}
+
+/// The statements at the top level of a file's code (outside every block): each item's head up
+/// to its body or its `;`, a `use` whole.
+fn top_statements(code: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut cur = String::new();
+    let (mut depth, mut in_use) = (0usize, 0usize);
+    for c in code.chars() {
+        if depth > 0 {
+            match c {
+                '{' => depth += 1,
+                '}' => depth -= 1,
+                _ => {}
+            }
+            continue;
+        }
+        match c {
+            ';' => {
+                out.push(std::mem::take(&mut cur));
+                in_use = 0;
+            }
+            '{' if head(&cur).1.starts_with("use ") => {
+                in_use += 1;
+                cur.push(c);
+            }
+            '}' if in_use > 0 => {
+                in_use -= 1;
+                cur.push(c);
+            }
+            '{' => {
+                out.push(std::mem::take(&mut cur));
+                depth = 1;
+            }
+            c => cur.push(c),
+        }
+    }
+    out
+}
+
+/// A top-level statement's visibility (`pub`, `pub(crate)`, or empty) and the rest, its
+/// attributes left out.
+fn head(stmt: &str) -> (&str, &str) {
+    let mut s = stmt.trim_start();
+    while s.starts_with('#') {
+        let Some(end) = s.find(']') else { break };
+        s = s[end + 1..].trim_start();
+    }
+    let vis_len = if s.starts_with("pub(") {
+        s.find(')').map_or(0, |e| e + 1)
+    } else if s.starts_with("pub ") {
+        3
+    } else {
+        0
+    };
+    (&s[..vis_len], s[vis_len..].trim_start())
+}
+
+/// What a library path names: an item (the file that defines it, and its name), or a module.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum Def {
+    Item(String, String),
+    Module(Vec<String>),
+}
+
+/// The name a top-level statement defines and whether it is a module: `pub struct X` gives
+/// `X`; `None` for a `use`, an `impl` and the like.
+fn defined(rest: &str) -> Option<(String, bool)> {
+    let mut words =
+        rest.split(|c: char| !(c.is_alphanumeric() || c == '_')).filter(|w| !w.is_empty());
+    let mut w = words.next()?;
+    while matches!(w, "unsafe" | "async" | "extern") || (w == "const" && rest.contains("const fn"))
+    {
+        w = words.next()?;
+    }
+    let kinds = ["fn", "struct", "enum", "trait", "type", "const", "static", "union", "mod"];
+    kinds.contains(&w).then(|| words.next().map(|n| (n.to_string(), w == "mod")))?
+}
+
+/// The file of library module `module` (`lib.rs` for the root).
+fn library_file(files: &Files, module: &[String]) -> Option<String> {
+    if module.is_empty() {
+        return Some("lib.rs".into());
+    }
+    module_file(files, module)
+}
+
+/// What `path`, written in library module `module`, names: through `crate::`, `self::`,
+/// `super::`, child modules and the `use`s it passes; `None` for a path out of the crate.
+fn resolve(files: &Files, module: &[String], path: &[String], hops: usize) -> Option<Def> {
+    let mut at: Vec<String> = module.to_vec();
+    let mut segs = path;
+    match segs.first().map(String::as_str) {
+        Some("crate") => (at, segs) = (Vec::new(), &segs[1..]),
+        Some("self") => segs = &segs[1..],
+        _ => {}
+    }
+    while segs.first().is_some_and(|s| s == "super") {
+        at.pop();
+        segs = &segs[1..];
+    }
+    if hops > 16 {
+        return None;
+    }
+    for (k, seg) in segs.iter().enumerate() {
+        let last = k + 1 == segs.len();
+        let file = library_file(files, &at)?;
+        let stmts = top_statements(files.get(&file)?);
+        let own = stmts.iter().find_map(|s| defined(head(s).1).filter(|(n, _)| n == seg));
+        match own {
+            Some((_, true)) => at.push(seg.clone()),
+            Some((n, false)) if last => return Some(Def::Item(file, n)),
+            Some(_) => return None,
+            None => {
+                let via = stmts.iter().filter(|s| head(s).1.starts_with("use ")).find_map(|s| {
+                    let mut found = Vec::new();
+                    use_tree(&head(s).1[4..], &[], &mut found);
+                    found.into_iter().find(|(_, name)| name == seg).map(|(p, _)| p)
+                })?;
+                match resolve(files, &at, &via, hops + 1)? {
+                    Def::Module(m) => at = m,
+                    item if last => return Some(item),
+                    _ => return None,
+                }
+            }
+        }
+    }
+    Some(Def::Module(at))
+}
+
+/// Every public path of the library's items and modules, from module `module` (public as
+/// `public`) down: what each module defines `pub`, and what it re-exports `pub use`.
+fn public_paths(
+    files: &Files,
+    module: &[String],
+    public: &str,
+    out: &mut BTreeMap<Def, BTreeSet<String>>,
+) {
+    let Some(code) = library_file(files, module).and_then(|f| files.get(&f)) else { return };
+    for stmt in top_statements(code) {
+        let (vis, rest) = head(&stmt);
+        if vis != "pub" {
+            continue;
+        }
+        if let Some(tree) = rest.strip_prefix("use ") {
+            let mut found = Vec::new();
+            use_tree(tree, &[], &mut found);
+            for (path, name) in found {
+                let Some(def) = resolve(files, module, &path, 0) else { continue };
+                let at = format!("{public}::{name}");
+                if let Def::Module(m) = &def {
+                    if out.get(&def).is_none_or(|p| !p.contains(&at)) {
+                        public_paths(files, m, &at, out);
+                    }
+                }
+                out.entry(def).or_default().insert(at);
+            }
+        } else if let Some((name, is_mod)) = defined(rest) {
+            let at = format!("{public}::{name}");
+            if is_mod {
+                let child: Vec<String> = module.iter().cloned().chain([name]).collect();
+                public_paths(files, &child, &at, out);
+                out.entry(Def::Module(child)).or_default().insert(at);
+            } else if let Some(file) = library_file(files, module) {
+                out.entry(Def::Item(file, name)).or_default().insert(at);
+            }
+        }
+    }
+}
+
+/// One home per item: every public item and module of the library is reachable by one public
+/// path (`strata::X` or `strata::m::X`, never both), so that a reader meets each concept under
+/// one name. A public module's items are reached through it; the root (or a parent module)
+/// re-exports only items of private modules.
+#[test]
+fn every_public_item_has_one_path() {
+    let files = src();
+    let mut paths = BTreeMap::new();
+    public_paths(&files, &[], "strata", &mut paths);
+    assert!(paths.len() > 100, "the reader found only {} public items", paths.len());
+    for known in ["strata::Store", "strata::plan::plan", "strata::candle::TrainConfig"] {
+        assert!(paths.values().any(|p| p.contains(known)), "{known} not found");
+    }
+    let twice: Vec<String> = paths
+        .values()
+        .filter(|p| p.len() > 1)
+        .map(|p| p.iter().cloned().collect::<Vec<_>>().join(" and "))
+        .collect();
+    assert!(twice.is_empty(), "items with two public paths (keep one):\n{}", twice.join("\n"));
+}
+
+#[test]
+fn the_path_reader_finds_two_paths_to_one_item() {
+    let files: Files = [
+        (
+            "lib.rs",
+            "pub mod m; mod hidden; pub use m::X; pub use hidden::Y; pub use hidden::inner;",
+        ),
+        ("m.rs", "pub struct X; pub(crate) struct Z; impl X { pub fn f() {} }"),
+        ("hidden.rs", "pub struct Y; pub mod inner { pub fn g() {} } pub use crate::m::X as W;"),
+    ]
+    .into_iter()
+    .map(|(f, c)| (f.to_string(), code_only(c)))
+    .collect();
+    let mut paths = BTreeMap::new();
+    public_paths(&files, &[], "s", &mut paths);
+    let x = &paths[&Def::Item("m.rs".into(), "X".into())];
+    assert_eq!(x.iter().collect::<Vec<_>>(), ["s::X", "s::m::X"]);
+    assert_eq!(paths[&Def::Item("hidden.rs".into(), "Y".into())].len(), 1);
+    assert!(!paths.contains_key(&Def::Item("m.rs".into(), "Z".into())));
+    assert!(paths.keys().all(|d| !matches!(d, Def::Item(_, n) if n == "f" || n == "g")));
 }

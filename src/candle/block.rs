@@ -19,7 +19,8 @@
 //! use std::sync::Arc;
 //! use candle_core::{Device, Tensor, D};
 //! use strata as st;
-//! use st::candle::{model_tensors, put_random_tensors, Block, LlamaConfig, TrainConfig, Trainer, Weights};
+//! use st::candle::{put_random_tensors, LlamaConfig, TrainConfig, Trainer};
+//! use st::candle::block::{model_tensors, Block, Weights};
 //!
 //! struct MlpBlock { hidden: usize, inner: usize }
 //!

@@ -15,9 +15,9 @@ use std::time::Instant;
 use candle_core::{DType as CDType, Device, Tensor};
 
 use super::llama::{
-    block_forward, embed, head_logits, BlockWeights, KvCache, LlamaConfig, Rope, SeededRng, EMBED,
+    block_forward, embed, head_logits, BlockWeights, KvCache, Rope, SeededRng, EMBED,
 };
-use super::{strata_err, tensor_from_bytes, wait_for_writer, Layers};
+use super::{strata_err, tensor_from_bytes, wait_for_writer, Layers, LlamaConfig};
 use crate::base::types::{DType, Group, TensorId};
 use crate::{DeviceView, Store};
 

@@ -13,9 +13,9 @@
 
 use std::path::Path;
 
-use super::llama::LlamaConfig;
 use super::llama_config::bad_config;
 use super::strata_err;
+use super::LlamaConfig;
 use crate::base::types::{Group, TensorId};
 use crate::{Gguf, GgufValue, LoadOptions, Store};
 
@@ -162,7 +162,7 @@ impl LlamaConfig {
                 let factor = m.float("rope.scaling.factor")?.ok_or_else(|| {
                     bad_config(format!("{} is missing", m.key("rope.scaling.factor")))
                 })?;
-                (factor != 1.0).then_some(super::llama::RopeScaling::Linear { factor })
+                (factor != 1.0).then_some(super::RopeScaling::Linear { factor })
             }
             Some(other) => {
                 return Err(bad_config(format!(

@@ -1,6 +1,6 @@
 //! A block's weights as its forward reads them ([`Weights`]) and its linear layers: `x·Wᵀ`
 //! ([`linear`]), plus a LoRA adapter's share ([`Adapter`]), with no gradient computed for a
-//! frozen weight ([`frozen_linear`]). What a [`Block`](super::Block) and the built-in Llama
+//! frozen weight ([`frozen_linear`]). What a [`Block`](super::block::Block) and the built-in Llama
 //! block ([`super::llama`]) both use; `strata::candle::block` re-exports it.
 
 use std::collections::HashMap;

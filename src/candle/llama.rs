@@ -9,8 +9,8 @@
 //! The model is cut in stages that a trainer runs one at a time: the embedding
 //! ([`embed`]), each block ([`block_forward`]), and the head ([`head_logits`] then
 //! [`next_token_loss`]). Each stage is a function of its input and its weights only, so the
-//! same code runs a whole model in memory ([`LlamaTwin`](super::train::LlamaTwin)), stage by
-//! stage out of core ([`Trainer`](super::train::Trainer)), and, with a [`KvCache`], one new
+//! same code runs a whole model in memory ([`LlamaTwin`](super::LlamaTwin)), stage by
+//! stage out of core ([`Trainer`](super::Trainer)), and, with a [`KvCache`], one new
 //! token at a time for generation.
 //!
 //! Tensor names are Hugging Face's (`model.layers.3.self_attn.q_proj.weight`, ...):
@@ -22,9 +22,8 @@ use candle_core::{DType as CDType, Device, Tensor, D};
 
 use super::fused;
 use super::linear::{Adapter, Weights};
-pub use super::llama_config::{
-    LlamaConfig, RopeScaling, BLOCK_BIASES, BLOCK_TENSORS, EMBED, LM_HEAD, NORM,
-};
+use super::llama_config::LlamaConfig;
+pub use super::llama_config::{BLOCK_BIASES, BLOCK_TENSORS, EMBED, LM_HEAD, NORM};
 
 /// A seeded generator (SplitMix64) for initial weights and synthetic tokens: the same seed gives
 /// the same numbers on every machine.
@@ -124,8 +123,8 @@ pub fn random_weights(
     random_weights_of(config.tensors(), seed)
 }
 
-/// [`random_weights`] of any tensors (a model of a [`Block`](super::Block) of your own:
-/// [`model_tensors`](super::model_tensors)), by their place in `tensors`.
+/// [`random_weights`] of any tensors (a model of a [`Block`](super::block::Block) of your own:
+/// [`model_tensors`](super::block::model_tensors)), by their place in `tensors`.
 pub fn random_weights_of(
     tensors: Vec<(String, Vec<usize>)>,
     seed: u64,
@@ -276,7 +275,7 @@ impl BlockWeights {
         })
     }
 
-    /// The weights of a [`Weights`] (a [`Block`](super::Block)'s view of them), its
+    /// The weights of a [`Weights`] (a [`Block`](super::block::Block)'s view of them), its
     /// adapters included.
     pub fn from_weights(config: &LlamaConfig, w: &Weights) -> candle_core::Result<BlockWeights> {
         let mut bw = Self::from_fn(config, |s| w.get(s).cloned())?;

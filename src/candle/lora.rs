@@ -70,7 +70,7 @@ const PEFT_HARMLESS: [&str; 13] = [
 /// (strata trains without it) and without DoRA.
 ///
 /// ```
-/// use strata::candle::LoraConfig;
+/// use strata::candle::lora::LoraConfig;
 /// let c = LoraConfig::new(8, 16.0, &["q_proj", "v_proj"]);
 /// assert_eq!(c.scale(), 2.0);                                  // alpha / rank
 /// assert!(c.targets_linear("self_attn.q_proj.weight"));      // PEFT's suffix match

@@ -7,7 +7,7 @@
 //! | one layer's weights at a time | [`Layers`], [`LayerWeights`] | the layer's tensors through device views: on the CPU from the host memory of the store's Device tier (host backend), on CUDA device to device from the store's Device tier into candle-owned memory, on candle's stream; the next layer is prefetched meanwhile |
 //! | candle-transformers' BERT run layer by layer | [`OutOfCoreBert`] | as [`Layers`]; the word-embedding rows the input uses are gathered from a host replica |
 //! | a Llama-style decoder trained out of core | [`Trainer`] (model: [`llama`]; its reference and baseline, resident on the device: [`LlamaTwin`]; budgets for a machine: [`train::TrainPlan`]) | each stage's weights as [`Layers`] hands them, twice a step (forward, backward); activation checkpoints and f32 gradients from candle into store tensors; the optimizer's state never leaves the store |
-//! | blocks of your own, LoRA adapters over a frozen base | [`Block`] ([`block`]), [`LoraConfig`] ([`lora`]: PEFT's format) | as [`Trainer`]: the base's stages streamed, only the adapters' gradients and state |
+//! | blocks of your own, LoRA adapters over a frozen base | [`block::Block`] ([`block`]), [`lora::LoraConfig`] ([`lora`]: PEFT's format) | as [`Trainer`]: the base's stages streamed, only the adapters' gradients and state |
 //!
 //! A model built from [`StoreBackend`] computes what the same model built with candle's own
 //! `VarBuilder::from_mmaped_safetensors` computes, bit for bit: the same dtype conversions
@@ -62,19 +62,18 @@ pub mod train;
 mod var_builder;
 
 pub use bert::OutOfCoreBert;
-pub use block::{model_tensors, Adapter, Block, LlamaBlock, Weights};
 pub use generate::{
     generate, generate_batch, CausalLm, Generated, InMemoryCache, InMemoryLlama, OutOfCoreLlama,
     Sampler, Sampling, StoreKvCache,
 };
 pub use gguf::{hf_name, load_gguf_weights};
 pub use layers::{LayerWeights, Layers, Transfers};
-pub use llama::{LlamaConfig, RopeScaling};
-pub use lora::LoraConfig;
-pub use train::{
-    load_tensors, load_weights, put_random_tensors, put_random_weights, LlamaTwin, LrSchedule,
-    StepReport, TrainConfig, Trainer,
-};
+pub use llama_config::{LlamaConfig, RopeScaling};
+pub use train::config::TrainConfig;
+pub use train::init::{load_tensors, load_weights, put_random_tensors, put_random_weights};
+pub use train::schedule::LrSchedule;
+pub use train::trainer::{StepReport, Trainer};
+pub use train::twin::LlamaTwin;
 pub use var_builder::StoreBackend;
 
 use std::sync::Arc;

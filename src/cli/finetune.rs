@@ -31,10 +31,11 @@ use candle_core::{Device, Tensor};
 use crate::cli::args::MachineArg;
 use crate::cli::model::{self, ModelArg};
 use strata::candle::llama::SeededRng;
+use strata::candle::lora::LoraConfig;
 use strata::candle::train::{load_tokens, Budgets, Checkpoint, Floor, TrainPlan};
 use strata::candle::{
-    load_weights, put_random_weights, LlamaConfig, LlamaTwin, LoraConfig, LrSchedule, StepReport,
-    TrainConfig, Trainer,
+    load_weights, put_random_weights, LlamaConfig, LlamaTwin, LrSchedule, StepReport, TrainConfig,
+    Trainer,
 };
 use strata::optim::{AdamW, Engine};
 use strata::{format_size, DType, Group, Machine, Store, Tier};

@@ -1,17 +1,16 @@
 //! A block of one's own (CPU candle, host backend): a GPT-2-style block (LayerNorm with a bias,
 //! one fused QKV projection with a bias, GELU MLP with biases) implementing
-//! `strata::candle::Block`, trained out of core under a Device budget smaller than two blocks
-//! against its in-memory twin, bit for bit: all of its weights, and LoRA adapters on its
+//! `strata::candle::block::Block`, trained out of core under a Device budget smaller than two
+//! blocks against its in-memory twin, bit for bit: all of its weights, and LoRA adapters on its
 //! fused QKV and MLP; saved and resumed.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
 use candle_core::{Device, Tensor, D};
-use strata::candle::{
-    fused, model_tensors, put_random_tensors, Block, LlamaConfig, LlamaTwin, LoraConfig,
-    TrainConfig, Trainer, Weights,
-};
+use strata::candle::block::{model_tensors, Block, Weights};
+use strata::candle::lora::LoraConfig;
+use strata::candle::{fused, put_random_tensors, LlamaConfig, LlamaTwin, TrainConfig, Trainer};
 use strata::optim::Engine;
 use strata::{Store, Tier};
 

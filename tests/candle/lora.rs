@@ -7,10 +7,11 @@
 use std::collections::HashMap;
 
 use candle_core::{Device, Tensor};
+use strata::candle::lora::LoraConfig;
 use strata::candle::lora::{merge_adapter_into, read_adapter, ADAPTER_CONFIG, ADAPTER_FILE};
 use strata::candle::{
-    load_weights, put_random_weights, CausalLm, InMemoryLlama, LlamaConfig, LlamaTwin, LoraConfig,
-    TrainConfig, Trainer,
+    load_weights, put_random_weights, CausalLm, InMemoryLlama, LlamaConfig, LlamaTwin, TrainConfig,
+    Trainer,
 };
 use strata::optim::Engine;
 use strata::{DType, Tier};

@@ -571,7 +571,7 @@ fn an_edited_commit_record_is_refused() {
 /// Issue 40, finding 10: the way to start a new run from a checkpoint names files that exist.
 #[test]
 fn the_hint_to_start_from_a_checkpoint_names_files_that_exist() {
-    use strata::candle::LoraConfig;
+    use strata::candle::lora::LoraConfig;
     let c = tiny(false);
     let mut t = train_config(None, Engine::Cpu, &[]);
     let dir = tempfile::tempdir().unwrap();

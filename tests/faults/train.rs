@@ -363,8 +363,8 @@ fn a_step_that_fails_in_its_computation_leaves_the_trainer_as_it_was() {
 
 /// A PEFT adapter of rank 2 on `q_proj` and `down_proj` of `config()`'s blocks (B not zero).
 fn adapter(dir: &Path) {
+    use strata::candle::lora::LoraConfig;
     use strata::candle::lora::{peft_name, write_adapter_config, ADAPTER_FILE};
-    use strata::candle::LoraConfig;
     let c = config();
     let (h, i) = (c.hidden_size, c.intermediate_size);
     let mut tensors: Vec<(String, Vec<usize>, Vec<f32>)> = Vec::new();

@@ -192,7 +192,7 @@ impl Trainer {
     /// package dequantizes them: PEFT's `merge_and_unload`) into the new directory `dir` as a plain
     /// Hugging Face checkpoint: one `model-NNNNN-of-NNNNN.safetensors` a stage,
     /// `model.safetensors.index.json` and `config.json` (loadable by
-    /// [`load_weights`](super::load_weights), `LlamaForCausalLM.from_pretrained`, and this
+    /// [`load_weights`](crate::candle::load_weights), `LlamaForCausalLM.from_pretrained`, and this
     /// crate's generation). A stage at a time is held in memory. Written as a checkpoint is:
     /// into a hidden directory beside `dir` (`.tmp-merged-PID-…`), each file flushed to disk,
     /// then renamed into place and the directory above flushed: whole or absent, even across

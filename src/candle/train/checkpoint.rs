@@ -94,7 +94,7 @@ pub struct Checkpoint {
     pub files: Vec<CheckpointFile>,
     /// The caller's notes on the run ([`Trainer::set_notes`]).
     pub notes: BTreeMap<String, String>,
-    /// The kind of the model's blocks ([`Block::kind`](crate::candle::Block::kind)).
+    /// The kind of the model's blocks ([`Block::kind`](crate::candle::block::Block::kind)).
     pub block: String,
     /// A LoRA run's frozen base, which its checkpoints do not hold: the crc32 of its values
     /// (a resume checks the trainer's base against it).

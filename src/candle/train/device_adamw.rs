@@ -1,8 +1,8 @@
-//! [`LlamaTwin`](super::LlamaTwin)'s optimizer, resident on candle's device: each parameter's
-//! f32 master weights and AdamW moments in one candle tensor beside its weights, updated in
-//! place from the step's f32 gradient buffer. On the CPU by `strata::optim`'s own loop
-//! ([`cpu_update_scaled`]), on CUDA by its kernel (`cuda/optim.cu`'s `strata_adamw`, which the
-//! GPU engines run): the trainer's arithmetic, with nothing crossing to the host.
+//! [`LlamaTwin`](crate::candle::LlamaTwin)'s optimizer, resident on candle's device: each
+//! parameter's f32 master weights and AdamW moments in one candle tensor beside its weights,
+//! updated in place from the step's f32 gradient buffer. On the CPU by `strata::optim`'s own loop
+//! ([`cpu_update_scaled`]), on CUDA by its kernel (`cuda/optim.cu`'s `strata_adamw`, which the GPU
+//! engines run): the trainer's arithmetic, with nothing crossing to the host.
 
 use candle_core::{CpuStorage, DType as CDType, Device, InplaceOp2, Layout, Tensor};
 

@@ -1,6 +1,6 @@
-//! A step's gradients, as [`Trainer`](super::Trainer) and [`LlamaTwin`](super::LlamaTwin) both
-//! make them (so that they stay equal bit for bit on the CPU): one f32 buffer per parameter for
-//! the step, each micro-batch's gradient added into it in place ([`fused::accumulate`]); an
+//! A step's gradients, as [`Trainer`](super::Trainer) and [`LlamaTwin`](crate::candle::LlamaTwin)
+//! both make them (so that they stay equal bit for bit on the CPU): one f32 buffer per parameter
+//! for the step, each micro-batch's gradient added into it in place ([`fused::accumulate`]); an
 //! embedding's rows added into its buffer in place, in f32, after the head's share when the
 //! embeddings are tied ([`fused::index_add_rows`]); and the loss and the global gradient norm
 //! summed on the device and read in one host sync a step.
@@ -68,6 +68,18 @@ pub(super) fn clip_factor(norm: f64, clip: Option<f64>) -> f32 {
         Some(max) => (max / (norm + 1e-6)).min(1.0) as f32,
         None => 1.0,
     }
+}
+
+/// The gradient `grads` holds for `t`, or an error naming `what` when none reached it.
+pub(super) fn grad_of(
+    grads: &candle_core::backprop::GradStore,
+    t: &Tensor,
+    what: &str,
+) -> candle_core::Result<Tensor> {
+    grads
+        .get(t)
+        .cloned()
+        .ok_or_else(|| candle_core::Error::Msg(format!("no gradient reached {what}")).bt())
 }
 
 #[cfg(test)]

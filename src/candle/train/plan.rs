@@ -4,7 +4,7 @@ use std::fmt;
 
 use super::{TrainConfig, TrainError};
 use crate::base::types::{format_size, DType, Group, Tier};
-use crate::candle::llama::LlamaConfig;
+use crate::candle::LlamaConfig;
 use crate::compute::optim::{update_bytes, AdamW, Algorithm, Engine};
 use crate::Machine;
 
@@ -119,8 +119,8 @@ enum Home {
 /// The element counts of what trains in a run of `config` with `train`: every parameter no
 /// frozen pattern names, or with LoRA the adapters alone (A `[r, in]` and B `[out, r]` of each
 /// targeted 2-D weight of a block, matched as the trainer matches them,
-/// [`LoraConfig::targets_linear`](crate::candle::LoraConfig::targets_linear) on the full name).
-/// A product that overflows is [`TrainError::Invalid`] naming the rank.
+/// [`LoraConfig::targets_linear`](crate::candle::lora::LoraConfig::targets_linear) on the full
+/// name). A product that overflows is [`TrainError::Invalid`] naming the rank.
 pub(super) fn trainable_sizes(
     config: &LlamaConfig,
     train: &TrainConfig,
@@ -166,7 +166,8 @@ pub(super) fn trainable_sizes(
 ///
 /// ```
 /// use strata::candle::train::trainable_parameters;
-/// use strata::candle::{LlamaConfig, LoraConfig, TrainConfig};
+/// use strata::candle::{LlamaConfig, TrainConfig};
+/// use strata::candle::lora::LoraConfig;
 /// let c = LlamaConfig::from_json(
 ///     r#"{"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
 ///         "num_attention_heads": 4, "vocab_size": 97}"#,
@@ -729,7 +730,7 @@ mod tests {
     #[test]
     fn a_quantized_base_is_planned_by_its_stored_bytes() {
         let c = tiny();
-        let lora = crate::candle::LoraConfig::new(4, 8.0, &["q_proj", "v_proj"]);
+        let lora = crate::candle::lora::LoraConfig::new(4, 8.0, &["q_proj", "v_proj"]);
         let t = TrainConfig {
             micro_batch: 1,
             seq: 32,

@@ -67,7 +67,15 @@ impl Ord for VictimKey {
 }
 
 /// Decides in what order tensors are demoted from a full tier and whether a tensor deserves
-/// promotion.
+/// promotion. Three are built in ([`PolicyKind`]): [`FrequencyPolicy`] (the default),
+/// [`LruPolicy`], and [`SchedulePolicy`], which learns the repeating access order of a training
+/// step.
+///
+/// The store keeps the eviction order itself rather than recomputing it per eviction: each
+/// tensor that could be evicted sits in an ordered index under the key the policy gave it, and
+/// the store asks for a tensor's key again only when the policy may have changed it (after
+/// `on_insert` and `on_access` of that tensor, or for every tensor when [`Policy::epoch`]
+/// changes), so an eviction costs the same with a thousand tensors as with a hundred thousand.
 ///
 /// The store calls these under its own lock, so implementations need no locking. `on_access`
 /// is on every read, move and view, and `victim_key` after it: keep both O(1) or O(log n).

@@ -1,0 +1,294 @@
+//! The trainer's resident twin ([`LlamaTwin`]): the same model trained in candle's memory,
+//! the out-of-core trainer's reference and baseline.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use candle_core::{DType as CDType, Device, Tensor, Var};
+
+use super::device_adamw::{DeviceState, Kernels};
+use super::grads::{
+    add_grad, clip_factor, embedding_backward, grad_of, loss_and_norm, sum_of_squares,
+};
+use super::{
+    block_weights, check_batches, init_values, prepare_masks, run_params, Init, LlamaConfig,
+    LoraConfig, TrainConfig,
+};
+use crate::base::types::DType;
+use crate::candle::block::{model_tensors, Block, LlamaBlock};
+use crate::candle::llama::{embed, head_logits, inputs_and_targets, next_token_loss_masked, EMBED};
+use crate::candle::lora::{adapter_specs, AdapterSpec};
+use crate::compute::optim::AdamW;
+
+/// One parameter of [`LlamaTwin`].
+struct TwinParam {
+    name: String,
+    shape: Vec<usize>,
+    /// The candle tensor the model computes with, a `Var` when trainable.
+    var: Option<Var>,
+    tensor: Tensor,
+    /// The f32 master weights and moments, on the device (trainable parameters).
+    state: Option<DeviceState>,
+}
+
+/// The in-memory twin of [`Trainer`](super::Trainer), resident on candle's device: the same model
+/// code with every weight a resident candle tensor (`Var`s for the trainable ones), each
+/// micro-batch's loss run through candle's plain `backward` (no recompute), the gradients summed
+/// over micro-batches into one f32 buffer per parameter on the device, and AdamW with fp32 masters
+/// and moments on the device too, updated in place by strata's optimizer arithmetic (its host loop
+/// [`cpu_update_scaled`](crate::compute::optim::cpu_update_scaled) on the CPU, its `strata_adamw`
+/// kernel on CUDA): nothing crosses to the host but the loss and the gradient norm, read in one
+/// sync a step. It is the trainer's reference (on the CPU its losses and weights are the trainer's,
+/// bit for bit: with the Llama block or a [`Block`] of your own ([`LlamaTwin::with_block`]), with
+/// LoRA adapters, with loss masks) and its baseline (what out of core is measured against on a
+/// GPU).
+///
+/// **Training and generation.** The twin's Llama weights serve generation too:
+/// [`LlamaTwin::generator`] is an [`InMemoryLlama`](crate::candle::InMemoryLlama) over the very
+/// same tensors (no copy; each step updates them in place, adapters included), with its KV cache.
+/// They stay two types because they hold different things: the twin holds `Var`s, fp32 masters and
+/// moments and rotary tables for the training sequence; the generator a KV cache, tables for the
+/// cache's positions, and may compute in f16.
+pub struct LlamaTwin {
+    config: LlamaConfig,
+    train: TrainConfig,
+    block: Arc<dyn Block>,
+    block_tensors: Vec<(String, Vec<usize>)>,
+    specs: Vec<AdapterSpec>,
+    params: Vec<TwinParam>,
+    step: u64,
+    kernels: Kernels,
+}
+
+impl std::fmt::Debug for LlamaTwin {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LlamaTwin").field("step", &self.step).finish()
+    }
+}
+
+impl LlamaTwin {
+    /// A twin of a model of `config` from its weights (every tensor [`LlamaConfig::tensors`]
+    /// names, f32 or bf16, on `device`); with [`TrainConfig::lora`], the adapters the trainer
+    /// makes (the same initial values).
+    pub fn new(
+        config: LlamaConfig,
+        train: TrainConfig,
+        weights: HashMap<String, Tensor>,
+        device: &Device,
+    ) -> candle_core::Result<LlamaTwin> {
+        let positions = train.seq.min(config.max_position_embeddings);
+        let block = Arc::new(LlamaBlock::new(&config, positions, device)?);
+        Self::with_block(config, block, train, weights, device)
+    }
+
+    /// [`LlamaTwin::new`] for a model whose blocks are `block`
+    /// ([`Trainer::with_block`](super::Trainer::with_block)).
+    pub fn with_block(
+        config: LlamaConfig,
+        block: Arc<dyn Block>,
+        train: TrainConfig,
+        weights: HashMap<String, Tensor>,
+        device: &Device,
+    ) -> candle_core::Result<LlamaTwin> {
+        let first = weights.values().next().map(|t| t.dtype());
+        let dtype = if first == Some(CDType::BF16) { DType::BF16 } else { DType::F32 };
+        train.validate(&config, dtype, device)?;
+        let base = model_tensors(&config, block.as_ref());
+        let specs = match &train.lora {
+            Some(l) => adapter_specs(&config, block.as_ref(), l)?,
+            None => Vec::new(),
+        };
+        let mut params = Vec::new();
+        let mut dtype = None;
+        for (name, shape, init) in run_params(&base, &specs) {
+            let t = match init {
+                Init::Given => {
+                    let t = weights
+                        .get(&name)
+                        .ok_or_else(|| {
+                            candle_core::Error::CannotFindTensor { path: name.clone() }.bt()
+                        })?
+                        .to_device(device)?;
+                    let d = t.dtype();
+                    if *dtype.get_or_insert(d) != d || !matches!(d, CDType::F32 | CDType::BF16) {
+                        candle_core::bail!(
+                            "{name} is {d:?}: one dtype, f32 or bf16, for every parameter"
+                        );
+                    }
+                    t
+                }
+                _ => Tensor::from_vec(
+                    init_values(init, &shape, train.lora.as_ref()),
+                    shape.as_slice(),
+                    device,
+                )?,
+            };
+            if t.dims() != shape.as_slice() {
+                candle_core::bail!("{name} has shape {:?}, the config says {shape:?}", t.dims());
+            }
+            let trainable = train.is_trained(&name);
+            let (var, tensor, state) = if trainable {
+                let v = Var::from_tensor(&t)?;
+                let tensor = v.as_tensor().clone();
+                (Some(v), tensor, Some(DeviceState::new(&t)?))
+            } else {
+                (None, t, None)
+            };
+            params.push(TwinParam { name, shape, var, tensor, state });
+        }
+        let kernels = Kernels::for_device(device)?;
+        let block_tensors = block.tensors();
+        Ok(LlamaTwin { config, train, block, block_tensors, specs, params, step: 0, kernels })
+    }
+
+    fn tensor(&self, name: &str) -> Option<&Tensor> {
+        self.params.iter().find(|p| p.name == name).map(|p| &p.tensor)
+    }
+
+    fn needed(&self, name: &str) -> candle_core::Result<&Tensor> {
+        self.tensor(name)
+            .ok_or_else(|| candle_core::Error::CannotFindTensor { path: name.to_string() }.bt())
+    }
+
+    /// The f32 logits (`[batch · seq, vocab]`) of `ids` (`[batch, seq]`, u32).
+    pub fn logits(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
+        self.logits_from(&embed(self.needed(EMBED)?, ids)?)
+    }
+
+    /// The f32 logits from the embedding's output `x` (`[batch, seq, hidden]`): the blocks, the
+    /// final norm and the head.
+    fn logits_from(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let cfg = &self.config;
+        let scale = self.train.lora.as_ref().map_or(1.0, LoraConfig::scale);
+        let mut x = x.clone();
+        for l in 0..cfg.num_hidden_layers {
+            let w = block_weights(&self.block_tensors, &self.specs, scale, l, |n| {
+                self.tensor(n).cloned()
+            })?;
+            x = self.block.forward(l, &w, &x)?;
+        }
+        let [norm, head] = cfg.head_names();
+        head_logits(cfg, &x, self.needed(norm)?, self.needed(head)?)
+    }
+
+    /// One step over `batches`, as [`Trainer::step`](super::Trainer::step); returns the loss.
+    ///
+    /// Each micro-batch runs through candle's plain backward over the whole model, from the
+    /// embedding's output on: the gradients are summed into one f32 buffer per parameter in
+    /// place, and the embedding's rows added into its buffer (after the head's share when the
+    /// embeddings are tied) in f32, as the trainer makes them.
+    pub fn step(&mut self, batches: &[Tensor]) -> candle_core::Result<f32> {
+        self.step_masked(batches, None)
+    }
+
+    /// One step over `batches` with loss masks, as
+    /// [`Trainer::step_masked`](super::Trainer::step_masked); returns the loss.
+    pub fn step_masked(
+        &mut self,
+        batches: &[Tensor],
+        masks: Option<&[Tensor]>,
+    ) -> candle_core::Result<f32> {
+        let t = &self.train;
+        check_batches(t, &self.config, batches)?;
+        let masks = masks.map(|m| prepare_masks(t, m)).transpose()?;
+        let counted = masks.as_ref().map_or(t.micro_batch * t.seq * t.accum, |m| m.1);
+        let mut acc: Vec<Option<Tensor>> = self.params.iter().map(|_| None).collect();
+        let mut losses = Vec::with_capacity(batches.len());
+        let mut rows = Vec::with_capacity(batches.len());
+        for (m, b) in batches.iter().enumerate() {
+            let (ids, targets) = inputs_and_targets(b)?;
+            let mask = masks.as_ref().map(|ms| &ms.0[m]);
+            // The embedding's backward is the trainer's (below), so its output is a leaf here.
+            let x = Var::from_tensor(&embed(&self.needed(EMBED)?.detach(), &ids)?)?;
+            let logits = self.logits_from(x.as_tensor())?;
+            let l = next_token_loss_masked(&logits, &targets, mask, 1.0 / counted as f64)?;
+            let grads = l.backward()?;
+            losses.push(l);
+            for (p, a) in self.params.iter().zip(acc.iter_mut()) {
+                let Some(v) = &p.var else { continue };
+                match grads.get(v) {
+                    Some(g) => add_grad(a, g)?,
+                    // An untied embedding: no gradient but its rows' (below).
+                    None if p.name == EMBED => {}
+                    None => candle_core::bail!("no gradient reached {}", p.name),
+                }
+            }
+            rows.push((ids, grad_of(&grads, x.as_tensor(), "the embedding's output")?));
+        }
+        if let Some((p, a)) = self.params.iter().zip(acc.iter_mut()).find(|(p, _)| p.name == EMBED)
+        {
+            if p.var.is_some() {
+                let (v, h) = (self.config.vocab_size, self.config.hidden_size);
+                let dev = p.tensor.device();
+                let table = match a.take() {
+                    Some(t) => t,
+                    None => Tensor::zeros((v, h), CDType::F32, dev)?,
+                };
+                let mb: Vec<(&Tensor, &Tensor)> = rows.iter().map(|(i, g)| (i, g)).collect();
+                embedding_backward(&table, &mb)?;
+                *a = Some(table);
+            }
+        }
+        drop(rows);
+        let ss: Vec<Tensor> =
+            acc.iter().flatten().map(sum_of_squares).collect::<candle_core::Result<_>>()?;
+        let (loss, norm) = loss_and_norm(&losses, &ss)?;
+        let scale = clip_factor(norm, self.train.clip);
+        let lr = self.train.schedule.lr(self.step);
+        let h = AdamW { lr, ..self.train.adamw };
+        let t = self.step + 1;
+        for (p, a) in self.params.iter().zip(acc) {
+            let (Some(var), Some(state), Some(g)) = (&p.var, &p.state, a) else { continue };
+            state.step(&g, &h, t, scale, &self.kernels)?;
+            // The compute copy: the master rounded to the parameter's dtype (to nearest, ties
+            // to even, as the trainer's optimizer rounds it).
+            let master = state.master()?.reshape(p.shape.as_slice())?;
+            var.set(&master.to_dtype(p.tensor.dtype())?)?;
+        }
+        self.step += 1;
+        Ok(loss)
+    }
+
+    /// A parameter's values (f32): the model's, or a LoRA adapter's.
+    pub fn param(&self, name: &str) -> candle_core::Result<Vec<f32>> {
+        self.needed(name)?.flatten_all()?.to_dtype(CDType::F32)?.to_vec1::<f32>()
+    }
+
+    /// A trainable parameter's fp32 master weights (`None` for a frozen one), read from the
+    /// device.
+    pub fn master(&self, name: &str) -> candle_core::Result<Option<Vec<f32>>> {
+        match self.params.iter().find(|p| p.name == name).and_then(|p| p.state.as_ref()) {
+            Some(s) => Ok(Some(s.master()?.to_vec1::<f32>()?)),
+            None => Ok(None),
+        }
+    }
+
+    /// The twin's model as an [`InMemoryLlama`](crate::candle::InMemoryLlama) that generates: the
+    /// twin's own tensors (no copy: what later steps change, it sees), its adapters applied
+    /// unmerged, computing in the weights' dtype. Only for the Llama block (a [`Block`] of your
+    /// own has no KV cache to generate with).
+    pub fn generator(&self) -> candle_core::Result<crate::candle::InMemoryLlama> {
+        if self.block.kind() != "llama" {
+            candle_core::bail!(
+                "a twin of {} blocks: generation runs the Llama block only",
+                self.block.kind()
+            );
+        }
+        let scale = self.train.lora.as_ref().map_or(1.0, LoraConfig::scale);
+        let mut blocks = Vec::with_capacity(self.config.num_hidden_layers);
+        for l in 0..self.config.num_hidden_layers {
+            let w = block_weights(&self.block_tensors, &self.specs, scale, l, |n| {
+                self.tensor(n).cloned()
+            })?;
+            blocks.push(crate::candle::llama::BlockWeights::from_weights(&self.config, &w)?);
+        }
+        let [norm, head] = self.config.head_names();
+        crate::candle::InMemoryLlama::from_parts(
+            &self.config,
+            self.needed(EMBED)?.clone(),
+            blocks,
+            self.needed(norm)?.clone(),
+            self.needed(head)?.clone(),
+        )
+    }
+}
