@@ -9,7 +9,7 @@ use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
 use clap::{Args, Parser, ValueEnum};
 
 use strata::optim::Engine;
-use strata::plan::Optimizer;
+use strata::plan::OptimizerStep;
 use strata::{
     parse_size, DType, Error, LinkSharing, Machine, PolicyKind, Result, Simulation, Tier,
 };
@@ -727,7 +727,7 @@ pub struct InspectArgs {
     /// (no momentum, as train-demo's and strata::optim's; alias sgd-plain), sgd-momentum (one
     /// fp32 buffer), adamw (two fp32 moments; alias adam).
     #[arg(long, value_name = "OPTIMIZER", default_value = "none", value_parser = optimizer())]
-    pub(crate) optimizer: Optimizer,
+    pub(crate) optimizer: OptimizerStep,
     /// Plan for training steps (gradients, optimizer state) rather than forward passes.
     #[arg(long)]
     pub(crate) train: bool,
@@ -824,12 +824,12 @@ pub struct BenchArgs {
 }
 
 /// A plan's optimizer, by train-demo's names (and the old ones as aliases).
-pub(crate) fn optimizer() -> impl clap::builder::TypedValueParser<Value = Optimizer> {
+pub(crate) fn optimizer() -> impl clap::builder::TypedValueParser<Value = OptimizerStep> {
     clap::builder::PossibleValuesParser::new([
         PossibleValue::new("none"),
         PossibleValue::new("sgd").alias("sgd-plain"),
         PossibleValue::new("sgd-momentum"),
         PossibleValue::new("adamw").alias("adam"),
     ])
-    .try_map(|s| s.parse::<Optimizer>())
+    .try_map(|s| s.parse::<OptimizerStep>())
 }

@@ -2,7 +2,7 @@
 
 use super::args::InspectArgs;
 
-use strata::plan::{Optimizer, PlanConfig};
+use strata::plan::{OptimizerStep, PlanConfig};
 use strata::Machine;
 
 /// The files a checkpoint came from, when there are several or an index named them: `3 files
@@ -48,7 +48,7 @@ pub(crate) fn metadata_line(
 
 /// Runs `strata inspect`.
 pub fn run(a: InspectArgs) -> anyhow::Result<()> {
-    let ckpt = strata::plan::read_checkpoint(&a.path)?;
+    let ckpt = strata::plan::read_headers(&a.path)?;
     let tensors = ckpt.tensors;
     out!("strata inspect {}", a.path.display())?;
     if let Some(line) = files_line(&ckpt.files, ckpt.index.as_deref()) {
@@ -70,7 +70,7 @@ pub fn run(a: InspectArgs) -> anyhow::Result<()> {
     };
     let plan = strata::plan::plan(&tensors, &cfg);
     out_raw!("{plan}")?;
-    if !a.train && a.optimizer != Optimizer::None {
+    if !a.train && a.optimizer != OptimizerStep::None {
         out!("note: --optimizer {} counts only with --train", a.optimizer)?;
     }
     out!()?;

@@ -692,8 +692,7 @@ fn budgets(cfg: &TrainConfig, inputs: &Inputs, dtype: DType, engine: Engine) -> 
     let model = inputs.layers as u64 * inputs.layer_bytes(dtype);
     let grad_dtype = if cfg.accumulate > 1 { DType::F32 } else { dtype };
     let grads = elems * grad_dtype.size_of() as u64;
-    let master = if dtype == DType::F32 { 0 } else { 4 * elems };
-    let state = master + 4 * cfg.algorithm().moments() as u64 * elems;
+    let state = cfg.algorithm().state_bytes(dtype) * elems;
     let acts = activation_bytes(cfg, inputs, dtype);
     let slack = 1 << 20;
     let host_state = if engine == Engine::GpuMapped { 0 } else { state };
@@ -727,10 +726,7 @@ fn memory_plan(
         &tensors,
         &PlanConfig {
             budgets,
-            optimizer: match cfg.optimizer {
-                OptimizerKind::Sgd => plan::Optimizer::PlainSgd,
-                OptimizerKind::AdamW => plan::Optimizer::Adam,
-            },
+            optimizer: plan::OptimizerStep::Optim(cfg.algorithm()),
             train: true,
             fp32_grads: cfg.accumulate > 1,
         },

@@ -3,22 +3,23 @@
 //! cross PCIe (and come from disk) would take per step. `strata inspect` prints one.
 //!
 //! ```
-//! use strata::plan::{plan, Optimizer, PlanConfig, TensorEntry};
+//! use strata::optim::{AdamW, Algorithm};
+//! use strata::plan::{plan, OptimizerStep, PlanConfig, TensorEntry};
 //! use strata::{DType, Machine};
 //!
-//! // Two bf16 weights of 1 MiB each, trained with Adam, with 4 MiB of device memory.
+//! // Two bf16 weights of 1 MiB each, trained with AdamW, with 4 MiB of device memory.
 //! let tensors: Vec<TensorEntry> = (0..2)
 //!     .map(|i| TensorEntry::new(format!("w{i}"), DType::BF16, vec![512, 1024]))
 //!     .collect();
 //! let cfg = PlanConfig {
 //!     budgets: [4 << 20, 64 << 20, 0, 1 << 30],
-//!     optimizer: Optimizer::Adam,
+//!     optimizer: OptimizerStep::Optim(Algorithm::AdamW(AdamW::default())),
 //!     train: true,
 //!     fp32_grads: false,
 //! };
 //! let p = plan(&tensors, &cfg);
 //! // Parameters (2 MiB) and gradients (2 MiB) fill the device; the optimizer state (two fp32
-//! // moments and fp32 master weights: 12 bytes per element, 12 MiB) goes to pinned memory.
+//! // moments and fp32 master weights: 12 bytes per element, 12 MiB) lives in pinned memory.
 //! assert_eq!(p.parameters().tiers, [2 << 20, 0, 0, 0]);
 //! assert_eq!(p.gradients().tiers, [2 << 20, 0, 0, 0]);
 //! assert_eq!(p.optimizer_state().tiers, [0, 12 << 20, 0, 0]);
@@ -37,11 +38,14 @@
 //!   gradients in bf16, FP8 having too little range for them), or 4 bytes per element with
 //!   `fp32_grads` (accumulation over micro-batches); integer and bool tensors (indices, masks,
 //!   counters, packed quantized weights) are not trained.
-//! - **optimizer state** (with `train`), per element of the floating-point parameters: SGD with
-//!   momentum keeps one fp32 buffer (4 bytes), Adam two fp32 moments (8 bytes), `sgd`
-//!   (no momentum, as `strata::optim`'s SGD) none; with 16- and 8-bit parameters (f16, bf16,
-//!   f8e4m3, f8e5m2) each of them also keeps fp32 master weights (4 bytes: mixed precision).
-//!   `none` keeps nothing (gradients only: no optimizer step).
+//! - **optimizer state** (with `train`), per element of the floating-point parameters, as
+//!   [`strata::optim`](crate::optim)'s own description counts it
+//!   ([`Algorithm::state_bytes`]): `adamw` ([`AdamW`](crate::optim::AdamW)) two fp32 moments
+//!   (8 bytes), `sgd` ([`Sgd`](crate::optim::Sgd), without momentum) none, and for 16- and
+//!   8-bit parameters (f16, bf16, f8e4m3, f8e5m2) fp32 master weights too (4 bytes: mixed
+//!   precision). `sgd-momentum` (torch's SGD with a momentum buffer, which `strata::optim` does
+//!   not run) counts `sgd`'s and one fp32 buffer more (4 bytes). `none` keeps nothing
+//!   (gradients only: no optimizer step).
 //!
 //! ## The placement
 //! The device is filled first, with parameters, then gradients, then optimizer state; then
@@ -75,7 +79,8 @@ use std::fmt::{self, Write as _};
 use std::path::{Path, PathBuf};
 
 use crate::base::error::{Error, Result};
-use crate::base::types::{format_size, DType, Tier};
+use crate::base::types::{format_size, DType, Group, Tier};
+use crate::compute::optim::{AdamW, Algorithm, Sgd};
 use crate::{LoadOptions, Machine, Store};
 
 /// One tensor of a file, as the file's header describes it.
@@ -110,12 +115,6 @@ impl TensorEntry {
         self.dtype.is_float()
     }
 
-    /// Whether mixed-precision training keeps fp32 master weights for it (16- and 8-bit floats:
-    /// f16, bf16, f8e4m3, f8e5m2).
-    pub fn is_half(&self) -> bool {
-        matches!(self.dtype, DType::F16 | DType::BF16 | DType::F8E4M3 | DType::F8E5M2)
-    }
-
     /// Bytes of its gradient in training: its own bytes, 2 per element for FP8 (kept in bf16),
     /// or 4 per element with `fp32` (0 when it is not trained).
     fn gradient_bytes(&self, fp32: bool) -> u64 {
@@ -128,9 +127,11 @@ impl TensorEntry {
     }
 }
 
-/// What the headers of a checkpoint say: its tensors, its files and their `__metadata__`.
+/// What the headers of a safetensors checkpoint say: its tensors, its files and their
+/// `__metadata__` (read without the data: [`read_headers`]). Not to be confused with a
+/// training run's checkpoint (`strata::candle::train::Checkpoint`), a directory of state.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Checkpoint {
+pub struct CheckpointHeaders {
     /// Every tensor, file by file, each file in file order.
     pub tensors: Vec<TensorEntry>,
     /// The `.safetensors` files, in that order.
@@ -147,7 +148,7 @@ pub struct Checkpoint {
 /// (nothing is copied) and each tensor's dtype, shape and size are taken from there, so the
 /// checkpoint gets the same checks as [`Store::load_checkpoint`] (a missing file is an
 /// [`Error::Io`], a bad one an [`Error::BadFile`] naming the file and the tensor).
-pub fn read_checkpoint(path: impl AsRef<Path>) -> Result<Checkpoint> {
+pub fn read_headers(path: impl AsRef<Path>) -> Result<CheckpointHeaders> {
     let store = Store::builder()
         .host_backend()
         .capacity(Tier::Device, 0)
@@ -168,7 +169,7 @@ pub fn read_checkpoint(path: impl AsRef<Path>) -> Result<Checkpoint> {
             })
         })
         .collect::<Result<Vec<_>>>()?;
-    Ok(Checkpoint {
+    Ok(CheckpointHeaders {
         tensors,
         files: loaded.files().iter().map(|f| f.path.clone()).collect(),
         index: loaded.index().map(Path::to_path_buf),
@@ -176,84 +177,89 @@ pub fn read_checkpoint(path: impl AsRef<Path>) -> Result<Checkpoint> {
     })
 }
 
-/// The tensors of a checkpoint: [`read_checkpoint`]'s.
+/// The tensors of a checkpoint: [`read_headers`]'s.
 pub fn read_tensors(path: impl AsRef<Path>) -> Result<Vec<TensorEntry>> {
-    read_checkpoint(path).map(|c| c.tensors)
+    read_headers(path).map(|c| c.tensors)
 }
 
-/// The optimizer whose state the plan counts.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
-pub enum Optimizer {
-    /// No optimizer state (gradients only).
+/// The optimizer step whose state a training plan counts.
+#[derive(Clone, Copy, Debug, PartialEq, Default)]
+pub enum OptimizerStep {
+    /// No optimizer step (`none`): gradients only.
     #[default]
     None,
-    /// SGD with momentum (`sgd-momentum`): one fp32 buffer per element.
-    Sgd,
-    /// Adam or AdamW (`adamw`, also read as `adam`): two fp32 moments per element.
-    Adam,
-    /// SGD without momentum (`sgd`, also read as `sgd-plain`: `strata::optim`'s SGD and
-    /// `strata train-demo --optimizer sgd`): no moments, but fp32 master weights for 16-bit
-    /// parameters.
-    PlainSgd,
+    /// A step of one of [`strata::optim`](crate::optim)'s algorithms (`sgd`: [`Sgd`], without
+    /// momentum; `adamw`: [`AdamW`]), its state counted by [`Algorithm::state_bytes`]. Only the
+    /// kind counts: the hyperparameters are the algorithm's own and change no byte.
+    Optim(Algorithm),
+    /// SGD with a momentum buffer (`sgd-momentum`, `torch.optim.SGD` with `momentum > 0`),
+    /// which `strata::optim` does not run: planned for comparison, as `sgd`'s state and one
+    /// fp32 buffer per element.
+    SgdMomentum,
 }
 
-impl Optimizer {
-    /// Lower-case name, as printed and parsed: the names `strata train-demo --optimizer`
-    /// uses (`sgd` is SGD without momentum there and here).
+impl OptimizerStep {
+    /// Lower-case name, as printed and parsed: the names `strata train-demo --optimizer` uses
+    /// (`sgd` is [`strata::optim`](crate::optim)'s SGD, without momentum, here as there).
     pub fn name(self) -> &'static str {
         match self {
-            Optimizer::None => "none",
-            Optimizer::Sgd => "sgd-momentum",
-            Optimizer::Adam => "adamw",
-            Optimizer::PlainSgd => "sgd",
+            OptimizerStep::None => "none",
+            OptimizerStep::Optim(a) => a.name(),
+            OptimizerStep::SgdMomentum => "sgd-momentum",
         }
     }
 
-    /// Bytes of state per trained element, master weights not included.
-    pub fn moment_bytes(self) -> u64 {
+    /// Bytes of state per element of a trained parameter of dtype `param`, master weights
+    /// included ([`Algorithm::state_bytes`]).
+    pub fn state_bytes(self, param: DType) -> u64 {
         match self {
-            Optimizer::None | Optimizer::PlainSgd => 0,
-            Optimizer::Sgd => 4,
-            Optimizer::Adam => 8,
+            OptimizerStep::None => 0,
+            OptimizerStep::Optim(a) => a.state_bytes(param),
+            OptimizerStep::SgdMomentum => {
+                Algorithm::Sgd(Sgd::default()).state_bytes(param)
+                    + if param.is_float() { 4 } else { 0 }
+            }
         }
     }
 }
 
-impl fmt::Display for Optimizer {
+impl fmt::Display for OptimizerStep {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.name())
     }
 }
 
-impl std::str::FromStr for Optimizer {
+impl std::str::FromStr for OptimizerStep {
     type Err = Error;
-    fn from_str(s: &str) -> Result<Optimizer> {
+    /// `none`, `sgd` (also read as `sgd-plain`), `sgd-momentum` or `adamw` (also read as
+    /// `adam`), in any case; `sgd` and `adamw` with [`strata::optim`](crate::optim)'s default
+    /// hyperparameters.
+    fn from_str(s: &str) -> Result<OptimizerStep> {
         let s = s.trim();
-        let alias = |a: &str| s.eq_ignore_ascii_case(a);
-        if alias("adam") {
-            return Ok(Optimizer::Adam);
+        let is = |names: &[&str]| names.iter().any(|n| s.eq_ignore_ascii_case(n));
+        if is(&["none"]) {
+            Ok(OptimizerStep::None)
+        } else if is(&["sgd", "sgd-plain"]) {
+            Ok(OptimizerStep::Optim(Algorithm::Sgd(Sgd::default())))
+        } else if is(&["sgd-momentum"]) {
+            Ok(OptimizerStep::SgdMomentum)
+        } else if is(&["adamw", "adam"]) {
+            Ok(OptimizerStep::Optim(Algorithm::AdamW(AdamW::default())))
+        } else {
+            Err(Error::InvalidArgument(format!(
+                "unknown optimizer {s:?} (none, sgd, sgd-momentum or adamw)"
+            )))
         }
-        if alias("sgd-plain") {
-            return Ok(Optimizer::PlainSgd);
-        }
-        [Optimizer::None, Optimizer::Sgd, Optimizer::Adam, Optimizer::PlainSgd]
-            .into_iter()
-            .find(|o| o.name().eq_ignore_ascii_case(s))
-            .ok_or_else(|| {
-                Error::InvalidArgument(format!(
-                    "unknown optimizer {s:?} (none, sgd, sgd-momentum or adamw)"
-                ))
-            })
     }
 }
 
 /// What a plan is made for.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct PlanConfig {
     /// Budget of each tier in bytes, indexed by [`Tier::index`] (0: the tier is not used).
     pub budgets: [u64; 4],
-    /// The optimizer whose state is counted (with `train`).
-    pub optimizer: Optimizer,
+    /// The optimizer step whose state is counted (with `train`).
+    pub optimizer: OptimizerStep,
     /// Training (gradients and optimizer state) rather than forward passes only.
     pub train: bool,
     /// Gradients kept in fp32 (4 bytes per element, for accumulation over micro-batches)
@@ -261,35 +267,23 @@ pub struct PlanConfig {
     pub fp32_grads: bool,
 }
 
-/// A group of bytes the plan places.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Group {
-    /// The file's tensors.
-    Parameters,
-    /// One gradient per trained parameter.
-    Gradients,
-    /// Moments (and fp32 master weights for 16-bit parameters).
-    OptimizerState,
-}
+/// The groups a plan places, in the order it places them.
+const PLANNED: [Group; 3] = [Group::Param, Group::Grad, Group::OptimizerState];
 
-impl Group {
-    /// The groups, in the order they are placed.
-    pub const ALL: [Group; 3] = [Group::Parameters, Group::Gradients, Group::OptimizerState];
-
-    /// Name as printed.
-    pub fn name(self) -> &'static str {
-        match self {
-            Group::Parameters => "parameters",
-            Group::Gradients => "gradients",
-            Group::OptimizerState => "optimizer state",
-        }
+/// A planned group's name in the plan's table.
+fn label(group: Group) -> &'static str {
+    match group {
+        Group::Param => "parameters",
+        Group::Grad => "gradients",
+        Group::OptimizerState => "optimizer state",
+        other => other.name(),
     }
 }
 
 /// Where one group's bytes went.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct GroupPlan {
-    /// The group.
+    /// The group: [`Group::Param`], [`Group::Grad`] or [`Group::OptimizerState`].
     pub group: Group,
     /// Its bytes in all.
     pub bytes: u64,
@@ -314,7 +308,7 @@ impl GroupPlan {
 }
 
 /// Where parameters, gradients and optimizer state would live under a [`PlanConfig`].
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct MemoryPlan {
     /// What it was made for.
     pub config: PlanConfig,
@@ -348,13 +342,8 @@ pub fn plan(tensors: &[TensorEntry], config: &PlanConfig) -> MemoryPlan {
         tensors.iter().map(|t| state_bytes(t, config)).collect(),
     ];
     let mut placed: [Vec<bool>; 3] = pieces.clone().map(|p| p.iter().map(|&b| b == 0).collect());
-    let mut groups = Group::ALL.map(|group| GroupPlan {
-        group,
-        bytes: 0,
-        tiers: [0; 4],
-        in_file: 0,
-        unplaced: 0,
-    });
+    let mut groups =
+        PLANNED.map(|group| GroupPlan { group, bytes: 0, tiers: [0; 4], in_file: 0, unplaced: 0 });
     for (g, p) in groups.iter_mut().zip(&pieces) {
         g.bytes = p.iter().fold(0u64, |a, &b| a.saturating_add(b));
     }
@@ -362,7 +351,7 @@ pub fn plan(tensors: &[TensorEntry], config: &PlanConfig) -> MemoryPlan {
         let mut free = config.budgets[tier.index()];
         for (gi, group) in groups.iter_mut().enumerate() {
             // Parameters stay in the file rather than take the disk tier's budget.
-            if tier == Tier::Disk && group.group == Group::Parameters {
+            if tier == Tier::Disk && group.group == Group::Param {
                 continue;
             }
             for (done, &bytes) in placed[gi].iter_mut().zip(&pieces[gi]) {
@@ -380,7 +369,7 @@ pub fn plan(tensors: &[TensorEntry], config: &PlanConfig) -> MemoryPlan {
             .zip(&pieces[gi])
             .filter(|(done, _)| !**done)
             .fold(0u64, |a, (_, &b)| a.saturating_add(b));
-        if group.group == Group::Parameters {
+        if group.group == Group::Param {
             group.in_file = left;
         } else {
             group.unplaced = left;
@@ -389,13 +378,13 @@ pub fn plan(tensors: &[TensorEntry], config: &PlanConfig) -> MemoryPlan {
     MemoryPlan { config: config.clone(), groups }
 }
 
-/// Optimizer state of one tensor: moments, and fp32 master weights for 16-bit parameters.
+/// Optimizer state of one tensor: moments, and fp32 master weights for 16- and 8-bit
+/// parameters ([`OptimizerStep::state_bytes`]).
 fn state_bytes(t: &TensorEntry, config: &PlanConfig) -> u64 {
-    if !config.train || !t.is_trainable() || config.optimizer == Optimizer::None {
+    if !config.train || !t.is_trainable() {
         return 0;
     }
-    let per_elem = config.optimizer.moment_bytes() + if t.is_half() { 4 } else { 0 };
-    t.elements().saturating_mul(per_elem)
+    t.elements().saturating_mul(config.optimizer.state_bytes(t.dtype))
 }
 
 impl MemoryPlan {
@@ -434,7 +423,7 @@ impl MemoryPlan {
             return Traffic { h2d: po, d2h: 0, disk_read: pd, disk_write: 0 };
         }
         let two = |x: u64| x.saturating_mul(2);
-        if self.config.optimizer == Optimizer::None {
+        if self.config.optimizer == OptimizerStep::None {
             return Traffic { h2d: two(po), d2h: go, disk_read: two(pd), disk_write: gd };
         }
         Traffic {
@@ -450,7 +439,7 @@ impl MemoryPlan {
     pub fn formulas(&self) -> [&'static str; 4] {
         match (self.config.train, self.config.optimizer) {
             (false, _) => ["P", "0", "P_d", "0"],
-            (true, Optimizer::None) => ["2P", "G", "2P_d", "G_d"],
+            (true, OptimizerStep::None) => ["2P", "G", "2P_d", "G_d"],
             (true, _) => ["2P + G + S", "P + G + S", "2P_d + G_d + S_d", "P_d + G_d + S_d"],
         }
     }
@@ -504,7 +493,7 @@ impl fmt::Display for MemoryPlan {
                 *s = s.saturating_add(v);
             }
             rows.push([
-                g.group.name().to_string(),
+                label(g.group).to_string(),
                 cell(vals[0]),
                 cell(vals[1]),
                 cell(vals[2]),
@@ -736,8 +725,16 @@ pub fn totals(tensors: &[TensorEntry]) -> String {
 mod tests {
     use super::*;
 
-    fn cfg(budgets: [u64; 4], optimizer: Optimizer, train: bool) -> PlanConfig {
+    fn cfg(budgets: [u64; 4], optimizer: OptimizerStep, train: bool) -> PlanConfig {
         PlanConfig { budgets, optimizer, train, fp32_grads: false }
+    }
+
+    fn adamw() -> OptimizerStep {
+        OptimizerStep::Optim(Algorithm::AdamW(AdamW::default()))
+    }
+
+    fn sgd() -> OptimizerStep {
+        OptimizerStep::Optim(Algorithm::Sgd(Sgd::default()))
     }
 
     fn t(name: &str, dtype: DType, shape: &[usize]) -> TensorEntry {
@@ -776,16 +773,26 @@ mod tests {
 
     #[test]
     fn optimizer_parses_and_prints() {
-        // train-demo's names, and the old ones as aliases.
-        assert_eq!("adamw".parse::<Optimizer>().unwrap(), Optimizer::Adam);
-        assert_eq!("ADAM".parse::<Optimizer>().unwrap(), Optimizer::Adam);
-        assert_eq!("sgd".parse::<Optimizer>().unwrap(), Optimizer::PlainSgd);
-        assert_eq!("sgd-plain".parse::<Optimizer>().unwrap(), Optimizer::PlainSgd);
-        assert_eq!("sgd-momentum".parse::<Optimizer>().unwrap(), Optimizer::Sgd);
-        assert_eq!("none".parse::<Optimizer>().unwrap(), Optimizer::None);
-        assert!("lion".parse::<Optimizer>().is_err());
-        assert_eq!(Optimizer::Adam.to_string(), "adamw");
-        assert_eq!(Optimizer::PlainSgd.to_string(), "sgd");
+        // train-demo's names, and the old ones as aliases; `sgd` is strata::optim's SGD.
+        let parse = |s: &str| s.parse::<OptimizerStep>().unwrap();
+        assert_eq!(parse("adamw"), adamw());
+        assert_eq!(parse("ADAM"), adamw());
+        assert_eq!(parse("sgd"), sgd());
+        assert_eq!(parse("sgd-plain"), sgd());
+        assert_eq!(parse("sgd-momentum"), OptimizerStep::SgdMomentum);
+        assert_eq!(parse("none"), OptimizerStep::None);
+        assert!("lion".parse::<OptimizerStep>().is_err());
+        assert_eq!(adamw().to_string(), "adamw");
+        assert_eq!(sgd().to_string(), "sgd");
+        assert_eq!(OptimizerStep::SgdMomentum.to_string(), "sgd-momentum");
+        // The state per element is the optimizer's own count.
+        for d in [DType::F32, DType::BF16, DType::F8E4M3, DType::I64] {
+            let a = Algorithm::AdamW(AdamW::default());
+            assert_eq!(adamw().state_bytes(d), a.state_bytes(d), "{d}");
+            assert_eq!(sgd().state_bytes(d), Algorithm::Sgd(Sgd::default()).state_bytes(d));
+        }
+        assert_eq!(OptimizerStep::SgdMomentum.state_bytes(DType::BF16), 8);
+        assert_eq!(OptimizerStep::SgdMomentum.state_bytes(DType::F32), 4);
     }
 
     #[test]
@@ -797,19 +804,19 @@ mod tests {
             t("i", DType::I64, &[8]),
         ];
         let big = [u64::MAX / 8; 4];
-        let forward = plan(&ts, &cfg(big, Optimizer::Adam, false));
+        let forward = plan(&ts, &cfg(big, adamw(), false));
         assert_eq!(forward.parameters().bytes, 6 * MIB + 64);
         assert_eq!((forward.gradients().bytes, forward.optimizer_state().bytes), (0, 0));
 
-        let none = plan(&ts, &cfg(big, Optimizer::None, true));
+        let none = plan(&ts, &cfg(big, OptimizerStep::None, true));
         assert_eq!(none.gradients().bytes, 6 * MIB, "integers get no gradient");
         assert_eq!(none.optimizer_state().bytes, 0);
 
-        let sgd = plan(&ts, &cfg(big, Optimizer::Sgd, true));
+        let sgd = plan(&ts, &cfg(big, OptimizerStep::SgdMomentum, true));
         // momentum 4 B/elem for both, master weights 4 B/elem for the bf16 one.
         assert_eq!(sgd.optimizer_state().bytes, 4 * MIB + 4 * MIB + 4 * MIB);
 
-        let adam = plan(&ts, &cfg(big, Optimizer::Adam, true));
+        let adam = plan(&ts, &cfg(big, adamw(), true));
         // bf16: 8 + 4 per element; f32: 8 per element.
         assert_eq!(adam.optimizer_state().bytes, 12 * MIB + 8 * MIB);
         assert_eq!(adam.total(), (6 * MIB + 64) + 6 * MIB + 20 * MIB);
@@ -827,12 +834,13 @@ mod tests {
             t("w", DType::U64, &[8]),
         ];
         let big = [u64::MAX / 8; 4];
-        let adam = plan(&ts, &cfg(big, Optimizer::Adam, true));
+        let adam = plan(&ts, &cfg(big, adamw(), true));
         assert_eq!(adam.parameters().bytes, 3 * MIB + 16 + 64);
         assert_eq!(adam.gradients().bytes, 2 * 2 * MIB, "bf16 gradients of the FP8 ones only");
         // Two fp32 moments and fp32 master weights per FP8 element.
         assert_eq!(adam.optimizer_state().bytes, 2 * 12 * MIB);
-        let fp32 = plan(&ts, &PlanConfig { fp32_grads: true, ..cfg(big, Optimizer::None, true) });
+        let fp32 =
+            plan(&ts, &PlanConfig { fp32_grads: true, ..cfg(big, OptimizerStep::None, true) });
         assert_eq!(fp32.gradients().bytes, 2 * 4 * MIB);
         assert_eq!(fp32.optimizer_state().bytes, 0);
         let table = tensor_table(&ts);
@@ -852,7 +860,7 @@ mod tests {
     fn placement_fills_device_first_in_group_order() {
         // Four f32 tensors of 1 MiB; Adam: grads 4 MiB, state 8 MiB.
         let ts: Vec<_> = (0..4).map(|i| t(&format!("w{i}"), DType::F32, &[1 << 18])).collect();
-        let p = plan(&ts, &cfg([6 * MIB, 4 * MIB, 0, 3 * MIB], Optimizer::Adam, true));
+        let p = plan(&ts, &cfg([6 * MIB, 4 * MIB, 0, 3 * MIB], adamw(), true));
         assert_eq!(p.parameters().tiers, [4 * MIB, 0, 0, 0]);
         assert_eq!(p.gradients().tiers, [2 * MIB, 2 * MIB, 0, 0], "gradients split");
         // Each tensor's state is 2 MiB: one in the 2 MiB left in pinned, one on disk (3 MiB).
@@ -866,7 +874,7 @@ mod tests {
     #[test]
     fn parameters_that_fit_nowhere_stay_in_the_file() {
         let ts: Vec<_> = (0..4).map(|i| t(&format!("w{i}"), DType::F32, &[1 << 18])).collect();
-        let p = plan(&ts, &cfg([MIB, MIB, 0, 64 * MIB], Optimizer::None, false));
+        let p = plan(&ts, &cfg([MIB, MIB, 0, 64 * MIB], OptimizerStep::None, false));
         let params = p.parameters();
         assert_eq!(params.tiers, [MIB, MIB, 0, 0], "the disk budget is not used for them");
         assert_eq!((params.in_file, params.unplaced), (2 * MIB, 0));
@@ -881,7 +889,7 @@ mod tests {
             t("big", DType::U8, &[1000]),
             t("s2", DType::U8, &[50]),
         ];
-        let p = plan(&ts, &cfg([200, 0, 0, 0], Optimizer::None, false));
+        let p = plan(&ts, &cfg([200, 0, 0, 0], OptimizerStep::None, false));
         assert_eq!(p.parameters().tiers[0], 150);
         assert_eq!(p.parameters().in_file, 1000);
     }
@@ -890,24 +898,24 @@ mod tests {
     fn traffic_follows_the_formula() {
         let ts: Vec<_> = (0..4).map(|i| t(&format!("w{i}"), DType::F32, &[1 << 18])).collect();
         // Forward: 1 MiB of 4 on device, 1 pinned, 2 in the file.
-        let p = plan(&ts, &cfg([MIB, MIB, 0, 0], Optimizer::None, false));
+        let p = plan(&ts, &cfg([MIB, MIB, 0, 0], OptimizerStep::None, false));
         assert_eq!(
             p.traffic(),
             Traffic { h2d: 3 * MIB, d2h: 0, disk_read: 2 * MIB, disk_write: 0 }
         );
         // Training without optimizer: params twice, gradients out.
-        let p = plan(&ts, &cfg([4 * MIB, 4 * MIB, 0, 0], Optimizer::None, true));
+        let p = plan(&ts, &cfg([4 * MIB, 4 * MIB, 0, 0], OptimizerStep::None, true));
         assert_eq!(p.gradients().tiers, [0, 4 * MIB, 0, 0]);
         assert_eq!(p.traffic(), Traffic { h2d: 0, d2h: 4 * MIB, disk_read: 0, disk_write: 0 });
         // SGD: P = 0 (all on device), G = 4 MiB pinned, S = 4 MiB: 2 pinned... none left: disk.
-        let p = plan(&ts, &cfg([4 * MIB, 6 * MIB, 0, 8 * MIB], Optimizer::Sgd, true));
+        let p = plan(&ts, &cfg([4 * MIB, 6 * MIB, 0, 8 * MIB], OptimizerStep::SgdMomentum, true));
         assert_eq!(p.optimizer_state().tiers, [0, 2 * MIB, 0, 2 * MIB]);
         let tr = p.traffic();
         assert_eq!(tr.h2d, 4 * MIB + 4 * MIB);
         assert_eq!(tr.d2h, 4 * MIB + 4 * MIB);
         assert_eq!((tr.disk_read, tr.disk_write), (2 * MIB, 2 * MIB));
         // Parameters off the device: read twice, written back once.
-        let p = plan(&ts, &cfg([0, 16 * MIB, 0, 0], Optimizer::Sgd, true));
+        let p = plan(&ts, &cfg([0, 16 * MIB, 0, 0], OptimizerStep::SgdMomentum, true));
         let tr = p.traffic();
         assert_eq!(
             (tr.h2d, tr.d2h),
@@ -919,7 +927,7 @@ mod tests {
     #[test]
     fn prediction_divides_by_bandwidth_and_says_when_it_cannot() {
         let ts: Vec<_> = (0..4).map(|i| t(&format!("w{i}"), DType::F32, &[1 << 18])).collect();
-        let p = plan(&ts, &cfg([MIB, MIB, 0, 0], Optimizer::None, false));
+        let p = plan(&ts, &cfg([MIB, MIB, 0, 0], OptimizerStep::None, false));
         let m = Machine { h2d: Some(10e9), disk_read: Some(1e9), ..Machine::unknown("m") };
         let pr = p.predict(&m);
         let want_pcie = (3 * MIB) as f64 / 10e9;
@@ -931,7 +939,7 @@ mod tests {
         assert_eq!((none.pcie_s(), none.disk_s()), (None, None));
         assert!(none.to_string().contains("not predicted"), "{none}");
         // Everything on the device: nothing to move, zero without any bandwidth.
-        let all = plan(&ts, &cfg([4 * MIB, 0, 0, 0], Optimizer::None, false));
+        let all = plan(&ts, &cfg([4 * MIB, 0, 0, 0], OptimizerStep::None, false));
         assert_eq!(all.predict(&Machine::unknown("m")).total_s(), Some(0.0));
     }
 

@@ -127,12 +127,44 @@ pub enum Algorithm {
 }
 
 impl Algorithm {
+    /// Lower-case name, as the command line gives it (`strata train-demo --optimizer`,
+    /// `strata inspect --optimizer`): `sgd` or `adamw`.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Algorithm::Sgd(_) => "sgd",
+            Algorithm::AdamW(_) => "adamw",
+        }
+    }
+
     /// fp32 moment tensors per parameter (0 or 2).
     pub fn moments(&self) -> usize {
         match self {
             Algorithm::Sgd(_) => 0,
             Algorithm::AdamW(_) => 2,
         }
+    }
+
+    /// Bytes of optimizer state kept per element of a parameter of dtype `param`: 4 for each
+    /// fp32 moment ([`Algorithm::moments`]), and 4 of fp32 master weights when the parameter is
+    /// a float narrower than f32 (bf16 here; f16 and FP8 too in a plan of such a checkpoint,
+    /// as mixed precision keeps them). An f32 (or f64) parameter is its own master, and a
+    /// parameter that is not a float is not trained.
+    ///
+    /// ```
+    /// use strata::optim::{AdamW, Algorithm, Sgd};
+    /// use strata::DType;
+    /// let adamw = Algorithm::AdamW(AdamW::default());
+    /// assert_eq!(adamw.state_bytes(DType::BF16), 12); // two moments and a master
+    /// assert_eq!(adamw.state_bytes(DType::F32), 8);
+    /// assert_eq!(Algorithm::Sgd(Sgd::default()).state_bytes(DType::BF16), 4);
+    /// assert_eq!(Algorithm::Sgd(Sgd::default()).state_bytes(DType::F32), 0);
+    /// ```
+    pub fn state_bytes(&self, param: DType) -> u64 {
+        if !param.is_float() {
+            return 0;
+        }
+        let master = if param.size_of() < 4 { 4 } else { 0 };
+        4 * self.moments() as u64 + master
     }
 }
 
@@ -301,9 +333,8 @@ impl std::fmt::Display for AutoChoice {
 /// Bytes per element an update moves, for estimates: `(state bytes, gradient bytes, parameter
 /// bytes)`; the state is read and written, the gradient read, the parameter written.
 fn per_elem(alg: &Algorithm, param: DType, grad: DType) -> (u64, u64, u64) {
-    let master = if param == DType::F32 { 0 } else { 4 };
     let own = if param == DType::F32 { 4 } else { 0 };
-    (master + 4 * alg.moments() as u64 + own, grad.size_of() as u64, param.size_of() as u64)
+    (alg.state_bytes(param) + own, grad.size_of() as u64, param.size_of() as u64)
 }
 
 /// Estimates each engine's step (the optimizer's part, and the links it shares with the rest
