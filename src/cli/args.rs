@@ -694,9 +694,10 @@ pub struct Budgets {
     /// Device tier budget (units: 4096, 24KiB, 1MiB, 1GiB; 0 disables the tier).
     #[arg(long, value_name = "SIZE", default_value = "1GiB", value_parser = size)]
     pub(crate) device_budget: u64,
-    /// Pinned tier budget.
-    #[arg(long, value_name = "SIZE", default_value = "1GiB", value_parser = size)]
-    pub(crate) pinned_budget: u64,
+    /// Pinned tier budget [default: 1GiB; with `inspect --train`, the host memory available less
+    /// what the trainer keeps for the system and the process, as the trainer's plan sizes it].
+    #[arg(long, value_name = "SIZE", value_parser = size)]
+    pub(crate) pinned_budget: Option<u64>,
     /// Mapped tier budget.
     #[arg(long, value_name = "SIZE", default_value = "256MiB", value_parser = size)]
     pub(crate) mapped_budget: u64,
@@ -706,8 +707,19 @@ pub struct Budgets {
 }
 
 impl Budgets {
+    /// The store's budget of a Pinned tier (`--pinned-budget`'s default).
+    pub(crate) const PINNED: u64 = 1 << 30;
+
+    /// The budgets, `--pinned-budget` defaulting to `pinned` (for [`Budgets::PINNED`]: the
+    /// store's).
+    pub(crate) fn array_with(&self, pinned: u64) -> [u64; 4] {
+        let p = self.pinned_budget.unwrap_or(pinned);
+        [self.device_budget, p, self.mapped_budget, self.disk_budget]
+    }
+
+    /// The budgets, the store's where not given.
     pub(crate) fn array(&self) -> [u64; 4] {
-        [self.device_budget, self.pinned_budget, self.mapped_budget, self.disk_budget]
+        self.array_with(Budgets::PINNED)
     }
 }
 

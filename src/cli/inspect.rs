@@ -46,6 +46,17 @@ pub(crate) fn metadata_line(
     })
 }
 
+/// The plan's budgets: those given, the store's for the others, but with `--train` and no
+/// `--pinned-budget` a Pinned tier of the host memory available (`host`) less what the trainer
+/// keeps for the system and the process ([`strata::plan::host_reserve`]), as the trainer's plan
+/// sizes it: the optimizer state then lands in the memory the trainer keeps it in.
+fn budgets(a: &InspectArgs, host: Option<u64>) -> [u64; 4] {
+    match (a.train, host) {
+        (true, Some(h)) => a.budgets.array_with(h.saturating_sub(strata::plan::host_reserve(h))),
+        _ => a.budgets.array(),
+    }
+}
+
 /// Runs `strata inspect`.
 pub fn run(a: InspectArgs) -> anyhow::Result<()> {
     let ckpt = strata::plan::read_headers(&a.path)?;
@@ -63,7 +74,7 @@ pub fn run(a: InspectArgs) -> anyhow::Result<()> {
     out_raw!("{}", strata::plan::totals(&tensors))?;
     out!()?;
     let cfg = PlanConfig {
-        budgets: a.budgets.array(),
+        budgets: budgets(&a, strata::host_memory_available()),
         optimizer: a.optimizer,
         train: a.train,
         fp32_grads: a.fp32_grads,
@@ -109,4 +120,32 @@ pub fn run(a: InspectArgs) -> anyhow::Result<()> {
         out!("  {line}")?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cli::{Cli, Cmd};
+    use clap::Parser;
+
+    fn inspect(flags: &[&str]) -> InspectArgs {
+        let argv = ["strata", "inspect", "m.safetensors"].iter().chain(flags);
+        match Cli::try_parse_from(argv).unwrap().cmd {
+            Cmd::Inspect(a) => a,
+            _ => unreachable!("parsed as inspect"),
+        }
+    }
+
+    /// `--train` plans the Pinned tier as the trainer does, from the host memory (64 GiB here,
+    /// 8 of them kept back), unless a budget is given; forward plans keep the store's.
+    #[test]
+    fn a_training_plan_sizes_pinned_memory_as_the_trainer_does() {
+        let gib = 1u64 << 30;
+        let host = Some(64 * gib);
+        assert_eq!(budgets(&inspect(&["--train"]), host), [gib, 56 * gib, 256 << 20, 64 * gib]);
+        assert_eq!(budgets(&inspect(&["--train"]), None)[1], gib, "host memory unknown");
+        assert_eq!(budgets(&inspect(&[]), host)[1], gib);
+        let given = inspect(&["--train", "--pinned-budget", "2GiB"]);
+        assert_eq!(budgets(&given, host)[1], 2 * gib);
+    }
 }

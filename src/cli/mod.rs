@@ -151,8 +151,9 @@ pub enum Cmd {
     /// Lists a checkpoint's tensors and plans their memory, without reading the data.
     ///
     /// Lists the tensors (name, dtype, shape, bytes) and their totals, then a memory plan:
-    /// parameters, gradients (--train) and optimizer state (--train --optimizer
-    /// sgd|sgd-momentum|adamw) placed device first under the budgets, and the predicted
+    /// parameters and gradients (--train) placed device first under the budgets, optimizer
+    /// state (--train --optimizer sgd|sgd-momentum|adamw) in host memory (pinned, then disk) as
+    /// the trainer keeps it, and the predicted
     /// transfer time per step from `strata bench --json` results (--bench) or a brief
     /// measurement. The checkpoint is a .safetensors file, a sharded checkpoint's index
     /// (model.safetensors.index.json), or a directory (its index, else all its .safetensors

@@ -48,17 +48,22 @@
 //!   (gradients only: no optimizer step).
 //!
 //! ## The placement
-//! The device is filled first, with parameters, then gradients, then optimizer state; then
-//! pinned, mapped and disk in the same order. Placement is by whole tensors (a tensor's gradient
-//! or optimizer state is one piece), first fit in file order, so a group can split across tiers.
-//! Parameters that fit in no memory tier stay **in the file** (as `strata load` leaves them: the
-//! disk tier refers to the mapped file, using none of its budget); gradients and optimizer state
-//! that fit nowhere are reported as not fitting. The tiers' alignment padding is ignored.
+//! The device is filled first, with parameters, then gradients; then pinned, mapped and disk in
+//! the same order. The optimizer state lives in host memory, as the trainer keeps it
+//! (`strata::candle::train::TrainPlan`, and `strata::optim`'s default engine, which updates it
+//! there): in pinned memory, then on disk where pinned memory is full, never on the device or
+//! in the mapped tier. Placement is by whole tensors (a tensor's gradient or optimizer state is
+//! one piece), first fit in file order, so a group can split across tiers. Parameters that fit
+//! in no memory tier stay **in the file** (as `strata load` leaves them: the disk tier refers to
+//! the mapped file, using none of its budget); gradients and optimizer state that fit nowhere
+//! are reported as not fitting. The tiers' alignment padding is ignored.
 //!
 //! ## The transfer formula
 //! Let `P`, `G`, `S` be the bytes of parameters, gradients and optimizer state that are not on the
 //! device (anything not placed counts as not on the device), and `P_d`, `G_d`, `S_d` the bytes
-//! of each on disk (the disk tier, and for `P` the file). The update runs on the GPU. Per step:
+//! of each on disk (the disk tier, and for `P` the file). The update runs on the GPU (the
+//! optimizer state brought to the device and written back, as `strata::optim`'s GpuResident
+//! engine moves it). Per step:
 //!
 //! | | forward only | training, `none` | training, `sgd`/`sgd-momentum`/`adamw` |
 //! |---|---|---|---|
@@ -267,6 +272,22 @@ pub struct PlanConfig {
     pub fp32_grads: bool,
 }
 
+/// Host memory a training run keeps out of its Pinned tier for the system and the process, of
+/// `host` bytes of host memory: a sixteenth, at least 8 GiB, at most a quarter. The trainer's
+/// plan (`strata::candle::train::TrainPlan`) sizes the Pinned tier by it, and so does
+/// `strata inspect --train` when no Pinned budget is given, so that the two keep the optimizer
+/// state in the same memory.
+///
+/// ```
+/// let gib = 1u64 << 30;
+/// assert_eq!(strata::plan::host_reserve(128 * gib), 8 * gib);
+/// assert_eq!(strata::plan::host_reserve(1024 * gib), 64 * gib);
+/// assert_eq!(strata::plan::host_reserve(16 * gib), 4 * gib);
+/// ```
+pub fn host_reserve(host: u64) -> u64 {
+    (8u64 << 30).max(host / 16).min(host / 4)
+}
+
 /// The groups a plan places, in the order it places them.
 const PLANNED: [Group; 3] = [Group::Param, Group::Grad, Group::OptimizerState];
 
@@ -350,8 +371,14 @@ pub fn plan(tensors: &[TensorEntry], config: &PlanConfig) -> MemoryPlan {
     for tier in Tier::ALL {
         let mut free = config.budgets[tier.index()];
         for (gi, group) in groups.iter_mut().enumerate() {
-            // Parameters stay in the file rather than take the disk tier's budget.
-            if tier == Tier::Disk && group.group == Group::Param {
+            // Parameters stay in the file rather than take the disk tier's budget; the
+            // optimizer state lives in host memory (Pinned, then Disk), as the trainer keeps it.
+            let skip = match group.group {
+                Group::Param => tier == Tier::Disk,
+                Group::OptimizerState => matches!(tier, Tier::Device | Tier::Mapped),
+                _ => false,
+            };
+            if skip {
                 continue;
             }
             for (done, &bytes) in placed[gi].iter_mut().zip(&pieces[gi]) {
@@ -869,6 +896,25 @@ mod tests {
         assert_eq!(p.unplaced(), 4 * MIB);
         let shown = p.to_string();
         assert!(shown.contains("optimizer state") && shown.contains("does not fit"), "{shown}");
+    }
+
+    /// The optimizer state lives in host memory, as the trainer keeps it: pinned, then disk,
+    /// never on the device or in the mapped tier, however much room they have (the plan used to
+    /// fill the device with it, then mapped memory, and `strata inspect --train` then showed
+    /// state on disk that the trainer's plan keeps in host memory).
+    #[test]
+    fn optimizer_state_lives_in_host_memory_as_the_trainer_keeps_it() {
+        // Four f32 tensors of 1 MiB; AdamW: state 2 MiB each.
+        let ts: Vec<_> = (0..4).map(|i| t(&format!("w{i}"), DType::F32, &[1 << 18])).collect();
+        let p = plan(&ts, &cfg([64 * MIB, 5 * MIB, 64 * MIB, 64 * MIB], adamw(), true));
+        assert_eq!(p.parameters().tiers, [4 * MIB, 0, 0, 0]);
+        assert_eq!(p.gradients().tiers, [4 * MIB, 0, 0, 0]);
+        assert_eq!(p.optimizer_state().tiers, [0, 4 * MIB, 0, 4 * MIB]);
+        assert_eq!(p.unplaced(), 0);
+        // Without a disk budget what pinned memory cannot hold does not fit.
+        let p = plan(&ts, &cfg([64 * MIB, 5 * MIB, 64 * MIB, 0], adamw(), true));
+        assert_eq!(p.optimizer_state().tiers, [0, 4 * MIB, 0, 0]);
+        assert_eq!(p.optimizer_state().unplaced, 4 * MIB);
     }
 
     #[test]

@@ -311,7 +311,7 @@ impl TrainPlan {
                 format_size(streaming)
             )));
         }
-        let host_reserve = (8 * GIB).max(host_bytes / 16).min(host_bytes / 4);
+        let host_reserve = crate::compute::plan::host_reserve(host_bytes);
         let host_left = host_bytes
             .saturating_sub(host_reserve)
             .saturating_sub(if machine.device_is_host { device_budget + working_set } else { 0 });
@@ -722,6 +722,34 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("(its weights and gradient on the device: 128.00 KiB)"), "{e}");
+    }
+
+    /// `strata inspect --train`'s plan (`strata::plan`) keeps the optimizer state where this
+    /// plan does: given the budgets this plan chooses, all of it in the Pinned tier in both.
+    /// (That plan used to fill the Device tier's room with it first, then the Mapped tier's,
+    /// and so showed state on the device or on disk that the trainer keeps in host memory.)
+    #[test]
+    fn the_inspect_plan_keeps_the_optimizer_state_where_the_trainer_does() {
+        use crate::compute::plan::{plan, OptimizerStep, PlanConfig, TensorEntry};
+        let c = tiny();
+        let t = TrainConfig { micro_batch: 1, seq: 32, accum: 1, ..TrainConfig::default() };
+        for dtype in [DType::F32, DType::BF16] {
+            let trainer =
+                TrainPlan::new(&c, &t, dtype, &host_machine(), Budgets::default()).unwrap();
+            let tensors: Vec<TensorEntry> =
+                c.tensors().into_iter().map(|(n, s)| TensorEntry::new(n, dtype, s)).collect();
+            let cfg = PlanConfig {
+                budgets: trainer.budgets,
+                optimizer: OptimizerStep::Optim(Algorithm::AdamW(AdamW::default())),
+                train: true,
+                fp32_grads: true,
+            };
+            let inspect = plan(&tensors, &cfg);
+            let state = trainer.placed[Group::OptimizerState.index()];
+            assert!(state[Tier::Pinned.index()] > 0 && state.iter().sum::<u64>() == state[1]);
+            assert_eq!(inspect.optimizer_state().tiers, state, "{dtype}:\n{inspect}\n{trainer}");
+            assert_eq!(inspect.unplaced(), 0);
+        }
     }
 
     /// A quantized base (a GGUF file's weights, a quarter of their f32 bytes here) is planned
