@@ -571,7 +571,8 @@ fn run_typed<T: Float>(
     progress: &mut impl FnMut(&str) -> Result<()>,
 ) -> Result<TrainReport> {
     // The plan, before anything is allocated: where the accounting puts each group under this
-    // run's budgets (device first; the store then streams what does not stay).
+    // run's budgets (weights and gradients device first, optimizer state in host memory; the
+    // store then streams what does not stay).
     let engine = if cfg.all_engines { Engine::Auto } else { cfg.engine };
     let planned = memory_plan(cfg, inputs, T::DTYPE, budgets(cfg, inputs, T::DTYPE, engine));
     progress(planned.to_string().trim_end())?;
