@@ -97,11 +97,8 @@ fn books_agree_with_the_tensors_after_random_operations() {
             // Prefetch jobs may still run on the workers: let them end first.
             let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
             loop {
-                let busy = {
-                    let st = store.shared.lock();
-                    let busy = st.res.slab.iter().any(|(_, e)| e.in_flight());
-                    busy
-                };
+                // (Edition 2024: the guard, a temporary of the tail expression, drops at its end.)
+                let busy = store.shared.lock().res.slab.iter().any(|(_, e)| e.in_flight());
                 if !busy || std::time::Instant::now() > deadline {
                     break;
                 }

@@ -231,8 +231,8 @@ fn a_peft_adapter_written_here_reads_back_and_a_merged_export_computes_the_same_
     let ids = Tensor::new(&[[3u32, 14, 15, 92, 65, 35, 89, 79]], &Device::Cpu).unwrap();
     let got = model.forward(&ids, &mut model.new_cache(1, 8).unwrap()).unwrap();
     // The twin's own model generates with the adapters unmerged, on its very tensors.
-    let gen = twin.generator().unwrap();
-    let want = gen.forward(&ids, &mut gen.new_cache(1, 8).unwrap()).unwrap();
+    let generator = twin.generator().unwrap();
+    let want = generator.forward(&ids, &mut generator.new_cache(1, 8).unwrap()).unwrap();
     let (g, w) = (
         got.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
         want.flatten_all().unwrap().to_vec1::<f32>().unwrap(),

@@ -165,7 +165,7 @@ fn chats_have_the_loss_on_the_replies_only_and_pack_into_rows() {
     // end of turn.
     assert_eq!(tok.decode(&x.ids, false).unwrap(), t.render(&chat, false).unwrap());
     let counted: Vec<u32> =
-        x.ids.iter().zip(&x.loss).filter(|(_, &l)| l).map(|(&i, _)| i).collect();
+        x.ids.iter().zip(&x.loss).filter(|&(_, &l)| l).map(|(&i, _)| i).collect();
     assert_eq!(tok.decode(&counted, false).unwrap(), "hello<|end|>\nwe<|end|>\n");
     assert!(Tokens::chat(&tok, &t, &chat[..1]).is_err(), "no reply to learn");
     let (rows, left) = pack(&[x.clone(), x.clone()], 16).unwrap();
@@ -230,7 +230,7 @@ fn a_long_chat_is_rendered_once() {
     assert!(took.as_secs_f64() < 2.0, "{took:?}");
     assert_eq!(tok.decode(&x.ids, false).unwrap(), t.render(&chat, false).unwrap());
     let counted: Vec<u32> =
-        x.ids.iter().zip(&x.loss).filter(|(_, &l)| l).map(|(&i, _)| i).collect();
+        x.ids.iter().zip(&x.loss).filter(|&(_, &l)| l).map(|(&i, _)| i).collect();
     let want: String = (0..1000).map(|k| format!("a{}<|end|>\n", 2 * k + 1)).collect();
     assert_eq!(tok.decode(&counted, false).unwrap(), want);
 }
@@ -256,7 +256,7 @@ fn a_template_that_rewrites_messages_is_rendered_per_reply_up_to_a_bound() {
     ];
     let x = Tokens::chat(&tok, &t, &chat).unwrap();
     let counted: Vec<u32> =
-        x.ids.iter().zip(&x.loss).filter(|(_, &l)| l).map(|(&i, _)| i).collect();
+        x.ids.iter().zip(&x.loss).filter(|&(_, &l)| l).map(|(&i, _)| i).collect();
     assert_eq!(tok.decode(&counted, false).unwrap(), "yo<|end|>\nfine<|end|>\n");
     let long: Vec<Message> = (0..2 * (CHAT_TURNS_RERENDERED + 1))
         .map(|i| Message::new(if i % 2 == 0 { "user" } else { "assistant" }, " x "))

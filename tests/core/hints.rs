@@ -552,7 +552,7 @@ fn random_op(
         // unpin: mostly of pinned tensors, sometimes of others
         64..=71 => {
             let mut pinned: Vec<TensorId> =
-                sh.pins.iter().filter(|(_, &n)| n > 0).map(|(&id, _)| id).collect();
+                sh.pins.iter().filter(|&(_, &n)| n > 0).map(|(&id, _)| id).collect();
             pinned.sort();
             let ids = if !pinned.is_empty() && rng.chance(4, 5) {
                 (0..rng.range(1, 2)).map(|_| *rng.pick(&pinned)).collect()

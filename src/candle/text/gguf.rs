@@ -466,7 +466,7 @@ impl GgufText {
             Some(ty) => ty
                 .iter()
                 .enumerate()
-                .filter(|(_, &t)| matches!(t, UNKNOWN | CONTROL | USER_DEFINED))
+                .filter(|&(_, &t)| matches!(t, UNKNOWN | CONTROL | USER_DEFINED))
                 .map(|(i, &t)| {
                     json!({"id": i, "content": tokens[i], "single_word": false, "lstrip": false,
                            "rstrip": false, "normalized": false, "special": t != USER_DEFINED})

@@ -65,7 +65,7 @@ pub fn load_tokens(
             ids.len()
         )));
     }
-    if let Some((i, bad_id)) = ids.iter().enumerate().find(|(_, &t)| t as usize >= vocab) {
+    if let Some((i, bad_id)) = ids.iter().enumerate().find(|&(_, &t)| t as usize >= vocab) {
         return Err(bad(format!("token {i} is {bad_id}, past the vocabulary of {vocab}")));
     }
     Ok(ids)
