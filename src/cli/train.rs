@@ -1022,11 +1022,7 @@ fn train_once<T: Float>(
 
     let order = ops(layers, cfg.activations, k);
     let bandwidth = match (&opt, phase) {
-        (Some(_), Phase::Train) => {
-            let mut m = strata::Machine::unknown("this machine (measured now)");
-            m.measure(&store, cfg.threads)?;
-            Some(m)
-        }
+        (Some(_), Phase::Train) => Some(strata::Machine::measured(&store, cfg.threads)?),
         _ => None,
     };
     let mut peak = [0u64; 5];

@@ -19,6 +19,28 @@ use crate::{Machine, Store};
 const LINK_BYTES: usize = 256 << 20;
 
 impl Machine {
+    /// This machine as [`Machine::measure`] finds it with `threads` host threads on `store`'s
+    /// backend (CUDA or the host), measured the first time a process asks for that backend and
+    /// thread count and reused after: each measurement is about a second of copies, and the
+    /// rates do not change between the optimizers and runs of one process.
+    /// [`Engine::Auto`](crate::optim::Engine::Auto) chooses from it.
+    pub fn measured(store: &Store, threads: usize) -> Result<Machine> {
+        type Seen = Vec<((bool, usize), Machine)>;
+        static SEEN: std::sync::Mutex<Seen> = std::sync::Mutex::new(Vec::new());
+        let key = (store.cuda_context().is_some(), threads);
+        let seen = |k: &(bool, usize)| {
+            let list = SEEN.lock().unwrap_or_else(|e| e.into_inner());
+            list.iter().find(|(have, _)| have == k).map(|(_, m)| m.clone())
+        };
+        if let Some(m) = seen(&key) {
+            return Ok(m);
+        }
+        let mut m = Machine::unknown("this machine (measured in this process)");
+        m.measure(store, threads)?;
+        SEEN.lock().unwrap_or_else(|e| e.into_inner()).push((key, m.clone()));
+        Ok(m)
+    }
+
     /// Measures what the optimizer's engine choice and the trainer's floor need on `store`'s
     /// backend, in about a second: the link ([`Machine::measure_link`]), the host's copy rate
     /// over `threads` threads (0: every core; a copy of 256 MiB, median of five,

@@ -798,8 +798,7 @@ impl Optimizer {
                 let grad = cfg.grad_dtype.unwrap_or(dtype);
                 let stats = store.stats();
                 let caps = [0, 1, 2, 3].map(|t| stats.tiers[t].capacity);
-                let mut machine = Machine::unknown("this machine (measured now)");
-                machine.measure(&store, cfg.threads)?;
+                let machine = Machine::measured(&store, cfg.threads)?;
                 let c = choose(&cfg.algorithm, elems, dtype, grad, &cfg.traffic, caps, &machine);
                 let e = c.engine;
                 choice = Some(c);
