@@ -54,9 +54,18 @@ fn ids(n: usize) -> Vec<TensorId> {
     (0..n).map(|i| store.put(&format!("t{i}"), DType::U8, &[1], &[0]).expect("put")).collect()
 }
 
+/// The group every bench here runs in: 2 s of measurement after 0.5 s of warm-up, or, with
+/// `STRATA_BENCH_BRIEF` set (the GPU scripts' host dry run: `benches/gpu/run --host`, in CI),
+/// 10 samples in 0.2 s after 0.05 s: enough to show each bench runs and to print a figure, not
+/// to measure one.
 fn quick(c: &mut Criterion) -> criterion::BenchmarkGroup<'_, criterion::measurement::WallTime> {
     let mut g = c.benchmark_group("bookkeeping");
-    g.measurement_time(Duration::from_secs(2)).warm_up_time(Duration::from_millis(500));
+    if std::env::var_os("STRATA_BENCH_BRIEF").is_some() {
+        g.sample_size(10).measurement_time(Duration::from_millis(200));
+        g.warm_up_time(Duration::from_millis(50));
+    } else {
+        g.measurement_time(Duration::from_secs(2)).warm_up_time(Duration::from_millis(500));
+    }
     g
 }
 
