@@ -13,7 +13,8 @@
 //! once it declared its backend failed), then the call is retried; a trainer that cannot go on
 //! (its store's backend declared failed) is replaced by a new one resumed from the run's
 //! newest checkpoint. Every run must end with the clean run's losses, weights and moments, bit
-//! for bit.
+//! for bit. The same survey runs QLoRA over a quantized GGUF base (`tests/fixtures/tiny-gpt2.gguf`,
+//! read in place from the file): the adapters and their moments must end as the clean run's.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -66,6 +67,11 @@ fn batches(step: u64, t: &TrainConfig) -> Vec<Tensor> {
 /// A store whose Device tier holds about one block, whose Pinned tier cannot hold every moment
 /// (the rest go to the Disk tier).
 fn store(dir: &Path, engine: Engine) -> strata::Result<Arc<Store>> {
+    store_of(dir, engine, 200 << 10)
+}
+
+/// [`store`] with a Pinned tier of `pinned` bytes.
+fn store_of(dir: &Path, engine: Engine, pinned: u64) -> strata::Result<Arc<Store>> {
     // GpuResident: room for the moments it brings to the device beside a block's weights.
     let device = if engine == Engine::GpuResident { 256 << 10 } else { 48 << 10 };
     Ok(Arc::new(
@@ -73,7 +79,7 @@ fn store(dir: &Path, engine: Engine) -> strata::Result<Arc<Store>> {
             .host_backend()
             .capacity(Tier::Device, device)
             .prefetch_budget(48 << 10)
-            .capacity(Tier::Pinned, 200 << 10)
+            .capacity(Tier::Pinned, pinned)
             .capacity(Tier::Mapped, 0)
             .capacity(Tier::Disk, 4 << 20)
             .disk_dir(dir.join("slab"))
@@ -84,10 +90,50 @@ fn store(dir: &Path, engine: Engine) -> strata::Result<Arc<Store>> {
 }
 
 fn trainer(dir: &Path, engine: Engine) -> candle_core::Result<Trainer> {
-    let s = store(dir, engine)?;
-    let c = config();
-    let w = put_random_weights(&s, &c, 7, strata::DType::F32)?;
-    Trainer::new(s, &Device::Cpu, c, train(engine), w)
+    trainer_over(dir, engine, Base::Random)
+}
+
+/// What a run trains.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Base {
+    /// [`config`]'s model, random f32 weights, every weight trained.
+    Random,
+    /// QLoRA: rank-2 adapters on `q_proj` and `v_proj` over `tests/fixtures/tiny-gpt2.gguf` (2
+    /// blocks of hidden 64, Q8_0, Q4_1 and Q4_0 weights loaded quantized and in place in the
+    /// file).
+    Gguf,
+}
+
+fn gguf_path() -> std::path::PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny-gpt2.gguf")
+}
+
+fn trainer_over(dir: &Path, engine: Engine, base: Base) -> candle_core::Result<Trainer> {
+    match base {
+        Base::Random => {
+            let s = store(dir, engine)?;
+            let c = config();
+            let w = put_random_weights(&s, &c, 7, strata::DType::F32)?;
+            Trainer::new(s, &Device::Cpu, c, train(engine), w)
+        }
+        Base::Gguf => {
+            // A Pinned tier smaller than the base: some of its weights are read from the file
+            // at each step.
+            let s = store_of(dir, engine, 24 << 10)?;
+            let c = LlamaConfig::from_gguf(&strata::Gguf::open(gguf_path())?)?;
+            let w = strata::candle::load_weights(&s, &c, gguf_path())?;
+            Trainer::new(s, &Device::Cpu, c, train_over(engine, base), w)
+        }
+    }
+}
+
+/// [`train`], with LoRA's adapters for a [`Base::Gguf`] run.
+fn train_over(engine: Engine, base: Base) -> TrainConfig {
+    let lora = match base {
+        Base::Random => None,
+        Base::Gguf => Some(strata::candle::lora::LoraConfig::new(2, 4.0, &["q_proj", "v_proj"])),
+    };
+    TrainConfig { lora, ..train(engine) }
 }
 
 /// The weights and moments, after the last updates.
@@ -126,16 +172,16 @@ struct Tally {
 /// save that follows it.
 fn run(
     dir: &Path,
-    engine: Engine,
+    (engine, base): (Engine, Base),
     arm: &dyn Fn(),
     sticky: bool,
     t: &mut Tally,
 ) -> Result<(Vec<u32>, Vec<Vec<u8>>), String> {
     let err = |what: &str, e: candle_core::Error| format!("{what}: {e}");
     let ckpts = dir.join("run");
-    let mut tr = trainer(dir, engine).map_err(|e| err("the trainer", e))?;
+    let mut tr = trainer_over(dir, engine, base).map_err(|e| err("the trainer", e))?;
     let mut losses = Vec::new();
-    let tc = train(engine);
+    let tc = train_over(engine, base);
     let mut stores = 0;
     let call = |tr: &mut Trainer, t: &mut Tally, what: u8| -> candle_core::Result<Option<f32>> {
         match what {
@@ -201,7 +247,7 @@ fn run(
                         return Err(format!("no way past: {e}"));
                     }
                     let fresh = dir.join(format!("store-{stores}"));
-                    tr = trainer(&fresh, engine).map_err(|e| err("a new trainer", e))?;
+                    tr = trainer_over(&fresh, engine, base).map_err(|e| err("a new trainer", e))?;
                     if Checkpoint::newest(&ckpts).map_err(|e| err("the run", e))?.is_some() {
                         tr.resume(&ckpts).map_err(|e| err("resuming", e))?;
                         t.resumed += 1;
@@ -225,8 +271,9 @@ fn run(
     Ok((losses, st))
 }
 
-/// The survey at `per_site` passes of each site (spread over its count), for both engines.
-fn survey(per_site: u64) {
+/// The survey at `per_site` passes of each site (spread over its count), for each of `kinds`
+/// (an engine and what it trains).
+fn survey(per_site: u64, kinds: &[(Engine, Base)]) {
     let _turn = super::ARMED.lock().unwrap_or_else(|e| e.into_inner());
     let sites: Vec<Site> = Site::ALL
         .into_iter()
@@ -236,13 +283,14 @@ fn survey(per_site: u64) {
         (0u64, 0u64, 0u64, Vec::new(), Vec::new());
     let (mut saves_ok, mut saves_refused, mut resumed, mut restarted) = (0u64, 0u64, 0u64, 0u64);
     let mut saves_backend_failed = 0u64;
-    for engine in [Engine::Cpu, Engine::GpuResident] {
+    for &(engine, base) in kinds {
+        let kind = (engine, base);
         let dir = tempfile::tempdir().unwrap();
-        let clean = run(&dir.path().join("clean"), engine, &|| {}, false, &mut Tally::default())
-            .unwrap_or_else(|e| panic!("{engine}: the clean run failed: {e}"));
+        let clean = run(&dir.path().join("clean"), kind, &|| {}, false, &mut Tally::default())
+            .unwrap_or_else(|e| panic!("{engine}, {base:?}: the clean run failed: {e}"));
         assert_eq!(clean.0.len() as u64, STEPS);
         let _ =
-            run(&dir.path().join("count"), engine, &failpoint::count, false, &mut Tally::default());
+            run(&dir.path().join("count"), kind, &failpoint::count, false, &mut Tally::default());
         let passes: Vec<(Site, u64)> = sites.iter().map(|&s| (s, failpoint::hits(s))).collect();
         failpoint::disarm();
         for (site, n) in passes {
@@ -264,7 +312,7 @@ fn survey(per_site: u64) {
                         _ => Fault::Backend,
                     };
                     let ctx = format!(
-                        "{engine}, {site:?} #{k} of {n}, {}",
+                        "{engine}, {base:?}, {site:?} #{k} of {n}, {}",
                         if sticky { "sticky" } else { "transient" }
                     );
                     let arm = move || {
@@ -282,7 +330,7 @@ fn survey(per_site: u64) {
                     }
                     let d = tempfile::tempdir().unwrap();
                     let mut t = Tally::default();
-                    let r = run(d.path(), engine, &arm, sticky, &mut t);
+                    let r = run(d.path(), kind, &arm, sticky, &mut t);
                     failpoint::disarm();
                     faults += u64::from(t.fired);
                     failed_calls += t.failed_calls;
@@ -325,14 +373,29 @@ fn survey(per_site: u64) {
 /// Every site at the middle of its passes, transient and sticky, both engines (in CI).
 #[test]
 fn the_trainer_survives_a_fault_at_every_site() {
-    survey(1);
+    survey(1, &[(Engine::Cpu, Base::Random), (Engine::GpuResident, Base::Random)]);
+}
+
+/// QLoRA over a quantized GGUF base (its weights read in place from the file, the adapters
+/// and their moments trained): every site at the middle of its passes, transient and sticky.
+/// The adapters, their moments and the checkpoints end as the clean run's, bit for bit.
+#[test]
+fn qlora_over_a_gguf_base_survives_a_fault_at_every_site() {
+    survey(1, &[(Engine::Cpu, Base::Gguf)]);
 }
 
 /// Six passes of every site (about two minutes on two cores).
 #[test]
 #[ignore = "minutes: cargo test --features failpoints,candle --test faults every_site_six -- --ignored --nocapture"]
 fn the_trainer_survives_faults_at_every_site_six_passes_each() {
-    survey(6);
+    survey(
+        6,
+        &[
+            (Engine::Cpu, Base::Random),
+            (Engine::GpuResident, Base::Random),
+            (Engine::Cpu, Base::Gguf),
+        ],
+    );
 }
 
 /// A step retried after a transient fault is the clean step, and the last complete step can be
