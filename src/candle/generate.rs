@@ -8,12 +8,14 @@
 //! round trip through the store copies bytes), so on one device their logits are equal bit for
 //! bit and they generate the same tokens (`tests/candle/generate.rs`).
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
 use candle_core::{DType as CDType, Device, Tensor};
 
+use super::linear::Adapter;
 use super::llama::{
     block_forward, embed, head_logits, BlockWeights, KvCache, Rope, SeededRng, EMBED,
 };
@@ -540,6 +542,43 @@ impl InMemoryLlama {
     pub fn dtype(&self) -> CDType {
         self.dtype
     }
+
+    /// Applies the LoRA adapter `adapter` unmerged, as [`OutOfCoreLlama::with_adapter`] does.
+    pub fn with_adapter(
+        mut self,
+        adapter: &super::lora::LoadedAdapter,
+    ) -> candle_core::Result<InMemoryLlama> {
+        let adapters = block_adapters(&self.config, adapter, &self.device)?;
+        for (block, a) in self.blocks.iter_mut().zip(adapters) {
+            block.adapters = a;
+        }
+        Ok(self)
+    }
+}
+
+/// `adapter`'s adapters, block by block, on `device`; one of a weight that is not a block's
+/// projection (`model.layers.N.self_attn.q_proj.weight` ... `mlp.down_proj.weight`) is refused.
+fn block_adapters(
+    config: &LlamaConfig,
+    adapter: &super::lora::LoadedAdapter,
+    device: &Device,
+) -> candle_core::Result<Vec<HashMap<String, Adapter>>> {
+    let projection = |n: &str| {
+        super::llama_config::BLOCK_TENSORS.iter().any(|t| t.ends_with("_proj.weight") && *t == n)
+    };
+    for name in adapter.linears() {
+        let placed = (0..config.num_hidden_layers).any(|l| {
+            name.strip_prefix(&LlamaConfig::block_prefix(l)).is_some_and(|w| projection(w))
+        });
+        if !placed {
+            candle_core::bail!(
+                "a LoRA adapter of {name}: adapters apply to the projections of the model's {} \
+                 blocks",
+                config.num_hidden_layers
+            );
+        }
+    }
+    (0..config.num_hidden_layers).map(|l| adapter.block(l, device)).collect()
 }
 
 impl CausalLm for InMemoryLlama {
@@ -680,6 +719,9 @@ pub struct OutOfCoreLlama {
     /// Each block's tensors' names, and the head's.
     blocks: Vec<Vec<String>>,
     head: Vec<String>,
+    /// Each block's LoRA adapters, applied unmerged ([`OutOfCoreLlama::with_adapter`]); empty
+    /// maps without them.
+    adapters: Vec<HashMap<String, Adapter>>,
 }
 
 impl std::fmt::Debug for OutOfCoreLlama {
@@ -719,7 +761,23 @@ impl OutOfCoreLlama {
             resident: Vec::new(),
             blocks: (0..config.num_hidden_layers).map(|l| config.block_names(l)).collect(),
             head: config.head_names().iter().map(|s| s.to_string()).collect(),
+            adapters: vec![HashMap::new(); config.num_hidden_layers],
         })
+    }
+
+    /// Applies the LoRA adapter `adapter` unmerged: each adapted projection computes
+    /// `W·x + scale · B·(A·x)` (PEFT's arithmetic, `A` and `B` in f32 on the candle device),
+    /// `W` as it is fetched (a quantized weight dequantized where its block is fetched, its
+    /// bytes in the store unchanged). For a quantized base, whose weights cannot take a merge;
+    /// over f32 or bf16 weights [`LoadedAdapter::merge_into`](super::lora::LoadedAdapter::merge_into)
+    /// computes the same without the adapter's matrix products. An adapter of a weight that is
+    /// not one of a block's projections is refused, naming it.
+    pub fn with_adapter(
+        mut self,
+        adapter: &super::lora::LoadedAdapter,
+    ) -> candle_core::Result<OutOfCoreLlama> {
+        self.adapters = block_adapters(&self.config, adapter, self.layers.device())?;
+        Ok(self)
     }
 
     /// The config.
@@ -765,20 +823,29 @@ impl OutOfCoreLlama {
         names.iter().map(String::as_str).collect()
     }
 
-    /// Block `l`'s weights in the compute dtype: resident, or fetched (`next` prefetched).
+    /// Block `l`'s weights in the compute dtype, with its adapters: resident, or fetched
+    /// (`next` prefetched).
     fn block(&self, l: usize, next: &[&str]) -> candle_core::Result<BlockWeights> {
-        if let Some(w) = self.resident.get(l) {
-            self.layers.prefetch(next)?;
-            return Ok(w.clone());
+        let mut bw = match self.resident.get(l) {
+            Some(w) => {
+                self.layers.prefetch(next)?;
+                w.clone()
+            }
+            None => {
+                let w = self.layers.fetch(&Self::refs(&self.blocks[l]), next)?;
+                let p = LlamaConfig::block_prefix(l);
+                BlockWeights::from_fn(&self.config, |s| {
+                    let name = format!("{p}{s}");
+                    w.get(&name)
+                        .ok_or_else(|| candle_core::Error::CannotFindTensor { path: name }.bt())?
+                        .to_dtype(self.dtype)
+                })?
+            }
+        };
+        if let Some(a) = self.adapters.get(l).filter(|a| !a.is_empty()) {
+            bw.adapters = a.clone();
         }
-        let w = self.layers.fetch(&Self::refs(&self.blocks[l]), next)?;
-        let p = LlamaConfig::block_prefix(l);
-        BlockWeights::from_fn(&self.config, |s| {
-            let name = format!("{p}{s}");
-            w.get(&name)
-                .ok_or_else(|| candle_core::Error::CannotFindTensor { path: name }.bt())?
-                .to_dtype(self.dtype)
-        })
+        Ok(bw)
     }
 
     /// The names prefetched after stage `s` (0..blocks: block `s`; `blocks`: the head): the

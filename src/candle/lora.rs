@@ -2,9 +2,11 @@
 //! alpha, the target linears by name, rsLoRA), the adapters a config puts on a block
 //! ([`adapter_specs`]), PEFT's initialisation (`A` Kaiming-uniform with `a = sqrt(5)`, `B`
 //! zero), PEFT's files (`adapter_model.safetensors` with PEFT's tensor names,
-//! `adapter_config.json`: [`write_adapter_config`], [`read_adapter`]) and the merge
+//! `adapter_config.json`: [`write_adapter_config`], [`read_adapter`]), the merge
 //! `W + scale · B·A` ([`merge`]; into a store's base weights, for generating from an adapter
-//! without a merged copy on disk: [`merge_adapter_into`]).
+//! without a merged copy on disk: [`merge_adapter_into`]), and an adapter read for a model's
+//! weights and applied unmerged beside them ([`LoadedAdapter`]: over a quantized base, which
+//! cannot take a merge).
 //!
 //! The trainer ([`Trainer`](super::Trainer)) trains adapters over a frozen base streamed
 //! through the store: `TrainConfig::lora`. PEFT's names: the adapter of
@@ -450,23 +452,329 @@ pub struct MergedAdapter {
     pub linears: Vec<String>,
 }
 
-/// Merges the PEFT adapter in `dir` ([`read_adapter`]) into the base weights that `weights`
-/// names in `store`: each adapted linear's `W` becomes `W + scale · B·A`, computed in f32 and
-/// written back in `W`'s dtype (f32 or bf16), as [`Trainer::save_merged`](super::Trainer::save_merged)
-/// and PEFT's `merge_and_unload` compute it. Then the model computes the fine-tuned weights
-/// with no adapter code: generation from a LoRA fine-tune without writing a merged copy
-/// (`candle_generate --adapter DIR`).
+/// A PEFT adapter directory read for a model whose weights are in a store, and checked against
+/// them ([`LoadedAdapter::read`]): to merge into those weights ([`LoadedAdapter::merge_into`],
+/// for f32 and bf16 weights) or to apply unmerged, `y = W·x + scale · B·(A·x)` beside each
+/// adapted linear (`OutOfCoreLlama::with_adapter`, `InMemoryLlama::with_adapter`: over a
+/// quantized GGUF base, whose weights stay quantized in the store and are dequantized where a
+/// block is fetched).
 ///
-/// Everything is checked before anything is written: each `lora_A` has its `lora_B` and the
-/// other way round, every value finite; each pair adapts a linear that the config's `target_modules` names and
-/// `weights` holds (`model.layers.3.self_attn.q_proj.weight` for `...q_proj.lora_A.weight`),
-/// with `A` of `[rank, in]` and `B` of `[out, rank]` against `W`'s `[out, in]` and the config's
-/// rank. Each weight's bytes before the merge are kept in the store (group `Other`, where the
-/// store has room: host memory, else its Disk tier) until every merge is written; a write that
-/// fails puts back the weights merged before it, so that on an error every tensor is as it
-/// was, unless putting one back fails too (the error then names the weights left merged). The
-/// store's tensors change, never a file they were loaded from ([`Store::write`] writes a new
-/// copy).
+/// ```no_run
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// use strata::candle::{load_weights, lora::LoadedAdapter, store_for, Layers, LlamaConfig, OutOfCoreLlama};
+/// use candle_core::{DType, Device};
+/// let path = "SmolLM2-135M-Instruct.Q4_1.gguf";
+/// let config = LlamaConfig::from_gguf(&strata::Gguf::open(path)?)?;
+/// let store = store_for(&Device::Cpu, strata::Store::builder())?;
+/// let weights = load_weights(&store, &config, path)?; // quantized, in place
+/// let adapter = LoadedAdapter::read(&store, &weights, "my-adapter")?;
+/// let layers = Layers::new(store, weights, &Device::Cpu)?;
+/// let model = OutOfCoreLlama::new(layers, &config, DType::F32)?.with_adapter(&adapter)?;
+/// # Ok(()) }
+/// ```
+#[derive(Clone, Debug)]
+pub struct LoadedAdapter {
+    /// The adapter's config (rank, alpha, targets, rsLoRA), from its `adapter_config.json`.
+    pub config: LoraConfig,
+    /// `(weight, A, B)` for each adapted linear, in the model's order of the `weights` it was
+    /// read for: the weight's name (`model.layers.3.self_attn.q_proj.weight`), `A` of `[rank,
+    /// in]` and `B` of `[out, rank]`, f32 on the CPU.
+    pub pairs: Vec<(String, Tensor, Tensor)>,
+}
+
+impl LoadedAdapter {
+    /// Reads the PEFT adapter in `dir` ([`read_adapter`]) for the model whose weights are
+    /// `weights` in `store`. Everything is checked: each `lora_A` has its `lora_B` and the
+    /// other way round, every value finite; each pair adapts a linear that the config's
+    /// `target_modules` names and `weights` holds (`model.layers.3.self_attn.q_proj.weight`
+    /// for `...q_proj.lora_A.weight`), with `A` of `[rank, in]` and `B` of `[out, rank]`
+    /// against `W`'s `[out, in]` and the config's rank; and every linear of the model's blocks
+    /// that the targets name has its pair (an adapter of some layers only is refused, as the
+    /// trainer refuses it). Nothing in the store changes.
+    pub fn read(
+        store: &Store,
+        weights: &[(String, TensorId)],
+        dir: impl AsRef<Path>,
+    ) -> candle_core::Result<LoadedAdapter> {
+        let dir = dir.as_ref();
+        let (config, mut tensors) = read_adapter(dir)?;
+        config.validate()?;
+        let file = dir.join(ADAPTER_FILE);
+        // Pair each A with its B, and both with the weight they adapt.
+        let mut pairs: Vec<(usize, Tensor, Tensor)> = Vec::new();
+        let mut names: Vec<String> = tensors.keys().cloned().collect();
+        names.sort();
+        for name in &names {
+            let Some(linear) = name.strip_suffix(".lora_A.weight") else {
+                if let Some(linear) = name.strip_suffix(".lora_B.weight") {
+                    if !names.contains(&format!("{linear}.lora_A.weight")) {
+                        candle_core::bail!(
+                            "{}: {name} has no {linear}.lora_A.weight beside it",
+                            file.display()
+                        );
+                    }
+                }
+                continue;
+            };
+            let base = format!("{linear}.weight");
+            if !config.targets_linear(&base) {
+                candle_core::bail!(
+                    "{}: {name} adapts {base}, which the adapter's target_modules {:?} do not \
+                     name",
+                    file.display(),
+                    config.targets
+                );
+            }
+            let Some(index) = weights.iter().position(|(n, _)| *n == base) else {
+                candle_core::bail!(
+                    "{}: {name} adapts {base}, which the model does not have (another \
+                     architecture's adapter?)",
+                    file.display()
+                );
+            };
+            let a = tensors.remove(name).expect("listed");
+            let Some(b) = tensors.remove(&format!("{linear}.lora_B.weight")) else {
+                candle_core::bail!(
+                    "{}: {name} has no {linear}.lora_B.weight beside it",
+                    file.display()
+                );
+            };
+            let info = store.info(weights[index].1).map_err(|e| super::strata_err(&base, e))?;
+            let w = info.shape.as_slice();
+            let ok =
+                w.len() == 2 && a.dims() == [config.rank, w[1]] && b.dims() == [w[0], config.rank];
+            if !ok {
+                candle_core::bail!(
+                    "{}: {name} is {:?} and its B {:?}; {base} is {w:?} and the adapter's rank \
+                     {}: A must be [rank, in], B [out, rank]",
+                    file.display(),
+                    a.dims(),
+                    b.dims(),
+                    config.rank
+                );
+            }
+            for (t, which) in [(&a, name.clone()), (&b, format!("{linear}.lora_B.weight"))] {
+                let finite = t.flatten_all()?.to_vec1::<f32>()?.iter().all(|x| x.is_finite());
+                if !finite {
+                    candle_core::bail!(
+                        "{}: {which} holds a NaN or an infinity: applied, it would make {base} \
+                         so (a diverged run's adapter?)",
+                        file.display()
+                    );
+                }
+            }
+            pairs.push((index, a, b));
+        }
+        if pairs.is_empty() {
+            candle_core::bail!("{}: no LoRA adapter in it", file.display());
+        }
+        // Every linear of the model's blocks that the adapter's targets name must have its
+        // adapter, as the trainer refuses an adapter that does not hold each of the run's: one
+        // for some layers only would run a model that is neither the base nor the fine-tune.
+        let missing: Vec<&str> = weights
+            .iter()
+            .enumerate()
+            .filter(|(i, (n, id))| {
+                n.contains(".layers.")
+                    && config.targets_linear(n)
+                    && store.info(*id).is_ok_and(|t| t.shape.len() == 2)
+                    && !pairs.iter().any(|p| p.0 == *i)
+            })
+            .map(|(_, (n, _))| n.as_str())
+            .collect();
+        if let Some(first) = missing.first() {
+            candle_core::bail!(
+                "{}: the adapter's target_modules {:?} name {} linears of the model and it \
+                 holds adapters of {}: none for {first}{}: an adapter of some layers only (of a \
+                 smaller model?) is refused, as the trainer refuses it",
+                file.display(),
+                config.targets,
+                missing.len() + pairs.len(),
+                pairs.len(),
+                if missing.len() > 1 {
+                    format!(" and {} more", missing.len() - 1)
+                } else {
+                    String::new()
+                }
+            );
+        }
+        pairs.sort_by_key(|p| p.0);
+        let pairs = pairs.into_iter().map(|(i, a, b)| (weights[i].0.clone(), a, b)).collect();
+        Ok(LoadedAdapter { config, pairs })
+    }
+
+    /// The names of the weights adapted, in the model's order.
+    pub fn linears(&self) -> Vec<String> {
+        self.pairs.iter().map(|(n, ..)| n.clone()).collect()
+    }
+
+    /// Whether [`LoadedAdapter::merge_into`] can merge it: every weight adapted is f32 or bf16
+    /// in `store` (a quantized or f16 one is applied unmerged instead).
+    pub fn mergeable(
+        &self,
+        store: &Store,
+        weights: &[(String, TensorId)],
+    ) -> candle_core::Result<bool> {
+        for (name, ..) in &self.pairs {
+            let id =
+                weights.iter().find(|(n, _)| n == name).map(|(_, id)| *id).ok_or_else(|| {
+                    candle_core::Error::CannotFindTensor { path: name.clone() }.bt()
+                })?;
+            let info = store.info(id).map_err(|e| super::strata_err(name, e))?;
+            if !matches!(info.dtype, DType::F32 | DType::BF16) {
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    }
+
+    /// The adapters of block `layer` as a block's forward applies them ([`Adapter`], by their
+    /// weight's name within the block: `self_attn.q_proj.weight`), `A` and `B` on `device` in
+    /// f32 (PEFT's arithmetic: the input cast to the adapter's dtype).
+    pub fn block(
+        &self,
+        layer: usize,
+        device: &Device,
+    ) -> candle_core::Result<HashMap<String, super::linear::Adapter>> {
+        let prefix = LlamaConfig::block_prefix(layer);
+        let scale = self.config.scale();
+        let mut out = HashMap::new();
+        for (name, a, b) in &self.pairs {
+            if let Some(within) = name.strip_prefix(&prefix) {
+                let adapter = super::linear::Adapter {
+                    a: a.to_device(device)?,
+                    b: b.to_device(device)?,
+                    scale,
+                };
+                out.insert(within.to_string(), adapter);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Merges it into the base weights `weights` names in `store` (those it was read for):
+    /// each adapted linear's `W` becomes `W + scale · B·A`, computed in f32 and written back in
+    /// `W`'s dtype (f32 or bf16; a quantized or f16 weight is refused, naming it, before
+    /// anything is written: apply the adapter unmerged over it). [`merge_adapter_into`] says
+    /// how a failure leaves the weights.
+    pub fn merge_into(
+        &self,
+        store: &Store,
+        weights: &[(String, TensorId)],
+    ) -> candle_core::Result<MergedAdapter> {
+        let mut pairs: Vec<(usize, &Tensor, &Tensor)> = Vec::with_capacity(self.pairs.len());
+        for (name, a, b) in &self.pairs {
+            let index = weights
+                .iter()
+                .position(|(n, _)| n == name)
+                .ok_or_else(|| candle_core::Error::CannotFindTensor { path: name.clone() }.bt())?;
+            let info = store.info(weights[index].1).map_err(|e| super::strata_err(name, e))?;
+            if !matches!(info.dtype, DType::F32 | DType::BF16) {
+                candle_core::bail!(
+                    "{name} is {}: adapters merge into f32 or bf16 weights (over a quantized \
+                     GGUF base the adapter is applied unmerged: LoadedAdapter with \
+                     OutOfCoreLlama::with_adapter, or strata generate --adapter DIR)",
+                    info.dtype
+                );
+            }
+            pairs.push((index, a, b));
+        }
+        let scale = self.config.scale();
+        // The weights merged so far, with a copy of their bytes before in the store: put back
+        // if a later write fails.
+        let mut done: Vec<(usize, TensorId)> = Vec::with_capacity(pairs.len());
+        let mut run = || -> candle_core::Result<()> {
+            for &(index, a, b) in &pairs {
+                let (name, id) = &weights[index];
+                let info = store.info(*id).map_err(|e| super::strata_err(name, e))?;
+                let (before, w) = match info.dtype {
+                    DType::BF16 => {
+                        let v = store
+                            .read_vec::<half::bf16>(*id)
+                            .map_err(|e| super::strata_err(name, e))?;
+                        let w: Vec<f32> = v.iter().map(|x| x.to_f32()).collect();
+                        (bytemuck::cast_slice::<half::bf16, u8>(&v).to_vec(), w)
+                    }
+                    _ => {
+                        let v =
+                            store.read_vec::<f32>(*id).map_err(|e| super::strata_err(name, e))?;
+                        (bytemuck::cast_slice::<f32, u8>(&v).to_vec(), v)
+                    }
+                };
+                let w = Tensor::from_vec(w, info.shape.as_slice(), &Device::Cpu)?;
+                let m = merge(&w, a, b, scale)?.flatten_all()?.to_vec1::<f32>()?;
+                let bytes = match info.dtype {
+                    DType::BF16 => {
+                        let v: Vec<half::bf16> =
+                            m.iter().map(|&x| half::bf16::from_f32(x)).collect();
+                        bytemuck::cast_slice::<half::bf16, u8>(&v).to_vec()
+                    }
+                    _ => bytemuck::cast_slice::<f32, u8>(&m).to_vec(),
+                };
+                let backup = store
+                    .put_group(
+                        &format!("{name}.before-lora-merge"),
+                        crate::Group::Other,
+                        info.dtype,
+                        &info.shape,
+                        &before,
+                    )
+                    .map_err(|e| super::strata_err(name, e))?;
+                drop(before);
+                if let Err(e) = store.write(*id, &bytes) {
+                    if let Err(r) = store.remove(backup) {
+                        store.shared.defer_err(r);
+                    }
+                    return Err(super::strata_err(name, e));
+                }
+                done.push((index, backup));
+            }
+            Ok(())
+        };
+        let result = run();
+        let mut kept = Vec::new();
+        for (index, backup) in done.iter().rev() {
+            if result.is_err() {
+                let (name, id) = &weights[*index];
+                if store.read(*backup).and_then(|b| store.write(*id, &b)).is_err() {
+                    // Its bytes before stay in the backup, which the error names.
+                    kept.push(format!("{name} (its weights before in {name}.before-lora-merge)"));
+                    continue;
+                }
+            }
+            if let Err(r) = store.remove(*backup) {
+                store.shared.defer_err(r);
+            }
+        }
+        if let Err(e) = result {
+            if kept.is_empty() {
+                return Err(e);
+            }
+            candle_core::bail!(
+                "{e}; and putting back the weights merged before it failed: {} still merged \
+                 (load the base again)",
+                kept.join(", ")
+            );
+        }
+        Ok(MergedAdapter { config: self.config.clone(), linears: self.linears() })
+    }
+}
+
+/// Merges the PEFT adapter in `dir` into the base weights that `weights` names in `store`
+/// ([`LoadedAdapter::read`], then [`LoadedAdapter::merge_into`]): each adapted linear's `W`
+/// becomes `W + scale · B·A`, computed in f32 and written back in `W`'s dtype (f32 or bf16),
+/// as [`Trainer::save_merged`](super::Trainer::save_merged) and PEFT's `merge_and_unload`
+/// compute it. Then the model computes the fine-tuned weights with no adapter code: generation
+/// from a LoRA fine-tune without writing a merged copy (`strata generate --adapter DIR`). A
+/// quantized or f16 weight is refused by name (apply the adapter unmerged over it:
+/// [`LoadedAdapter`]).
+///
+/// Everything [`LoadedAdapter::read`] checks is checked before anything is written. Each
+/// weight's bytes before the merge are kept in the store (group `Other`, where the store has
+/// room: host memory, else its Disk tier) until every merge is written; a write that fails puts
+/// back the weights merged before it, so that on an error every tensor is as it was, unless
+/// putting one back fails too (the error then names the weights left merged). The store's
+/// tensors change, never a file they were loaded from ([`Store::write`] writes a new copy).
 ///
 /// ```no_run
 /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -484,190 +792,5 @@ pub fn merge_adapter_into(
     weights: &[(String, TensorId)],
     dir: impl AsRef<Path>,
 ) -> candle_core::Result<MergedAdapter> {
-    let dir = dir.as_ref();
-    let (config, mut tensors) = read_adapter(dir)?;
-    config.validate()?;
-    let file = dir.join(ADAPTER_FILE);
-    // Pair each A with its B, and both with the weight they adapt.
-    let mut pairs: Vec<(usize, Tensor, Tensor)> = Vec::new();
-    let mut names: Vec<String> = tensors.keys().cloned().collect();
-    names.sort();
-    for name in &names {
-        let Some(linear) = name.strip_suffix(".lora_A.weight") else {
-            if let Some(linear) = name.strip_suffix(".lora_B.weight") {
-                if !names.contains(&format!("{linear}.lora_A.weight")) {
-                    candle_core::bail!(
-                        "{}: {name} has no {linear}.lora_A.weight beside it",
-                        file.display()
-                    );
-                }
-            }
-            continue;
-        };
-        let base = format!("{linear}.weight");
-        if !config.targets_linear(&base) {
-            candle_core::bail!(
-                "{}: {name} adapts {base}, which the adapter's target_modules {:?} do not name",
-                file.display(),
-                config.targets
-            );
-        }
-        let Some(index) = weights.iter().position(|(n, _)| *n == base) else {
-            candle_core::bail!(
-                "{}: {name} adapts {base}, which the model does not have (another \
-                 architecture's adapter?)",
-                file.display()
-            );
-        };
-        let a = tensors.remove(name).expect("listed");
-        let Some(b) = tensors.remove(&format!("{linear}.lora_B.weight")) else {
-            candle_core::bail!(
-                "{}: {name} has no {linear}.lora_B.weight beside it",
-                file.display()
-            );
-        };
-        let info = store.info(weights[index].1).map_err(|e| super::strata_err(&base, e))?;
-        let w = info.shape.as_slice();
-        let ok = w.len() == 2 && a.dims() == [config.rank, w[1]] && b.dims() == [w[0], config.rank];
-        if !ok {
-            candle_core::bail!(
-                "{}: {name} is {:?} and its B {:?}; {base} is {w:?} and the adapter's rank {}: \
-                 A must be [rank, in], B [out, rank]",
-                file.display(),
-                a.dims(),
-                b.dims(),
-                config.rank
-            );
-        }
-        for (t, which) in [(&a, name.clone()), (&b, format!("{linear}.lora_B.weight"))] {
-            let finite = t.flatten_all()?.to_vec1::<f32>()?.iter().all(|x| x.is_finite());
-            if !finite {
-                candle_core::bail!(
-                    "{}: {which} holds a NaN or an infinity: merged, it would make {base} so \
-                     (a diverged run's adapter?)",
-                    file.display()
-                );
-            }
-        }
-        if !matches!(info.dtype, DType::F32 | DType::BF16) {
-            candle_core::bail!(
-                "{base} is {}: adapters merge into f32 or bf16 weights (over a quantized GGUF \
-                 base, export the merged model with strata finetune --export-merged DIR and \
-                 run that)",
-                info.dtype
-            );
-        }
-        pairs.push((index, a, b));
-    }
-    if pairs.is_empty() {
-        candle_core::bail!("{}: no LoRA adapter in it", file.display());
-    }
-    // Every linear of the model's blocks that the adapter's targets name must have its
-    // adapter, as the trainer refuses an adapter that does not hold each of the run's: one for
-    // some layers only would run a model that is neither the base nor the fine-tune.
-    let missing: Vec<&str> = weights
-        .iter()
-        .enumerate()
-        .filter(|(i, (n, id))| {
-            n.contains(".layers.")
-                && config.targets_linear(n)
-                && store.info(*id).is_ok_and(|t| t.shape.len() == 2)
-                && !pairs.iter().any(|p| p.0 == *i)
-        })
-        .map(|(_, (n, _))| n.as_str())
-        .collect();
-    if let Some(first) = missing.first() {
-        candle_core::bail!(
-            "{}: the adapter's target_modules {:?} name {} linears of the model and it holds \
-             adapters of {}: none for {first}{}: an adapter of some layers only (of a smaller \
-             model?) is refused, as the trainer refuses it",
-            file.display(),
-            config.targets,
-            missing.len() + pairs.len(),
-            pairs.len(),
-            if missing.len() > 1 {
-                format!(" and {} more", missing.len() - 1)
-            } else {
-                String::new()
-            }
-        );
-    }
-    pairs.sort_by_key(|p| p.0);
-    let scale = config.scale();
-    // The weights merged so far, with a copy of their bytes before in the store: put back if a
-    // later write fails.
-    let mut done: Vec<(usize, TensorId)> = Vec::with_capacity(pairs.len());
-    let mut run = || -> candle_core::Result<()> {
-        for (index, a, b) in &pairs {
-            let (name, id) = &weights[*index];
-            let info = store.info(*id).map_err(|e| super::strata_err(name, e))?;
-            let (before, w) = match info.dtype {
-                DType::BF16 => {
-                    let v = store
-                        .read_vec::<half::bf16>(*id)
-                        .map_err(|e| super::strata_err(name, e))?;
-                    let w: Vec<f32> = v.iter().map(|x| x.to_f32()).collect();
-                    (bytemuck::cast_slice::<half::bf16, u8>(&v).to_vec(), w)
-                }
-                _ => {
-                    let v = store.read_vec::<f32>(*id).map_err(|e| super::strata_err(name, e))?;
-                    (bytemuck::cast_slice::<f32, u8>(&v).to_vec(), v)
-                }
-            };
-            let w = Tensor::from_vec(w, info.shape.as_slice(), &Device::Cpu)?;
-            let m = merge(&w, a, b, scale)?.flatten_all()?.to_vec1::<f32>()?;
-            let bytes = match info.dtype {
-                DType::BF16 => {
-                    let v: Vec<half::bf16> = m.iter().map(|&x| half::bf16::from_f32(x)).collect();
-                    bytemuck::cast_slice::<half::bf16, u8>(&v).to_vec()
-                }
-                _ => bytemuck::cast_slice::<f32, u8>(&m).to_vec(),
-            };
-            let backup = store
-                .put_group(
-                    &format!("{name}.before-lora-merge"),
-                    crate::Group::Other,
-                    info.dtype,
-                    &info.shape,
-                    &before,
-                )
-                .map_err(|e| super::strata_err(name, e))?;
-            drop(before);
-            if let Err(e) = store.write(*id, &bytes) {
-                if let Err(r) = store.remove(backup) {
-                    store.shared.defer_err(r);
-                }
-                return Err(super::strata_err(name, e));
-            }
-            done.push((*index, backup));
-        }
-        Ok(())
-    };
-    let result = run();
-    let mut kept = Vec::new();
-    for (index, backup) in done.iter().rev() {
-        if result.is_err() {
-            let (name, id) = &weights[*index];
-            if store.read(*backup).and_then(|b| store.write(*id, &b)).is_err() {
-                // Its bytes before stay in the backup, which the error names.
-                kept.push(format!("{name} (its weights before in {name}.before-lora-merge)"));
-                continue;
-            }
-        }
-        if let Err(r) = store.remove(*backup) {
-            store.shared.defer_err(r);
-        }
-    }
-    if let Err(e) = result {
-        if kept.is_empty() {
-            return Err(e);
-        }
-        candle_core::bail!(
-            "{e}; and putting back the weights merged before it failed: {} still merged \
-             (load the base again)",
-            kept.join(", ")
-        );
-    }
-    let linears = pairs.iter().map(|(i, _, _)| weights[*i].0.clone()).collect();
-    Ok(MergedAdapter { config, linears })
+    LoadedAdapter::read(store, weights, dir)?.merge_into(store, weights)
 }

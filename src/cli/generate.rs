@@ -47,7 +47,8 @@ pub struct GenerateArgs {
     /// Writes the weights and config there (model.safetensors, config.json) before generating.
     #[arg(long, value_name = "DIR")]
     pub save_model: Option<PathBuf>,
-    /// A PEFT LoRA adapter merged into the base weights in the store before generating.
+    /// A PEFT LoRA adapter: merged into the base weights in the store before generating, or
+    /// applied unmerged over a quantized GGUF base.
     #[arg(long, value_name = "DIR")]
     pub adapter: Option<PathBuf>,
     /// A prompt as token ids (`1,2,3`); repeat for a batch.
@@ -644,18 +645,22 @@ pub fn run(args: GenerateArgs) -> Res<()> {
         Some(path) => load_weights(&store, &config, path)?,
         None => put_random_weights(&store, &config, a.init_seed, init_dtype)?,
     };
+    let mut unmerged = None;
     if let Some(dir) = &a.adapter {
-        let m = strata::candle::lora::merge_adapter_into(&store, &weights, dir)?;
-        out!(
-            "merged the LoRA adapter {} (rank {}, alpha {}{}) into {} linears",
-            dir.display(),
-            m.config.rank,
-            m.config.alpha,
-            if m.config.rslora { ", rsLoRA" } else { "" },
-            m.linears.len()
-        )?;
+        let (adapter, line) = model::adapter(&store, &weights, dir)?;
+        out!("{line}")?;
+        unmerged = adapter;
     }
     if let Some(dir) = &a.save_model {
+        if unmerged.is_some() {
+            return Err(format!(
+                "--save-model {}: the adapter is applied unmerged over a quantized base, which \
+                 a safetensors file cannot hold: export the merged model with strata finetune \
+                 --export-merged DIR --export-dtype f32|bf16",
+                dir.display()
+            )
+            .into());
+        }
         std::fs::create_dir_all(dir)?;
         let ids: Vec<_> = weights.iter().map(|(_, id)| *id).collect();
         store.save_safetensors(dir.join("model.safetensors"), &ids)?;
@@ -680,8 +685,11 @@ pub fn run(args: GenerateArgs) -> Res<()> {
         for (name, _) in &weights {
             map.insert(name.clone(), backend.get_unchecked(name, dtype, &device)?);
         }
-        let model = InMemoryLlama::new(&config, &map, dtype, &device)?;
+        let mut model = InMemoryLlama::new(&config, &map, dtype, &device)?;
         drop(map);
+        if let Some(adapter) = &unmerged {
+            model = model.with_adapter(adapter)?;
+        }
         generate_all(&model, &a, &p, &sampling)?.tokens
     } else {
         let mut sizes = Vec::with_capacity(weights.len());
@@ -690,7 +698,10 @@ pub fn run(args: GenerateArgs) -> Res<()> {
         }
         let stored: u64 = sizes.iter().map(|s| s.1).sum();
         let layers = Layers::new(store.clone(), weights, &device)?;
-        let model = OutOfCoreLlama::new(layers, &config, dtype)?;
+        let mut model = OutOfCoreLlama::new(layers, &config, dtype)?;
+        if let Some(adapter) = &unmerged {
+            model = model.with_adapter(adapter)?;
+        }
         let k = match a.resident {
             None => 0,
             Some(Some(k)) => k,

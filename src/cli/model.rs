@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 
 use candle_core::DType as CDType;
 
+use strata::candle::lora::LoadedAdapter;
 use strata::candle::text::{eos_tokens, ChatTemplate, Tokenizer};
 use strata::candle::{load_weights, CausalLm, Layers, LlamaConfig, OutOfCoreLlama};
 
@@ -175,6 +176,36 @@ pub fn text_side(path: &Path, vocab: usize) -> Res<TextSide> {
     Ok(TextSide { tokenizer: tok, template, eos, eos_from })
 }
 
+/// `--adapter DIR` over the model's weights in `store`: merged into them where they are f32 or
+/// bf16 ([`LoadedAdapter::merge_into`](strata::candle::lora::LoadedAdapter::merge_into)), else
+/// (a quantized GGUF base) returned to be applied unmerged beside them
+/// (`OutOfCoreLlama::with_adapter`); with a phrase that says which.
+pub fn adapter(
+    store: &strata::Store,
+    weights: &[(String, strata::TensorId)],
+    dir: &Path,
+) -> Res<(Option<LoadedAdapter>, String)> {
+    let a = LoadedAdapter::read(store, weights, dir)?;
+    let c = &a.config;
+    let what = format!(
+        "the LoRA adapter {} (rank {}, alpha {}{})",
+        dir.display(),
+        c.rank,
+        c.alpha,
+        if c.rslora { ", rsLoRA" } else { "" }
+    );
+    if a.mergeable(store, weights)? {
+        let m = a.merge_into(store, weights)?;
+        return Ok((None, format!("merged {what} into {} linears", m.linears.len())));
+    }
+    let line = format!(
+        "applied {what} unmerged over {} linears of a quantized base (W dequantized as each \
+         block is fetched, plus scale·B·A·x)",
+        a.pairs.len()
+    );
+    Ok((Some(a), line))
+}
+
 /// How the model is loaded: the flags `chat` and `serve` share.
 #[derive(clap::Args, Debug, Clone)]
 pub struct ModelFlags {
@@ -190,8 +221,8 @@ pub struct ModelFlags {
     /// tokenizer_config.json gives the chat template), or a GGUF file's.
     #[arg(long, value_name = "FILE")]
     pub tokenizer: Option<PathBuf>,
-    /// A PEFT LoRA adapter directory merged into the weights in the store (the model's files
-    /// are not touched).
+    /// A PEFT LoRA adapter directory: merged into the weights in the store (the model's files
+    /// are not touched), or applied unmerged over a quantized GGUF base.
     #[arg(long, value_name = "DIR")]
     pub adapter: Option<PathBuf>,
     /// What the model computes in: f32, bf16 or f16.
@@ -266,15 +297,11 @@ impl Llm {
             .capacity(strata::Tier::Pinned, room.saturating_add(64 << 20));
         let store = strata::candle::store_for(&device, builder)?;
         let weights = load_weights(&store, &config, &m.weights)?;
-        let mut merged = String::new();
+        let (mut merged, mut unmerged) = (String::new(), None);
         if let Some(dir) = &flags.adapter {
-            let a = strata::candle::lora::merge_adapter_into(&store, &weights, dir)?;
-            merged = format!(
-                "; the LoRA adapter {} (rank {}) merged into {} linears",
-                dir.display(),
-                a.config.rank,
-                a.linears.len()
-            );
+            let (a, line) = adapter(&store, &weights, dir)?;
+            merged = format!("; {line}");
+            unmerged = a;
         }
         if flags.resident > config.num_hidden_layers {
             return Err(format!(
@@ -284,7 +311,11 @@ impl Llm {
             .into());
         }
         let layers = Layers::new(store, weights, &device)?;
-        let model = OutOfCoreLlama::new(layers, &config, dtype)?.with_resident(flags.resident)?;
+        let mut model =
+            OutOfCoreLlama::new(layers, &config, dtype)?.with_resident(flags.resident)?;
+        if let Some(a) = &unmerged {
+            model = model.with_adapter(a)?;
+        }
         let summary = format!(
             "{}: {:.1} M parameters, {} blocks ({} resident), {dtype:?} on {:?}, device budget \
              {}{merged}",

@@ -3,8 +3,9 @@
 //! finished run left alone, a diverging run, Ctrl-C (SIGINT and SIGTERM) saving a checkpoint
 //! that resumes to the uninterrupted run's losses, and the crash test: the trainer killed at
 //! random moments of its saves and resumed each time, ending bit for bit where the
-//! uninterrupted run ends. QLoRA over a quantized GGUF base the same way (killed during its
-//! steps and saves, diverging).
+//! uninterrupted run ends. QLoRA over quantized GGUF bases the same way (killed during its steps
+//! and saves, diverging), and the adapter it trains applied unmerged by `generate` and `chat`
+//! over the quantized base, against the merged export.
 //!
 //! `cargo test --features text --test candle train_cli -- --nocapture` runs these (and prints
 //! the crash test's figures); the sixty-kill crash test is `cargo test --features text --test
@@ -786,6 +787,8 @@ fn qlora_over_a_gguf_base_trains_resumes_and_exports_a_dequantized_merged_model(
     let mut lora = strings(&["--model", &gguf, "--jsonl", &data, "--lora-rank", "4"]);
     lora.extend(strings(&["--seq", "16", "--micro-batch", "1", "--accum", "2", "--steps", "6"]));
     lora.extend(strings(&["--lr", "2e-2", "--device-budget", "64KiB"]));
+    // The link and host rates given, not measured (a second a run).
+    lora.extend(strings(&["--pcie", "50", "--host-bandwidth", "20"]));
     let mut args = lora.clone();
     args.extend(strings(&["--save", whole.to_str().unwrap(), "--export-merged"]));
     args.push(merged.to_str().unwrap().to_string());
@@ -833,16 +836,55 @@ fn qlora_over_a_gguf_base_trains_resumes_and_exports_a_dequantized_merged_model(
         }
     }
     assert_eq!(st, 2 + 2 * 9, "the embedding, the final norm and 2 blocks of 9 tensors");
-    // The merged model and the GGUF base chat, each with its own tokenizer and template.
-    for model in [merged.to_str().unwrap(), gguf.as_str()] {
+    // The merged model and the GGUF base chat, each with its own tokenizer and template; the
+    // base with the run's adapter applied unmerged (`--adapter`, a checkpoint of the run: a PEFT
+    // adapter directory) says what the merged model says.
+    let adapter = Checkpoint::newest(&whole).unwrap().unwrap();
+    let adapter = adapter.to_str().unwrap();
+    let mut said = Vec::new();
+    for (model, extra) in [
+        (merged.to_str().unwrap(), &[][..]),
+        (gguf.as_str(), &[][..]),
+        (gguf.as_str(), &["--adapter", adapter][..]),
+    ] {
         let out = Command::new(env!("CARGO_BIN_EXE_strata"))
             .args(["generate", "--model", model, "--chat", "--prompt", "What is strata?"])
-            .args(["--max-new", "4", "--device-budget", "64KiB"])
+            .args(["--max-new", "6", "--device-budget", "64KiB"])
+            .args(extra)
             .stdin(Stdio::null())
             .output()
             .unwrap();
         let (o, e) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-        assert!(out.status.success(), "{model}: {e}");
+        assert!(out.status.success(), "{model} {extra:?}: {e}");
         assert!(o.contains("stops at [2]"), "{model}: {o}");
+        if !extra.is_empty() {
+            assert!(o.contains("applied the LoRA adapter") && o.contains("unmerged"), "{o}");
+        }
+        said.push(o.lines().last().unwrap_or_default().to_string());
     }
+    assert_eq!(said[2], said[0], "the adapter unmerged and the merged export");
+    // `strata chat` (and `serve`, which loads the model as chat does) takes it too.
+    let mut answers = Vec::new();
+    for (model, extra) in
+        [(merged.to_str().unwrap(), &[][..]), (gguf.as_str(), &["--adapter", adapter][..])]
+    {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_strata"))
+            .args(["chat", "--model", model, "--max-new", "6", "--device-budget", "64KiB"])
+            .args(extra)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        use std::io::Write;
+        c.stdin.take().unwrap().write_all(b"What is strata?\n").unwrap();
+        let out = c.wait_with_output().unwrap();
+        let (o, e) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        assert!(out.status.success(), "chat {model} {extra:?}: {e}");
+        if !extra.is_empty() {
+            assert!(e.contains("applied the LoRA adapter"), "{e}");
+        }
+        answers.push(o.into_owned());
+    }
+    assert_eq!(answers[0], answers[1], "chat: the adapter unmerged and the merged export");
 }
