@@ -16,7 +16,7 @@ use std::path::Path;
 use super::llama_config::bad_config;
 use super::strata_err;
 use super::LlamaConfig;
-use crate::base::types::{Group, TensorId};
+use crate::base::types::{DType, Group, TensorId};
 use crate::{Gguf, GgufValue, LoadOptions, Store};
 
 /// The architectures read (`general.architecture`).
@@ -345,6 +345,106 @@ pub fn load_gguf_weights(
         }
     }
     res
+}
+
+/// Whether a base of weights of `dtypes` needs [`widen_for_training`]: the trainer computes a
+/// base in one float dtype, f32 or bf16, counting quantized weights as f32 (it dequantizes them
+/// to f32); f16 is not one of them, and bf16 beside f32 or quantized weights is another. So:
+/// any f16 weight, or bf16 weights beside others.
+pub fn needs_widening(dtypes: impl IntoIterator<Item = DType>) -> bool {
+    let (mut f16, mut bf16, mut other) = (false, false, false);
+    for d in dtypes {
+        match d {
+            DType::F16 => f16 = true,
+            DType::BF16 => bf16 = true,
+            _ => other = true,
+        }
+    }
+    f16 || (bf16 && other)
+}
+
+/// A GGUF base's weights (`weights`, as [`load_gguf_weights`] loads them) as the trainer takes
+/// them: real files mix types (norms in F32, an embedding table in F16, blocks in Q4_K and
+/// Q6_K), and the trainer computes a base in one float dtype, counting quantized weights as
+/// f32. When [`needs_widening`] says so, each f16 and bf16 weight is replaced in `store` by an
+/// f32 copy (exact: every f16 and bf16 value is an f32 value), group `Param`, under its Hugging
+/// Face name (`NAME.f32` where the store has a tensor of that name); the replaced tensors are
+/// removed (their bytes stay in the file). The copies cost 2 more bytes an element in host
+/// memory and through the Device tier; quantized weights stay quantized. Otherwise `weights`
+/// comes back as it is. On an error every copy made is removed and the store holds `weights`
+/// as they were.
+///
+/// ```
+/// # fn main() -> candle_core::Result<()> {
+/// use strata::candle::{load_weights, widen_for_training, LlamaConfig};
+/// // Q4_K and Q6_K blocks, F32 norms, an F16 embedding table (tests/fixtures/gen_mixed.py).
+/// let path = "tests/fixtures/mixed.gguf";
+/// let config = LlamaConfig::from_gguf(&strata::Gguf::open(path)?)?;
+/// let store = strata::candle::store_for(&candle_core::Device::Cpu, strata::Store::builder())?;
+/// let weights = widen_for_training(&store, load_weights(&store, &config, path)?)?;
+/// let embed = weights.iter().find(|(n, _)| n == "model.embed_tokens.weight").unwrap().1;
+/// assert_eq!(store.info(embed)?.dtype, strata::DType::F32);
+/// # Ok(()) }
+/// ```
+pub fn widen_for_training(
+    store: &Store,
+    weights: Vec<(String, TensorId)>,
+) -> candle_core::Result<Vec<(String, TensorId)>> {
+    let mut infos = Vec::with_capacity(weights.len());
+    for (name, id) in &weights {
+        infos.push(store.info(*id).map_err(|e| strata_err(name, e))?);
+    }
+    if !needs_widening(infos.iter().map(|i| i.dtype)) {
+        return Ok(weights);
+    }
+    // (the copy, the tensor it replaces)
+    let mut made: Vec<(TensorId, TensorId)> = Vec::new();
+    let res = (|| -> candle_core::Result<Vec<(String, TensorId)>> {
+        let mut out = Vec::with_capacity(weights.len());
+        for ((name, id), info) in weights.iter().zip(&infos) {
+            let values: Vec<f32> = match info.dtype {
+                DType::F16 => {
+                    let v = store.read_vec::<half::f16>(*id).map_err(|e| strata_err(name, e))?;
+                    v.into_iter().map(f32::from).collect()
+                }
+                DType::BF16 => {
+                    let v = store.read_vec::<half::bf16>(*id).map_err(|e| strata_err(name, e))?;
+                    v.into_iter().map(f32::from).collect()
+                }
+                _ => {
+                    out.push((name.clone(), *id));
+                    continue;
+                }
+            };
+            let as_named = match store.lookup(name) {
+                None => name.clone(),
+                Some(_) => format!("{name}.f32"),
+            };
+            let bytes = bytemuck::cast_slice::<f32, u8>(&values);
+            let copy = store
+                .put_group(&as_named, Group::Param, DType::F32, &info.shape, bytes)
+                .map_err(|e| strata_err(name, e))?;
+            made.push((copy, *id));
+            out.push((name.clone(), copy));
+        }
+        Ok(out)
+    })();
+    match res {
+        Ok(out) => {
+            for (_, old) in &made {
+                store.remove(*old).map_err(|e| strata_err("a widened weight's original", e))?;
+            }
+            Ok(out)
+        }
+        Err(e) => {
+            for (copy, _) in &made {
+                if let Err(r) = store.remove(*copy) {
+                    store.shared.defer_err(r);
+                }
+            }
+            Err(e)
+        }
+    }
 }
 
 #[cfg(test)]

@@ -66,7 +66,7 @@ pub use generate::{
     generate, generate_batch, CausalLm, Generated, InMemoryCache, InMemoryLlama, OutOfCoreLlama,
     Sampler, Sampling, StoreKvCache,
 };
-pub use gguf::{hf_name, load_gguf_weights};
+pub use gguf::{hf_name, load_gguf_weights, needs_widening, widen_for_training};
 pub use layers::{LayerWeights, Layers, Transfers};
 pub use llama_config::{LlamaConfig, RopeScaling};
 pub use train::config::TrainConfig;

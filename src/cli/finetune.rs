@@ -184,6 +184,10 @@ pub struct FinetuneArgs {
     /// After the last step, the model with the adapters merged: a Hugging Face model directory.
     #[arg(long, value_name = "DIR")]
     pub export_merged: Option<PathBuf>,
+    /// The merged export's weights: f32 or bf16 (default: the base's dtype; a quantized GGUF
+    /// base's in f32).
+    #[arg(long, value_parser = train_dtype, value_name = "f32|bf16", requires = "export_merged")]
+    pub export_dtype: Option<DType>,
     /// A document: tokenized, packed into rows of seq + 1.
     #[arg(long, value_name = "FILE")]
     pub text: Option<PathBuf>,
@@ -292,6 +296,7 @@ struct Args {
     rslora: bool,
     adapter: Option<PathBuf>,
     export_merged: Option<PathBuf>,
+    export_dtype: Option<DType>,
     text: Option<PathBuf>,
     jsonl: Option<PathBuf>,
     tokenizer: Option<PathBuf>,
@@ -353,6 +358,7 @@ impl FinetuneArgs {
             rslora: self.rslora,
             adapter: self.adapter,
             export_merged: self.export_merged,
+            export_dtype: self.export_dtype,
             text: self.text,
             jsonl: self.jsonl,
             tokenizer,
@@ -912,7 +918,8 @@ pub fn run(args: FinetuneArgs) -> Res<Ended> {
 
     // Every output the run will write, checked before anything is allocated or trained: a bad
     // target must not cost the whole run.
-    let params_bytes = config.parameters().saturating_mul(dtype.size_of() as u64);
+    let export_dtype = a.export_dtype.unwrap_or(dtype);
+    let params_bytes = config.parameters().saturating_mul(export_dtype.size_of() as u64);
     strata::candle::train::check_outputs(&strata::candle::train::OutputPlan {
         save: a.save.clone(),
         resuming: ck.as_ref().map(|c| c.run),
@@ -976,6 +983,10 @@ pub fn run(args: FinetuneArgs) -> Res<Ended> {
     // A LoRA run's checkpoint holds no base: the base is the run's --model (or its seed).
     let lora_resume = ck.as_ref().is_some_and(|c| c.train.lora.is_some());
     let weights = match (&base_model, &ck) {
+        // A GGUF base's f16 and bf16 weights beside others, widened to f32 for the trainer.
+        (Some(p), _) if (ck.is_none() || lora_resume) && model::is_gguf(p) => {
+            strata::candle::widen_for_training(&store, load_weights(&store, &config, p)?)?
+        }
         (Some(p), _) if ck.is_none() || lora_resume => load_weights(&store, &config, p)?,
         (_, Some(ck)) if !lora_resume => {
             load_weights(&store, &config, ck.path.join("model.safetensors.index.json"))?
@@ -1165,7 +1176,7 @@ pub fn run(args: FinetuneArgs) -> Res<Ended> {
         }
         if let Some(dir) = &a.export_merged {
             let t = Instant::now();
-            trainer.save_merged(dir)?;
+            trainer.save_merged_as(dir, a.export_dtype)?;
             // A model directory a user can run or upload: the base's tokenizer, chat template
             // and generation config beside the merged weights.
             let tokenizer = a
@@ -1267,7 +1278,8 @@ fn given_figures(m: &mut Machine, a: &Args) {
 }
 
 /// The run's memory plan; a GGUF base's weights are planned at the bytes they are stored in
-/// (quantized blocks), the others at `dtype`'s.
+/// (quantized blocks; f16 and bf16 ones widened to f32 beside others at 4 bytes an element),
+/// the others at `dtype`'s.
 fn plan_for(
     config: &LlamaConfig,
     train: &TrainConfig,
@@ -1280,10 +1292,19 @@ fn plan_for(
         return Ok(TrainPlan::new(config, train, dtype, machine, budgets)?);
     };
     let file = strata::Gguf::open(path)?;
-    let sizes: HashMap<String, u64> = file
+    let tensors: Vec<(String, &strata::GgufTensor)> = file
         .tensors()
         .iter()
-        .filter_map(|t| Some((strata::candle::hf_name(&t.name)?, t.bytes)))
+        .filter_map(|t| Some((strata::candle::hf_name(&t.name)?, t)))
+        .collect();
+    // f16 and bf16 weights beside others are trained widened to f32 (`widen_for_training`).
+    let widen = strata::candle::needs_widening(tensors.iter().map(|(_, t)| t.dtype));
+    let sizes: HashMap<String, u64> = tensors
+        .iter()
+        .map(|(name, t)| match t.dtype {
+            DType::F16 | DType::BF16 if widen => (name.clone(), 2 * t.bytes),
+            _ => (name.clone(), t.bytes),
+        })
         .collect();
     let elem = dtype.size_of() as u64;
     let stored = |name: &str, shape: &[usize]| {

@@ -888,3 +888,57 @@ fn qlora_over_a_gguf_base_trains_resumes_and_exports_a_dequantized_merged_model(
     }
     assert_eq!(answers[0], answers[1], "chat: the adapter unmerged and the merged export");
 }
+
+/// QLoRA over a GGUF file whose tensors are of several types (`tests/fixtures/mixed.gguf`: an
+/// F16 embedding table tied to the output, Q4_K, Q6_K and Q8_0 blocks, F32 norms and a BF16
+/// one; the f16 and bf16 weights widened to f32 for the trainer, the quantized ones kept
+/// quantized): it trains, its merged export (`--export-dtype f32`) is f32 with a `config.json`
+/// saying so, and `strata generate --adapter` over the quantized base (the adapter unmerged)
+/// gives the export's greedy tokens, which are not the base's; the base alone gives the
+/// file's reference tokens.
+#[test]
+fn qlora_over_a_gguf_of_mixed_types_and_its_adapter_unmerged_generate_as_the_merged_export() {
+    let gguf = format!("{}/tests/fixtures/mixed.gguf", env!("CARGO_MANIFEST_DIR"));
+    let dir = tempfile::tempdir().unwrap();
+    let (ck, merged) = (dir.path().join("ck"), dir.path().join("merged"));
+    let mut args = strings(&["--model", &gguf, "--lora-rank", "4", "--seq", "8", "--accum", "1"]);
+    args.extend(strings(&["--lora-targets", "q_proj,v_proj,down_proj", "--micro-batch", "1"]));
+    args.extend(strings(&["--steps", "3", "--lr", "5e-2", "--device-budget", "256KiB"]));
+    args.extend(strings(&["--pcie", "50", "--host-bandwidth", "20"]));
+    args.extend(strings(&["--save", ck.to_str().unwrap(), "--export-merged"]));
+    args.extend(strings(&[merged.to_str().unwrap(), "--export-dtype", "f32"]));
+    let r = run(&args, Duration::from_secs(300));
+    assert_eq!(r.code, Some(0), "{}", r.stderr);
+    assert_eq!(losses(&r.stdout).len(), 3, "{}", r.stdout);
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(merged.join("config.json")).unwrap())
+            .unwrap();
+    assert_eq!(cfg["torch_dtype"], "float32");
+    for (name, bytes) in tensors(&merged) {
+        assert!(name.contains(" F32 "), "{name}");
+        assert!(!bytes.is_empty());
+    }
+    let adapter = Checkpoint::newest(&ck).unwrap().unwrap();
+    let generate = |model: &str, extra: &[&str]| -> String {
+        let out = Command::new(env!("CARGO_BIN_EXE_strata"))
+            .args(["generate", "--model", model, "--prompt-tokens", "1,5,9", "--max-new", "8"])
+            .args(["--stop-tokens", "none", "--device-budget", "256KiB"])
+            .args(extra)
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        let (o, e) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        assert!(out.status.success(), "{model} {extra:?}: {e}");
+        if !extra.is_empty() {
+            assert!(o.contains("unmerged over 6 linears of a quantized base"), "{o}");
+        }
+        o.lines().last().unwrap_or_default().to_string()
+    };
+    let base = generate(&gguf, &[]);
+    // The file's reference tokens for this prompt (`test.greedy.0`, gen_mixed.py).
+    assert_eq!(base, "28,13,24,55,55,55,55,55");
+    let unmerged = generate(&gguf, &["--adapter", adapter.to_str().unwrap()]);
+    let exported = generate(merged.to_str().unwrap(), &[]);
+    assert_eq!(unmerged, exported, "the adapter unmerged and the merged export");
+    assert_ne!(unmerged, base, "the adapter changed nothing");
+}

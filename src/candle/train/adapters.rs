@@ -1,6 +1,7 @@
 //! What a trainer does with its LoRA adapters beside training them: save them in PEFT's format
 //! ([`Trainer::save_adapter`]), start from a PEFT adapter ([`Trainer::load_adapter`]), export
-//! the model with the adapters merged ([`Trainer::save_merged`]); and the forward alone
+//! the model with the adapters merged ([`Trainer::save_merged`], in a dtype of your choice:
+//! [`Trainer::save_merged_as`]); and the forward alone
 //! ([`Trainer::logits`]).
 
 use std::collections::BTreeMap;
@@ -200,7 +201,27 @@ impl Trainer {
     /// removed by the next export beside it. The files get the mode new files get (0666 less
     /// the umask). Ends the last step's updates first. `dir` must not exist, or be an empty
     /// directory ([`check_outputs`](super::check_outputs) checks it before a run).
+    /// [`Trainer::save_merged_as`] chooses the weights' dtype.
     pub fn save_merged(&mut self, dir: impl AsRef<Path>) -> candle_core::Result<()> {
+        self.save_merged_as(dir, None)
+    }
+
+    /// [`Trainer::save_merged`], every weight written in `dtype` (f32 or bf16: the merge in f32
+    /// rounded once to bf16, as `merge_and_unload` on a bf16 model, then `save_pretrained`,
+    /// rounds it), or with `None` in the weights' own dtype (bf16 stays bf16; f32, f16 and
+    /// quantized weights are written in f32). `config.json` names the dtype written
+    /// (`torch_dtype`). Another dtype is refused before anything is written.
+    ///
+    /// A quantized base's export in bf16 (`--export-dtype bf16`) is half the f32 one's bytes; it
+    /// is what `from_pretrained(dir, dtype=torch.bfloat16)` would compute from the f32 export.
+    pub fn save_merged_as(
+        &mut self,
+        dir: impl AsRef<Path>,
+        dtype: Option<DType>,
+    ) -> candle_core::Result<()> {
+        if let Some(d) = dtype.filter(|d| !matches!(d, DType::F32 | DType::BF16)) {
+            candle_core::bail!("a merged export in {d}: f32 or bf16");
+        }
         self.check_whole()?;
         self.settle()?;
         let dir = dir.as_ref();
@@ -229,7 +250,7 @@ impl Trainer {
             // The mode a new directory gets (0777 less the umask), as the other files' are.
             std::fs::DirBuilder::new().mode(0o777).create(&tmp).map_err(|e| io(&tmp, e))?;
         }
-        let written = self.write_merged(&tmp).and_then(|()| {
+        let written = self.write_merged(&tmp, dtype).and_then(|()| {
             if dir.exists() {
                 std::fs::remove_dir(dir).map_err(|e| io(dir, e))?;
             }
@@ -243,10 +264,12 @@ impl Trainer {
         written
     }
 
-    /// The merged model's files in the new directory `tmp`, each flushed to disk, then the
-    /// directory.
-    fn write_merged(&self, tmp: &Path) -> candle_core::Result<()> {
+    /// The merged model's files in the new directory `tmp` (the weights in `dtype`, or their
+    /// own: [`Trainer::save_merged_as`]), each flushed to disk, then the directory.
+    fn write_merged(&self, tmp: &Path, dtype: Option<DType>) -> candle_core::Result<()> {
         let stages = self.config.num_hidden_layers + 2;
+        let mut written: Option<DType> = None;
+        let mut mixed = false;
         let scale = self.train.lora.as_ref().map_or(1.0, LoraConfig::scale);
         let mut map = serde_json::Map::new();
         let meta = std::collections::HashMap::from([("format".to_string(), "pt".to_string())]);
@@ -277,21 +300,22 @@ impl Trainer {
                         merge(&w, &get(&s.a.0)?, &get(&s.b.0)?, scale)?
                     }
                 };
-                // A quantized base weight (a GGUF file's) is written dequantized, in f32.
-                let (dtype, bytes): (DType, Vec<u8>) = match info.dtype {
-                    DType::BF16 => (
-                        DType::BF16,
-                        bytemuck::cast_slice(
-                            &w.to_dtype(CDType::BF16)?.flatten_all()?.to_vec1::<half::bf16>()?,
-                        )
-                        .to_vec(),
-                    ),
-                    _ => (
-                        DType::F32,
-                        bytemuck::cast_slice(&w.flatten_all()?.to_vec1::<f32>()?).to_vec(),
-                    ),
+                // A quantized base weight (a GGUF file's) is written dequantized: in f32, or
+                // in the dtype asked for.
+                let out = dtype.unwrap_or(match info.dtype {
+                    DType::BF16 => DType::BF16,
+                    _ => DType::F32,
+                });
+                let bytes: Vec<u8> = match out {
+                    DType::BF16 => bytemuck::cast_slice(
+                        &w.to_dtype(CDType::BF16)?.flatten_all()?.to_vec1::<half::bf16>()?,
+                    )
+                    .to_vec(),
+                    _ => bytemuck::cast_slice(&w.flatten_all()?.to_vec1::<f32>()?).to_vec(),
                 };
-                tensors.push((p.name.clone(), dtype, info.shape, bytes));
+                mixed |= written.is_some_and(|d| d != out);
+                written = Some(out);
+                tensors.push((p.name.clone(), out, info.shape, bytes));
             }
             if tensors.is_empty() {
                 continue;
@@ -319,7 +343,16 @@ impl Trainer {
         }
         let index = serde_json::json!({ "metadata": {}, "weight_map": map });
         write_synced(&tmp.join("model.safetensors.index.json"), index.to_string().as_bytes())?;
-        write_synced(&tmp.join("config.json"), self.config.to_json().as_bytes())?;
+        // The dtype the weights are in, as transformers records it (`torch_dtype`).
+        let config = LlamaConfig {
+            dtype: match (written, mixed) {
+                (Some(DType::BF16), false) => Some(CDType::BF16),
+                (Some(_), false) => Some(CDType::F32),
+                _ => None,
+            },
+            ..self.config.clone()
+        };
+        write_synced(&tmp.join("config.json"), config.to_json().as_bytes())?;
         sync_dir(tmp)
     }
 
