@@ -567,9 +567,8 @@ fn block_adapters(
         super::llama_config::BLOCK_TENSORS.iter().any(|t| t.ends_with("_proj.weight") && *t == n)
     };
     for name in adapter.linears() {
-        let placed = (0..config.num_hidden_layers).any(|l| {
-            name.strip_prefix(&LlamaConfig::block_prefix(l)).is_some_and(|w| projection(w))
-        });
+        let placed = (0..config.num_hidden_layers)
+            .any(|l| name.strip_prefix(&LlamaConfig::block_prefix(l)).is_some_and(&projection));
         if !placed {
             candle_core::bail!(
                 "a LoRA adapter of {name}: adapters apply to the projections of the model's {} \

@@ -916,6 +916,19 @@ pub fn run(args: FinetuneArgs) -> Res<Ended> {
         )?;
     }
 
+    // A merged export of a GGUF base carries the file's tokenizer as Hugging Face's files:
+    // one strata cannot read is refused now, not after the run.
+    if a.export_merged.is_some() {
+        let tokenizer = a
+            .tokenizer
+            .clone()
+            .or_else(|| base_model.as_deref().and_then(|m| model::tokenizer_path(m, None)));
+        if let Some(t) = tokenizer.filter(|t| model::is_gguf(t)) {
+            strata::candle::text::GgufText::read(&strata::Gguf::open(&t)?).map_err(|e| {
+                format!("--export-merged: the tokenizer of {} for the export: {e}", t.display())
+            })?;
+        }
+    }
     // Every output the run will write, checked before anything is allocated or trained: a bad
     // target must not cost the whole run.
     let export_dtype = a.export_dtype.unwrap_or(dtype);
@@ -1014,9 +1027,23 @@ pub fn run(args: FinetuneArgs) -> Res<Ended> {
         let mut init = HashMap::new();
         for (name, id) in &weights {
             let info = store.info(*id)?;
+            if info.dtype.is_quantized() && train.is_trained(name) {
+                return Err(format!(
+                    "{name} is {}: a quantized weight is not trained; train LoRA adapters over \
+                     it (--lora-rank R) or --freeze it",
+                    info.dtype
+                )
+                .into());
+            }
             let t = match info.dtype {
                 DType::BF16 => Tensor::from_vec(
                     store.read_vec::<half::bf16>(*id)?,
+                    info.shape.as_slice(),
+                    &device,
+                )?,
+                // A GGUF base's quantized weights, dequantized as the out-of-core trainer does.
+                q if q.is_quantized() => Tensor::from_vec(
+                    strata::quant::dequantize(q, &store.read(*id)?)?,
                     info.shape.as_slice(),
                     &device,
                 )?,

@@ -942,3 +942,58 @@ fn qlora_over_a_gguf_of_mixed_types_and_its_adapter_unmerged_generate_as_the_mer
     assert_eq!(unmerged, exported, "the adapter unmerged and the merged export");
     assert_ne!(unmerged, base, "the adapter changed nothing");
 }
+
+/// The resident twin (`--in-memory`) over a quantized GGUF base: its weights dequantized once,
+/// LoRA trains over them, and its losses are the out-of-core trainer's to float32 rounding
+/// (the twin computes without recompute); training the quantized weights themselves is refused,
+/// naming one.
+#[test]
+fn the_resident_twin_trains_lora_over_a_quantized_base_and_refuses_to_train_it() {
+    let out = run(&qlora_run(2), Duration::from_secs(120));
+    assert_eq!(out.code, Some(0), "{}", out.stderr);
+    let mut args = qlora_run(2);
+    args.push("--in-memory".into());
+    let twin = run(&args, Duration::from_secs(120));
+    assert_eq!(twin.code, Some(0), "{}", twin.stderr);
+    let (a, b) = (losses(&out.stdout), losses(&twin.stdout));
+    assert_eq!(a.len(), 2);
+    for (step, loss) in &a {
+        let (x, y): (f64, f64) = (loss.parse().unwrap(), b[step].parse().unwrap());
+        assert!((x - y).abs() <= 1e-4 * x.abs(), "step {step}: {x} out of core, {y} in memory");
+    }
+    let gguf = format!("{}/tests/fixtures/tiny-gpt2.gguf", env!("CARGO_MANIFEST_DIR"));
+    let full = strings(&["--model", &gguf, "--seq", "8", "--steps", "1", "--in-memory"]);
+    let r = run(&full, Duration::from_secs(60));
+    assert_eq!(r.code, Some(1), "{}", r.stdout);
+    assert!(r.stderr.contains("a quantized weight is not trained"), "{}", r.stderr);
+}
+
+/// A merged export of a GGUF base whose tokenizer strata cannot read (`tokenizer.ggml.model`
+/// `bert`, made by editing tiny-gpt2.gguf's `gpt2`) is refused before the first step, naming
+/// the key: the export would be a directory without a tokenizer.
+#[test]
+fn an_export_of_a_gguf_base_whose_tokenizer_cannot_be_written_is_refused_before_training() {
+    let dir = tempfile::tempdir().unwrap();
+    let gguf = format!("{}/tests/fixtures/tiny-gpt2.gguf", env!("CARGO_MANIFEST_DIR"));
+    let mut bytes = std::fs::read(&gguf).unwrap();
+    let key = b"tokenizer.ggml.model";
+    let at = bytes.windows(key.len()).position(|w| w == key).unwrap() + key.len();
+    // The value: a string (type 8, 4 bytes), its length (8 bytes), then "gpt2".
+    assert_eq!(&bytes[at + 12..at + 16], b"gpt2");
+    bytes[at + 12..at + 16].copy_from_slice(b"bert");
+    let bert = dir.path().join("bert.gguf");
+    std::fs::write(&bert, bytes).unwrap();
+    let mut args = qlora_run(2);
+    args[1] = bert.to_str().unwrap().to_string();
+    let merged = dir.path().join("merged");
+    args.extend(strings(&["--export-merged", merged.to_str().unwrap()]));
+    let r = run(&args, Duration::from_secs(60));
+    assert_eq!(r.code, Some(1), "{}", r.stdout);
+    assert!(r.stderr.contains("tokenizer.ggml.model"), "{}", r.stderr);
+    assert!(!r.stdout.lines().any(|l| l.starts_with("step ")), "a step ran: {}", r.stdout);
+    assert!(!merged.exists());
+    // Without the export the run trains: the tokenizer is not needed for token ids.
+    let mut args = qlora_run(1);
+    args[1] = bert.to_str().unwrap().to_string();
+    assert_eq!(run(&args, Duration::from_secs(60)).code, Some(0));
+}
