@@ -42,7 +42,9 @@ def main():
             with safe_open(os.path.join(a.dir, f), "pt") as st:
                 for k in st.keys():
                     dtypes.add(str(st.get_slice(k).get_dtype()))
-    print(f"{a.dir}: files {sorted(os.listdir(a.dir))}")
+    files = sorted(os.listdir(a.dir))
+    weights = [f for f in files if f.endswith(".safetensors")]
+    print(f"{a.dir}: {len(weights)} safetensors files, and {[f for f in files if f not in weights]}")
     print(f"config.json: {config.get('architectures')} torch_dtype {config.get('torch_dtype')}; "
           f"the weights: {sorted(dtypes)}")
     if a.prompt_ids:

@@ -628,9 +628,10 @@ impl LoadedAdapter {
         Ok(true)
     }
 
-    /// The adapters of block `layer` as a block's forward applies them ([`Adapter`], by their
-    /// weight's name within the block: `self_attn.q_proj.weight`), `A` and `B` on `device` in
-    /// f32 (PEFT's arithmetic: the input cast to the adapter's dtype).
+    /// The adapters of block `layer` as a block's forward applies them
+    /// ([`Adapter`](super::block::Adapter), by their weight's name within the block:
+    /// `self_attn.q_proj.weight`), `A` and `B` on `device` in f32 (PEFT's arithmetic: the input
+    /// cast to the adapter's dtype).
     pub fn block(
         &self,
         layer: usize,
