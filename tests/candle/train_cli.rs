@@ -472,24 +472,20 @@ fn sixty_kills_during_saves_resume_from_whole_checkpoints() {
 /// checkpoints past the Pinned tier on the device, and the floor bound by compute; a host too
 /// small for the weights and gradients is refused, saying so; a Pinned tier of 100 GiB (the
 /// plan the lease once gave) sends optimizer state to disk, and the plan says how much.
+/// `strata finetune`'s flags for Llama 2 7B's memory plan on a preset machine (bf16, seq 2048,
+/// micro-batch 1, accum 32, `--plan-only`).
+fn plan_7b(machine: &str) -> Vec<String> {
+    let c = format!("{}/examples/configs/llama2-7b.json", env!("CARGO_MANIFEST_DIR"));
+    let flags = ["--dtype", "bf16", "--seq", "2048", "--micro-batch", "1", "--accum", "32"];
+    let mut args = strings(&["--config", &c]);
+    args.extend(strings(&flags));
+    args.extend(strings(&["--plan-only", "--machine", machine]));
+    args
+}
+
 #[test]
 fn the_plan_for_7b_on_the_h100_fits_and_one_that_cannot_is_refused() {
-    let c = format!("{}/examples/configs/llama2-7b.json", env!("CARGO_MANIFEST_DIR"));
-    let base = strings(&[
-        "--config",
-        &c,
-        "--dtype",
-        "bf16",
-        "--seq",
-        "2048",
-        "--micro-batch",
-        "1",
-        "--accum",
-        "32",
-        "--plan-only",
-        "--machine",
-        "h100",
-    ]);
+    let base = plan_7b("h100");
     let r = run(&base, Duration::from_secs(60));
     assert_eq!(r.code, Some(0), "{}{}", r.stdout, r.stderr);
     assert!(r.stdout.contains("disk: nothing (everything fits in memory)"), "{}", r.stdout);
@@ -532,22 +528,7 @@ fn the_plan_for_7b_on_the_h100_fits_and_one_that_cannot_is_refused() {
 /// the flag's parser, naming the presets.
 #[test]
 fn the_plan_for_7b_on_the_h200_names_the_machine_and_its_memory() {
-    let c = format!("{}/examples/configs/llama2-7b.json", env!("CARGO_MANIFEST_DIR"));
-    let mut args = strings(&[
-        "--config",
-        &c,
-        "--dtype",
-        "bf16",
-        "--seq",
-        "2048",
-        "--micro-batch",
-        "1",
-        "--accum",
-        "32",
-        "--plan-only",
-        "--machine",
-        "h200",
-    ]);
+    let mut args = plan_7b("h200");
     let r = run(&args, Duration::from_secs(60));
     assert_eq!(r.code, Some(0), "{}{}", r.stdout, r.stderr);
     let first = r.stdout.lines().find(|l| l.starts_with("memory plan on")).unwrap_or_default();
