@@ -859,11 +859,13 @@ def parse_candle_train(text, step):
     group = meta.get("group", GROUPS["candle-train"])
     rows = []
     for m in re.finditer(r"^step (\d+)/\d+: loss (" + NUM + r").*?(" + NUM + r") tokens/s\s+(" + NUM
-                         + r") TFLOPS\s+\((" + NUM + r") ms\)(.*)$", text, re.M):
+                         + r") TFLOPS\s+(?:\((" + NUM + r") as 6 × parameters × tokens\)\s+)?\((" + NUM
+                         + r") ms\)(.*)$", text, re.M):
         opt = re.search(r"optimizer (" + NUM + r") ms \(hidden (" + NUM + r"), exposed (" + NUM + r")\)",
-                        m.group(6))
-        rows.append((float(m.group(3)), float(m.group(4)), float(m.group(5)),
-                     tuple(float(x) for x in opt.groups()) if opt else None))
+                        m.group(7))
+        rows.append((float(m.group(3)), float(m.group(4)), float(m.group(6)),
+                     tuple(float(x) for x in opt.groups()) if opt else None,
+                     float(m.group(5)) if m.group(5) else None))
     if not rows:
         return []
     later = rows[1:] if len(rows) > 1 else rows
@@ -878,6 +880,11 @@ def parse_candle_train(text, step):
                 target=parse_target(meta.get("target"), meta.get("target_text"), of="value"),
                 note="6 · parameters · tokens plus attention over the step time (the recomputed "
                      "forward not counted)")]
+    six_n = [r[4] for r in rows if r[4] is not None]
+    if len(six_n) == len(rows):
+        figs.append(fig(f"{label}: TFLOPS as 6 × parameters × tokens", later_median(six_n), "TFLOPS",
+                        group=group, note="MegaTrain's count (its 272 TFLOPS on one H100): every "
+                                          "parameter, no attention, over the step time"))
     if meta.get("peer_key"):
         figs.append(fig(f"{label}: TFLOPS against {meta.get('peer_what', 'the resident blocks')}", tflops,
                         "TFLOPS", group=group, peer_key=meta.get("peer_key"),

@@ -723,18 +723,56 @@ impl LlamaConfig {
         self.block_shapes().iter().map(|s| s.iter().product::<usize>() as u64).sum()
     }
 
-    /// Model FLOPs of a training step over `tokens` tokens in sequences of `seq`: 6 per
-    /// parameter of a matrix product per token (the blocks and the output projection; the
-    /// embedding lookup is not a product), plus attention's `12 · layers · hidden · seq` per
-    /// token (PaLM's count, the causal mask not halving it). The recomputed forward is not
-    /// counted (as model FLOPs utilisation counts).
-    pub fn training_flops(&self, tokens: u64, seq: usize) -> f64 {
-        let matmul = self.block_parameters() * self.num_hidden_layers as u64
-            + (self.vocab_size * self.hidden_size) as u64;
-        let attention = 12.0
+    /// A training step's FLOPs over `tokens` tokens in sequences of `seq`, counted the three
+    /// ways a figure is quoted ([`StepFlops`]); `frozen_base` for a run whose base weights get
+    /// no gradient (LoRA: their weight gradients, 2 of the 6 FLOPs a parameter and token, are
+    /// not computed).
+    ///
+    /// ```
+    /// use strata::candle::LlamaConfig;
+    /// let c = LlamaConfig::from_file("examples/configs/llama2-7b.json").unwrap();
+    /// let f = c.step_flops(32 * 2048, 2048, false);
+    /// // MegaTrain's count: 6 × 6.74 B parameters × 65,536 tokens.
+    /// assert!((f.parameter_count / 2.65e15 - 1.0).abs() < 0.01);
+    /// // Attention's products add more at seq 2048 than the embedding lookup's 6 FLOPs a
+    /// // parameter count (6 % in all); the recomputed forward adds a third.
+    /// assert!(f.with_attention > 1.05 * f.parameter_count);
+    /// assert!(f.executed > 1.3 * f.with_attention);
+    /// ```
+    pub fn step_flops(&self, tokens: u64, seq: usize, frozen_base: bool) -> StepFlops {
+        let t = tokens as f64;
+        let blocks = (self.block_parameters() * self.num_hidden_layers as u64) as f64;
+        let head = (self.vocab_size * self.hidden_size) as f64;
+        // Per token and matrix parameter: the forward 2, the backward 4 (dX and dW), 2 with a
+        // frozen base (dX only).
+        let per_param = if frozen_base { 4.0 } else { 6.0 };
+        // Attention's two products: 4 · hidden · seq a layer and token forward, 8 backward.
+        let attention_forward = 4.0
             * self.num_hidden_layers as f64
             * (self.num_attention_heads * self.head_dim) as f64
             * seq as f64;
-        tokens as f64 * (6.0 * matmul as f64 + attention)
+        let with_attention = t * (per_param * (blocks + head) + 3.0 * attention_forward);
+        StepFlops {
+            parameter_count: t * per_param * self.parameters() as f64,
+            with_attention,
+            executed: with_attention + t * (2.0 * blocks + attention_forward),
+        }
     }
+}
+
+/// A training step's FLOPs, counted the ways figures are quoted
+/// ([`LlamaConfig::step_flops`]): a TFLOPS figure is only comparable with one of the same count.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct StepFlops {
+    /// 6 × parameters × tokens (4 × with a frozen base): every parameter, the embedding
+    /// table's included, and no attention — MegaTrain's count (its 272 TFLOPS on one H100).
+    pub parameter_count: f64,
+    /// The matrix products' 6 per parameter and token (the blocks and the output projection;
+    /// the embedding lookup is not a product) plus attention's `12 · layers · hidden · seq` per
+    /// token (PaLM's count, the causal mask not halving it): model FLOPs as model-FLOPs
+    /// utilisation counts them, the recomputed forward not counted.
+    pub with_attention: f64,
+    /// What the out-of-core trainer (and the twin that recomputes) executes: `with_attention`
+    /// plus the blocks' forward again (each block recomputed from its input in the backward).
+    pub executed: f64,
 }

@@ -68,7 +68,7 @@ pub use generate::{
 };
 pub use gguf::{hf_name, load_gguf_weights, needs_widening, widen_for_training};
 pub use layers::{LayerWeights, Layers, Transfers};
-pub use llama_config::{LlamaConfig, RopeScaling};
+pub use llama_config::{LlamaConfig, RopeScaling, StepFlops};
 pub use train::config::TrainConfig;
 pub use train::init::{load_tensors, load_weights, put_random_tensors, put_random_weights};
 pub use train::schedule::LrSchedule;

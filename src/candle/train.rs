@@ -71,7 +71,7 @@ pub use data::{load_tokens, read_input};
 pub use error::TrainError;
 pub(super) use homes::{candle_to_store, put_host};
 pub use outputs::{check_outputs, checkpoint_bytes, OutputPlan};
-pub use plan::{trainable_parameters, Budgets, Floor, TrainPlan};
+pub use plan::{trainable_parameters, Budgets, Floor, Overlap, TrainPlan};
 
 // The parts name one another's items through these (`super::TrainConfig`). `TrainConfig`,
 // `Trainer`, `LlamaTwin`, `LrSchedule`, `StepReport` and the weight loaders are public at

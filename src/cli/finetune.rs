@@ -13,9 +13,12 @@
 //!
 //! Prints the memory plan (budgets, where each group lives, a step's traffic and floor),
 //! refusing a run that cannot fit; a progress bar on stderr (step, loss, tokens/s, bytes moved,
-//! ETA) where stderr is a terminal; and per step the loss, tokens/s, model TFLOPS, bytes moved
-//! per tier pair, stall, the optimizer's time (run, hidden, exposed) and the step's floor
-//! `max(compute, PCIe bytes / bandwidth, CPU optimizer time, disk)` with the compute measured.
+//! ETA) where stderr is a terminal; and per step the loss, tokens/s, model TFLOPS (with attention,
+//! and as 6 × parameters × tokens), bytes moved per tier pair, stall, the optimizer's time (run,
+//! hidden, exposed) and the step's floor `max(compute + the CPU optimizer's part its schedule
+//! cannot hide, PCIe bytes / bandwidth, CPU optimizer time, disk)` with the compute measured
+//! ([`strata::candle::train::Floor`]). `--in-memory --recompute` is the resident twin that
+//! recomputes each block in the backward as out of core does: the like-for-like baseline.
 //! The last line of stdout is the final loss. Ctrl-C (SIGINT) or SIGTERM finishes the step in
 //! flight, saves a checkpoint (in `--save DIR`, else `./strata-interrupted`) that `--resume`
 //! continues, and exits with status 130 (a second Ctrl-C stops at once, saving nothing).
@@ -32,10 +35,10 @@ use crate::cli::args::MachineArg;
 use crate::cli::model::{self, ModelArg};
 use strata::candle::llama::SeededRng;
 use strata::candle::lora::LoraConfig;
-use strata::candle::train::{load_tokens, Budgets, Checkpoint, Floor, TrainPlan};
+use strata::candle::train::{load_tokens, Budgets, Checkpoint, Floor, Overlap, TrainPlan};
 use strata::candle::{
-    load_weights, put_random_weights, LlamaConfig, LlamaTwin, LrSchedule, StepReport, TrainConfig,
-    Trainer,
+    load_weights, put_random_weights, LlamaConfig, LlamaTwin, LrSchedule, StepFlops, StepReport,
+    TrainConfig, Trainer,
 };
 use strata::optim::{AdamW, Engine};
 use strata::{format_size, DType, Group, Machine, Store, Tier};
@@ -136,6 +139,10 @@ pub struct FinetuneArgs {
     /// throughputs' ratio.
     #[arg(long)]
     pub resident_twin: bool,
+    /// With --in-memory or --resident-twin: the resident twin recomputes each block from its
+    /// input in the backward, as out of core does (the like-for-like baseline: the same FLOPs).
+    #[arg(long)]
+    pub recompute: bool,
     /// Print the memory plan and exit, allocating nothing.
     #[arg(long)]
     pub plan_only: bool,
@@ -281,6 +288,7 @@ struct Args {
     write_inputs: Option<PathBuf>,
     in_memory: bool,
     resident_twin: bool,
+    recompute: bool,
     plan_only: bool,
     machine: Option<MachineArg>,
     hbm: Option<u64>,
@@ -341,6 +349,7 @@ impl FinetuneArgs {
             write_inputs: self.write_inputs,
             in_memory: self.in_memory,
             resident_twin: self.resident_twin,
+            recompute: self.recompute,
             plan_only: self.plan_only,
             machine: self.machine,
             hbm: self.hbm,
@@ -414,6 +423,11 @@ impl Args {
                         a GGUF model's own is taken)"
                     .into(),
             );
+        }
+        if a.recompute && !(a.in_memory || a.resident_twin) {
+            return Err("--recompute is the resident twin's (out of core always recomputes): it \
+                        goes with --in-memory or --resident-twin"
+                .into());
         }
         if a.in_memory && a.resident_twin {
             return Err(
@@ -1011,14 +1025,15 @@ pub fn run(args: FinetuneArgs) -> Res<Ended> {
     }
     let first_ids = data.batches(0, &train, &device)?[0].narrow(1, 0, train.seq)?;
     let step_tokens = (train.micro_batch * train.seq * train.accum) as u64;
-    let mut flops_per_step = config.training_flops(step_tokens, train.seq);
-    if train.lora.is_some() {
-        // A frozen base's weight gradients are not computed: 2 of the 6 FLOPs a parameter
-        // and token.
-        let matmul = config.block_parameters() * config.num_hidden_layers as u64
-            + (config.vocab_size * config.hidden_size) as u64;
-        flops_per_step -= 2.0 * matmul as f64 * step_tokens as f64;
-    }
+    let flops = config.step_flops(step_tokens, train.seq, train.lora.is_some());
+    out!(
+        "model FLOPs a step: {:.3e} with attention (the TFLOPS below), {:.3e} as 6 × parameters \
+         × tokens (MegaTrain's count{}), {:.3e} executed with the recomputed forward",
+        flops.with_attention,
+        flops.parameter_count,
+        if train.lora.is_some() { "; 4 × with the base frozen" } else { "" },
+        flops.executed
+    )?;
     let tokens = step_tokens as f64;
 
     let mut losses = Vec::new();
@@ -1052,9 +1067,14 @@ pub fn run(args: FinetuneArgs) -> Res<Ended> {
             init.insert(name.clone(), t);
         }
         let mut twin = LlamaTwin::new(config.clone(), train.clone(), init, &device)?;
+        twin.set_recompute(a.recompute);
         out!(
-            "resident twin: every weight, gradient and AdamW state on the device, candle's \
-             backward without recompute"
+            "resident twin: every weight, gradient and AdamW state on the device, {}",
+            if a.recompute {
+                "each block recomputed from its input in the backward, as out of core does"
+            } else {
+                "candle's backward without recompute"
+            }
         )?;
         let mut bar = Progress::new(0, total);
         for step in 0..total {
@@ -1065,10 +1085,12 @@ pub fn run(args: FinetuneArgs) -> Res<Ended> {
             device.synchronize()?;
             let s = t.elapsed().as_secs_f64();
             bar.println(&format!(
-                "step {}/{total}: loss {loss:.6}  {:.0} tokens/s  {:.4} TFLOPS  ({:.1} ms)",
+                "step {}/{total}: loss {loss:.6}  {:.0} tokens/s  {:.4} TFLOPS ({:.4} as 6 × \
+                 parameters × tokens)  ({:.1} ms)",
                 step + 1,
                 tokens / s,
-                flops_per_step / s / 1e12,
+                flops.with_attention / s / 1e12,
+                flops.parameter_count / s / 1e12,
                 s * 1e3
             ))?;
             bar.step(step + 1, loss, tokens / s, 0);
@@ -1112,6 +1134,7 @@ pub fn run(args: FinetuneArgs) -> Res<Ended> {
             Ok(())
         };
         let cpu_optimizer = trainer.optimizer().is_some_and(|o| o.engine() == Engine::Cpu);
+        let overlap = Overlap::of(&config, &train);
         let mut ooc_times = Vec::new();
         if stop.load(Ordering::SeqCst) {
             out!("interrupted before step {}: nothing new to save", trainer.steps() + 1)?;
@@ -1123,8 +1146,8 @@ pub fn run(args: FinetuneArgs) -> Res<Ended> {
             let b = data.batches(step, &train, &device)?;
             let m = data.masks(step, &train, &device)?;
             let r = trainer.step_masked(&b, m.as_deref())?;
-            let floor = Floor::measured(&r, &machine, cpu_optimizer);
-            bar.println(&report(prefix, &r, total, flops_per_step, &floor))?;
+            let floor = Floor::measured(&r, &machine, cpu_optimizer, &overlap);
+            bar.println(&report(prefix, &r, total, &flops, &floor))?;
             let moved: u64 = r.moved.iter().flatten().sum();
             bar.step(step + 1, r.loss, r.tokens as f64 / r.seconds, moved);
             ooc_times.push(r.seconds);
@@ -1263,7 +1286,7 @@ pub fn run(args: FinetuneArgs) -> Res<Ended> {
         )?;
         out!("{}", store.stats())?;
         if a.resident_twin {
-            against_twin(&config, &train, &twin_times, &ooc_times)?;
+            against_twin(&config, &train, &twin_times, &ooc_times, a.recompute)?;
         }
     }
     let last = losses.last().ok_or("no step ran")?;
@@ -1343,7 +1366,13 @@ fn plan_for(
 /// The out-of-core steps' throughput against the resident twin's, in one run: the medians of
 /// the steps after the first, and the share of the model's FLOPs in its blocks (what makes the
 /// ratio a per-block one).
-fn against_twin(config: &LlamaConfig, train: &TrainConfig, twin: &[f64], ooc: &[f64]) -> Res<()> {
+fn against_twin(
+    config: &LlamaConfig,
+    train: &TrainConfig,
+    twin: &[f64],
+    ooc: &[f64],
+    recompute: bool,
+) -> Res<()> {
     let median = |v: &[f64]| {
         let mut v: Vec<f64> = if v.len() > 1 { v[1..].to_vec() } else { v.to_vec() };
         v.sort_by(f64::total_cmp);
@@ -1353,12 +1382,13 @@ fn against_twin(config: &LlamaConfig, train: &TrainConfig, twin: &[f64], ooc: &[
     let tokens = (train.micro_batch * train.seq * train.accum) as f64;
     let blocks = config.num_hidden_layers as f64;
     let per_block = |s: f64| tokens * blocks / s;
-    let all = config.training_flops(tokens as u64, train.seq);
+    let all = config.step_flops(tokens as u64, train.seq, false).with_attention;
     let head = 6.0 * tokens * (config.vocab_size * config.hidden_size) as f64;
     out!(
-        "per block (same run, medians of steps 2 on): resident twin {:.0} tokens/s through each \
+        "per block (same run, medians of steps 2 on): resident twin{} {:.0} tokens/s through each \
          block, out of core {:.0}: out of core / resident = {:.3} (the blocks are {:.1}% of the \
          model's FLOPs)",
+        if recompute { " (recomputing)" } else { "" },
         per_block(t),
         per_block(o),
         t / o,
@@ -1383,7 +1413,7 @@ fn store_now(store: &Store) -> Res<()> {
 }
 
 /// A step's line.
-fn report(prefix: &str, r: &StepReport, total: u64, flops: f64, floor: &Floor) -> String {
+fn report(prefix: &str, r: &StepReport, total: u64, flops: &StepFlops, floor: &Floor) -> String {
     let mut moved = Vec::new();
     for f in Tier::ALL {
         for t in Tier::ALL {
@@ -1394,8 +1424,8 @@ fn report(prefix: &str, r: &StepReport, total: u64, flops: f64, floor: &Floor) -
         }
     }
     format!(
-        "{prefix}step {}/{total}: loss {:.6}  lr {:.3e}  grad norm {:.4}{}{}  {:.0} tokens/s  {:.4} TFLOPS  \
-         ({:.1} ms)  moved [{}]  stall {:.2} ms  optimizer {:.2} ms (hidden {:.2}, exposed {:.2})  \
+        "{prefix}step {}/{total}: loss {:.6}  lr {:.3e}  grad norm {:.4}{}{}  {:.0} tokens/s  {:.4} TFLOPS \
+         ({:.4} as 6 × parameters × tokens)  ({:.1} ms)  moved [{}]  stall {:.2} ms  optimizer {:.2} ms (hidden {:.2}, exposed {:.2})  \
          {}: step / floor {:.2}",
         r.step + 1,
         r.loss,
@@ -1404,7 +1434,8 @@ fn report(prefix: &str, r: &StepReport, total: u64, flops: f64, floor: &Floor) -
         if r.clip_scale < 1.0 { format!(" (clipped x{:.4})", r.clip_scale) } else { String::new() },
         if r.skipped { " (skipped: not finite)" } else { "" },
         r.tokens as f64 / r.seconds,
-        flops / r.seconds / 1e12,
+        flops.with_attention / r.seconds / 1e12,
+        flops.parameter_count / r.seconds / 1e12,
         r.seconds * 1e3,
         moved.join(", "),
         r.stall_seconds * 1e3,

@@ -104,7 +104,11 @@ fn out_of_core_training_equals_the_in_memory_twin_bit_for_bit() {
         let c = tiny(tied);
         let t = train_config(clip, engine, &[]);
         let (mut tr, init) = trainer(&c, &t, 1);
-        let mut twin = LlamaTwin::new(c.clone(), t.clone(), init, &Device::Cpu).unwrap();
+        let mut twin = LlamaTwin::new(c.clone(), t.clone(), init.clone(), &Device::Cpu).unwrap();
+        // The twin that recomputes as out of core does: the same results, bit for bit.
+        let mut again = LlamaTwin::new(c.clone(), t.clone(), init, &Device::Cpu).unwrap();
+        again.set_recompute(true);
+        assert!(again.recomputes() && !twin.recomputes());
         assert!(block_bytes(&c) * 2 > tr.store().stats().capacity(Tier::Device));
         let mut clipped = 0;
         for step in 0..5 {
@@ -112,6 +116,8 @@ fn out_of_core_training_equals_the_in_memory_twin_bit_for_bit() {
             let r = tr.step(&b).unwrap();
             let want = twin.step(&b).unwrap();
             assert_eq!(r.loss.to_bits(), want.to_bits(), "{what}: loss of step {step}");
+            let recomputed = again.step(&b).unwrap();
+            assert_eq!(recomputed.to_bits(), want.to_bits(), "{what}: recomputed, step {step}");
             assert!(r.loss.is_finite() && r.loss > 3.0, "{what}: {}", r.loss);
             if r.clip_scale < 1.0 {
                 clipped += 1;
@@ -138,6 +144,7 @@ fn out_of_core_training_equals_the_in_memory_twin_bit_for_bit() {
             let got = tr.read_param(&name).unwrap();
             let want = twin.param(&name).unwrap();
             assert_eq!(bits(&got), bits(&want), "{what}: {name}");
+            assert_eq!(bits(&again.param(&name).unwrap()), bits(&want), "{what}: {name}");
         }
         let s = tr.store().stats();
         assert!(s.group_bytes(strata::Group::Activation, Tier::Pinned) > 0);

@@ -65,9 +65,10 @@ type ByTier = [u64; 4];
 
 /// A memory plan for [`Trainer`](super::Trainer) on a given machine: the store's budgets, where
 /// each group of the run's state lands (in the order the trainer makes it, as the store places
-/// it), the bytes a step moves, and the step's floor
-/// `max(compute, PCIe bytes / bandwidth, CPU optimizer time, disk time)`. Made before anything
-/// is allocated, so a run that cannot fit is refused rather than left to thrash.
+/// it), the bytes a step moves, and the step's floor ([`Floor`]): `max(compute + the CPU
+/// optimizer's part that cannot overlap it, PCIe bytes / bandwidth, CPU optimizer time, disk
+/// time)`. Made before anything is allocated, so a run that cannot fit is refused rather than
+/// left to thrash.
 ///
 /// ```
 /// use strata::candle::train::TrainPlan;
@@ -101,8 +102,10 @@ pub struct TrainPlan {
     pub disk_io: u64,
     /// Bytes of the CPU optimizer's traffic a step (0 for the GPU engines).
     pub optimizer_bytes: u64,
-    /// Model FLOPs of a step.
-    pub flops: f64,
+    /// A step's FLOPs, counted each way.
+    pub flops: crate::candle::StepFlops,
+    /// How the CPU optimizer's updates overlap the compute.
+    pub overlap: Overlap,
 }
 
 /// What the trainer makes, in order, for the placement: `(group, bytes, where it may go)`.
@@ -473,13 +476,8 @@ impl TrainPlan {
                 .sum(),
             _ => 0,
         };
-        let mut flops = config.training_flops(accum * tokens_mb, train.seq);
-        if train.lora.is_some() {
-            // A frozen base's weight gradients are not computed: 2 of the 6 FLOPs a parameter
-            // and token.
-            let matmul = config.block_parameters() * layers + v * h;
-            flops -= 2.0 * matmul as f64 * (accum * tokens_mb) as f64;
-        }
+        let flops = config.step_flops(accum * tokens_mb, train.seq, train.lora.is_some());
+        let overlap = Overlap::of(config, train);
         let mut budgets = [device_budget, pinned_budget, mapped, 0];
         budgets[Tier::Disk.index()] = used[Tier::Disk.index()];
         Ok(TrainPlan {
@@ -492,6 +490,7 @@ impl TrainPlan {
             disk_io,
             optimizer_bytes,
             flops,
+            overlap,
         })
     }
 
@@ -505,7 +504,7 @@ impl TrainPlan {
     /// `model_flops`), PCIe, the CPU optimizer (with the state it reads from disk) and the
     /// checkpoints' disk I/O; a part whose rate the machine does not know is `None`.
     pub fn floor(&self, m: &Machine, compute: Option<f64>) -> Floor {
-        let compute = compute.or_else(|| m.model_flops.map(|f| self.flops / f));
+        let compute = compute.or_else(|| m.model_flops.map(|f| self.flops.with_attention / f));
         let st_disk = self.placed[Group::OptimizerState.index()][Tier::Disk.index()];
         let optimizer = Machine::seconds(self.optimizer_bytes, m.host_update)
             .zip(disk_both_ways(m, st_disk, st_disk))
@@ -515,8 +514,135 @@ impl TrainPlan {
             compute,
             pcie: pcie_seconds(m, self.pcie.0, self.pcie.1),
             optimizer,
+            optimizer_exposed: compute.zip(optimizer).map(|(c, o)| self.overlap.exposed(c, o)),
+            during_backward: self.overlap.during_backward,
             disk: disk_both_ways(m, ck, ck),
         }
+    }
+}
+
+/// How a step's CPU optimizer overlaps its compute, for the floor ([`Overlap::exposed`]): the
+/// step's stages in the forward's order (the embedding, the blocks, the head), each with its
+/// shares of the forward's and the backward's compute (FLOPs, the recomputed forward in the
+/// backward's) and of the optimizer's work (its trainable parameters), and when the updates
+/// start.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Overlap {
+    forward: Vec<f64>,
+    backward: Vec<f64>,
+    update: Vec<f64>,
+    /// The updates start during the backward (a stage's as soon as its gradient is final),
+    /// else after it (behind the next step's forward).
+    pub during_backward: bool,
+}
+
+impl Overlap {
+    /// The stages of a run of `config` with `train`, the updates after the backward (set
+    /// [`Overlap::during_backward`] for a trainer that starts them during it).
+    pub fn of(config: &LlamaConfig, train: &TrainConfig) -> Overlap {
+        let (l, h, v) = (config.num_hidden_layers, config.hidden_size, config.vocab_size);
+        let frozen = train.lora.is_some();
+        let block = config.block_parameters() as f64;
+        let head = (v * h) as f64;
+        let attn = 4.0 * (config.num_attention_heads * config.head_dim * train.seq) as f64;
+        let dw = if frozen { 0.0 } else { 2.0 };
+        // Per token: a block's forward, and its backward with the recomputed forward.
+        let (bf, bb) = (2.0 * block + attn, (2.0 * block + attn) + (2.0 + dw) * block + 2.0 * attn);
+        let mut forward = vec![0.0];
+        let mut backward = vec![0.0];
+        forward.extend(std::iter::repeat_n(bf, l));
+        backward.extend(std::iter::repeat_n(bb, l));
+        forward.push(2.0 * head);
+        backward.push((2.0 + dw) * head);
+        // The updates' work: each stage's trainable parameters (a LoRA run's adapters spread
+        // evenly over the blocks); a tied head's is the embedding's.
+        let trained = |n: &str| !frozen && !train.is_frozen(n);
+        let mut update = vec![0.0; l + 2];
+        for (n, shape) in config.tensors() {
+            let numel = shape.iter().product::<usize>() as f64;
+            let stage = if n == crate::candle::llama_config::EMBED {
+                0
+            } else if let Some(b) = (0..l).find(|&b| n.starts_with(&LlamaConfig::block_prefix(b))) {
+                b + 1
+            } else {
+                l + 1
+            };
+            if trained(&n) {
+                update[stage] += numel;
+            }
+        }
+        if frozen && l > 0 {
+            let adapters = trainable_parameters(config, train).unwrap_or(0) as f64;
+            for u in &mut update[1..=l] {
+                *u = adapters / l as f64;
+            }
+        }
+        let norm = |v: &mut Vec<f64>| {
+            let sum: f64 = v.iter().sum();
+            if sum > 0.0 {
+                v.iter_mut().for_each(|x| *x /= sum);
+            }
+        };
+        let (mut fb_total, mut update) = (forward.iter().sum::<f64>(), update);
+        fb_total += backward.iter().sum::<f64>();
+        if fb_total > 0.0 {
+            forward.iter_mut().chain(backward.iter_mut()).for_each(|x| *x /= fb_total);
+        }
+        norm(&mut update);
+        Overlap { forward, backward, update, during_backward: false }
+    }
+
+    /// Seconds a step of `compute` seconds (forward and backward) waits for a CPU optimizer
+    /// whose updates take `optimizer` seconds, one at a time in the order they are queued: the
+    /// part of the optimizer that cannot overlap the compute. After the backward, every update
+    /// is queued in the forward's order and the next forward waits for each stage's; during
+    /// the backward, a stage's update is queued as its backward ends (the head's first, the
+    /// embedding's last), so only what is left when the backward ends can delay the next
+    /// forward.
+    ///
+    /// ```
+    /// use strata::candle::train::Overlap;
+    /// use strata::candle::{LlamaConfig, TrainConfig};
+    /// let c = LlamaConfig::from_file("examples/configs/llama2-7b.json").unwrap();
+    /// let t = TrainConfig { seq: 2048, ..TrainConfig::default() };
+    /// let after = Overlap::of(&c, &t);
+    /// let mut during = after.clone();
+    /// during.during_backward = true;
+    /// // A 7 s step, a 4 s CPU AdamW: behind the forward alone (a quarter of the compute with
+    /// // the recompute), about 2.3 s of it waits; during the backward, only the last block's
+    /// // update and the embedding's, queued as the backward ends.
+    /// assert!((after.exposed(7.0, 4.0) - 2.3).abs() < 0.2);
+    /// assert!(during.exposed(7.0, 4.0) < 0.3);
+    /// ```
+    pub fn exposed(&self, compute: f64, optimizer: f64) -> f64 {
+        let n = self.forward.len();
+        if optimizer <= 0.0 || n == 0 {
+            return 0.0;
+        }
+        let f: Vec<f64> = self.forward.iter().map(|x| x * compute).collect();
+        let u: Vec<f64> = self.update.iter().map(|x| x * optimizer).collect();
+        let backward: f64 = self.backward.iter().sum::<f64>() * compute;
+        let mut done = vec![0.0; n];
+        let mut free = 0.0f64;
+        if self.during_backward {
+            let mut t = 0.0;
+            for i in (0..n).rev() {
+                t += self.backward[i] * compute;
+                free = free.max(t) + u[i];
+                done[i] = free;
+            }
+        } else {
+            free = backward;
+            for i in 0..n {
+                free += u[i];
+                done[i] = free;
+            }
+        }
+        let mut t = backward;
+        for i in 0..n {
+            t = t.max(done[i]) + f[i];
+        }
+        (t - backward - f.iter().sum::<f64>()).max(0.0)
     }
 }
 
@@ -530,7 +656,10 @@ fn disk_both_ways(m: &Machine, read: u64, write: u64) -> Option<f64> {
     Some(Machine::seconds(read, m.disk_read)? + Machine::seconds(write, m.disk_write)?)
 }
 
-/// A step's floor, in seconds, by what bounds it; `None` where a part's rate is not known.
+/// A step's floor, in seconds, by what bounds it; `None` where a part's rate is not known. The
+/// floor is `max(compute + optimizer_exposed, PCIe, optimizer, disk)`: the CPU optimizer runs
+/// beside the compute, but the part of it the compute cannot hide ([`Overlap::exposed`]) adds
+/// to it.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Floor {
     /// Candle's compute (`None` where neither measured nor given a rate).
@@ -540,6 +669,11 @@ pub struct Floor {
     /// The CPU optimizer: its traffic over the host's rate, plus the state it reads from and
     /// writes to disk.
     pub optimizer: Option<f64>,
+    /// The part of `optimizer` the compute cannot hide, by the step's schedule
+    /// ([`Overlap::exposed`]): added to the compute.
+    pub optimizer_exposed: Option<f64>,
+    /// Whether the schedule starts the updates during the backward (else after it).
+    pub during_backward: bool,
     /// The checkpoints' disk I/O.
     pub disk: Option<f64>,
 }
@@ -550,9 +684,14 @@ impl Floor {
     /// between the Device tier and the others over `machine`'s PCIe rates, the optimizer's run
     /// time in the step (the Cpu engine's,
     /// [`StepReport::optimizer_seconds`](super::StepReport::optimizer_seconds); the GPU engines'
-    /// runs on the device, inside the compute), and what it read from and wrote to Disk over the
-    /// disk's rates.
-    pub fn measured(r: &super::StepReport, machine: &Machine, cpu_optimizer: bool) -> Floor {
+    /// runs on the device, inside the compute) and the part of it `overlap` says the compute
+    /// cannot hide, and what it read from and wrote to Disk over the disk's rates.
+    pub fn measured(
+        r: &super::StepReport,
+        machine: &Machine,
+        cpu_optimizer: bool,
+        overlap: &Overlap,
+    ) -> Floor {
         let (d, k) = (Tier::Device.index(), Tier::Disk.index());
         let (mut h2d, mut d2h, mut read, mut write) = (0u64, 0u64, 0u64, 0u64);
         for t in Tier::ALL {
@@ -566,28 +705,43 @@ impl Floor {
                 read += r.moved[k][i];
             }
         }
+        let optimizer = if cpu_optimizer { r.optimizer_seconds } else { 0.0 };
         Floor {
             compute: Some(r.compute_seconds),
             pcie: pcie_seconds(machine, h2d, d2h),
-            optimizer: Some(if cpu_optimizer { r.optimizer_seconds } else { 0.0 }),
+            optimizer: Some(optimizer),
+            optimizer_exposed: Some(overlap.exposed(r.compute_seconds, optimizer)),
+            during_backward: overlap.during_backward,
             disk: disk_both_ways(machine, read, write),
         }
     }
 
-    /// The floor: the largest of the four parts known (0 where none is).
+    /// The compute and the optimizer's part it cannot hide (`None` where the compute is not
+    /// known).
+    fn compute_path(&self) -> Option<f64> {
+        self.compute.map(|c| c + self.optimizer_exposed.unwrap_or(0.0))
+    }
+
+    /// The floor: the largest of the parts known (0 where none is).
     pub fn seconds(&self) -> f64 {
-        [self.compute, self.pcie, self.optimizer, self.disk]
+        [self.compute_path(), self.pcie, self.optimizer, self.disk]
             .into_iter()
             .flatten()
             .fold(0.0, f64::max)
     }
 
-    /// What bounds the step: `compute`, `PCIe`, `the CPU optimizer` or `disk` (of the parts
-    /// known).
+    /// What bounds the step: `compute`, `compute and the CPU optimizer's exposed part` (where
+    /// that part is more than 1% of the compute), `PCIe`, `the CPU optimizer` or `disk` (of the
+    /// parts known).
     pub fn bound(&self) -> &'static str {
         let s = Some(self.seconds());
-        if self.compute == s {
-            "compute"
+        if self.compute_path() == s {
+            let (c, e) = (self.compute.unwrap_or(0.0), self.optimizer_exposed.unwrap_or(0.0));
+            if e > 0.01 * c {
+                "compute and the CPU optimizer's exposed part"
+            } else {
+                "compute"
+            }
         } else if self.pcie == s {
             "PCIe"
         } else if self.optimizer == s {
@@ -605,12 +759,15 @@ impl fmt::Display for Floor {
         };
         write!(
             f,
-            "floor {:.1} ms, bound by {} (compute {}, PCIe {}, CPU optimizer {}, disk {})",
+            "floor {:.1} ms, bound by {} (compute {}, CPU optimizer {} of which {} cannot hide \
+             behind the compute (updates {}), PCIe {}, disk {})",
             self.seconds() * 1e3,
             self.bound(),
             part(self.compute),
-            part(self.pcie),
             part(self.optimizer),
+            part(self.optimizer_exposed),
+            if self.during_backward { "during the backward" } else { "after the backward" },
+            part(self.pcie),
             part(self.disk)
         )
     }
@@ -663,11 +820,15 @@ impl fmt::Display for TrainPlan {
         }
         write!(
             f,
-            "per step: PCIe {} in, {} out; CPU optimizer {} of host traffic; {:.3e} model FLOP",
+            "per step: PCIe {} in, {} out; CPU optimizer {} of host traffic; {:.3e} model FLOP \
+             with attention ({:.3e} as 6 × parameters × tokens, MegaTrain's count; {:.3e} \
+             executed with the recomputed forward)",
             format_size(self.pcie.0),
             format_size(self.pcie.1),
             format_size(self.optimizer_bytes),
-            self.flops
+            self.flops.with_attention,
+            self.flops.parameter_count,
+            self.flops.executed
         )
     }
 }
@@ -777,5 +938,45 @@ mod tests {
         let weights = |p: &TrainPlan| p.placed[Group::Param.index()].iter().sum::<u64>();
         assert_eq!(weights(&f), 4 * weights(&q));
         assert_eq!(f.pcie.0 - q.pcie.0, 2 * (weights(&f) - weights(&q)));
+    }
+
+    /// The floor adds the optimizer's part the schedule cannot hide: none when the optimizer
+    /// is short, the excess over the forward when it runs after the backward, about one stage's
+    /// update when it runs during the backward; a LoRA run's updates are its adapters', in the
+    /// blocks.
+    #[test]
+    fn the_floor_adds_the_optimizer_part_that_cannot_overlap() {
+        let c = tiny();
+        let t = TrainConfig { seq: 32, ..TrainConfig::default() };
+        let after = Overlap::of(&c, &t);
+        assert!(!after.during_backward);
+        let mut during = after.clone();
+        during.during_backward = true;
+        assert_eq!(after.exposed(1.0, 0.0), 0.0);
+        // A short optimizer hides during the backward; after it, only behind the forward.
+        assert!(during.exposed(1.0, 0.05) < 0.05 / 2.0, "{}", during.exposed(1.0, 0.05));
+        let forward: f64 = after.forward.iter().sum();
+        assert!((0.15..0.35).contains(&forward), "{forward}");
+        let long = after.exposed(1.0, 2.0);
+        assert!((long - (2.0 - forward)).abs() < 0.1, "{long} against {}", 2.0 - forward);
+        assert!(during.exposed(1.0, 2.0) < long);
+        let floor = Floor {
+            compute: Some(1.0),
+            pcie: Some(0.5),
+            optimizer: Some(2.0),
+            optimizer_exposed: Some(long),
+            during_backward: false,
+            disk: None,
+        };
+        assert_eq!(floor.seconds(), 1.0 + long);
+        assert_eq!(floor.bound(), "compute and the CPU optimizer's exposed part");
+        // LoRA: the adapters are in the blocks, the embedding and head frozen.
+        let lora = TrainConfig {
+            lora: Some(crate::candle::lora::LoraConfig::new(4, 8.0, &["q_proj"])),
+            ..t
+        };
+        let o = Overlap::of(&c, &lora);
+        assert_eq!((o.update[0], o.update[o.update.len() - 1]), (0.0, 0.0));
+        assert!((o.update.iter().sum::<f64>() - 1.0).abs() < 1e-9);
     }
 }

@@ -58,6 +58,9 @@ pub struct LlamaTwin {
     params: Vec<TwinParam>,
     step: u64,
     kernels: Kernels,
+    /// Recompute each block from its input in the backward, as the out-of-core trainer does
+    /// ([`LlamaTwin::set_recompute`]).
+    recompute: bool,
 }
 
 impl std::fmt::Debug for LlamaTwin {
@@ -138,7 +141,32 @@ impl LlamaTwin {
         }
         let kernels = Kernels::for_device(device)?;
         let block_tensors = block.tensors();
-        Ok(LlamaTwin { config, train, block, block_tensors, specs, params, step: 0, kernels })
+        Ok(LlamaTwin {
+            config,
+            train,
+            block,
+            block_tensors,
+            specs,
+            params,
+            step: 0,
+            kernels,
+            recompute: false,
+        })
+    }
+
+    /// Whether the twin recomputes as the out-of-core trainer does: each micro-batch's forward
+    /// keeps only every block's input (no graph), and the backward recomputes each block from
+    /// its input, last block first, with the head's backward first (the trainer's arithmetic,
+    /// its FLOPs: one forward more than candle's plain backward, which keeps every activation).
+    /// The results are the same either way (bit for bit on the CPU); what changes is the work
+    /// and the memory. Off by default: the twin is then candle's plain backward, the baseline.
+    pub fn set_recompute(&mut self, recompute: bool) {
+        self.recompute = recompute;
+    }
+
+    /// Whether the twin recomputes ([`LlamaTwin::set_recompute`]).
+    pub fn recomputes(&self) -> bool {
+        self.recompute
     }
 
     fn tensor(&self, name: &str) -> Option<&Tensor> {
@@ -200,20 +228,33 @@ impl LlamaTwin {
             let mask = masks.as_ref().map(|ms| &ms.0[m]);
             // The embedding's backward is the trainer's (below), so its output is a leaf here.
             let x = Var::from_tensor(&embed(&self.needed(EMBED)?.detach(), &ids)?)?;
-            let logits = self.logits_from(x.as_tensor())?;
-            let l = next_token_loss_masked(&logits, &targets, mask, 1.0 / counted as f64)?;
-            let grads = l.backward()?;
-            losses.push(l);
-            for (p, a) in self.params.iter().zip(acc.iter_mut()) {
-                let Some(v) = &p.var else { continue };
-                match grads.get(v) {
-                    Some(g) => add_grad(a, g)?,
-                    // An untied embedding: no gradient but its rows' (below).
-                    None if p.name == EMBED => {}
-                    None => candle_core::bail!("no gradient reached {}", p.name),
+            let scale = 1.0 / counted as f64;
+            let gx = if self.recompute {
+                self.recomputed_backward(
+                    x.as_tensor(),
+                    &targets,
+                    mask,
+                    scale,
+                    &mut acc,
+                    &mut losses,
+                )?
+            } else {
+                let logits = self.logits_from(x.as_tensor())?;
+                let l = next_token_loss_masked(&logits, &targets, mask, scale)?;
+                let grads = l.backward()?;
+                losses.push(l);
+                for (p, a) in self.params.iter().zip(acc.iter_mut()) {
+                    let Some(v) = &p.var else { continue };
+                    match grads.get(v) {
+                        Some(g) => add_grad(a, g)?,
+                        // An untied embedding: no gradient but its rows' (below).
+                        None if p.name == EMBED => {}
+                        None => candle_core::bail!("no gradient reached {}", p.name),
+                    }
                 }
-            }
-            rows.push((ids, grad_of(&grads, x.as_tensor(), "the embedding's output")?));
+                grad_of(&grads, x.as_tensor(), "the embedding's output")?
+            };
+            rows.push((ids, gx));
         }
         if let Some((p, a)) = self.params.iter().zip(acc.iter_mut()).find(|(p, _)| p.name == EMBED)
         {
@@ -247,6 +288,72 @@ impl LlamaTwin {
         }
         self.step += 1;
         Ok(loss)
+    }
+
+    /// One micro-batch's loss and gradients the out-of-core trainer's way: the blocks' forward
+    /// without a graph, keeping each block's input; the head's forward and backward; then each
+    /// block recomputed from its input and run backward, last first. Each parameter's gradient
+    /// is added into its buffer in `acc`; returns the gradient at the embedding's output.
+    fn recomputed_backward(
+        &self,
+        x: &Tensor,
+        targets: &Tensor,
+        mask: Option<&Tensor>,
+        scale: f64,
+        acc: &mut [Option<Tensor>],
+        losses: &mut Vec<Tensor>,
+    ) -> candle_core::Result<Tensor> {
+        let cfg = &self.config;
+        let lora = self.train.lora.as_ref().map_or(1.0, LoraConfig::scale);
+        let weights = |l: usize, detached: bool| {
+            block_weights(&self.block_tensors, &self.specs, lora, l, |n| {
+                self.tensor(n).map(|t| if detached { t.detach() } else { t.clone() })
+            })
+        };
+        // The forward: no graph, every block's input kept (the trainer's checkpoints).
+        let mut inputs = Vec::with_capacity(cfg.num_hidden_layers);
+        let mut h = x.detach();
+        for l in 0..cfg.num_hidden_layers {
+            let w = weights(l, true)?;
+            let y = self.block.forward(l, &w, &h)?;
+            inputs.push(std::mem::replace(&mut h, y));
+        }
+        // The head, forward and backward, from the last block's output.
+        let add_all = |grads: &candle_core::backprop::GradStore,
+                       acc: &mut [Option<Tensor>]|
+         -> candle_core::Result<()> {
+            for (p, a) in self.params.iter().zip(acc.iter_mut()) {
+                if let Some(g) = p.var.as_ref().and_then(|v| grads.get(v)) {
+                    add_grad(a, g)?;
+                }
+            }
+            Ok(())
+        };
+        let hv = Var::from_tensor(&h)?;
+        let [norm, head] = cfg.head_names();
+        let logits = head_logits(cfg, hv.as_tensor(), self.needed(norm)?, self.needed(head)?)?;
+        let l = next_token_loss_masked(&logits, targets, mask, scale)?;
+        let grads = l.backward()?;
+        losses.push(l);
+        add_all(&grads, acc)?;
+        let mut gy = grad_of(&grads, hv.as_tensor(), "the head's input")?;
+        drop(grads);
+        // Each block recomputed from its input, its backward from the gradient at its output.
+        for (l, input) in inputs.into_iter().enumerate().rev() {
+            let w = weights(l, false)?;
+            let xv = Var::from_tensor(&input)?;
+            let y = self.block.forward(l, &w, xv.as_tensor())?;
+            let grads = y.mul(&gy)?.sum_all()?.backward()?;
+            add_all(&grads, acc)?;
+            gy = grad_of(&grads, xv.as_tensor(), "a block's input")?;
+        }
+        for (p, a) in self.params.iter().zip(acc.iter()) {
+            // An untied embedding's gradient is its rows' (added after the micro-batches).
+            if p.var.is_some() && a.is_none() && p.name != EMBED {
+                candle_core::bail!("no gradient reached {}", p.name);
+            }
+        }
+        Ok(gy)
     }
 
     /// A parameter's values (f32): the model's, or a LoRA adapter's.
