@@ -1,8 +1,8 @@
 // The fused ops of strata::candle::fused, compiled at run time with NVRTC (bf16.cuh prepended):
 // attention forward and backward (FlashAttention-2's algorithm), RMSNorm, RoPE and SwiGLU with
-// their backwards, and gradients summed in place in f32. The same algorithms as the CPU code of
-// src/candle/fused/: every value widened to f32, combined in f32, rounded once to the storage
-// type; no atomics, so every sum has a fixed order and a run gives the same bits as the last.
+// their backwards, gradients summed in place in f32, and block-quantized weights dequantized.
+// The same algorithms as the CPU code of src/candle/fused/ and src/base/quant.rs: every value
+// widened to f32, combined in f32, rounded once to the storage type; no atomics, so every sum has a fixed order and a run gives the same bits as the last.
 // Launched by src/candle/fused/cuda.rs on candle's stream. No headers: bf16 and f16 are carried
 // as 16-bit patterns (f16 converted with PTX's cvt), -inf written as its bits.
 
@@ -541,6 +541,117 @@ __device__ void grad_index_add(float* acc, const unsigned int* ids, const T* row
     }
 }
 
+// ---------------------------------------------------------------------------------------------
+// Block-quantized weights (GGUF's Q4_0 ... Q8_K) to T, one thread an element: the arithmetic of
+// src/base/quant.rs (the `gguf` package's, bit for bit): f16 scales widened, a sub-block's scale
+// `d * sc` rounded before it multiplies a quant, `d * q + m` and `dl * q - ml` as two roundings
+// (the _rn intrinsics: never contracted into an FMA), then rounded once to T. `type` is
+// fused.rs's QUANT_TYPES index; each block is `bsize` bytes of `belems` elements.
+
+__device__ __forceinline__ float dq_half(const unsigned char* b, int at) {
+    f16_t h;
+    h.bits = (unsigned short)(b[at] | (b[at + 1] << 8));
+    return widen(h);
+}
+// Element i (0..32) of 16 bytes of nibbles: low nibbles first, then the high ones.
+__device__ __forceinline__ int dq_nibble32(const unsigned char* qs, int i) {
+    return (qs[i % 16] >> (4 * (i / 16))) & 0x0f;
+}
+__device__ __forceinline__ int dq_bit32(const unsigned char* b, int at, int i) {
+    return (b[at + i / 8] >> (i % 8)) & 1;
+}
+// Element i (0..256) of 64 bytes of 2-bit quants (quant.rs's crumb256).
+__device__ __forceinline__ int dq_crumb256(const unsigned char* qs, int i) {
+    const int half = i / 128, s = (i % 128) / 32, l = i % 32;
+    return (qs[half * 32 + l] >> (2 * s)) & 3;
+}
+// Element i (0..256) of 128 bytes of nibbles (quant.rs's nibble256).
+__device__ __forceinline__ int dq_nibble256(const unsigned char* qs, int i) {
+    const int chunk = i / 64, s = (i % 64) / 32, l = i % 32;
+    return (qs[chunk * 32 + l] >> (4 * s)) & 0x0f;
+}
+// Sub-block j's scale and minimum of a Q4_K / Q5_K super-block (quant.rs's scale_min_k4).
+__device__ __forceinline__ void dq_scale_min_k4(const unsigned char* s, int j, int* sc, int* m) {
+    if (j < 4) {
+        *sc = s[j] & 0x3f;
+        *m = s[j + 4] & 0x3f;
+    } else {
+        *sc = (s[j + 4] & 0x0f) | ((s[j - 4] >> 2) & 0x30);
+        *m = (s[j + 4] >> 4) | ((s[j] >> 2) & 0x30);
+    }
+}
+
+__device__ float dequant_one(int type, const unsigned char* b, int i) {
+    switch (type) {
+    case 0: {  // Q4_0: 32 elements, 18 bytes
+        return __fmul_rn(dq_half(b, 0), (float)(dq_nibble32(b + 2, i) - 8));
+    }
+    case 1: {  // Q4_1: 32, 20
+        return __fadd_rn(__fmul_rn(dq_half(b, 0), (float)dq_nibble32(b + 4, i)), dq_half(b, 2));
+    }
+    case 2: {  // Q5_0: 32, 22
+        const int q = dq_nibble32(b + 6, i) | (dq_bit32(b, 2, i) << 4);
+        return __fmul_rn(dq_half(b, 0), (float)(q - 16));
+    }
+    case 3: {  // Q5_1: 32, 24
+        const int q = dq_nibble32(b + 8, i) | (dq_bit32(b, 4, i) << 4);
+        return __fadd_rn(__fmul_rn(dq_half(b, 0), (float)q), dq_half(b, 2));
+    }
+    case 4: {  // Q8_0: 32, 34
+        return __fmul_rn((float)(signed char)b[2 + i], dq_half(b, 0));
+    }
+    case 5: {  // Q2_K: 256, 84
+        const int sc = b[i / 16];
+        const float dl = __fmul_rn(dq_half(b, 80), (float)(sc & 0x0f));
+        const float ml = __fmul_rn(dq_half(b, 82), (float)(sc >> 4));
+        return __fsub_rn(__fmul_rn(dl, (float)dq_crumb256(b + 16, i)), ml);
+    }
+    case 6: {  // Q3_K: 256, 110
+        const unsigned char* scales = b + 96;
+        const int sub = i / 16;
+        const int lo = (scales[sub % 8] >> (4 * (sub / 8))) & 0x0f;
+        const int hi = (scales[8 + sub % 4] >> (2 * (sub / 4))) & 0x03;
+        const float dl = __fmul_rn(dq_half(b, 108), (float)((lo | (hi << 4)) - 32));
+        const int high = (b[i % 32] >> (i / 32)) & 1;  // clear: subtract 4
+        return __fmul_rn(dl, (float)(dq_crumb256(b + 32, i) - ((high ^ 1) << 2)));
+    }
+    case 7:    // Q4_K: 256, 144
+    case 8: {  // Q5_K: 256, 176
+        int sc, m;
+        dq_scale_min_k4(b + 4, i / 32, &sc, &m);
+        const float dl = __fmul_rn(dq_half(b, 0), (float)sc);
+        const float ml = __fmul_rn(dq_half(b, 2), (float)m);
+        int q;
+        if (type == 7) {
+            q = dq_nibble256(b + 16, i);
+        } else {
+            q = dq_nibble256(b + 48, i) | (((b[16 + i % 32] >> (i / 32)) & 1) << 4);
+        }
+        return __fsub_rn(__fmul_rn(dl, (float)q), ml);
+    }
+    case 9: {  // Q6_K: 256, 210
+        const float dl = __fmul_rn(dq_half(b, 208), (float)(signed char)b[192 + i / 16]);
+        const int h = i / 128, r = i % 128;
+        const int lo = (b[h * 64 + r % 64] >> (4 * (r / 64))) & 0x0f;
+        const int hi = (b[128 + h * 32 + r % 32] >> (2 * (r / 32))) & 0x03;
+        return __fmul_rn(dl, (float)((lo | (hi << 4)) - 32));
+    }
+    default: {  // 10, Q8_K: 256, 292 (an f32 scale)
+        const unsigned int u = b[0] | (b[1] << 8) | (b[2] << 16) | ((unsigned int)b[3] << 24);
+        return __fmul_rn(__uint_as_float(u), (float)(signed char)b[4 + i]);
+    }
+    }
+}
+
+template <typename T>
+__device__ void dequant(const unsigned char* src, T* out, long long n, int type, int belems,
+                        int bsize) {
+    GRID_LOOP(e, n) {
+        const unsigned char* b = src + (e / belems) * bsize;
+        out[e] = narrow<T>(dequant_one(type, b, (int)(e % belems)));
+    }
+}
+
 #define POINTWISE_ENTRIES(name, T)                                                                 \
     extern "C" __global__ void strata_attn_delta_##name(const T* dout, const T* o, float* delta,  \
                                                         long long rows, int d) {                  \
@@ -585,6 +696,11 @@ __device__ void grad_index_add(float* acc, const unsigned int* ids, const T* row
                                                             const T* rows, long long n,           \
                                                             int hidden, long long vocab) {        \
         grad_index_add<T>(acc, ids, rows, n, hidden, vocab);                                      \
+    }                                                                                              \
+    extern "C" __global__ void strata_dequant_##name(const unsigned char* src, T* out,            \
+                                                     long long n, int type, int belems,           \
+                                                     int bsize) {                                 \
+        dequant<T>(src, out, n, type, belems, bsize);                                             \
     }
 
 // One element type per module (the Rust side defines STRATA_ELEM_<type> before the source, so a

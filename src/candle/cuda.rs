@@ -97,6 +97,41 @@ pub(crate) fn view_to_candle(
     Ok(Tensor::from_storage(Storage::Cuda(storage), shape, BackpropOp::none(), false))
 }
 
+/// A candle f32 tensor of `shape` on `dev`: the view's bytes, whole blocks of the
+/// block-quantized `dtype` (GGUF's `Q4_0` … `Q8_K`, as the store holds them), dequantized on the
+/// device by `strata_dequant_f32` on `dev`'s stream (the view's stream, so it runs after the
+/// copy that brought the bytes and before the view's drop is recorded), with the host's
+/// arithmetic ([`quant::dequantize`](crate::base::quant::dequantize): the same values, bit for
+/// bit). Only the quantized bytes cross PCIe; the f32 values are made where they are used.
+pub(crate) fn dequantize_view(
+    view: &DeviceView,
+    dev: &CudaDevice,
+    dtype: crate::DType,
+    shape: &[usize],
+) -> candle_core::Result<Tensor> {
+    let (elems, size) = dtype.block().ok_or_else(|| {
+        candle_core::Error::Msg(format!("{dtype} is not block-quantized: nothing to dequantize"))
+    })?;
+    let n: usize = shape.iter().product();
+    if n % elems != 0 {
+        candle_core::bail!("{n} elements of {dtype} are not whole blocks of {elems}");
+    }
+    let bytes = n / elems * size;
+    let all = view.cuda_view::<u8>().ok_or_else(|| {
+        candle_core::Error::Msg(format!("a view of {} bytes is not a CUDA view", view.len_bytes()))
+    })?;
+    if bytes > all.len() {
+        candle_core::bail!("{bytes} bytes of {dtype} asked of a view of {}", all.len());
+    }
+    // Zeroed (the safe allocation), then written whole by the kernel.
+    let mut out = dev.alloc_zeros::<f32>(n.max(1))?;
+    let kernels = crate::backend::cuda::fused::FusedKernels::<f32>::get(&dev.cuda_stream())?;
+    let written = kernels.dequantize(dtype, &all.slice(0..bytes), &mut out.as_view_mut())?;
+    debug_assert_eq!(written, n);
+    let storage = CudaStorage::wrap_cuda_slice(out, dev.clone());
+    Ok(Tensor::from_storage(Storage::Cuda(storage), shape, BackpropOp::none(), false))
+}
+
 /// The view's first `n` elements of `T`, copied into a new candle storage.
 fn copy<T>(view: &DeviceView, n: usize, dev: &CudaDevice) -> candle_core::Result<CudaStorage>
 where

@@ -284,8 +284,9 @@ impl Layers {
     /// One tensor through a device view, copied into a candle tensor; `None` when it is to be
     /// read on the host instead: a tensor the Device tier cannot hold (too large for it, or no
     /// room beside what is held there now), and on CUDA the dtypes without a device-to-device
-    /// copy into candle (`u16`, widened to `u32` on the host as candle's loader does,
-    /// `f8e4m3`, and the block-quantized dtypes, dequantized on the host).
+    /// copy into candle (`u16`, widened to `u32` on the host as candle's loader does, and
+    /// `f8e4m3`). A block-quantized tensor crosses as its blocks and is dequantized on the
+    /// device, to f32.
     fn through_view(
         &self,
         name: &str,
@@ -297,8 +298,7 @@ impl Layers {
         }
         #[cfg(feature = "candle-cuda")]
         if matches!(self.device, Device::Cuda(_))
-            && (matches!(info.dtype, crate::DType::U16 | crate::DType::F8E4M3)
-                || info.dtype.is_quantized())
+            && matches!(info.dtype, crate::DType::U16 | crate::DType::F8E4M3)
         {
             return Ok(None);
         }
@@ -312,13 +312,17 @@ impl Layers {
         match &self.device {
             #[cfg(feature = "candle-cuda")]
             Device::Cuda(dev) => {
-                use super::cuda::{view_to_candle, CopyTimer};
+                use super::cuda::{dequantize_view, view_to_candle, CopyTimer};
                 let in_context =
                     |e: candle_core::Error| e.context(format!("copying tensor {name} to candle"));
                 let stream = dev.cuda_stream();
                 let mut timer = CopyTimer::start(&stream).map_err(in_context)?;
-                let cd = candle_dtype(info.dtype).unwrap_or(CDType::U8);
-                let t = view_to_candle(&view, dev, cd, &info.shape).map_err(in_context)?;
+                let t = if info.dtype.is_quantized() {
+                    dequantize_view(&view, dev, info.dtype, &info.shape).map_err(in_context)?
+                } else {
+                    let cd = candle_dtype(info.dtype).unwrap_or(CDType::U8);
+                    view_to_candle(&view, dev, cd, &info.shape).map_err(in_context)?
+                };
                 timer.stop(&stream).map_err(in_context)?;
                 let mut c = self.transfers.lock();
                 c.t.view_copy_bytes += info.bytes;

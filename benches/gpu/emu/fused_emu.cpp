@@ -4,6 +4,7 @@
 // with naive references (double precision, the semantics of src/candle/fused/). One line per
 // case; exit status 1 if any case failed. See README.md.
 #include "fused_prog.h"  // prep.py's rewrite of cuda/bf16.cuh + cuda/fused.cu per element type
+#include "quants_ref.h"  // quants.py: tests/fixtures/quants.gguf's blocks and the gguf package's values
 
 #include <algorithm>
 #include <cinttypes>
@@ -104,6 +105,7 @@ struct K;
         static constexpr auto swiglu_bwd = NS::strata_swiglu_bwd_##N;                           \
         static constexpr auto grad_acc = NS::strata_grad_acc_##N;                               \
         static constexpr auto grad_index_add = NS::strata_grad_index_add_##N;                   \
+        static constexpr auto dequant = NS::strata_dequant_##N;                                 \
     };
 KERNELS(emu_f32, f32, float)
 KERNELS(emu_bf16, bf16, bf16)
@@ -820,6 +822,43 @@ static void bf16_narrowing() {
     report("bf16 narrowing (fused.cu narrow<bf16_t>, NaNs included) vs half's bf16::from_f32", true, {c});
 }
 
+// Block-quantized bytes to T (fused.rs: FusedKernels::dequantize): every value the `gguf`
+// package's dequantization of the same blocks, rounded once to T, bit for bit.
+template <class T>
+static void dequant_case(const QuantRef& r, size_t grid_override = 0) {
+    std::vector<T> out(r.n, nan_of<T>());
+    dim3 grid = grid3(r.n == 0 ? 0 : stride_blocks(r.n), 1, 1);
+    if (grid_override) grid.x = (unsigned)grid_override;
+    const bool ok = emu::launch(kname("dequant", E<T>::name).c_str(), K<T>::dequant, grid, 256u,
+                                (size_t)0, r.bytes, out.data(), (i64)r.n, (i32)r.type,
+                                (i32)r.belems, (i32)r.bsize);
+    Check c{"values (bit-exact)"};
+    for (size_t i = 0; i < r.n; i++) {
+        float want;
+        std::memcpy(&want, &r.ref[i], 4);
+        c.add(i, E<T>::widen(out[i]), E<T>::widen(E<T>::narrow(want)), 0.0);
+    }
+    report(std::string("dequant ") + r.name + " " + E<T>::name + " n=" + std::to_string(r.n) +
+               (grid_override ? " (grid-stride loop: fewer blocks than fused.rs)" : ""),
+           ok, {c});
+}
+
+// Q8_K, which the gguf package cannot dequantize: one block of scale 0.25 (an f32) and quants
+// -100 .. 155 wrapped to i8, against scale x quant.
+template <class T>
+static void dequant_q8_k_case() {
+    std::vector<unsigned char> b(292, 0);
+    const float d = 0.25f;
+    std::memcpy(b.data(), &d, 4);
+    std::vector<unsigned int> ref(256);
+    for (int i = 0; i < 256; i++) {
+        b[4 + i] = (unsigned char)(signed char)(i - 100);
+        const float v = d * (float)(signed char)(i - 100);
+        std::memcpy(&ref[i], &v, 4);
+    }
+    dequant_case<T>(QuantRef{"Q8_K", 10, 256, 292, b.data(), 292, ref.data(), 256});
+}
+
 template <class T>
 static void all_for_type() {
     // attention: every width, sq and skv not multiples of BQ / BK, sq != skv, windows, GQA
@@ -855,6 +894,9 @@ static void all_for_type() {
     grad_acc_case<T>(1000);
     grad_acc_case<T>(777, 1);
     grad_index_add_case<T>(5, 200, {1, 0, 4, 1, 5, 3, 1, 9});  // 5 and 9: past the table
+    for (const QuantRef& r : QUANT_REFS) dequant_case<T>(r);
+    dequant_case<T>(QUANT_REFS[7], 1);  // Q4_K, one block of threads for every element
+    dequant_q8_k_case<T>();
 }
 
 int main(int argc, char** argv) {

@@ -48,6 +48,7 @@ use parking_lot::Mutex;
 
 use super::{bind, lib_present, Lib};
 use crate::base::error::{Error, Result};
+use crate::base::types::DType;
 
 const SOURCE: &str = include_str!("../../../cuda/fused.cu");
 /// The bf16 helpers the source uses, prepended before compiling.
@@ -108,7 +109,7 @@ pub(crate) fn sources() -> [(&'static str, String); 3] {
 /// The attention kernels (each once per width of [`WIDTHS`]) and the others, in the order
 /// [`kernel_names`] lists them and [`Program`] holds them.
 const ATTENTION: [&str; 3] = ["attn_fwd", "attn_dq", "attn_dkdv"];
-const POINTWISE: [&str; 10] = [
+const POINTWISE: [&str; 11] = [
     "attn_delta",
     "rms_fwd",
     "rms_dx",
@@ -119,6 +120,7 @@ const POINTWISE: [&str; 10] = [
     "swiglu_bwd",
     "grad_acc",
     "grad_index_add",
+    "dequant",
 ];
 /// Indices into [`Program::kernels`].
 const FWD: usize = 0;
@@ -134,6 +136,44 @@ const SWIGLU_FWD: usize = 15;
 const SWIGLU_BWD: usize = 16;
 const GRAD_ACC: usize = 17;
 const GRAD_INDEX_ADD: usize = 18;
+const DEQUANT: usize = 19;
+
+/// The block-quantized dtypes `strata_dequant_<T>` reads, by the `type` index it takes
+/// (`cuda/fused.cu`'s `dequant_one`).
+const QUANT_TYPES: [DType; 11] = [
+    DType::Q4_0,
+    DType::Q4_1,
+    DType::Q5_0,
+    DType::Q5_1,
+    DType::Q8_0,
+    DType::Q2K,
+    DType::Q3K,
+    DType::Q4K,
+    DType::Q5K,
+    DType::Q6K,
+    DType::Q8K,
+];
+
+/// What `strata_dequant_<T>` is given for `len` bytes of `dtype`: `(type, block elements, block
+/// bytes, elements)`; refused when `dtype` is not one it reads or `len` is not whole blocks.
+fn dequant_args(dtype: DType, len: usize) -> Result<(i32, i32, i32, usize)> {
+    let what = "dequantize on CUDA";
+    let index = QUANT_TYPES.iter().position(|&d| d == dtype).ok_or_else(|| {
+        Error::InvalidArgument(format!("{what}: {dtype} is not a block-quantized dtype"))
+    })?;
+    let (elems, size) = dtype.block().expect("a quantized dtype has blocks");
+    if len % size != 0 {
+        return Err(Error::LengthMismatch {
+            got: len as u64,
+            expected: (len / size * size) as u64,
+            what: format!("{what}: {dtype} data is whole blocks of {size} bytes"),
+        });
+    }
+    let n = (len / size).checked_mul(elems).ok_or_else(|| {
+        Error::InvalidArgument(format!("{what}: {len} bytes of {dtype} overflow the elements"))
+    })?;
+    Ok((index as i32, elems as i32, size as i32, n))
+}
 
 /// Every kernel the launchers load from the program of `elem`: `strata_attn_fwd_f32_d64`, ...
 fn kernel_names(elem: &str) -> Vec<String> {
@@ -885,6 +925,35 @@ impl<T: FusedElem> FusedKernels<T> {
         unsafe { b.launch(cfg) }.map_err(launch_err)?;
         Ok(())
     }
+
+    /// `src`, whole blocks of the block-quantized `dtype` (GGUF's `Q4_0` … `Q8_K`, as stored),
+    /// dequantized into `out`'s first elements, rounded once to `T`, with the arithmetic of
+    /// [`quant::dequantize`](crate::base::quant::dequantize) (the same f32 values, bit for bit);
+    /// returns the elements written. Refused, nothing launched: a dtype that is not
+    /// block-quantized, bytes that are not whole blocks, an `out` too short.
+    pub(crate) fn dequantize(
+        &self,
+        dtype: DType,
+        src: &CudaView<'_, u8>,
+        out: &mut CudaViewMut<'_, T>,
+    ) -> Result<usize> {
+        let what = "dequantize on CUDA";
+        let (ty, belems, bsize, n) = dequant_args(dtype, src.len())?;
+        holds(what, "the output", out.len(), Some(n))?;
+        let len = long(what, "the elements", n)?;
+        let kernel = self.kernel(DEQUANT);
+        let grid = [if n == 0 { 0 } else { stride_blocks(n) }, 1, 1];
+        let _bound = bind(self.stream.context())?;
+        let Some(cfg) = kernel.config(what, grid, 256, 0)? else { return Ok(0) };
+        let mut b = self.stream.launch_builder(&kernel.f);
+        b.arg(src).arg(out).arg(&len).arg(&ty).arg(&belems).arg(&bsize);
+        // SAFETY: strata_dequant_<T>(const unsigned char* src, T* out, long long n, int type,
+        // int belems, int bsize): a grid-stride loop over the n = blocks · belems elements of
+        // out (checked), element e reading bytes of block e / belems, all within src's
+        // blocks · bsize bytes (src is whole blocks, checked); type is QUANT_TYPES' index.
+        unsafe { b.launch(cfg) }.map_err(launch_err)?;
+        Ok(n)
+    }
 }
 
 #[cfg(test)]
@@ -968,7 +1037,7 @@ mod tests {
     #[test]
     fn kernel_indices_follow_the_names() {
         let names = kernel_names("bf16");
-        assert_eq!(names.len(), 19);
+        assert_eq!(names.len(), 20);
         for (i, name) in [
             (FWD * 3, "strata_attn_fwd_bf16_d64"),
             (DQ * 3 + 1, "strata_attn_dq_bf16_d128"),
@@ -983,9 +1052,31 @@ mod tests {
             (SWIGLU_BWD, "strata_swiglu_bwd_bf16"),
             (GRAD_ACC, "strata_grad_acc_bf16"),
             (GRAD_INDEX_ADD, "strata_grad_index_add_bf16"),
+            (DEQUANT, "strata_dequant_bf16"),
         ] {
             assert_eq!(names[i], name);
         }
+    }
+
+    /// The dequantization's arguments: each block-quantized dtype by its index, whole blocks
+    /// counted in elements; anything else refused before a launch.
+    #[test]
+    fn dequantization_takes_whole_blocks_of_a_quantized_dtype() {
+        assert_eq!(dequant_args(DType::Q4_0, 36).unwrap(), (0, 32, 18, 64));
+        assert_eq!(dequant_args(DType::Q4K, 144 * 3).unwrap(), (7, 256, 144, 768));
+        assert_eq!(dequant_args(DType::Q8K, 0).unwrap(), (10, 256, 292, 0));
+        for (i, d) in QUANT_TYPES.iter().enumerate() {
+            let (elems, size) = d.block().unwrap();
+            assert_eq!(
+                dequant_args(*d, size).unwrap(),
+                (i as i32, elems as i32, size as i32, elems)
+            );
+        }
+        assert!(DType::ALL.iter().filter(|d| d.is_quantized()).all(|d| QUANT_TYPES.contains(d)));
+        let e = dequant_args(DType::Q6K, 211).unwrap_err();
+        assert!(matches!(e, Error::LengthMismatch { .. }), "{e}");
+        let e = dequant_args(DType::F32, 8).unwrap_err();
+        assert!(e.to_string().contains("f32 is not a block-quantized dtype"), "{e}");
     }
 
     /// Every kernel the launchers load is in the PTX of its element type's program (NVRTC, no
