@@ -546,7 +546,8 @@ __device__ void grad_index_add(float* acc, const unsigned int* ids, const T* row
 // src/base/quant.rs (the `gguf` package's, bit for bit): f16 scales widened, a sub-block's scale
 // `d * sc` rounded before it multiplies a quant, `d * q + m` and `dl * q - ml` as two roundings
 // (the _rn intrinsics: never contracted into an FMA), then rounded once to T. `type` is
-// fused.rs's QUANT_TYPES index; each block is `bsize` bytes of `belems` elements.
+// fused.rs's quant_index (Q4_0 0 ... Q8_K 10, as below); each block is `bsize` bytes of `belems`
+// elements.
 
 __device__ __forceinline__ float dq_half(const unsigned char* b, int at) {
     f16_t h;

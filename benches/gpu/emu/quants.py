@@ -2,8 +2,8 @@
 """Writes the emulator's reference for the dequantization kernel: from tests/fixtures/quants.gguf
 (written by the `gguf` Python package: each block-quantized type `T` beside `T.f32`, the
 package's `gguf.quants.dequantize` of it), a C++ header with each type's bytes and its reference
-values as f32 bits, in the order of src/backend/cuda/fused.rs's QUANT_TYPES (the `type` index the
-kernel takes). A GGUF v3 file read with the standard library alone (CI has no `gguf` package).
+values as f32 bits, with the `type` index the kernel takes (src/backend/cuda/fused.rs's
+quant_index). A GGUF v3 file read with the standard library alone (CI has no `gguf` package).
 
 usage: quants.py REPO_ROOT OUT_FILE
 """
@@ -13,7 +13,7 @@ import sys
 root, out = sys.argv[1], sys.argv[2]
 data = open(f"{root}/tests/fixtures/quants.gguf", "rb").read()
 
-# fused.rs's QUANT_TYPES, by GGML type id: (name, GGML id, block elements, block bytes).
+# fused.rs's quant_index order, with GGML type ids: (name, GGML id, block elements, block bytes).
 QUANT_TYPES = [("Q4_0", 2, 32, 18), ("Q4_1", 3, 32, 20), ("Q5_0", 6, 32, 22), ("Q5_1", 7, 32, 24),
                ("Q8_0", 8, 32, 34), ("Q2_K", 10, 256, 84), ("Q3_K", 11, 256, 110),
                ("Q4_K", 12, 256, 144), ("Q5_K", 13, 256, 176), ("Q6_K", 14, 256, 210),
@@ -67,8 +67,8 @@ align = meta.get("general.alignment", 32)
 start = (pos + align - 1) // align * align
 
 lines = ["// Written by benches/gpu/emu/quants.py from tests/fixtures/quants.gguf: each block-quantized",
-         "// type's bytes and the `gguf` package's dequantization of them (f32 bits), by fused.rs's",
-         "// QUANT_TYPES index.", "#pragma once", "struct QuantRef {", "    const char* name;",
+         "// type's bytes and the `gguf` package's dequantization of them (f32 bits), with fused.rs's",
+         "// quant_index.", "#pragma once", "struct QuantRef {", "    const char* name;",
          "    int type, belems, bsize;", "    const unsigned char* bytes;", "    unsigned long nbytes;",
          "    const unsigned int* ref;", "    unsigned long n;", "};"]
 table = []

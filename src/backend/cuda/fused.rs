@@ -138,27 +138,18 @@ const GRAD_ACC: usize = 17;
 const GRAD_INDEX_ADD: usize = 18;
 const DEQUANT: usize = 19;
 
-/// The block-quantized dtypes `strata_dequant_<T>` reads, by the `type` index it takes
-/// (`cuda/fused.cu`'s `dequant_one`).
-const QUANT_TYPES: [DType; 11] = [
-    DType::Q4_0,
-    DType::Q4_1,
-    DType::Q5_0,
-    DType::Q5_1,
-    DType::Q8_0,
-    DType::Q2K,
-    DType::Q3K,
-    DType::Q4K,
-    DType::Q5K,
-    DType::Q6K,
-    DType::Q8K,
-];
+/// The `type` index `strata_dequant_<T>` takes for `dtype` (`cuda/fused.cu`'s `dequant_one`):
+/// its place among [`DType::ALL`]'s block-quantized dtypes (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K …
+/// Q6_K, Q8_K).
+fn quant_index(dtype: DType) -> Option<usize> {
+    DType::ALL.iter().filter(|d| d.is_quantized()).position(|&d| d == dtype)
+}
 
 /// What `strata_dequant_<T>` is given for `len` bytes of `dtype`: `(type, block elements, block
 /// bytes, elements)`; refused when `dtype` is not one it reads or `len` is not whole blocks.
 fn dequant_args(dtype: DType, len: usize) -> Result<(i32, i32, i32, usize)> {
     let what = "dequantize on CUDA";
-    let index = QUANT_TYPES.iter().position(|&d| d == dtype).ok_or_else(|| {
+    let index = quant_index(dtype).ok_or_else(|| {
         Error::InvalidArgument(format!("{what}: {dtype} is not a block-quantized dtype"))
     })?;
     let (elems, size) = dtype.block().expect("a quantized dtype has blocks");
@@ -950,7 +941,7 @@ impl<T: FusedElem> FusedKernels<T> {
         // SAFETY: strata_dequant_<T>(const unsigned char* src, T* out, long long n, int type,
         // int belems, int bsize): a grid-stride loop over the n = blocks · belems elements of
         // out (checked), element e reading bytes of block e / belems, all within src's
-        // blocks · bsize bytes (src is whole blocks, checked); type is QUANT_TYPES' index.
+        // blocks · bsize bytes (src is whole blocks, checked); type is quant_index's.
         unsafe { b.launch(cfg) }.map_err(launch_err)?;
         Ok(n)
     }
@@ -1065,14 +1056,17 @@ mod tests {
         assert_eq!(dequant_args(DType::Q4_0, 36).unwrap(), (0, 32, 18, 64));
         assert_eq!(dequant_args(DType::Q4K, 144 * 3).unwrap(), (7, 256, 144, 768));
         assert_eq!(dequant_args(DType::Q8K, 0).unwrap(), (10, 256, 292, 0));
-        for (i, d) in QUANT_TYPES.iter().enumerate() {
+        // The kernel's switch: Q4_0 0, Q4_1 1, Q5_0 2, Q5_1 3, Q8_0 4, Q2_K 5 ... Q6_K 9, Q8_K 10.
+        let order = [DType::Q4_0, DType::Q4_1, DType::Q5_0, DType::Q5_1, DType::Q8_0, DType::Q2K];
+        let k = [DType::Q3K, DType::Q4K, DType::Q5K, DType::Q6K, DType::Q8K];
+        for (i, d) in order.iter().chain(&k).enumerate() {
             let (elems, size) = d.block().unwrap();
             assert_eq!(
                 dequant_args(*d, size).unwrap(),
                 (i as i32, elems as i32, size as i32, elems)
             );
         }
-        assert!(DType::ALL.iter().filter(|d| d.is_quantized()).all(|d| QUANT_TYPES.contains(d)));
+        assert_eq!(DType::ALL.iter().filter(|d| d.is_quantized()).count(), 11);
         let e = dequant_args(DType::Q6K, 211).unwrap_err();
         assert!(matches!(e, Error::LengthMismatch { .. }), "{e}");
         let e = dequant_args(DType::F32, 8).unwrap_err();
