@@ -7,9 +7,13 @@
 //! - [`cuda`]: the CUDA driver API through cudarc (loaded dynamically at run time, so the crate
 //!   builds with no CUDA toolkit).
 //!
+//! Beside them, `gemm` (feature `candle`): a checked host matrix product for the compute above.
+//!
 //! This module and the tier arenas are the only places with `unsafe` code.
 
 pub(crate) mod cuda;
+#[cfg(feature = "candle")]
+pub(crate) mod gemm;
 pub(crate) mod health;
 pub(crate) mod host;
 pub(crate) mod sim;

@@ -7,8 +7,11 @@
 //!
 //! A block calls [`Weights::linear`] for each of its linear layers: that is where a LoRA
 //! adapter, when the run has one on that layer, adds its `scale · B·A·x` (PEFT's arithmetic),
-//! and where a frozen weight's gradient is left uncomputed ([`frozen_linear`]). The linears a
-//! block lists in [`Block::linears`] are those LoRA may adapt.
+//! where a frozen weight's gradient is left uncomputed ([`frozen_linear`]), and where a trained
+//! weight's gradient is summed by the backward straight into the step's f32 buffer
+//! ([`GradBuffer`]). The linears a block lists in [`Block::linears`] are those LoRA may adapt
+//! and those the trainer gives a buffer (so a block must apply them through
+//! [`Weights::linear`] only: the trainer refuses a step whose forward did not).
 //!
 //! A block of your own, copied from here (a pre-norm MLP block: LayerNorm with a bias, then a
 //! GELU MLP, added to its input), trained out of core under a Device tier smaller than two
@@ -64,7 +67,7 @@
 
 use candle_core::Tensor;
 
-pub use super::linear::{frozen_linear, linear, Adapter, Weights};
+pub use super::linear::{frozen_linear, linear, Adapter, GradBuffer, Weights};
 
 /// A block a trainer can train: its weights by name and shape, its forward from them, and the
 /// linears LoRA may adapt. The [module docs](self) have one to copy.
@@ -85,7 +88,9 @@ pub trait Block: Send + Sync {
     fn forward(&self, layer: usize, w: &Weights, x: &Tensor) -> candle_core::Result<Tensor>;
 
     /// The names of the weights (`[out, in]`) that [`Block::forward`] applies with
-    /// [`Weights::linear`]: the layers LoRA may adapt. None by default.
+    /// [`Weights::linear`], and in no other way: the layers LoRA may adapt, and those whose
+    /// gradient the trainer sums straight into an f32 buffer ([`GradBuffer`]) rather than
+    /// through a `Var`. None by default.
     fn linears(&self) -> Vec<String> {
         Vec::new()
     }

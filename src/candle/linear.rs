@@ -1,9 +1,14 @@
 //! A block's weights as its forward reads them ([`Weights`]) and its linear layers: `x·Wᵀ`
 //! ([`linear`]), plus a LoRA adapter's share ([`Adapter`]), with no gradient computed for a
-//! frozen weight ([`frozen_linear`]). What a [`Block`](super::block::Block) and the built-in Llama
-//! block ([`super::llama`]) both use; `strata::candle::block` re-exports it.
+//! frozen weight ([`frozen_linear`]) and, for a trained weight given an f32 buffer
+//! ([`GradBuffer`]), its gradient summed into that buffer by the backward itself
+//! ([`fused::accumulating_linear`](super::fused::accumulating_linear)). What a
+//! [`Block`](super::block::Block) and the built-in Llama block ([`super::llama`]) both use;
+//! `strata::candle::block` re-exports it.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, Layout, Shape, Tensor};
@@ -31,18 +36,91 @@ impl Adapter {
     }
 }
 
+/// A linear layer's weight gradient buffer: an f32 tensor of the weight's shape (`[out, in]`,
+/// contiguous) that the backward of each forward through [`GradBuffer::linear`] adds `dYᵀ·X`
+/// into, in place ([`fused::accumulating_linear`](super::fused::accumulating_linear)): the
+/// weight needs no `Var`, and no micro-batch's gradient is made on its own. Clones share the
+/// buffer and the count of forwards ([`GradBuffer::uses`]), which tells a trainer that a block
+/// applied the weight through it (a weight used otherwise would get no gradient).
+#[derive(Clone, Debug)]
+pub struct GradBuffer {
+    sum: Tensor,
+    uses: Arc<AtomicUsize>,
+}
+
+impl GradBuffer {
+    /// A buffer of zeros for a weight of `[out, in]`, on `device`.
+    pub fn zeros(
+        (out, inp): (usize, usize),
+        device: &candle_core::Device,
+    ) -> candle_core::Result<GradBuffer> {
+        GradBuffer::new(Tensor::zeros((out, inp), candle_core::DType::F32, device)?)
+    }
+
+    /// A buffer over `sum`, which the backward adds into (it must be a contiguous f32 matrix:
+    /// an error otherwise).
+    pub fn new(sum: Tensor) -> candle_core::Result<GradBuffer> {
+        if sum.dtype() != candle_core::DType::F32 || !sum.is_contiguous() || sum.rank() != 2 {
+            candle_core::bail!(
+                "a gradient buffer must be a contiguous f32 matrix, not {:?} of {:?}",
+                sum.dtype(),
+                sum.dims()
+            );
+        }
+        Ok(GradBuffer { sum, uses: Arc::new(AtomicUsize::new(0)) })
+    }
+
+    /// The f32 sum so far.
+    pub fn tensor(&self) -> &Tensor {
+        &self.sum
+    }
+
+    /// How many forwards applied the weight through this buffer ([`GradBuffer::linear`]).
+    pub fn uses(&self) -> usize {
+        self.uses.load(Ordering::Relaxed)
+    }
+
+    /// `x·wᵀ` for `x` of `[.., in]`, its backward adding `w`'s gradient into the buffer
+    /// ([`fused::accumulating_linear`](super::fused::accumulating_linear): `x` must be in
+    /// candle's autograd graph).
+    pub fn linear(&self, x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
+        let y = super::fused::accumulating_linear(x, w, &self.sum)?;
+        self.uses.fetch_add(1, Ordering::Relaxed);
+        Ok(y)
+    }
+}
+
 /// A block's weights as its forward reads them: candle tensors by their names within the block
-/// (`self_attn.q_proj.weight`), and the LoRA adapters of the linears that have one.
+/// (`self_attn.q_proj.weight`), the LoRA adapters of the linears that have one, and the
+/// gradient buffers of the trained linear weights that have one.
 #[derive(Clone, Debug, Default)]
 pub struct Weights {
     tensors: HashMap<String, Tensor>,
     adapters: HashMap<String, Adapter>,
+    grads: HashMap<String, GradBuffer>,
 }
 
 impl Weights {
-    /// Weights of these tensors, without adapters.
+    /// Weights of these tensors, without adapters or gradient buffers.
     pub fn new(tensors: HashMap<String, Tensor>) -> Weights {
-        Weights { tensors, adapters: HashMap::new() }
+        Weights { tensors, adapters: HashMap::new(), grads: HashMap::new() }
+    }
+
+    /// Gives the linear whose weight is `name` a gradient buffer: [`Weights::linear`] then
+    /// sums the weight's gradient into it in the backward ([`GradBuffer::linear`]).
+    pub fn with_grad_buffer(mut self, name: impl Into<String>, buf: GradBuffer) -> Weights {
+        self.grads.insert(name.into(), buf);
+        self
+    }
+
+    /// The gradient buffer of the linear whose weight is `name`, if it has one.
+    pub fn grad_buffer(&self, name: &str) -> Option<&GradBuffer> {
+        self.grads.get(name)
+    }
+
+    /// The gradient buffers, by their linear's weight name.
+    pub fn grad_buffers(&self) -> &HashMap<String, GradBuffer> {
+        &self.grads
     }
 
     /// Adds an adapter on the linear whose weight is `name`.
@@ -69,10 +147,16 @@ impl Weights {
     }
 
     /// The linear layer whose weight (`[out, in]`, PyTorch's `nn.Linear` layout) is `name`:
-    /// `x·Wᵀ` for `x` of `[.., in]`, plus its adapter's share when it has one. A weight that
-    /// is not being trained gets no gradient ([`frozen_linear`]); `x` still does.
+    /// `x·Wᵀ` for `x` of `[.., in]`, plus its adapter's share when it has one. A weight with a
+    /// gradient buffer ([`Weights::with_grad_buffer`]) has its gradient added into it by the
+    /// backward ([`GradBuffer::linear`]); one that is not being trained gets no gradient
+    /// ([`frozen_linear`]); `x` gets its gradient either way.
     pub fn linear(&self, name: &str, x: &Tensor) -> candle_core::Result<Tensor> {
-        let y = linear(x, self.get(name)?)?;
+        let w = self.get(name)?;
+        let y = match self.grads.get(name) {
+            Some(g) => g.linear(x, w)?,
+            None => linear(x, w)?,
+        };
         match self.adapters.get(name) {
             Some(a) => a.add_to(y, x),
             None => Ok(y),

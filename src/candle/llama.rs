@@ -21,7 +21,7 @@ use std::collections::HashMap;
 use candle_core::{DType as CDType, Device, Tensor, D};
 
 use super::fused;
-use super::linear::{Adapter, Weights};
+use super::linear::{Adapter, GradBuffer, Weights};
 use super::llama_config::LlamaConfig;
 pub use super::llama_config::{BLOCK_BIASES, BLOCK_TENSORS, EMBED, LM_HEAD, NORM};
 
@@ -232,6 +232,10 @@ pub struct BlockWeights {
     /// LoRA adapters on the projections, by their weight's name in [`BLOCK_TENSORS`]
     /// (`self_attn.q_proj.weight`): none unless a run adds them.
     pub adapters: HashMap<String, Adapter>,
+    /// Gradient buffers of the projections, by their weight's name in [`BLOCK_TENSORS`]: the
+    /// backward of such a projection adds its weight's gradient into the buffer
+    /// ([`GradBuffer::linear`]). None unless a trainer adds them.
+    pub grad_buffers: HashMap<String, GradBuffer>,
 }
 
 impl BlockWeights {
@@ -272,21 +276,29 @@ impl BlockWeights {
                 false => None,
             },
             adapters: HashMap::new(),
+            grad_buffers: HashMap::new(),
         })
     }
 
     /// The weights of a [`Weights`] (a [`Block`](super::block::Block)'s view of them), its
-    /// adapters included.
+    /// adapters and gradient buffers included.
     pub fn from_weights(config: &LlamaConfig, w: &Weights) -> candle_core::Result<BlockWeights> {
         let mut bw = Self::from_fn(config, |s| w.get(s).cloned())?;
         bw.adapters = w.adapters().clone();
+        bw.grad_buffers = w.grad_buffers().clone();
         Ok(bw)
     }
 
     /// The projection whose weight is `w`, named `name` in [`BLOCK_TENSORS`], of `x`, with its
-    /// adapter when it has one.
+    /// adapter when it has one; its weight's gradient summed into its buffer when it has one.
     fn project(&self, name: &str, w: &Tensor, x: &Tensor) -> candle_core::Result<Tensor> {
-        let y = linear(x, w)?;
+        let y = match self.grad_buffers.get(name) {
+            Some(g) => {
+                x.dims3()?;
+                g.linear(x, w)?
+            }
+            None => linear(x, w)?,
+        };
         match self.adapters.get(name) {
             Some(a) => a.add_to(y, x),
             None => Ok(y),

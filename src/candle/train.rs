@@ -12,11 +12,14 @@
 //!    written to the store as an activation checkpoint (group `Activation`, homed in host memory);
 //! 2. *head*: the final norm, the output projection and the cross-entropy over next tokens,
 //!    forward and backward at once (candle's autograd, the head's weights as `Var`s);
-//! 3. *backward*, from the last block down: each block recomputed from its checkpoint with its
-//!    weights as `Var`s, its weight and input gradients from the backward of
-//!    `sum(output · grad_output)`; the weight gradients summed over the micro-batches in place,
-//!    one f32 buffer a parameter (a tied table's starting as the head's share), and handed to
-//!    the store (group `Grad`), where the optimizer takes them;
+//! 3. *backward*, from the last block down: each block recomputed from its checkpoint, its
+//!    weight and input gradients from the backward of `sum(output · grad_output)`; the weight
+//!    gradients summed over the micro-batches in place, one f32 buffer a parameter (a tied
+//!    table's starting as the head's share), and handed to the store (group `Grad`), where the
+//!    optimizer takes them. The trained linear weights need no `Var`: each linear's backward
+//!    adds `dYᵀ·X` straight into the weight's f32 buffer, one GEMM with beta = 1
+//!    ([`fused::accumulating_linear`](super::fused::accumulating_linear)); the block's other
+//!    trained tensors are `Var`s, each micro-batch's gradient added into its buffer;
 //! 4. *update*: [`strata::optim`](crate::compute::optim)'s AdamW (fp32 masters and moments in the
 //!    store, group `OptimizerState`; the Cpu engine by default). No update starts before the loss
 //!    and the global gradient norm, summed on the device and read in one host sync, are known to be

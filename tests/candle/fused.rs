@@ -329,6 +329,7 @@ fn a_fused_block_equals_the_decomposed_block_values_and_gradients() {
                     down: t[9].clone(),
                     qkv_bias: None,
                     adapters: Default::default(),
+                    grad_buffers: Default::default(),
                 };
                 block_forward_with(compute, c, &w, &t[0], rope, 0, None).unwrap()
             }

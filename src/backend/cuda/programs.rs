@@ -15,10 +15,13 @@
 
 use std::sync::Arc;
 
-use cudarc::cublas::{sys::cublasOperation_t, CudaBlas, Gemm, GemmConfig};
+use cudarc::cublas::sys::{
+    cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType_t,
+};
+use cudarc::cublas::{CudaBlas, Gemm, GemmConfig};
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaModule, CudaStream, CudaView, CudaViewMut, DeviceRepr,
-    LaunchConfig, PushKernelArg, ValidAsZeroBits,
+    CudaContext, CudaFunction, CudaModule, CudaStream, CudaView, CudaViewMut, DevicePtr,
+    DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
 };
 use half::bf16;
 
@@ -199,6 +202,96 @@ pub(crate) fn gemm<T: GpuFloat>(
     // inside the three views, which cudarc keeps valid and ordered on their stream.
     unsafe { T::raw_gemm(blas, cfg, a, b, c) }
         .map_err(|e| Error::Cuda { call: "cublasGemmEx", message: e.to_string() })
+}
+
+/// An input type of [`add_at_b_f32`]: f32, bf16 or f16, as cuBLAS names it.
+// Its one caller is the candle integration's CUDA path (`fused::add_weight_grad`); every build
+// compiles it.
+#[cfg_attr(not(feature = "candle-cuda"), allow(dead_code))]
+pub(crate) trait GemmInput: DeviceRepr {
+    /// cuBLAS's name of the type.
+    const CUDA_TYPE: cudaDataType_t;
+}
+
+impl GemmInput for f32 {
+    const CUDA_TYPE: cudaDataType_t = cudaDataType_t::CUDA_R_32F;
+}
+
+impl GemmInput for bf16 {
+    const CUDA_TYPE: cudaDataType_t = cudaDataType_t::CUDA_R_16BF;
+}
+
+impl GemmInput for half::f16 {
+    const CUDA_TYPE: cudaDataType_t = cudaDataType_t::CUDA_R_16F;
+}
+
+/// `c += aᵀ · b` with `c` in f32, all three row-major and dense (`a` `[k, m]`, `b` `[k, n]`, `c`
+/// `[m, n]`), on `stream` (the handle's: the one it was created or last set with): one `cublasGemmEx` with inputs of `T`, an f32 output,
+/// compute type 32F (every product and sum in f32, 16-bit inputs widened exactly), alpha 1 and
+/// beta 1. The same layout and arithmetic as the host's `backend::gemm::add_at_b`
+/// (the sums' order is cuBLAS's). For a linear layer `y = x·Wᵀ`: `a` is `dY` (`[rows, out]`),
+/// `b` is `X` (`[rows, in]`), `c` the weight's f32 gradient (`[out, in]`). Each view is checked
+/// to hold what its dimensions span and each dimension to fit an `int` before cuBLAS runs.
+#[cfg_attr(not(feature = "candle-cuda"), allow(dead_code))]
+pub(crate) fn add_at_b_f32<T: GemmInput>(
+    blas: &CudaBlas,
+    stream: &CudaStream,
+    [k, m, n]: [usize; 3],
+    a: &CudaView<'_, T>,
+    b: &CudaView<'_, T>,
+    c: &mut CudaViewMut<'_, f32>,
+) -> Result<()> {
+    let dims = |what: &str| Error::InvalidArgument(format!("c += aᵀ·b does not fit: {what}"));
+    for (name, rows, cols, len) in
+        [("a", k, m, a.len()), ("b", k, n, b.len()), ("c", m, n, c.len())]
+    {
+        match rows.checked_mul(cols) {
+            Some(need) if need <= len => {}
+            _ => return Err(dims(&format!("{name} holds {len} elements, not {rows} × {cols}"))),
+        }
+    }
+    if k == 0 || m == 0 || n == 0 {
+        return Ok(());
+    }
+    let int = |v: usize| i32::try_from(v).map_err(|_| dims("a dimension past i32"));
+    let (k32, m32, n32) = (int(k)?, int(m)?, int(n)?);
+    let (alpha, beta) = (1f32, 1f32);
+    // In cuBLAS's column-major terms the row-major `c` is `cᵀ` (`n × m`, leading dimension
+    // `n`) = `bᵀ` (`b` as stored: `n × k`, leading dimension `n`, not transposed) times `a`
+    // (`a` as stored is `m × k` with leading dimension `m`, so transposed to `k × m`).
+    let (bp, _b_record) = b.device_ptr(stream);
+    let (ap, _a_record) = a.device_ptr(stream);
+    let (cp, _c_record) = c.device_ptr_mut(stream);
+    // SAFETY: cublasGemmEx reads `n·k` elements of type `T` from `bp` (leading dimension `n`),
+    // `m·k` from `ap` (leading dimension `m`) and reads and writes `n·m` f32 from `cp` (leading
+    // dimension `n`); the views were checked above to hold at least that many, and cudarc keeps
+    // them alive and ordered on `stream`, the handle's (the records above, dropped after the call,
+    // mark their use). The types passed are the views' (`T::CUDA_TYPE`, `CUDA_R_32F`), and
+    // alpha and beta point to f32s, as compute type 32F requires.
+    unsafe {
+        cudarc::cublas::result::gemm_ex(
+            *blas.handle(),
+            cublasOperation_t::CUBLAS_OP_N,
+            cublasOperation_t::CUBLAS_OP_T,
+            n32,
+            m32,
+            k32,
+            (&alpha) as *const f32 as *const _,
+            bp as *const _,
+            T::CUDA_TYPE,
+            n32,
+            ap as *const _,
+            T::CUDA_TYPE,
+            m32,
+            (&beta) as *const f32 as *const _,
+            cp as *mut _,
+            cudaDataType_t::CUDA_R_32F,
+            n32,
+            cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+        )
+    }
+    .map_err(|e| Error::Cuda { call: "cublasGemmEx", message: e.to_string() })
 }
 
 /// Blocks of 256 threads for a grid-stride loop over `n` elements (at most 16 per SM of the

@@ -174,7 +174,7 @@ impl InplaceOp3 for IndexAdd {
 }
 
 /// The f32 elements of a contiguous sum `acc` (its layout's range).
-fn f32s_mut<'a>(
+pub(super) fn f32s_mut<'a>(
     acc: &'a mut CpuStorage,
     layout: &Layout,
     what: &str,

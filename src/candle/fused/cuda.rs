@@ -3,8 +3,10 @@
 //! (`crate::backend::cuda::fused`, which compiles the program once per element type and compute
 //! capability, loads it once per context and holds the launches' `unsafe`), each kernel
 //! launched on candle's stream, each output a new buffer candle owns (zeroed on the stream
-//! before the kernel writes it: cudarc's one safe allocation). Nothing here waits for the
-//! device or copies to or from the host.
+//! before the kernel writes it: cudarc's one safe allocation), but for the sums made in place
+//! into f32 buffers the caller owns (`accumulate`, `index_add_rows`, and a linear layer's weight
+//! gradient by cuBLAS with beta = 1). Nothing here waits for the device or copies to or from the
+//! host.
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda::{CudaDType, CudaDevice, CudaStorage};
@@ -13,6 +15,7 @@ use cudarc::driver::{CudaSlice, CudaView, DeviceRepr, ValidAsZeroBits};
 
 use super::{with_elem, Geometry};
 use crate::backend::cuda::fused::{AttnShape, FusedKernels};
+use crate::backend::cuda::programs::add_at_b_f32;
 
 /// A new zeroed buffer of `n` elements (at least one) for a kernel's output.
 fn output<T: DeviceRepr + ValidAsZeroBits>(
@@ -299,6 +302,24 @@ pub(super) fn grad_index_add(acc: ArgMut, ids: Arg, rows: Arg) -> candle_core::R
         let mut av = sum_view(acc.0, acc.1, "index_add_rows")?;
         let f = FusedKernels::<T>::get(&dev.cuda_stream())?;
         f.grad_index_add([n, hidden, vocab], &mut av, &iv, &rv)?;
+        Ok(())
+    })
+}
+
+/// `acc += dyᵀ·x` in f32, in place (`fused::add_weight_grad`): one cuBLAS GEMM on candle's
+/// stream, `dy` (`[rows, out]`) and `x` (`[rows, in]`) read in their dtype, `acc` (`[out, in]`)
+/// read and written in f32.
+pub(super) fn add_weight_grad(acc: ArgMut, dy: Arg, x: Arg) -> candle_core::Result<()> {
+    let dev = dy.0.device().clone();
+    let (rows, out) = dy.1.shape().dims2()?;
+    let inp = x.1.shape().dims2()?.1;
+    let blas = dev.cublas_handle();
+    let stream = dev.cuda_stream();
+    with_elem!(dy.0, "add_weight_grad", |T| {
+        let dyv = dense::<T>(dy.0, dy.1, "add_weight_grad's dy")?;
+        let xv = dense::<T>(x.0, x.1, "add_weight_grad's x")?;
+        let mut av = sum_view(acc.0, acc.1, "add_weight_grad")?;
+        add_at_b_f32(&blas, &stream, [rows, out, inp], &dyv, &xv, &mut av)?;
         Ok(())
     })
 }

@@ -1,8 +1,9 @@
 //! Fused operations of the Llama block, each one candle op with its own backward: attention
 //! ([`attention`], FlashAttention-2's algorithm: causal, grouped-query, an optional sliding
 //! window, never a `seq × seq` tensor), RMSNorm ([`rms_norm`]), the rotary embedding ([`rope`])
-//! and SwiGLU's gate ([`swiglu`]); and gradients summed in place in f32 ([`accumulate`],
-//! [`index_add_rows`]).
+//! and SwiGLU's gate ([`swiglu`]); gradients summed in place in f32 ([`accumulate`],
+//! [`index_add_rows`]); and a linear layer whose backward sums its weight's gradient straight
+//! into an f32 buffer ([`accumulating_linear`], [`add_weight_grad`]).
 //!
 //! Each is a candle `CustomOp` (`Tensor::apply_op*`), so candle's autograd runs its backward:
 //! the forward saves what the backward needs (attention: the log-sum-exp of each query row;
@@ -39,12 +40,14 @@ mod accumulate;
 mod attention;
 #[cfg(feature = "candle-cuda")]
 mod cuda;
+mod linear;
 mod norm;
 mod rope;
 mod swiglu;
 
 pub use accumulate::{accumulate, index_add_rows};
 pub use attention::attention;
+pub use linear::{accumulating_linear, add_weight_grad};
 pub use norm::rms_norm;
 pub use rope::rope;
 pub use swiglu::swiglu;

@@ -1,13 +1,89 @@
 //! A step's gradients, as [`Trainer`](super::Trainer) and [`LlamaTwin`](crate::candle::LlamaTwin)
 //! both make them (so that they stay equal bit for bit on the CPU): one f32 buffer per parameter
-//! for the step, each micro-batch's gradient added into it in place ([`fused::accumulate`]); an
-//! embedding's rows added into its buffer in place, in f32, after the head's share when the
-//! embeddings are tied ([`fused::index_add_rows`]); and the loss and the global gradient norm
-//! summed on the device and read in one host sync a step.
+//! for the step. A block's trained linear weights (those its [`Block::linears`] lists) have
+//! theirs summed by the backward itself: each linear's backward adds `dYᵀ·X` into the buffer in
+//! place, one GEMM with beta = 1 over the micro-batch's 16-bit (or f32) values into f32
+//! ([`GradBuffer`], [`fused::add_weight_grad`]), so those weights need no `Var` and no
+//! micro-batch's weight gradient is made, rounded or added on its own ([`linear_buffers`]). The
+//! others' (norms, biases, adapters, the head) come from candle's autograd, each micro-batch's
+//! gradient added into the buffer in place ([`fused::accumulate`]); an embedding's rows are
+//! added into its buffer in place, in f32, after the head's share when the embeddings are tied
+//! ([`fused::index_add_rows`]); and the loss and the global gradient norm are summed on the
+//! device and read in one host sync a step.
 
-use candle_core::{DType as CDType, Tensor};
+use candle_core::{DType as CDType, Device, Tensor};
 
+use super::{invalid, LlamaConfig};
+use crate::candle::block::{Block, GradBuffer, Weights};
 use crate::candle::fused;
+
+/// A trained linear weight of one block and the f32 buffer its backward sums its gradient into.
+pub(super) struct LinearGrad {
+    /// The parameter's name in the model (`model.layers.3.self_attn.q_proj.weight`).
+    pub(super) name: String,
+    /// Its name within the block (`self_attn.q_proj.weight`), as [`Weights`] names it.
+    pub(super) local: String,
+    pub(super) buf: GradBuffer,
+}
+
+/// Block `l`'s weights that `block` applies as a linear ([`Block::linears`]), that are matrices
+/// among `block_tensors` (names within a block, and shapes) and that `trained` says are
+/// trained: the weights whose gradients the block's backward sums itself. Each as its name in
+/// the model, its name within the block and its shape `[out, in]`.
+pub(super) fn trained_linears(
+    block: &dyn Block,
+    block_tensors: &[(String, Vec<usize>)],
+    l: usize,
+    trained: impl Fn(&str) -> bool,
+) -> Vec<(String, String, (usize, usize))> {
+    let prefix = LlamaConfig::block_prefix(l);
+    let mut out = Vec::new();
+    for local in block.linears() {
+        let Some((_, shape)) = block_tensors.iter().find(|(n, _)| *n == local) else { continue };
+        let name = format!("{prefix}{local}");
+        if let ([o, i], true) = (shape.as_slice(), trained(&name)) {
+            out.push((name, local, (*o, *i)));
+        }
+    }
+    out
+}
+
+/// A new f32 buffer of zeros on `device` for each of [`trained_linears`], for a step's
+/// backward of block `l` ([`with_buffers`]).
+pub(super) fn linear_buffers(
+    block: &dyn Block,
+    block_tensors: &[(String, Vec<usize>)],
+    l: usize,
+    trained: impl Fn(&str) -> bool,
+    device: &Device,
+) -> candle_core::Result<Vec<LinearGrad>> {
+    trained_linears(block, block_tensors, l, trained)
+        .into_iter()
+        .map(|(name, local, shape)| {
+            Ok(LinearGrad { name, local, buf: GradBuffer::zeros(shape, device)? })
+        })
+        .collect()
+}
+
+/// `w` with the buffers `bufs` on their linears.
+pub(super) fn with_buffers(w: Weights, bufs: &[LinearGrad]) -> Weights {
+    bufs.iter().fold(w, |w, g| w.with_grad_buffer(g.local.clone(), g.buf.clone()))
+}
+
+/// Refuses buffers that no forward applied: a block that did not apply a weight it lists in
+/// [`Block::linears`] through [`Weights::linear`] would leave its gradient at zero.
+pub(super) fn check_applied(bufs: &[LinearGrad], kind: &str) -> candle_core::Result<()> {
+    match bufs.iter().find(|g| g.buf.uses() == 0) {
+        None => Ok(()),
+        Some(g) => Err(invalid(format!(
+            "{}: the {kind} block's forward did not apply it with Weights::linear, though \
+             Block::linears lists it, so its gradient would be lost: apply each weight \
+             Block::linears names through Weights::linear (and only so), or leave it out of \
+             Block::linears",
+            g.name
+        ))),
+    }
+}
 
 /// Adds a micro-batch's gradient `g` into the parameter's buffer: the first one becomes the
 /// buffer (an f32 copy of its own, so that nothing else sees the sums), the others are added in

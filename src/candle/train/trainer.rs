@@ -11,7 +11,8 @@ use candle_core::{DType as CDType, Device, Tensor, Var};
 
 use super::clock::{span_seconds, ComputeClock};
 use super::grads::{
-    add_grad, clip_factor, embedding_backward, grad_of, loss_and_norm, sum_of_squares,
+    add_grad, check_applied, clip_factor, embedding_backward, grad_of, linear_buffers,
+    loss_and_norm, sum_of_squares, with_buffers,
 };
 use super::{
     block_weights, candle_to_store, check_batches, checkpoint, compute_dtype, init_values,
@@ -574,18 +575,21 @@ impl Trainer {
         }
     }
 
-    /// Candle `Var`s of the trainable tensors among `w` (frozen ones stay plain tensors).
+    /// Candle `Var`s of the trainable tensors among `w` but those in `plain` (frozen ones, and
+    /// those whose gradient is summed without a `Var`, stay plain tensors).
     fn as_vars(
         &self,
         w: &HashMap<String, Tensor>,
         names: &[String],
+        plain: &[&str],
     ) -> candle_core::Result<HashMap<String, (Tensor, Option<Var>)>> {
         let mut out = HashMap::new();
         for n in names {
             let t = w
                 .get(n)
                 .ok_or_else(|| candle_core::Error::CannotFindTensor { path: n.clone() }.bt())?;
-            let trainable = self.params.iter().any(|p| p.name == *n && p.trainable);
+            let trainable = self.params.iter().any(|p| p.name == *n && p.trainable)
+                && !plain.contains(&n.as_str());
             let entry = if trainable {
                 let v = Var::from_tensor(t)?;
                 (v.as_tensor().clone(), Some(v))
@@ -686,7 +690,7 @@ impl Trainer {
             next.extend(last.iter().cloned());
         }
         let w = self.layers.fetch(&refs(&head_names), &refs(&next))?.into_tensors();
-        let vars = self.as_vars(&w, &head_names)?;
+        let vars = self.as_vars(&w, &head_names, &[])?;
         drop(w);
         let counted = masks.as_ref().map_or(tc.micro_batch * tc.seq * tc.accum, |m| m.1);
         let scale = 1.0 / counted as f64;
@@ -741,8 +745,15 @@ impl Trainer {
                 self.embed_grad.iter().cloned().collect()
             };
             let w = self.layers.fetch(&refs(&this), &refs(&next))?.into_tensors();
-            let vars = self.as_vars(&w, &this[..weights_n])?;
+            // The trained linear weights' gradients are summed by the backward itself, into
+            // these f32 buffers; the block's other trained tensors are `Var`s.
+            let trained = |n: &str| self.params.iter().any(|p| p.name == n && p.trainable);
+            let dev = self.layers.device();
+            let bufs = linear_buffers(self.block.as_ref(), &self.block_tensors, l, trained, dev)?;
+            let plain: Vec<&str> = bufs.iter().map(|g| g.name.as_str()).collect();
+            let vars = self.as_vars(&w, &this[..weights_n], &plain)?;
             let bw = self.weights_of(l, |n| vars.get(n).map(|v| v.0.clone()))?;
+            let bw = with_buffers(bw, &bufs);
             clock.start()?;
             for (m, gy) in grads_in.iter_mut().enumerate() {
                 let xv = Var::from_tensor(&w[&self.checkpoints[l][m]])?;
@@ -757,6 +768,10 @@ impl Trainer {
             }
             clock.stop()?;
             drop((w, vars, bw));
+            check_applied(&bufs, &self.block.kind())?;
+            for g in bufs {
+                acc.insert(g.name, Some(g.buf.tensor().clone()));
+            }
             crate::base::failpoint::check(
                 crate::base::failpoint::Site::Compute,
                 Path::new("backward"),

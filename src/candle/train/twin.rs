@@ -8,7 +8,8 @@ use candle_core::{DType as CDType, Device, Tensor, Var};
 
 use super::device_adamw::{DeviceState, Kernels};
 use super::grads::{
-    add_grad, clip_factor, embedding_backward, grad_of, loss_and_norm, sum_of_squares,
+    add_grad, check_applied, clip_factor, embedding_backward, grad_of, linear_buffers,
+    loss_and_norm, sum_of_squares, trained_linears, with_buffers, LinearGrad,
 };
 use super::{
     block_weights, check_batches, init_values, prepare_masks, run_params, Init, LlamaConfig,
@@ -24,9 +25,14 @@ use crate::compute::optim::AdamW;
 struct TwinParam {
     name: String,
     shape: Vec<usize>,
-    /// The candle tensor the model computes with, a `Var` when trainable.
+    /// The `Var` of a trainable parameter: what its update writes.
     var: Option<Var>,
+    /// The candle tensor the model computes with: the `Var`'s, or for a trained linear weight
+    /// (whose backward sums its gradient into a buffer, [`linear_buffers`]) a plain tensor
+    /// over the `Var`'s storage, so that autograd makes no gradient of its own for it.
     tensor: Tensor,
+    /// A trained weight of a block's linear: its gradient comes from a buffer, not autograd.
+    linear: bool,
     /// The f32 master weights and moments, on the device (trainable parameters).
     state: Option<DeviceState>,
 }
@@ -34,7 +40,9 @@ struct TwinParam {
 /// The in-memory twin of [`Trainer`](super::Trainer), resident on candle's device: the same model
 /// code with every weight a resident candle tensor (`Var`s for the trainable ones), each
 /// micro-batch's loss run through candle's plain `backward` (no recompute), the gradients summed
-/// over micro-batches into one f32 buffer per parameter on the device, and AdamW with fp32 masters
+/// over micro-batches into one f32 buffer per parameter on the device (the trained linear
+/// weights' by their backward itself, as the trainer's:
+/// [`fused::accumulating_linear`](crate::candle::fused::accumulating_linear)), and AdamW with fp32 masters
 /// and moments on the device too, updated in place by strata's optimizer arithmetic (its host loop
 /// [`cpu_update_scaled`](crate::compute::optim::cpu_update_scaled) on the CPU, its `strata_adamw`
 /// kernel on CUDA): nothing crosses to the host but the loss and the gradient norm, read in one
@@ -101,6 +109,13 @@ impl LlamaTwin {
             Some(l) => adapter_specs(&config, block.as_ref(), l)?,
             None => Vec::new(),
         };
+        let block_tensors = block.tensors();
+        let linears: Vec<String> = (0..config.num_hidden_layers)
+            .flat_map(|l| {
+                trained_linears(block.as_ref(), &block_tensors, l, |n| train.is_trained(n))
+            })
+            .map(|(name, _, _)| name)
+            .collect();
         let mut params = Vec::new();
         let mut dtype = None;
         for (name, shape, init) in run_params(&base, &specs) {
@@ -130,17 +145,17 @@ impl LlamaTwin {
                 candle_core::bail!("{name} has shape {:?}, the config says {shape:?}", t.dims());
             }
             let trainable = train.is_trained(&name);
+            let linear = linears.contains(&name);
             let (var, tensor, state) = if trainable {
                 let v = Var::from_tensor(&t)?;
-                let tensor = v.as_tensor().clone();
+                let tensor = if linear { v.as_tensor().detach() } else { v.as_tensor().clone() };
                 (Some(v), tensor, Some(DeviceState::new(&t)?))
             } else {
                 (None, t, None)
             };
-            params.push(TwinParam { name, shape, var, tensor, state });
+            params.push(TwinParam { name, shape, var, tensor, linear, state });
         }
         let kernels = Kernels::for_device(device)?;
-        let block_tensors = block.tensors();
         Ok(LlamaTwin {
             config,
             train,
@@ -180,19 +195,27 @@ impl LlamaTwin {
 
     /// The f32 logits (`[batch · seq, vocab]`) of `ids` (`[batch, seq]`, u32).
     pub fn logits(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
-        self.logits_from(&embed(self.needed(EMBED)?, ids)?)
+        self.logits_from(&embed(self.needed(EMBED)?, ids)?, None)
     }
 
     /// The f32 logits from the embedding's output `x` (`[batch, seq, hidden]`): the blocks, the
-    /// final norm and the head.
-    fn logits_from(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+    /// final norm and the head; each block's trained linears with their gradient buffers when
+    /// `bufs` has them (a step's forward: `bufs[l]` block `l`'s).
+    fn logits_from(
+        &self,
+        x: &Tensor,
+        bufs: Option<&[Vec<LinearGrad>]>,
+    ) -> candle_core::Result<Tensor> {
         let cfg = &self.config;
         let scale = self.train.lora.as_ref().map_or(1.0, LoraConfig::scale);
         let mut x = x.clone();
         for l in 0..cfg.num_hidden_layers {
-            let w = block_weights(&self.block_tensors, &self.specs, scale, l, |n| {
+            let mut w = block_weights(&self.block_tensors, &self.specs, scale, l, |n| {
                 self.tensor(n).cloned()
             })?;
+            if let Some(b) = bufs.and_then(|b| b.get(l)) {
+                w = with_buffers(w, b);
+            }
             x = self.block.forward(l, &w, &x)?;
         }
         let [norm, head] = cfg.head_names();
@@ -203,8 +226,9 @@ impl LlamaTwin {
     ///
     /// Each micro-batch runs through candle's plain backward over the whole model, from the
     /// embedding's output on: the gradients are summed into one f32 buffer per parameter in
-    /// place, and the embedding's rows added into its buffer (after the head's share when the
-    /// embeddings are tied) in f32, as the trainer makes them.
+    /// place (the trained linear weights' by their backward), and the embedding's rows added
+    /// into its buffer (after the head's share when the embeddings are tied) in f32, as the
+    /// trainer makes them.
     pub fn step(&mut self, batches: &[Tensor]) -> candle_core::Result<f32> {
         self.step_masked(batches, None)
     }
@@ -221,6 +245,12 @@ impl LlamaTwin {
         let masks = masks.map(|m| prepare_masks(t, m)).transpose()?;
         let counted = masks.as_ref().map_or(t.micro_batch * t.seq * t.accum, |m| m.1);
         let mut acc: Vec<Option<Tensor>> = self.params.iter().map(|_| None).collect();
+        // Each block's trained linear weights: their gradients summed by the backward itself.
+        let dev = self.needed(EMBED)?.device().clone();
+        let trained = |n: &str| self.params.iter().any(|p| p.name == n && p.linear);
+        let bufs = (0..self.config.num_hidden_layers)
+            .map(|l| linear_buffers(self.block.as_ref(), &self.block_tensors, l, trained, &dev))
+            .collect::<candle_core::Result<Vec<_>>>()?;
         let mut losses = Vec::with_capacity(batches.len());
         let mut rows = Vec::with_capacity(batches.len());
         for (m, b) in batches.iter().enumerate() {
@@ -235,16 +265,17 @@ impl LlamaTwin {
                     &targets,
                     mask,
                     scale,
+                    &bufs,
                     &mut acc,
                     &mut losses,
                 )?
             } else {
-                let logits = self.logits_from(x.as_tensor())?;
+                let logits = self.logits_from(x.as_tensor(), Some(&bufs))?;
                 let l = next_token_loss_masked(&logits, &targets, mask, scale)?;
                 let grads = l.backward()?;
                 losses.push(l);
                 for (p, a) in self.params.iter().zip(acc.iter_mut()) {
-                    let Some(v) = &p.var else { continue };
+                    let Some(v) = p.var.as_ref().filter(|_| !p.linear) else { continue };
                     match grads.get(v) {
                         Some(g) => add_grad(a, g)?,
                         // An untied embedding: no gradient but its rows' (below).
@@ -255,6 +286,13 @@ impl LlamaTwin {
                 grad_of(&grads, x.as_tensor(), "the embedding's output")?
             };
             rows.push((ids, gx));
+        }
+        let kind = self.block.kind();
+        for g in bufs.into_iter().flatten() {
+            check_applied(std::slice::from_ref(&g), &kind)?;
+            if let Some(i) = self.params.iter().position(|p| p.name == g.name) {
+                acc[i] = Some(g.buf.tensor().clone());
+            }
         }
         if let Some((p, a)) = self.params.iter().zip(acc.iter_mut()).find(|(p, _)| p.name == EMBED)
         {
@@ -293,13 +331,16 @@ impl LlamaTwin {
     /// One micro-batch's loss and gradients the out-of-core trainer's way: the blocks' forward
     /// without a graph, keeping each block's input; the head's forward and backward; then each
     /// block recomputed from its input and run backward, last first. Each parameter's gradient
-    /// is added into its buffer in `acc`; returns the gradient at the embedding's output.
+    /// is added into its buffer in `acc` (a trained linear weight's into its buffer in `bufs`,
+    /// by the recomputed block's backward); returns the gradient at the embedding's output.
+    #[allow(clippy::too_many_arguments)]
     fn recomputed_backward(
         &self,
         x: &Tensor,
         targets: &Tensor,
         mask: Option<&Tensor>,
         scale: f64,
+        bufs: &[Vec<LinearGrad>],
         acc: &mut [Option<Tensor>],
         losses: &mut Vec<Tensor>,
     ) -> candle_core::Result<Tensor> {
@@ -340,7 +381,7 @@ impl LlamaTwin {
         drop(grads);
         // Each block recomputed from its input, its backward from the gradient at its output.
         for (l, input) in inputs.into_iter().enumerate().rev() {
-            let w = weights(l, false)?;
+            let w = with_buffers(weights(l, false)?, &bufs[l]);
             let xv = Var::from_tensor(&input)?;
             let y = self.block.forward(l, &w, xv.as_tensor())?;
             let grads = y.mul(&gy)?.sum_all()?.backward()?;
@@ -349,7 +390,7 @@ impl LlamaTwin {
         }
         for (p, a) in self.params.iter().zip(acc.iter()) {
             // An untied embedding's gradient is its rows' (added after the micro-batches).
-            if p.var.is_some() && a.is_none() && p.name != EMBED {
+            if p.var.is_some() && a.is_none() && p.name != EMBED && !p.linear {
                 candle_core::bail!("no gradient reached {}", p.name);
             }
         }
