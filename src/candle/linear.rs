@@ -254,3 +254,35 @@ impl candle_core::CustomOp2 for FrozenMatmul {
         Ok((Some(grad.matmul(w)?), None))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{DType, Device, Var};
+
+    #[test]
+    fn a_weight_with_a_buffer_sums_its_gradient_there_and_the_others_go_on_as_before() {
+        let dev = Device::Cpu;
+        let w = Tensor::new(&[[1f32, 2.0], [3.0, 4.0]], &dev).unwrap();
+        let tensors = HashMap::from([("a".to_string(), w.clone()), ("b".to_string(), w)]);
+        let buf = GradBuffer::zeros((2, 2), &dev).unwrap();
+        let weights = Weights::new(tensors).with_grad_buffer("a", buf.clone());
+        assert!(weights.grad_buffer("a").is_some() && weights.grad_buffer("b").is_none());
+        let x = Var::new(&[[[1f32, 1.0]]], &dev).unwrap();
+        let ya = weights.linear("a", x.as_tensor()).unwrap();
+        let yb = weights.linear("b", x.as_tensor()).unwrap();
+        assert_eq!(ya.to_vec3::<f32>().unwrap(), yb.to_vec3::<f32>().unwrap());
+        assert_eq!((buf.uses(), weights.grad_buffer("a").unwrap().uses()), (1, 1));
+        let g = ya.add(&yb).unwrap().sum_all().unwrap().backward().unwrap();
+        // x's gradient from both linears; a's weight gradient in its buffer.
+        assert_eq!(g.get(&x).unwrap().to_vec3::<f32>().unwrap(), [[[8.0, 12.0]]]);
+        assert_eq!(buf.tensor().to_vec2::<f32>().unwrap(), [[1.0, 1.0], [1.0, 1.0]]);
+        for bad in [
+            Tensor::zeros((2, 2), DType::BF16, &dev).unwrap(),
+            Tensor::zeros(4, DType::F32, &dev).unwrap(),
+            Tensor::zeros((2, 2), DType::F32, &dev).unwrap().t().unwrap(),
+        ] {
+            assert!(GradBuffer::new(bad).is_err());
+        }
+    }
+}

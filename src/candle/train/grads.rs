@@ -175,6 +175,21 @@ mod tests {
     }
 
     #[test]
+    fn a_listed_linear_the_forward_did_not_apply_is_refused() {
+        let dev = Device::Cpu;
+        let buf = GradBuffer::zeros((2, 3), &dev).unwrap();
+        let g =
+            LinearGrad { name: "model.layers.0.fc.weight".into(), local: "fc.weight".into(), buf };
+        let e = check_applied(std::slice::from_ref(&g), "mlp").unwrap_err().to_string();
+        assert!(e.contains("model.layers.0.fc.weight") && e.contains("Weights::linear"), "{e}");
+        let w = with_buffers(Weights::default(), std::slice::from_ref(&g));
+        let x = candle_core::Var::zeros((1, 3), CDType::F32, &dev).unwrap();
+        let weight = Tensor::zeros((2, 3), CDType::F32, &dev).unwrap();
+        w.grad_buffer("fc.weight").unwrap().linear(x.as_tensor(), &weight).unwrap();
+        check_applied(&[g], "mlp").unwrap();
+    }
+
+    #[test]
     fn loss_and_norm_read_both_in_one_go() {
         let dev = Device::Cpu;
         let losses = [Tensor::new(1.5f32, &dev).unwrap(), Tensor::new(0.25f32, &dev).unwrap()];
