@@ -3,7 +3,8 @@
 //! crossed, sliding windows, queries after a KV cache, strided keys), in f32, bf16 and f16; their
 //! gradients against finite differences; a whole block fused against decomposed; the same bits
 //! on one thread and on several; errors for what they cannot take; gradients summed in place in
-//! f32; and with `candle-cuda` on a GPU, the CUDA kernels against the CPU code.
+//! f32; and with `candle-cuda` on a GPU, the CUDA kernels (and the accumulating linear's cuBLAS
+//! weight gradient) against the CPU code.
 //!
 //! Tolerances, as the largest difference over the largest reference value (measured on
 //! 2026-11-26, in brackets): f32 4e-6 (7.4e-7: the fused ops sum in another order than
@@ -523,6 +524,29 @@ fn ops_on_device_equal_the_cpu_ops(dev: &Device) {
     });
     // Gradients summed in place: the same order, so the same bits.
     assert!(sums_in_place(dev) == sums_in_place(&Device::Cpu), "sums in place");
+    // The accumulating linear: its dW (cuBLAS, f32 out, beta = 1) over two micro-batches of a
+    // 3-D input against the CPU's (the gemm crate), both f32 sums of the same products.
+    let (x, w, r) =
+        (randn(&mut rng, &[2, 9, 48]), randn(&mut rng, &[40, 48]), randn(&mut rng, &[2, 9, 40]));
+    for (dtype, tol) in [(DType::F32, 1e-5), (DType::BF16, 1e-2)] {
+        let run = |d: &Device| {
+            let on = |t: &Tensor| t.to_dtype(dtype).unwrap().to_device(d).unwrap();
+            let dw = Tensor::zeros((40, 48), DType::F32, d).unwrap();
+            let mut dxs = Vec::new();
+            for m in 0..2 {
+                let xv = Var::from_tensor(&(on(&x) * (m + 1) as f64).unwrap()).unwrap();
+                let y = fused::accumulating_linear(xv.as_tensor(), &on(&w), &dw).unwrap();
+                let g = y.mul(&on(&r)).unwrap().sum_all().unwrap().backward().unwrap();
+                dxs.push(g.get(&xv).unwrap().clone());
+            }
+            (dxs, dw)
+        };
+        let ((ddx, ddw), (cdx, cdw)) = (run(dev), run(&Device::Cpu));
+        assert!(rel(&ddw, &cdw) < 1e-5, "accumulating_linear {dtype:?} dW: {}", rel(&ddw, &cdw));
+        for (a, b) in ddx.iter().zip(&cdx) {
+            assert!(rel(a, b) < tol, "accumulating_linear {dtype:?} dX: {}", rel(a, b));
+        }
+    }
 }
 
 /// On a GPU (feature `candle-cuda`): the CUDA kernels of the fused ops against their CPU code.
