@@ -40,16 +40,16 @@ struct TwinParam {
 /// The in-memory twin of [`Trainer`](super::Trainer), resident on candle's device: the same model
 /// code with every weight a resident candle tensor (`Var`s for the trainable ones), each
 /// micro-batch's loss run through candle's plain `backward` (no recompute), the gradients summed
-/// over micro-batches into one f32 buffer per parameter on the device (the trained linear
-/// weights' by their backward itself, as the trainer's:
-/// [`fused::accumulating_linear`](crate::candle::fused::accumulating_linear)), and AdamW with fp32 masters
-/// and moments on the device too, updated in place by strata's optimizer arithmetic (its host loop
-/// [`cpu_update_scaled`](crate::compute::optim::cpu_update_scaled) on the CPU, its `strata_adamw`
-/// kernel on CUDA): nothing crosses to the host but the loss and the gradient norm, read in one
-/// sync a step. It is the trainer's reference (on the CPU its losses and weights are the trainer's,
-/// bit for bit: with the Llama block or a [`Block`] of your own ([`LlamaTwin::with_block`]), with
-/// LoRA adapters, with loss masks) and its baseline (what out of core is measured against on a
-/// GPU).
+/// over micro-batches into one f32 buffer per parameter on the device (the trained linear weights'
+/// by their backward itself, as the trainer's:
+/// [`fused::accumulating_linear`](crate::candle::fused::accumulating_linear)), and AdamW with fp32
+/// masters and moments on the device too, updated in place by strata's optimizer arithmetic (its
+/// host loop [`cpu_update_scaled`](crate::compute::optim::cpu_update_scaled) on the CPU, its
+/// `strata_adamw` kernel on CUDA): nothing crosses to the host but the loss and the gradient norm,
+/// read in one sync a step. It is the trainer's reference (on the CPU its losses and weights are
+/// the trainer's, bit for bit: with the Llama block or a [`Block`] of your own
+/// ([`LlamaTwin::with_block`]), with LoRA adapters, with loss masks) and its baseline (what out of
+/// core is measured against on a GPU).
 ///
 /// **Training and generation.** The twin's Llama weights serve generation too:
 /// [`LlamaTwin::generator`] is an [`InMemoryLlama`](crate::candle::InMemoryLlama) over the very
