@@ -14,6 +14,13 @@
 //! Prints one JSON line: the median milliseconds of each and the model TFLOPS they stand for
 //! (a causal attention's forward counts `2 · b · h · s² · d` multiply-adds, FlashAttention's
 //! convention, the backward 2.5 times that).
+//!
+//! `--kernel NAME` picks the candidate: `strata` (the default: strata's own kernel, NVRTC on
+//! CUDA, the CPU twin on the CPU) or `cudnn-sdpa` (cuDNN 9's fused SDPA on the tensor cores,
+//! through `libstrata_attn.so`: `strata::candle::fused::cudnn`; bf16 or f16, CUDA only).
+//! `--kernel list` prints the names of those that can run here, one a line (the GPU lease runs
+//! each), and says on standard error why another cannot (`cudnn-sdpa` without candle's CUDA
+//! build or without the library: `bash benches/gpu/build-attention` builds it).
 
 use std::collections::HashMap;
 use std::time::Instant;
@@ -22,7 +29,49 @@ use candle_core::{DType, Device, Tensor, Var};
 use strata::candle::fused;
 use strata::candle::llama::SeededRng;
 
+/// The candidate kernels, by the names `--kernel` takes.
+#[derive(Clone, Copy, PartialEq)]
+enum Kernel {
+    Strata,
+    CudnnSdpa,
+}
+
+impl Kernel {
+    const ALL: [Kernel; 2] = [Kernel::Strata, Kernel::CudnnSdpa];
+
+    fn name(self) -> &'static str {
+        match self {
+            Kernel::Strata => "strata",
+            Kernel::CudnnSdpa => "cudnn-sdpa",
+        }
+    }
+
+    /// Whether it can run here: what runs it, or why it cannot.
+    fn available(self) -> Result<String, String> {
+        match self {
+            Kernel::Strata => Ok("strata's fused attention".into()),
+            Kernel::CudnnSdpa => fused::cudnn::available().map_err(|e| e.to_string()),
+        }
+    }
+
+    fn run(
+        self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        scale: f64,
+        window: Option<usize>,
+    ) -> candle_core::Result<Tensor> {
+        match self {
+            Kernel::Strata => fused::attention(q, k, v, scale, window),
+            Kernel::CudnnSdpa => fused::cudnn::attention(q, k, v, scale, window),
+        }
+    }
+}
+
 struct Args {
+    /// None: `--kernel list`.
+    kernel: Option<Kernel>,
     batch: usize,
     seq: usize,
     heads: usize,
@@ -37,6 +86,7 @@ struct Args {
 
 fn args() -> Result<Args, String> {
     let mut a = Args {
+        kernel: Some(Kernel::Strata),
         batch: 1,
         seq: 2048,
         heads: 32,
@@ -65,6 +115,14 @@ fn args() -> Result<Args, String> {
             "--warmup" => a.warmup = v.parse().map_err(|e| format!("{flag} {v}: {e}"))?,
             "--reps" => a.reps = n()?,
             "--save" => a.save = Some(v.into()),
+            "--kernel" if v == "list" => a.kernel = None,
+            "--kernel" => {
+                a.kernel =
+                    Some(Kernel::ALL.into_iter().find(|k| k.name() == v).ok_or_else(|| {
+                        let names: Vec<_> = Kernel::ALL.iter().map(|k| k.name()).collect();
+                        format!("--kernel {v}: one of {}, or list", names.join(", "))
+                    })?)
+            }
             "--dtype" => {
                 a.dtype = match v.as_str() {
                     "bf16" => DType::BF16,
@@ -123,6 +181,19 @@ fn time(
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let a = args()?;
+    let Some(kernel) = a.kernel else {
+        // The candidates that can run here, one a line; why the others cannot, on stderr.
+        for k in Kernel::ALL {
+            match k.available() {
+                Ok(_) => println!("{}", k.name()),
+                Err(why) => eprintln!("{}: not available: {why}", k.name()),
+            }
+        }
+        return Ok(());
+    };
+    kernel
+        .available()
+        .map_err(|why| format!("--kernel {}: not available: {why}", kernel.name()))?;
     let dev = strata::candle::default_device()?;
     let mut rng = SeededRng::new(17);
     let (b, s, h, kv, d) = (a.batch, a.seq, a.heads, a.kv_heads, a.head_dim);
@@ -131,7 +202,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let v = Var::from_tensor(&input(&mut rng, [b, s, kv, d], a.dtype, &dev)?)?;
     let dout = input(&mut rng, [b, s, h, d], a.dtype, &dev)?;
     let scale = 1.0 / (d as f64).sqrt();
-    let attn = || fused::attention(q.as_tensor(), k.as_tensor(), v.as_tensor(), scale, a.window);
+    let attn = || kernel.run(q.as_tensor(), k.as_tensor(), v.as_tensor(), scale, a.window);
     let fwd = time(&dev, a.warmup, a.reps, || attn().map(drop))?;
     // The backward of sum(o · dout): the gradients a training step's backward gets.
     let step = || -> candle_core::Result<(Tensor, candle_core::backprop::GradStore)> {
@@ -144,6 +215,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let flops = 2.0 * (b * h) as f64 * (s as f64) * (s as f64) * d as f64;
     let json = serde_json::json!({
         "bench": "strata-fused-attention",
+        "kernel": kernel.name(),
+        // Where the cuDNN candidate could not run, why (the lease's logs keep it).
+        "cudnn_sdpa": Kernel::CudnnSdpa.available().unwrap_or_else(|why| format!("not available: {why}")),
         "device": if dev.is_cuda() { "cuda" } else { "cpu" },
         "dtype": format!("{:?}", a.dtype).to_lowercase(),
         "batch": b, "seq": s, "heads": h, "kv_heads": kv, "head_dim": d, "window": a.window,

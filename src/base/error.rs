@@ -176,6 +176,18 @@ pub enum Error {
     /// store).
     #[error("backend mismatch: {0}")]
     BackendMismatch(String),
+    /// A library strata loads at run time and builds apart from cargo (the cuDNN attention
+    /// shim, `libstrata_attn.so`) is not there or does not load; `how` says how to build it or
+    /// point to it. What does not need it goes on working.
+    #[error("{library} is not available ({why}): {how}")]
+    LibraryUnavailable {
+        /// The library's file name.
+        library: &'static str,
+        /// Why it did not load: each place looked at, with the loader's message.
+        why: String,
+        /// How to build it, or where to put it.
+        how: &'static str,
+    },
 }
 
 /// `Result` with strata's [`Error`].

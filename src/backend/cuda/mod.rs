@@ -7,6 +7,7 @@
 //! here. Copies are `cuMemcpy*Async` on two dedicated streams (host-to-device, device-to-host) so
 //! that both copy engines can run at once.
 
+pub(crate) mod attention_lib;
 pub(crate) mod fused;
 pub(crate) mod kernel_cache;
 pub(crate) mod probe;

@@ -18,7 +18,7 @@ use crate::backend::cuda::fused::{AttnShape, FusedKernels};
 use crate::backend::cuda::programs::add_at_b_f32;
 
 /// A new zeroed buffer of `n` elements (at least one) for a kernel's output.
-fn output<T: DeviceRepr + ValidAsZeroBits>(
+pub(super) fn output<T: DeviceRepr + ValidAsZeroBits>(
     dev: &CudaDevice,
     n: usize,
 ) -> candle_core::Result<CudaSlice<T>> {
@@ -26,7 +26,7 @@ fn output<T: DeviceRepr + ValidAsZeroBits>(
 }
 
 /// The elements of `s` from `l`'s start offset.
-fn view<'a, T: CudaDType + DeviceRepr>(
+pub(super) fn view<'a, T: CudaDType + DeviceRepr>(
     s: &'a CudaStorage,
     l: &Layout,
 ) -> candle_core::Result<CudaView<'a, T>> {
@@ -42,7 +42,7 @@ fn view<'a, T: CudaDType + DeviceRepr>(
 }
 
 /// [`view`] of a tensor that must be contiguous.
-fn dense<'a, T: CudaDType + DeviceRepr>(
+pub(super) fn dense<'a, T: CudaDType + DeviceRepr>(
     s: &'a CudaStorage,
     l: &Layout,
     what: &str,

@@ -40,6 +40,7 @@ mod accumulate;
 mod attention;
 #[cfg(feature = "candle-cuda")]
 mod cuda;
+pub mod cudnn;
 mod linear;
 mod norm;
 mod rope;

@@ -1,0 +1,313 @@
+//! The fused attention of [`super::attention`] by cuDNN 9's fused SDPA on the tensor cores,
+//! forward and backward, through strata's shim `libstrata_attn.so` (`cuda/attention/`, built
+//! by `benches/gpu/build-attention` and loaded at run time: `crate::backend::cuda::attention_lib`).
+//! A candidate beside strata's own kernel, not the default: `examples/fused_attention.rs
+//! --kernel cudnn-sdpa` measures it against PyTorch's SDPA on the GPU lease.
+//!
+//! The same call as [`super::attention`] (causal, grouped-query, an optional sliding window,
+//! `[batch, seq, heads, head_dim]` with any strides whose head dimension is contiguous), on
+//! candle's CUDA device only (feature `candle-cuda`) and in bf16 or f16 only; head widths that
+//! are multiples of 8 up to 256. The forward keeps cuDNN's log-sum-exp (f32 `[batch, heads,
+//! q_len]`) for the backward. A missing library is a
+//! [`LibraryUnavailable`](crate::Error::LibraryUnavailable) error saying how to build it.
+//!
+//! ```
+//! use strata::candle::fused::cudnn;
+//! // Without candle's CUDA build, or without the library, it says why.
+//! if let Err(why) = cudnn::available() {
+//!     println!("cuDNN attention: {why}");
+//! }
+//! ```
+
+use std::sync::OnceLock;
+
+use candle_core::{CpuStorage, CustomOp3, Layout, Shape, Tensor};
+
+/// Whether cuDNN's attention can run here: the library's path and cuDNN's version, or why
+/// not (no candle CUDA build, or no library: what to do about it).
+pub fn available() -> candle_core::Result<String> {
+    #[cfg(feature = "candle-cuda")]
+    {
+        let lib = crate::backend::cuda::attention_lib::AttentionLib::get()?;
+        let v = lib.cudnn_version();
+        Ok(format!("{} (cuDNN {}.{}.{})", lib.path(), v / 10000, v / 100 % 100, v % 100))
+    }
+    #[cfg(not(feature = "candle-cuda"))]
+    Err(candle_core::Error::Msg(NO_CUDA.into()))
+}
+
+#[cfg(not(feature = "candle-cuda"))]
+const NO_CUDA: &str = "cuDNN attention runs on candle's CUDA device: strata was built without \
+                       the candle-cuda feature";
+
+/// Causal attention of `q` (`[batch, q_len, heads, head_dim]`) over `k` and `v` (`[batch,
+/// kv_len, kv_heads, head_dim]`) by cuDNN's fused SDPA: the same result as
+/// [`super::attention`] (up to rounding: cuDNN sums in another order), with its backward.
+pub fn attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scale: f64,
+    window: Option<usize>,
+) -> candle_core::Result<Tensor> {
+    let (b, _, nh, d) = q.dims4()?;
+    let (bk, _, nkv, dk) = k.dims4()?;
+    if k.dims() != v.dims() || bk != b || dk != d {
+        candle_core::bail!(
+            "cuDNN attention: queries {:?}, keys {:?} and values {:?} must share the batch and \
+             the head width, keys and values one shape ([batch, seq, heads, head_dim])",
+            q.dims(),
+            k.dims(),
+            v.dims()
+        );
+    }
+    if nkv == 0 || nh % nkv != 0 {
+        candle_core::bail!(
+            "cuDNN attention: {nh} query heads are not a multiple of {nkv} key/value heads"
+        );
+    }
+    if q.dtype() != k.dtype() || q.dtype() != v.dtype() {
+        candle_core::bail!(
+            "cuDNN attention: queries {:?}, keys {:?} and values {:?}: one dtype",
+            q.dtype(),
+            k.dtype(),
+            v.dtype()
+        );
+    }
+    // cuDNN reads whole head rows: a head dimension with another stride is copied first.
+    let rows = |t: &Tensor| if t.stride()[3] == 1 { Ok(t.clone()) } else { t.contiguous() };
+    rows(q)?.apply_op3_arc(
+        &rows(k)?,
+        &rows(v)?,
+        std::sync::Arc::new(Box::new(CudnnAttention {
+            scale: scale as f32,
+            window,
+            lse: OnceLock::new(),
+        })),
+    )
+}
+
+/// The op: its parameters, and cuDNN's log-sum-exp once the forward ran.
+// (Without candle's CUDA build the forward refuses before it reads the parameters.)
+#[cfg_attr(not(feature = "candle-cuda"), allow(dead_code))]
+struct CudnnAttention {
+    scale: f32,
+    window: Option<usize>,
+    /// `[batch, heads, q_len]` f32, on the forward's device.
+    lse: OnceLock<Tensor>,
+}
+
+impl CustomOp3 for CudnnAttention {
+    fn name(&self) -> &'static str {
+        "strata-cudnn-attention"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        candle_core::bail!(
+            "cuDNN attention runs on candle's CUDA device; on the CPU use fused::attention"
+        )
+    }
+
+    #[cfg(feature = "candle-cuda")]
+    fn cuda_fwd(
+        &self,
+        q: &candle_core::CudaStorage,
+        lq: &Layout,
+        k: &candle_core::CudaStorage,
+        lk: &Layout,
+        v: &candle_core::CudaStorage,
+        lv: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        let (b, sq, nh, d) = lq.shape().dims4()?;
+        let (o, lse) = on_cuda::forward(self.scale, self.window, (q, lq), (k, lk), (v, lv))?;
+        let _ = self.lse.set(super::cuda_tensor(lse, (b, nh, sq)));
+        Ok((o, Shape::from((b, sq, nh, d))))
+    }
+
+    fn bwd(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        o: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let lse = self.lse.get().ok_or_else(|| {
+            candle_core::Error::Msg("cuDNN attention: a backward before its forward".into()).bt()
+        })?;
+        let grad = grad.contiguous()?;
+        let (qs, lq) = q.storage_and_layout();
+        let (ks, lk) = k.storage_and_layout();
+        let (vs, lv) = v.storage_and_layout();
+        let (os, lo) = o.storage_and_layout();
+        let (dos, ldo) = grad.storage_and_layout();
+        let (ls, ll) = lse.storage_and_layout();
+        match (&*qs, &*ks, &*vs, &*os, &*dos, &*ls) {
+            #[cfg(feature = "candle-cuda")]
+            (
+                candle_core::Storage::Cuda(qc),
+                candle_core::Storage::Cuda(kc),
+                candle_core::Storage::Cuda(vc),
+                candle_core::Storage::Cuda(oc),
+                candle_core::Storage::Cuda(doc),
+                candle_core::Storage::Cuda(lc),
+            ) => {
+                let (dq, dk, dv) = on_cuda::backward(
+                    self.scale,
+                    self.window,
+                    [(qc, lq), (kc, lk), (vc, lv), (oc, lo), (doc, ldo)],
+                    (lc, ll),
+                )?;
+                Ok((
+                    Some(super::cuda_tensor(dq, q.shape())),
+                    Some(super::cuda_tensor(dk, k.shape())),
+                    Some(super::cuda_tensor(dv, v.shape())),
+                ))
+            }
+            _ => {
+                let _ = (lq, lk, lv, lo, ldo, ll);
+                candle_core::bail!(
+                    "cuDNN attention's backward: the tensors are not all on candle's CUDA \
+                     device (feature candle-cuda)"
+                )
+            }
+        }
+    }
+}
+
+/// candle's CUDA storages and layouts to the library's views and shape.
+#[cfg(feature = "candle-cuda")]
+mod on_cuda {
+    use candle_core::backend::BackendStorage;
+    use candle_core::cuda::CudaStorage;
+    use candle_core::{DType, Layout};
+    use half::{bf16, f16};
+
+    use crate::backend::cuda::attention_lib::{
+        dense_strides, AttentionLib, SdpaDtype, SdpaElem, SdpaShape, DK, DOUT, DQ, DV, K, O, Q, V,
+    };
+
+    type Arg<'a> = (&'a CudaStorage, &'a Layout);
+
+    /// The shape of a call on `q`, `k`, `v` (any strides, `[b, s, h, d]`), its other tensors
+    /// contiguous.
+    fn shape(
+        scale: f32,
+        window: Option<usize>,
+        [lq, lk, lv]: [&Layout; 3],
+        dtype: DType,
+    ) -> candle_core::Result<SdpaShape> {
+        let (b, sq, nh, d) = lq.shape().dims4()?;
+        let (_, skv, nkv, _) = lk.shape().dims4()?;
+        let st = |l: &Layout| -> candle_core::Result<[usize; 4]> {
+            <[usize; 4]>::try_from(l.stride()).map_err(|_| {
+                candle_core::Error::Msg("cuDNN attention: a tensor of four dimensions".into())
+            })
+        };
+        let (qd, kd) = (dense_strides([b, sq, nh, d]), dense_strides([b, skv, nkv, d]));
+        let dtype = match dtype {
+            DType::BF16 => SdpaDtype::Bf16,
+            DType::F16 => SdpaDtype::F16,
+            other => candle_core::bail!(
+                "cuDNN attention takes bf16 or f16, not {other:?}: convert with to_dtype, or \
+                 use fused::attention"
+            ),
+        };
+        let mut strides = [[0; 4]; 8];
+        (strides[Q], strides[K], strides[V]) = (st(lq)?, st(lk)?, st(lv)?);
+        (strides[O], strides[DOUT], strides[DQ]) = (qd, qd, qd);
+        (strides[DK], strides[DV]) = (kd, kd);
+        Ok(SdpaShape { b, sq, skv, nh, nkv, d, strides, scale, causal: true, window, dtype })
+    }
+
+    /// The forward: the output `[b, sq, nh, d]` and the log-sum-exp `[b, nh, sq]`.
+    pub(super) fn forward(
+        scale: f32,
+        window: Option<usize>,
+        q: Arg,
+        k: Arg,
+        v: Arg,
+    ) -> candle_core::Result<(CudaStorage, CudaStorage)> {
+        let s = shape(scale, window, [q.1, k.1, v.1], q.0.dtype())?;
+        match s.dtype {
+            SdpaDtype::Bf16 => forward_as::<bf16>(&s, q, k, v),
+            SdpaDtype::F16 => forward_as::<f16>(&s, q, k, v),
+        }
+    }
+
+    fn forward_as<T: SdpaElem + candle_core::cuda::CudaDType + cudarc::driver::ValidAsZeroBits>(
+        s: &SdpaShape,
+        q: Arg,
+        k: Arg,
+        v: Arg,
+    ) -> candle_core::Result<(CudaStorage, CudaStorage)> {
+        let lib = AttentionLib::get()?;
+        let dev = q.0.device().clone();
+        let (qv, kv, vv) = (
+            crate::candle::fused::cuda::view::<T>(q.0, q.1)?,
+            crate::candle::fused::cuda::view::<T>(k.0, k.1)?,
+            crate::candle::fused::cuda::view::<T>(v.0, v.1)?,
+        );
+        let mut o = crate::candle::fused::cuda::output::<T>(&dev, s.b * s.sq * s.nh * s.d)?;
+        let mut lse = crate::candle::fused::cuda::output::<f32>(&dev, s.lse_len())?;
+        lib.forward(
+            &dev.cuda_stream(),
+            s,
+            [&qv, &kv, &vv],
+            &mut o.as_view_mut(),
+            &mut lse.as_view_mut(),
+        )?;
+        Ok((CudaStorage::wrap_cuda_slice(o, dev.clone()), CudaStorage::wrap_cuda_slice(lse, dev)))
+    }
+
+    /// The backward: `dq` (`[b, sq, nh, d]`), `dk` and `dv` (`[b, skv, nkv, d]`). `inputs` are
+    /// q, k, v, the output and its gradient (the last two contiguous).
+    pub(super) fn backward(
+        scale: f32,
+        window: Option<usize>,
+        inputs: [Arg; 5],
+        lse: Arg,
+    ) -> candle_core::Result<(CudaStorage, CudaStorage, CudaStorage)> {
+        let [q, k, v, _, _] = inputs;
+        let s = shape(scale, window, [q.1, k.1, v.1], q.0.dtype())?;
+        match s.dtype {
+            SdpaDtype::Bf16 => backward_as::<bf16>(&s, inputs, lse),
+            SdpaDtype::F16 => backward_as::<f16>(&s, inputs, lse),
+        }
+    }
+
+    fn backward_as<T: SdpaElem + candle_core::cuda::CudaDType + cudarc::driver::ValidAsZeroBits>(
+        s: &SdpaShape,
+        [q, k, v, o, dout]: [Arg; 5],
+        lse: Arg,
+    ) -> candle_core::Result<(CudaStorage, CudaStorage, CudaStorage)> {
+        use crate::candle::fused::cuda::{dense, output, view};
+        let lib = AttentionLib::get()?;
+        let dev = q.0.device().clone();
+        let (qv, kv, vv) = (view::<T>(q.0, q.1)?, view::<T>(k.0, k.1)?, view::<T>(v.0, v.1)?);
+        let ov = dense::<T>(o.0, o.1, "the attention's output")?;
+        let dov = dense::<T>(dout.0, dout.1, "the attention's gradient")?;
+        let lv = dense::<f32>(lse.0, lse.1, "the log-sum-exp")?;
+        let kv_elems = s.b * s.skv * s.nkv * s.d;
+        let mut dq = output::<T>(&dev, s.b * s.sq * s.nh * s.d)?;
+        let mut dk = output::<T>(&dev, kv_elems)?;
+        let mut dv = output::<T>(&dev, kv_elems)?;
+        lib.backward(
+            &dev.cuda_stream(),
+            s,
+            [&qv, &kv, &vv, &ov, &dov],
+            &lv,
+            [&mut dq.as_view_mut(), &mut dk.as_view_mut(), &mut dv.as_view_mut()],
+        )?;
+        let wrap = |x| CudaStorage::wrap_cuda_slice(x, dev.clone());
+        Ok((wrap(dq), wrap(dk), wrap(dv)))
+    }
+}
