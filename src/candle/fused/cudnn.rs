@@ -311,3 +311,33 @@ mod on_cuda {
         Ok((wrap(dq), wrap(dk), wrap(dv)))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use candle_core::{DType, Device, Tensor};
+
+    fn t(shape: (usize, usize, usize, usize)) -> Tensor {
+        Tensor::zeros(shape, DType::BF16, &Device::Cpu).unwrap()
+    }
+
+    #[test]
+    fn on_the_cpu_it_says_where_it_runs() {
+        let (q, k) = (t((1, 4, 2, 64)), t((1, 4, 1, 64)));
+        let e = super::attention(&q, &k, &k, 0.125, None).unwrap_err().to_string();
+        assert!(e.contains("CUDA device") && e.contains("fused::attention"), "{e}");
+        #[cfg(not(feature = "candle-cuda"))]
+        assert!(super::available().unwrap_err().to_string().contains("candle-cuda"));
+    }
+
+    #[test]
+    fn shapes_it_cannot_take_are_refused_before_any_device_work() {
+        let q = t((1, 4, 3, 64));
+        let e = super::attention(&q, &t((1, 4, 2, 64)), &t((1, 4, 2, 64)), 0.125, None);
+        assert!(e.unwrap_err().to_string().contains("not a multiple of 2"));
+        let e = super::attention(&q, &t((1, 4, 3, 32)), &t((1, 4, 3, 32)), 0.125, None);
+        assert!(e.unwrap_err().to_string().contains("share the batch and the head width"));
+        let f = Tensor::zeros((1, 4, 3, 64), DType::F32, &Device::Cpu).unwrap();
+        let e = super::attention(&q, &f, &f, 0.125, None);
+        assert!(e.unwrap_err().to_string().contains("one dtype"));
+    }
+}
