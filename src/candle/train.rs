@@ -19,14 +19,25 @@
 //!    optimizer takes them. The trained linear weights need no `Var`: each linear's backward
 //!    adds `dYᵀ·X` straight into the weight's f32 buffer, one GEMM with beta = 1
 //!    ([`fused::accumulating_linear`](super::fused::accumulating_linear)); the block's other
-//!    trained tensors are `Var`s, each micro-batch's gradient added into its buffer;
+//!    trained tensors are `Var`s, each micro-batch's gradient added into its buffer. A stage's
+//!    gradients are then final, and (the Cpu engine) its update starts at once,
+//!    *speculatively*, on the optimizer's thread while the backward goes on with the stages
+//!    below: the update first copies what it overwrites (the weights or fp32 masters, the
+//!    compute copies, both moments) into a backup of the optimizer's own in the Pinned tier,
+//!    reused step to step ([`TrainConfig::speculation_bytes`] bounds them; the stages past it
+//!    update after the step). A step after one that clipped does not speculate (it probably
+//!    clips too);
 //! 4. *update*: [`strata::optim`](crate::compute::optim)'s AdamW (fp32 masters and moments in the
-//!    store, group `OptimizerState`; the Cpu engine by default). No update starts before the loss
-//!    and the global gradient norm, summed on the device and read in one host sync, are known to be
-//!    finite (a step that diverged changes nothing: [`TrainError::NonFinite`], or a skip); the
-//!    updates are then queued in the order the next forward needs them and run while that forward
-//!    goes on with the stages already updated (a stage's weights are fetched only after its update
-//!    has run).
+//!    store, group `OptimizerState`; the Cpu engine by default). The loss and the global
+//!    gradient norm are summed on the device and read in one host sync. If they are finite and
+//!    clip nothing, the speculative updates stand; otherwise they are waited for and undone from
+//!    their backups, bit for bit, and the step goes on as if they had never started: the updates
+//!    are queued clipped, or (a step that diverged changes nothing: [`TrainError::NonFinite`], or a
+//!    skip) not at all. The updates not started yet are queued in the order the next forward
+//!    needs them and run while that forward goes on with the stages already updated (a stage's
+//!    weights are fetched only after its update has run). [`StepReport`] counts the stages
+//!    speculated and undone, and the optimizer's time hidden in the backward, hidden in all and
+//!    exposed.
 //!
 //! Frozen parameters (by name pattern) get no gradient and no state. The learning rate follows
 //! [`LrSchedule`] (linear warmup, cosine decay).
@@ -39,7 +50,8 @@
 //! [`Trainer::step_masked`] puts the loss on some targets only.
 //!
 //! **A run you can trust with days of work.** A step that fails (the store, the optimizer, candle)
-//! leaves the trainer as it was, and retrying it gives the clean step; updates that fail are done
+//! leaves the trainer as it was (its speculative updates undone), and retrying it gives the clean
+//! step; updates that fail are done
 //! again exactly once by the next call, and the last complete step can be saved as soon as the
 //! fault has passed. Hyperparameters and sizes are checked before anything is allocated
 //! ([`TrainConfig::validate`]), token files are bounded ([`load_tokens`]). [`Trainer::save`] writes

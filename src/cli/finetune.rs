@@ -15,7 +15,8 @@
 //! refusing a run that cannot fit; a progress bar on stderr (step, loss, tokens/s, bytes moved,
 //! ETA) where stderr is a terminal; and per step the loss, tokens/s, model TFLOPS (with attention,
 //! and as 6 × parameters × tokens), bytes moved per tier pair, stall, the optimizer's time (run,
-//! hidden, exposed) and the step's floor `max(compute + the CPU optimizer's part its schedule
+//! hidden, exposed and its share of the step, the stages updated speculatively in the backward
+//! and undone) and the step's floor `max(compute + the CPU optimizer's part its schedule
 //! cannot hide, PCIe bytes / bandwidth, CPU optimizer time, disk)` with the compute measured
 //! ([`strata::candle::train::Floor`]). `--in-memory --recompute` is the resident twin that
 //! recomputes each block in the backward as out of core does: the like-for-like baseline.
@@ -479,6 +480,7 @@ fn train_config(a: &Args, saved: Option<&TrainConfig>) -> TrainConfig {
             clip: Some(1.0),
             engine: Engine::Cpu,
             optimizer_threads: 0,
+            speculation_bytes: TrainConfig::default().speculation_bytes,
             frozen: Vec::new(),
             skip_nonfinite: false,
             lora: None,
@@ -1423,10 +1425,17 @@ fn report(prefix: &str, r: &StepReport, total: u64, flops: &StepFlops, floor: &F
             }
         }
     }
+    // The updates that started during the backward (speculatively), and those undone because
+    // the norm said to clip.
+    let speculated = match (r.speculated, r.undone) {
+        (0, _) => String::new(),
+        (s, 0) => format!("; {s} stages updated in the backward"),
+        (s, u) => format!("; {s} stages updated in the backward, {u} undone"),
+    };
     format!(
         "{prefix}step {}/{total}: loss {:.6}  lr {:.3e}  grad norm {:.4}{}{}  {:.0} tokens/s  {:.4} TFLOPS \
-         ({:.4} as 6 × parameters × tokens)  ({:.1} ms)  moved [{}]  stall {:.2} ms  optimizer {:.2} ms (hidden {:.2}, exposed {:.2})  \
-         {}: step / floor {:.2}",
+         ({:.4} as 6 × parameters × tokens)  ({:.1} ms)  moved [{}]  stall {:.2} ms  optimizer {:.2} ms \
+         (hidden {:.2}, exposed {:.2} = {:.1}% of the step{speculated})  {}: step / floor {:.2}",
         r.step + 1,
         r.loss,
         r.lr,
@@ -1442,6 +1451,7 @@ fn report(prefix: &str, r: &StepReport, total: u64, flops: &StepFlops, floor: &F
         r.optimizer_seconds * 1e3,
         r.optimizer_hidden_seconds * 1e3,
         r.optimizer_exposed_seconds * 1e3,
+        100.0 * r.optimizer_exposed_seconds / r.seconds.max(f64::MIN_POSITIVE),
         floor,
         r.seconds / floor.seconds()
     )

@@ -257,8 +257,11 @@ fn a_diverged_step_fails_before_anything_changes_and_the_run_can_be_saved() {
     let (mut tr, _) = trainer(&c, &t, 1);
     assert!(tr.step(&batches(0, &c, &t)).unwrap().loss.is_finite());
     let before = state(&mut tr);
-    for _ in 0..2 {
+    let undone = |tr: &Trainer| tr.optimizer().unwrap().undone();
+    for attempt in 1..=2 {
         let e = tr.step(&batches(1, &c, &t)).unwrap_err();
+        // The step's updates had started during the backward: undone before the error.
+        assert!(undone(&tr) >= attempt, "attempt {attempt}: nothing was undone");
         assert!(
             matches!(TrainError::find(&e), Some(TrainError::NonFinite { step: 1, .. })),
             "not NonFinite at step 1: {e}"
@@ -281,6 +284,8 @@ fn a_diverged_step_fails_before_anything_changes_and_the_run_can_be_saved() {
     let before = state(&mut tr);
     let r = tr.step(&batches(1, &c, &t)).unwrap();
     assert!(r.skipped && r.step == 1);
+    // Its updates had started during the backward (no clipping): all undone from their backups.
+    assert!(r.speculated > 0 && r.undone == r.speculated, "{r:?}");
     assert_eq!((tr.steps(), tr.skipped()), (2, 1));
     assert!(state(&mut tr) == before);
     let ck = tr.save(dir.path().join("skipping")).unwrap();

@@ -13,7 +13,7 @@ use strata::candle::llama::{
     embed, head_logits, inputs_and_targets, next_token_loss_masked, SeededRng, EMBED,
 };
 use strata::candle::{
-    put_random_weights, LlamaConfig, LlamaTwin, LrSchedule, TrainConfig, Trainer,
+    put_random_weights, LlamaConfig, LlamaTwin, LrSchedule, StepReport, TrainConfig, Trainer,
 };
 use strata::optim::{AdamW, Engine};
 use strata::{Store, Tier};
@@ -37,6 +37,7 @@ pub(crate) fn train_config(clip: Option<f64>, engine: Engine, frozen: &[&str]) -
         clip,
         engine,
         optimizer_threads: 2,
+        speculation_bytes: u64::MAX,
         frozen: frozen.iter().map(|s| s.to_string()).collect(),
         skip_nonfinite: false,
         lora: None,
@@ -209,6 +210,96 @@ fn the_trainers_gradients_are_candles_autograd_within_1e_5() {
             let err = got.iter().zip(want).fold(0f64, |m, (g, w)| m.max((f64::from(*g) - w).abs()));
             assert!(top > 0.0 && err <= 1e-5 * top, "tied {tied}: {name}: {err} of {top}");
         }
+    }
+}
+
+/// `[micro_batch, seq]` masks counting only the last target of each row: a step whose loss is
+/// the mean over a few targets, whose gradient norm is larger than a full step's.
+fn last_target_only(t: &TrainConfig) -> Vec<Tensor> {
+    let row: Vec<f32> = (0..t.seq).map(|i| if i + 1 == t.seq { 1.0 } else { 0.0 }).collect();
+    let v: Vec<f32> = (0..t.micro_batch).flat_map(|_| row.clone()).collect();
+    (0..t.accum)
+        .map(|_| Tensor::from_vec(v.clone(), (t.micro_batch, t.seq), &Device::Cpu).unwrap())
+        .collect()
+}
+
+/// Trains `steps` steps out of core and in memory (step 2's loss on [`last_target_only`]),
+/// checking every loss, the final weights and the moments bit for bit against the twin; returns
+/// the reports.
+fn against_the_twin(c: &LlamaConfig, t: &TrainConfig, steps: u64, what: &str) -> Vec<StepReport> {
+    let (mut tr, init) = trainer(c, t, 1);
+    let mut twin = LlamaTwin::new(c.clone(), t.clone(), init, &Device::Cpu).unwrap();
+    let mut reports = Vec::new();
+    for step in 0..steps {
+        let b = batches(step, c, t);
+        let m = (step == 2).then(|| last_target_only(t));
+        let r = tr.step_masked(&b, m.as_deref()).unwrap();
+        let want = twin.step_masked(&b, m.as_deref()).unwrap();
+        assert_eq!(r.loss.to_bits(), want.to_bits(), "{what}: loss of step {step}");
+        reports.push(r);
+    }
+    tr.finish().unwrap();
+    for (name, _) in c.tensors() {
+        let got = tr.read_param(&name).unwrap();
+        assert_eq!(bits(&got), bits(&twin.param(&name).unwrap()), "{what}: {name}");
+    }
+    reports
+}
+
+/// Issue 41: a stage's update starts during the backward, as soon as its gradients are final,
+/// speculatively (its state backed up), and is undone when the global norm says to clip. With
+/// clipping off, clipping that never clips, clipping every step, clipping some steps only (a
+/// step after an unclipped one clips: its speculative updates are undone and redone clipped), a
+/// budget for the head alone, and none: every loss and weight is the twin's, bit for bit (the
+/// twin updates after the whole backward). The optimizer runs during the backward (its time
+/// there is seen by the step's clock) only when it speculates.
+#[test]
+fn speculative_updates_start_in_the_backward_and_keep_the_twin_s_bits() {
+    let stages = 5; // the embedding, 3 blocks, the head
+    let untied = tiny(false);
+    let t = |clip: Option<f64>, budget: u64| TrainConfig {
+        speculation_bytes: budget,
+        ..train_config(clip, Engine::Cpu, &[])
+    };
+    // Clipping off: every stage speculated, every one committed, the optimizer busy during
+    // the backward.
+    let off = against_the_twin(&untied, &t(None, u64::MAX), 3, "clip off");
+    for r in &off {
+        assert_eq!((r.speculated, r.undone, r.clip_scale), (stages, 0, 1.0), "clip off: {r:?}");
+    }
+    let in_backward: f64 = off.iter().map(|r| r.optimizer_backward_seconds).sum();
+    assert!(in_backward > 0.0, "no update ran during a backward: {off:?}");
+    // Step 2's gradient (the loss on a few targets) is larger than those before it.
+    let norms: Vec<f64> = off.iter().map(|r| r.grad_norm).collect();
+    assert!(norms[2] > norms[0].max(norms[1]), "{norms:?}");
+
+    // Clipping between the first steps' norms and step 2's: steps 0 and 1 speculate and stand,
+    // step 2 speculates (step 1 did not clip), clips, and is undone; step 3 does not speculate.
+    let between = (norms[0].max(norms[1]) + norms[2]) / 2.0;
+    let some = against_the_twin(&untied, &t(Some(between), u64::MAX), 4, "clip some");
+    let seen: Vec<(usize, usize, bool)> =
+        some.iter().map(|r| (r.speculated, r.undone, r.clip_scale < 1.0)).collect();
+    assert_eq!(seen[..3], [(stages, 0, false), (stages, 0, false), (stages, stages, true)]);
+    assert_eq!(seen[3].0, 0, "step 3 speculated after a clipped step: {seen:?}");
+
+    // Clipping every step: the first step speculates and is undone, the others do not.
+    let every = against_the_twin(&untied, &t(Some(1e-4), u64::MAX), 2, "clip every step");
+    let seen: Vec<(usize, usize)> = every.iter().map(|r| (r.speculated, r.undone)).collect();
+    assert_eq!(seen, [(stages, stages), (0, 0)]);
+    assert!(every.iter().all(|r| r.clip_scale < 1.0));
+
+    // Clipping that never clips, tied embeddings, a budget for the head's backup alone (its norm
+    // and, tied, no output projection: 12 bytes a parameter): the head speculates, the rest
+    // update after the step.
+    let tied = tiny(true);
+    let head = 12 * tied.hidden_size as u64;
+    let never = against_the_twin(&tied, &t(Some(1e9), head), 2, "never clips, head only");
+    assert!(never.iter().all(|r| (r.speculated, r.undone) == (1, 0)), "{never:?}");
+
+    // No budget: no speculation, the optimizer idle during the backward.
+    let none = against_the_twin(&untied, &t(None, 0), 2, "no speculation");
+    for r in &none {
+        assert_eq!((r.speculated, r.optimizer_backward_seconds), (0, 0.0), "{r:?}");
     }
 }
 

@@ -47,6 +47,7 @@ fn train(engine: Engine) -> TrainConfig {
         clip: Some(1.0),
         engine,
         optimizer_threads: 1,
+        speculation_bytes: u64::MAX,
         frozen: Vec::new(),
         skip_nonfinite: false,
         lora: None,
@@ -98,6 +99,10 @@ fn trainer(dir: &Path, engine: Engine) -> candle_core::Result<Trainer> {
 enum Base {
     /// [`config`]'s model, random f32 weights, every weight trained.
     Random,
+    /// [`Base::Random`] without clipping and with a Pinned tier of 1 MiB: room for every
+    /// stage's backup, so that each step's updates start speculatively during the backward
+    /// (issue 41) and a fault can hit them, or what follows them, at every site.
+    Speculating,
     /// QLoRA: rank-2 adapters on `q_proj` and `v_proj` over `tests/fixtures/tiny-gpt2.gguf` (2
     /// blocks of hidden 64, Q8_0, Q4_1 and Q4_0 weights loaded quantized and in place in the
     /// file).
@@ -110,11 +115,15 @@ fn gguf_path() -> std::path::PathBuf {
 
 fn trainer_over(dir: &Path, engine: Engine, base: Base) -> candle_core::Result<Trainer> {
     match base {
-        Base::Random => {
-            let s = store(dir, engine)?;
+        Base::Random | Base::Speculating => {
+            let s = if base == Base::Random {
+                store(dir, engine)?
+            } else {
+                store_of(dir, engine, 1 << 20)?
+            };
             let c = config();
             let w = put_random_weights(&s, &c, 7, strata::DType::F32)?;
-            Trainer::new(s, &Device::Cpu, c, train(engine), w)
+            Trainer::new(s, &Device::Cpu, c, train_over(engine, base), w)
         }
         Base::Gguf => {
             // A Pinned tier smaller than the base: some of its weights are read from the file
@@ -130,10 +139,11 @@ fn trainer_over(dir: &Path, engine: Engine, base: Base) -> candle_core::Result<T
 /// [`train`], with LoRA's adapters for a [`Base::Gguf`] run.
 fn train_over(engine: Engine, base: Base) -> TrainConfig {
     let lora = match base {
-        Base::Random => None,
+        Base::Random | Base::Speculating => None,
         Base::Gguf => Some(strata::candle::lora::LoraConfig::new(2, 4.0, &["q_proj", "v_proj"])),
     };
-    TrainConfig { lora, ..train(engine) }
+    let clip = if base == Base::Speculating { None } else { train(engine).clip };
+    TrainConfig { lora, clip, ..train(engine) }
 }
 
 /// The weights and moments, after the last updates.
@@ -394,8 +404,17 @@ fn the_trainer_survives_faults_at_every_site_six_passes_each() {
             (Engine::Cpu, Base::Random),
             (Engine::GpuResident, Base::Random),
             (Engine::Cpu, Base::Gguf),
+            (Engine::Cpu, Base::Speculating),
         ],
     );
+}
+
+/// Speculative updates (no clipping, room for every backup) under a fault at every site, at the
+/// middle of its passes, transient and sticky: every run ends as the clean run, bit for bit.
+#[test]
+#[ignore = "half a minute: cargo test --features failpoints,candle --test faults speculative_updates_survive -- --ignored --nocapture"]
+fn speculative_updates_survive_a_fault_at_every_site() {
+    survey(1, &[(Engine::Cpu, Base::Speculating)]);
 }
 
 /// A step retried after a transient fault is the clean step, and the last complete step can be
@@ -418,6 +437,46 @@ fn a_step_that_fails_in_its_computation_leaves_the_trainer_as_it_was() {
     assert!(e.to_string().contains("injected"), "{e}");
     assert!(TrainError::find(&e).is_none());
     assert_eq!(tr.steps(), 1);
+    let saved = tr.save(dir.path().join("ck")).unwrap();
+    assert_eq!(Checkpoint::open(&saved).unwrap().step, 1);
+    tr.step(&batches(1, &tc)).unwrap();
+    assert!(state(&mut tr).unwrap() == state(&mut clean).unwrap());
+}
+
+/// A fault in the backward after some of the step's updates started speculatively (clipping
+/// off: the head's and the last block's, queued as their gradients were final): the step fails,
+/// those updates are undone from their backups (the trainer is as before the step, and saves),
+/// and the step retried is the clean step, bit for bit.
+#[test]
+fn a_fault_after_speculative_updates_undoes_them() {
+    let _turn = super::ARMED.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = tempfile::tempdir().unwrap();
+    let tc = TrainConfig { clip: None, ..train(Engine::Cpu) };
+    let make = |name: &str| {
+        // A Pinned tier with room for the backups beside the state.
+        let s = store_of(&dir.path().join(name), Engine::Cpu, 1 << 20).unwrap();
+        let c = config();
+        let w = put_random_weights(&s, &c, 7, strata::DType::F32).unwrap();
+        Trainer::new(s, &Device::Cpu, c, tc.clone(), w).unwrap()
+    };
+    let (mut tr, mut clean, mut before) = (make("a"), make("b"), make("c"));
+    for step in 0..2 {
+        assert!(clean.step(&batches(step, &tc)).unwrap().speculated > 0);
+    }
+    tr.step(&batches(0, &tc)).unwrap();
+    before.step(&batches(0, &tc)).unwrap();
+    // The computation's passes: the forward (1), then after each block's backward (2, 3): the
+    // third comes after the head's and block 1's updates were queued.
+    failpoint::arm(Site::Compute, 3, Fault::Backend);
+    let e = tr.step(&batches(1, &tc)).unwrap_err();
+    failpoint::disarm();
+    assert!(e.to_string().contains("injected"), "{e}");
+    assert!(tr.optimizer().unwrap().undone() > 0, "no update had started: nothing undone");
+    assert_eq!(tr.steps(), 1);
+    assert!(
+        state(&mut tr).unwrap() == state(&mut before).unwrap(),
+        "the failed step changed state"
+    );
     let saved = tr.save(dir.path().join("ck")).unwrap();
     assert_eq!(Checkpoint::open(&saved).unwrap().step, 1);
     tr.step(&batches(1, &tc)).unwrap();

@@ -402,6 +402,7 @@ fn train_json(t: &TrainConfig) -> serde_json::Value {
         "weight_decay": float(a.weight_decay),
         "clip": t.clip.map(float),
         "engine": t.engine.name(), "optimizer_threads": t.optimizer_threads,
+        "speculation_bytes": t.speculation_bytes,
         "frozen": t.frozen, "skip_nonfinite": t.skip_nonfinite,
         "lora": t.lora.as_ref().map(|l| serde_json::json!({
             "rank": l.rank, "alpha": float(l.alpha), "targets": l.targets, "rslora": l.rslora,
@@ -448,6 +449,9 @@ fn train_from(v: &serde_json::Value) -> Option<TrainConfig> {
         clip: if v["clip"].is_null() { None } else { Some(f("clip")?) },
         engine: v["engine"].as_str()?.parse::<Engine>().ok()?,
         optimizer_threads: us("optimizer_threads")?,
+        // Records from before speculative updates have none: the default.
+        speculation_bytes: n("speculation_bytes")
+            .unwrap_or(TrainConfig::default().speculation_bytes),
         frozen: strings(&v["frozen"])?,
         skip_nonfinite: v["skip_nonfinite"].as_bool()?,
         lora: lora_from(&v["lora"])?,

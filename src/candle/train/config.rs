@@ -29,6 +29,16 @@ pub struct TrainConfig {
     pub engine: Engine,
     /// Threads of the Cpu engine (0: every core).
     pub optimizer_threads: usize,
+    /// Host memory (bytes) the Cpu engine may keep in backups so that it can start a stage's
+    /// update during the backward, as soon as the stage's gradients are final, before the global
+    /// gradient norm is known (a *speculative* update, undone exactly from its backup when the
+    /// norm says to clip or is not finite; see [`Trainer::step`](crate::candle::Trainer::step)).
+    /// A stage's backup is a copy of what its update overwrites (fp32 masters or f32 weights,
+    /// bf16 compute copies, both moments: 12–14 bytes a parameter), made once in the Pinned tier
+    /// from the head down while this budget and the Pinned tier's free room last; the stages
+    /// past them update after the step, behind the next forward. Default `u64::MAX`: every
+    /// stage the Pinned tier has room for. 0: no speculation (every update after the step).
+    pub speculation_bytes: u64,
     /// Name patterns of frozen parameters (`*` matches any run of characters): no gradient,
     /// no optimizer state, never changed.
     pub frozen: Vec<String>,
@@ -54,6 +64,7 @@ impl Default for TrainConfig {
             clip: None,
             engine: Engine::Cpu,
             optimizer_threads: 0,
+            speculation_bytes: u64::MAX,
             frozen: Vec::new(),
             skip_nonfinite: false,
             lora: None,

@@ -1,6 +1,7 @@
 //! The out-of-core trainer ([`Trainer`]): its construction, a step stage by stage (forward,
-//! head, backward from a checkpoint per block, updates behind the next forward), and what it
-//! reports ([`StepReport`]). The module docs of [`train`](super) walk through a step.
+//! head, backward from a checkpoint per block with each stage's update started speculatively as
+//! its gradients are final, the rest behind the next forward), and what it reports
+//! ([`StepReport`]). The module docs of [`train`](super) walk through a step.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -68,6 +69,17 @@ pub struct StepReport {
     /// it: `optimizer_seconds` less the optimizer's run time inside the exposed spans. On one
     /// clock with the others, so hidden + (run time while waited for) = `optimizer_seconds`.
     pub optimizer_hidden_seconds: f64,
+    /// Seconds the optimizer ran during the step's backward (from the head's hand-over to the
+    /// read of the gradient norm): its speculative updates, hidden behind the blocks' backward
+    /// (a part of `optimizer_hidden_seconds`).
+    pub optimizer_backward_seconds: f64,
+    /// Stages whose updates started during the backward, speculatively, as soon as their
+    /// gradients were final ([`TrainConfig::speculation_bytes`]).
+    pub speculated: usize,
+    /// Of those, the stages undone from their backups because the gradient norm said to clip
+    /// (their updates then queued again, clipped) or was not finite (dropped); the rest were
+    /// committed as they ran.
+    pub undone: usize,
     /// The step's loss or gradient norm was not finite and [`TrainConfig::skip_nonfinite`]
     /// skipped it: no parameter or moment changed.
     pub skipped: bool,
@@ -142,8 +154,15 @@ pub struct Trainer {
     pub(super) skipped: u64,
     /// The run's identity, carried by every file of its checkpoints.
     pub(super) run: u64,
-    /// The updates of the last step, until `Optimizer::finish` ended them.
+    /// The updates of the last step, until `Optimizer::finish` ended them (or this step's
+    /// speculative ones, until the gradient norm says whether they stand).
     updates: Option<Updates>,
+    /// By stage: the optimizer keeps backups for its parameters, so its update may start
+    /// during the backward ([`TrainConfig::speculation_bytes`]).
+    speculative: Vec<bool>,
+    /// The last finite step was clipped: the next one probably is too, so it does not
+    /// speculate (the work would be undone).
+    clipped_last: bool,
     /// The spans the current step waited for the optimizer (or ran it, the GPU engines).
     waits: Vec<(Instant, Instant)>,
     /// A resume that failed after it began writing the trainer's tensors: steps and saves are
@@ -154,13 +173,16 @@ pub struct Trainer {
 }
 
 /// A step's updates not yet ended: queued behind the next step's forward, failed (to be done
-/// again), or not all queued.
+/// again), or not all queued; or, during the backward, its speculative updates.
 #[derive(Debug)]
 struct Updates {
     /// The gradients' clipping factor: what a retried update is scaled by.
     scale: f32,
     /// The stage of each update queued, in order (the forward waits for a stage's).
     stages: Vec<usize>,
+    /// Queued before the gradient norm was known, not yet committed: undone unless the norm
+    /// is finite and clips nothing.
+    speculative: bool,
 }
 
 /// What [`Trainer::report`] makes a [`StepReport`] of.
@@ -173,6 +195,10 @@ struct Reported<'a> {
     clip: f32,
     compute: f64,
     skipped: bool,
+    /// The backward's window, for the optimizer's time within it.
+    backward: (Instant, Instant),
+    speculated: usize,
+    undone: usize,
 }
 
 /// A new run's identity: 64 random bits (the standard library's per-process random hash keys,
@@ -199,6 +225,53 @@ impl std::fmt::Debug for Trainer {
 /// Stages: 0 the embedding, `1..=layers` the blocks, `layers + 1` the head.
 fn block_stage(l: usize) -> usize {
     l + 1
+}
+
+/// Makes the optimizer's backups for the stages whose updates may start during the backward:
+/// from the head down (the order in which their gradients are final), while `budget` bytes and
+/// the Pinned tier's room last (the Cpu engine only). Returns, by stage (of `stages`), whether
+/// it has them.
+fn reserve_backups(
+    opt: Option<&mut Optimizer>,
+    params: &[Param],
+    stages: usize,
+    budget: u64,
+) -> candle_core::Result<Vec<bool>> {
+    let mut backed = vec![false; stages];
+    let Some(opt) = opt.filter(|o| o.engine() == Engine::Cpu) else { return Ok(backed) };
+    let mut left = budget;
+    for stage in (0..stages).rev() {
+        let ps: Vec<&Param> = params.iter().filter(|p| p.stage == stage && p.trainable).collect();
+        if ps.is_empty() {
+            continue;
+        }
+        let mut bytes = 0u64;
+        for p in &ps {
+            bytes =
+                bytes.saturating_add(opt.backup_bytes(p.id).map_err(|e| strata_err(&p.name, e))?);
+        }
+        if bytes > left {
+            break;
+        }
+        let mut made = Vec::with_capacity(ps.len());
+        for p in &ps {
+            match opt.reserve_backup(p.id) {
+                Ok(true) => made.push(p),
+                Ok(false) => break,
+                Err(e) => return Err(strata_err(&p.name, e)),
+            }
+        }
+        if made.len() < ps.len() {
+            // No room for the whole stage: what it took goes back to the Pinned tier.
+            for p in made {
+                opt.remove_backup(p.id).map_err(|e| strata_err(&p.name, e))?;
+            }
+            break;
+        }
+        left -= bytes;
+        backed[stage] = true;
+    }
+    Ok(backed)
 }
 
 impl Trainer {
@@ -336,7 +409,7 @@ impl Trainer {
         // every step reads and writes, before the checkpoints, which can live on the device.
         let trainable: Vec<TensorId> =
             params.iter().filter(|p| p.trainable).map(|p| p.id).collect();
-        let opt = if trainable.is_empty() {
+        let mut opt = if trainable.is_empty() {
             None
         } else {
             let alg = Algorithm::AdamW(AdamW { lr: train.schedule.lr(0), ..train.adamw });
@@ -376,6 +449,8 @@ impl Trainer {
             _ => None,
         };
         let block_tensors = block.tensors();
+        let speculative =
+            reserve_backups(opt.as_mut(), &params, layers_n + 2, train.speculation_bytes)?;
         Ok(Trainer {
             config,
             train,
@@ -395,6 +470,8 @@ impl Trainer {
             skipped: 0,
             run: new_run_id(),
             updates: None,
+            speculative,
+            clipped_last: false,
             waits: Vec::new(),
             torn: None,
             notes: BTreeMap::new(),
@@ -519,6 +596,11 @@ impl Trainer {
     /// stepping it twice, so the result is a clean step's), and ends the optimizer's step.
     /// Returns the seconds it waited; on an error the updates stay owed, for the next call.
     pub(super) fn settle(&mut self) -> candle_core::Result<f64> {
+        if self.updates.as_ref().is_some_and(|u| u.speculative) {
+            // A step failed after its speculative updates started, and undoing them failed
+            // then: undone now (the step never happened).
+            self.undo_speculation()?;
+        }
         let Some(scale) = self.updates.as_ref().map(|u| u.scale) else { return Ok(0.0) };
         let t = Instant::now();
         let mut waited = false;
@@ -542,7 +624,8 @@ impl Trainer {
     }
 
     /// Waits for every queued update (the last step's, which run behind the next step's
-    /// forward) and ends the optimizer's step; returns the seconds waited. After a failed
+    /// forward) and ends the optimizer's step; returns the seconds waited. (Speculative updates
+    /// a failed step could not undo are undone first.) After a failed
     /// step it does the updates left (a fault that has passed); an error leaves them for the
     /// next call. [`Trainer::save`] calls it; call it after the last step before reading the
     /// weights.
@@ -553,12 +636,57 @@ impl Trainer {
     /// Queues the updates of the trainable parameters of `stage`, scaled by `scale`.
     fn queue(&mut self, stage: usize, scale: f32) -> candle_core::Result<()> {
         let Some(opt) = self.opt.as_mut() else { return Ok(()) };
-        let u = self.updates.get_or_insert_with(|| Updates { scale, stages: Vec::new() });
+        let u = self.updates.get_or_insert_with(|| Updates {
+            scale,
+            stages: Vec::new(),
+            speculative: false,
+        });
         for p in self.params.iter().filter(|p| p.stage == stage && p.trainable) {
             opt.update_scaled(p.id, scale).map_err(|e| strata_err(&p.name, e))?;
             u.stages.push(stage);
         }
         Ok(())
+    }
+
+    /// Whether this step's updates start during the backward: with backups, and unless the
+    /// last step clipped (then this one probably clips too, and the work would be undone).
+    fn speculates(&self) -> bool {
+        self.speculative.iter().any(|&s| s) && (self.train.clip.is_none() || !self.clipped_last)
+    }
+
+    /// Starts the updates of stage `stage` speculatively, its gradients being final (where it
+    /// has backups); returns whether it did.
+    fn speculate(&mut self, stage: usize) -> candle_core::Result<bool> {
+        let Some(opt) = self.opt.as_mut() else { return Ok(false) };
+        if !self.speculative.get(stage).copied().unwrap_or(false) {
+            return Ok(false);
+        }
+        let u = self.updates.get_or_insert_with(|| Updates {
+            scale: 1.0,
+            stages: Vec::new(),
+            speculative: true,
+        });
+        for p in self.params.iter().filter(|p| p.stage == stage && p.trainable) {
+            opt.update_speculative(p.id).map_err(|e| strata_err(&p.name, e))?;
+            u.stages.push(stage);
+        }
+        Ok(true)
+    }
+
+    /// Undoes this step's speculative updates (waiting for them), leaving every parameter and
+    /// moment as before the step; returns the stages undone. On an error they stay to undo, by
+    /// the next step, save or finish.
+    fn undo_speculation(&mut self) -> candle_core::Result<usize> {
+        let Some(u) = self.updates.as_ref().filter(|u| u.speculative) else { return Ok(0) };
+        let mut stages = u.stages.clone();
+        stages.dedup();
+        let t = Instant::now();
+        if let Some(opt) = self.opt.as_mut() {
+            opt.undo_speculative().map_err(candle_core::Error::from)?;
+        }
+        self.waits.push((t, Instant::now()));
+        self.updates = None;
+        Ok(stages.len())
     }
 
     /// Refuses to go on from a resume that failed half-way.
@@ -615,13 +743,15 @@ impl Trainer {
     /// A step that fails (an error from the store, the optimizer or candle) leaves the trainer
     /// as it was before it: no parameter or moment has changed, [`Trainer::steps`] is the same,
     /// and calling `step` again with the same batches gives what a clean step gives (bit for
-    /// bit on the CPU). A step is done once its gradients are whole and finite: its updates
-    /// then run behind the next step's forward (the Cpu engine) or as they are queued (the GPU
-    /// engines), and one that fails is done again, exactly once, by the next `step`,
-    /// [`Trainer::finish`] or [`Trainer::save`] (which return its error while it keeps
-    /// failing; [`StepReport::update_error`] tells of one that failed as it was queued). A
-    /// loss or gradient norm that is not finite fails the step with [`TrainError::NonFinite`]
-    /// before anything is updated (or skips it: [`TrainConfig::skip_nonfinite`]).
+    /// bit on the CPU; updates that had started speculatively are undone from their backups
+    /// first). A step is done once its gradients are whole and finite: its updates then stand
+    /// (those started during the backward, when the norm clips nothing) or run behind the next
+    /// step's forward (the Cpu engine) or as they are queued (the GPU engines), and one that
+    /// fails is done again, exactly once, by the next `step`, [`Trainer::finish`] or
+    /// [`Trainer::save`] (which return its error while it keeps failing;
+    /// [`StepReport::update_error`] tells of one that failed as it was queued). A loss or
+    /// gradient norm that is not finite fails the step with [`TrainError::NonFinite`] with
+    /// nothing updated (or skips it: [`TrainConfig::skip_nonfinite`]).
     pub fn step(&mut self, batches: &[Tensor]) -> candle_core::Result<StepReport> {
         self.step_masked(batches, None)
     }
@@ -635,9 +765,30 @@ impl Trainer {
         batches: &[Tensor],
         masks: Option<&[Tensor]>,
     ) -> candle_core::Result<StepReport> {
+        let r = self.run_step(batches, masks);
+        if r.is_err() && self.updates.as_ref().is_some_and(|u| u.speculative) {
+            // The step failed after some of its updates started: undone, the trainer is as it
+            // was before the step.
+            if let Err(e) = self.undo_speculation() {
+                tracing::warn!(step = self.step, error = %e, "undoing a failed step's speculative updates failed; the next call undoes them");
+            }
+        }
+        r
+    }
+
+    fn run_step(
+        &mut self,
+        batches: &[Tensor],
+        masks: Option<&[Tensor]>,
+    ) -> candle_core::Result<StepReport> {
         self.check_whole()?;
         let t0 = Instant::now();
         self.waits.clear();
+        if self.updates.as_ref().is_some_and(|u| u.speculative) {
+            // A failed step's speculative updates, not undone then: undone before a weight is
+            // read.
+            self.undo_speculation()?;
+        }
         if self.updates.is_some() && self.opt.as_ref().is_some_and(|o| !o.unstepped().is_empty()) {
             // The last step's updates failed: done again before a weight is read.
             self.settle()?;
@@ -729,7 +880,15 @@ impl Trainer {
             // Tied: parked in the embedding's gradient until its own backward.
             self.hand_over(EMBED, &share)?;
         }
+        let backward0 = Instant::now();
         self.hand_over_all(&mut acc, &mut ss)?;
+        // A stage's gradients are final once handed over: its update starts now, speculatively
+        // (backed up, undone if the norm says to clip), unless the last step clipped.
+        let speculating = self.speculates();
+        let mut speculated = 0;
+        if speculating {
+            speculated += usize::from(self.speculate(head)?);
+        }
 
         // Backward, from the last block down.
         for l in (0..n_layers).rev() {
@@ -777,6 +936,9 @@ impl Trainer {
                 Path::new("backward"),
             )?;
             self.hand_over_all(&mut acc, &mut ss)?;
+            if speculating {
+                speculated += usize::from(self.speculate(stage)?);
+            }
         }
 
         // The embedding's backward: the rows each token picked get its gradient (candle's
@@ -800,21 +962,58 @@ impl Trainer {
             clock.stop()?;
             acc.insert(EMBED.to_string(), Some(table));
             self.hand_over_all(&mut acc, &mut ss)?;
+            if speculating {
+                speculated += usize::from(self.speculate(0)?);
+            }
         }
         drop(grads_in);
 
         // The loss and the global norm (in the model's tensor order): one host sync, before any
         // update; then the updates, in the order the next forward needs them, run behind it.
-        let ordered: Vec<(&str, Tensor)> = self
+        let ordered: Vec<(String, Tensor)> = self
             .params
             .iter()
-            .filter_map(|p| ss.get(&p.name).map(|t| (p.name.as_str(), t.clone())))
+            .filter_map(|p| ss.get(&p.name).map(|t| (p.name.clone(), t.clone())))
             .collect();
         let sums: Vec<Tensor> = ordered.iter().map(|(_, t)| t.clone()).collect();
         let (loss, grad_norm) = loss_and_norm(&losses, &sums)?;
+        let backward = (backward0, Instant::now());
         let compute = clock.seconds()?;
+        // The speculative updates stand if the norm is finite and clips nothing; else they are
+        // undone (waited for, then every state tensor written back from its backup), and the
+        // step goes on as if they had never started.
+        let clip = clip_factor(grad_norm, tc.clip);
+        let finite = loss.is_finite() && grad_norm.is_finite();
+        let mut undone = 0;
+        if self.updates.as_ref().is_some_and(|u| u.speculative) {
+            if finite && clip == 1.0 {
+                if let Some(o) = self.opt.as_mut() {
+                    o.commit_speculative();
+                }
+                if let Some(u) = self.updates.as_mut() {
+                    u.speculative = false;
+                }
+            } else {
+                undone = self.undo_speculation()?;
+            }
+        }
+        if finite {
+            self.clipped_last = clip < 1.0;
+        }
         let report = |s: &Self, grad_norm: f64, clip: f32, skipped: bool| {
-            s.report(Reported { t0, stats0: &stats0, loss, lr, grad_norm, clip, compute, skipped })
+            s.report(Reported {
+                t0,
+                stats0: &stats0,
+                loss,
+                lr,
+                grad_norm,
+                clip,
+                compute,
+                skipped,
+                backward,
+                speculated,
+                undone,
+            })
         };
         if !loss.is_finite() {
             let r = report(self, grad_norm, 1.0, true);
@@ -831,14 +1030,19 @@ impl Trainer {
             let what = format!("the gradient norm (first at {first})");
             return self.diverged(what, grad_norm, report(self, grad_norm, 1.0, true));
         }
-        let clip = clip_factor(grad_norm, tc.clip);
         // From here the step is done: its gradients are whole and finite, and its updates are
-        // owed. One that fails to be queued (the GPU engines run theirs here) is done again by
-        // the next step, finish or save, as one that fails on the optimizer's thread is.
-        self.updates = Some(Updates { scale: clip, stages: Vec::new() });
+        // owed (those that started speculatively, committed, among them). One that fails to be
+        // queued (the GPU engines run theirs here) is done again by the next step, finish or
+        // save, as one that fails on the optimizer's thread is.
+        let u = self.updates.get_or_insert_with(|| Updates {
+            scale: clip,
+            stages: Vec::new(),
+            speculative: false,
+        });
+        let started: Vec<usize> = u.stages.clone();
         let mut update_error = None;
         let queued = Instant::now();
-        for stage in 0..=head {
+        for stage in (0..=head).filter(|s| !started.contains(s)) {
             if let Err(e) = self.queue(stage, clip) {
                 tracing::warn!(step = self.step, error = %e, "an update failed; it is done again by the next call");
                 update_error = Some(e.to_string());
@@ -856,7 +1060,8 @@ impl Trainer {
     }
 
     /// A step whose `what` is `value`, not finite: skipped (counted) when the config says so,
-    /// else [`TrainError::NonFinite`]. Nothing of the step has been queued.
+    /// else [`TrainError::NonFinite`]. Nothing of the step is queued (its speculative updates
+    /// were undone).
     fn diverged(
         &mut self,
         what: String,
@@ -885,9 +1090,10 @@ impl Trainer {
         // the spans the step waited for it.
         let mut spans = vec![(r.t0, t1)];
         spans.extend(self.waits.iter().copied());
+        spans.push(r.backward);
         let busy =
             self.opt.as_ref().map_or_else(|| vec![0.0; spans.len()], |o| o.busy_within(&spans));
-        let during_waits = busy[1..].iter().fold(0.0, |a, b| a + b);
+        let during_waits = busy[1..busy.len() - 1].iter().fold(0.0, |a, b| a + b);
         StepReport {
             step: self.step,
             loss: r.loss,
@@ -902,6 +1108,9 @@ impl Trainer {
             optimizer_seconds: busy[0],
             optimizer_exposed_seconds: span_seconds(&self.waits),
             optimizer_hidden_seconds: (busy[0] - during_waits).max(0.0),
+            optimizer_backward_seconds: busy[busy.len() - 1],
+            speculated: r.speculated,
+            undone: r.undone,
             skipped: r.skipped,
             update_error: None,
         }

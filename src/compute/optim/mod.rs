@@ -19,7 +19,11 @@
 //!   short). [`Optimizer::update`] releases the gradient (the store starts writing it back) and
 //!   queues the update to a worker thread, which runs it over chunks on `threads` threads as
 //!   soon as the gradient has reached host memory, while the caller goes on with the backward
-//!   pass of the layers before. [`Optimizer::finish`] waits for the queue.
+//!   pass of the layers before. [`Optimizer::finish`] waits for the queue. An update can start
+//!   before the caller knows it stands ([`Optimizer::update_speculative`]: a trainer's, before
+//!   the global gradient norm says whether to clip): it saves what it overwrites into a backup
+//!   first, and is then committed ([`Optimizer::commit_speculative`]) or undone exactly
+//!   ([`Optimizer::undo_speculative`]).
 //! - [`Engine::GpuMapped`]: the state lives in the Mapped tier; a kernel (`cuda/optim.cu`)
 //!   updates it in place over PCIe, zero-copy, without migrating it.
 //! - [`Engine::GpuResident`]: the state is migrated to the device like any tensor (the policy
@@ -75,6 +79,8 @@ use crate::base::types::{format_size, DType, Group, TensorId, Tier};
 use crate::compute::linalg::Float;
 use crate::compute::probe::median;
 use crate::{DeviceView, HostView, Machine, Store, Stream};
+
+mod speculate;
 
 /// AdamW's hyperparameters (PyTorch's defaults, but `weight_decay` 0 as the out-of-core
 /// example's contract asks; PyTorch's default is 0.01). Held in f64 as PyTorch holds them (Python
@@ -567,55 +573,135 @@ pub fn cpu_update_scaled(
     grad_scale: f32,
     out: Option<&mut [bf16]>,
 ) -> Result<()> {
+    update_slices(alg, t, threads, p, m, v, g, grad_scale, out, None)
+}
+
+/// Where an update that may be undone keeps what it overwrites (a speculative update's backup):
+/// slices as long as the update's, `m` and `v` empty for SGD, `out` for a bf16 compute copy.
+pub(crate) struct Saved<'a> {
+    pub(crate) p: &'a mut [f32],
+    pub(crate) m: &'a mut [f32],
+    pub(crate) v: &'a mut [f32],
+    pub(crate) out: Option<&'a mut [bf16]>,
+}
+
+/// One chunk of an update, for one thread: its part of every slice.
+struct Piece<'a> {
+    /// Its first element's index.
+    base: usize,
+    p: &'a mut [f32],
+    m: Option<&'a mut [f32]>,
+    v: Option<&'a mut [f32]>,
+    out: Option<&'a mut [bf16]>,
+    saved: Option<(&'a mut [f32], Option<&'a mut [f32]>, Option<&'a mut [f32]>)>,
+    saved_out: Option<&'a mut [bf16]>,
+}
+
+/// `s` cut at every `part` elements into `n` pieces (`None` past its end, or all `None`).
+fn pieces<T>(s: Option<&mut [T]>, part: usize, n: usize) -> Vec<Option<&mut [T]>> {
+    let mut v: Vec<Option<&mut [T]>> = match s {
+        Some(s) => s.chunks_mut(part).map(Some).collect(),
+        None => Vec::new(),
+    };
+    v.resize_with(n, || None);
+    v
+}
+
+/// [`cpu_update_scaled`], first copying each block of what it overwrites into `saved` (in the
+/// same pass, while the block is in cache), so that the update can be undone exactly.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn update_slices(
+    alg: &Algorithm,
+    t: u64,
+    threads: usize,
+    p: &mut [f32],
+    m: &mut [f32],
+    v: &mut [f32],
+    g: GradSlice<'_>,
+    grad_scale: f32,
+    out: Option<&mut [bf16]>,
+    saved: Option<Saved<'_>>,
+) -> Result<()> {
     let n = p.len();
     let moments = alg.moments() > 0;
     if n == 0 && g.len() == 0 {
         return Ok(());
     }
+    let saved_ok = saved.as_ref().is_none_or(|s| {
+        s.p.len() == n
+            && (!moments || (s.m.len() == n && s.v.len() == n))
+            && s.out.as_ref().map(|o| o.len()) == out.as_ref().map(|o| o.len())
+    });
     if g.len() != n
         || out.as_ref().is_some_and(|o| o.len() != n)
         || (moments && (m.len() != n || v.len() != n))
+        || !saved_ok
     {
         return Err(Error::InvalidArgument(format!(
-            "optimizer slices differ in length: p {n}, m {}, v {}, grad {}",
+            "optimizer slices differ in length: p {n}, m {}, v {}, grad {}{}",
             m.len(),
             v.len(),
-            g.len()
+            g.len(),
+            if saved_ok { "" } else { ", or their backup's" }
         )));
     }
     let threads = resolve_threads(threads).min(n.div_ceil(BLOCK)).max(1);
     let part = n.div_ceil(threads).div_ceil(BLOCK) * BLOCK;
     let part = part.max(BLOCK);
-    // Every slice split at the same points; empty moment slices (SGD) split into nothing.
-    let split = |len: usize| if len == 0 { 0 } else { part };
-    let mut ps: Vec<&mut [f32]> = p.chunks_mut(part).collect();
-    let mut ms: Vec<&mut [f32]> =
-        if moments { m.chunks_mut(split(n)).collect() } else { Vec::new() };
-    let mut vs: Vec<&mut [f32]> =
-        if moments { v.chunks_mut(split(n)).collect() } else { Vec::new() };
-    let mut outs: Vec<Option<&mut [bf16]>> = match out {
-        Some(o) => o.chunks_mut(part).map(Some).collect(),
-        None => ps.iter().map(|_| None).collect(),
+    let count = n.div_ceil(part);
+    // Every slice cut at the same points; empty moment slices (SGD) into nothing.
+    let mut ms = pieces(moments.then_some(m), part, count).into_iter();
+    let mut vs = pieces(moments.then_some(v), part, count).into_iter();
+    let mut outs = pieces(out, part, count).into_iter();
+    let (sp, sm, sv, so, has_saved) = match saved {
+        Some(s) => (Some(s.p), moments.then_some(s.m), moments.then_some(s.v), s.out, true),
+        None => (None, None, None, None, false),
     };
-    let work = |c: usize,
-                p: &mut [f32],
-                m: Option<&mut [f32]>,
-                v: Option<&mut [f32]>,
-                mut o: Option<&mut [bf16]>| {
-        let base = c * part;
-        let mut m = m;
-        let mut v = v;
-        for (b, pb) in p.chunks_mut(BLOCK).enumerate() {
-            let off = base + b * BLOCK;
-            let len = pb.len();
+    let mut sps = pieces(sp, part, count).into_iter();
+    let mut sms = pieces(sm, part, count).into_iter();
+    let mut svs = pieces(sv, part, count).into_iter();
+    let mut sos = pieces(so, part, count).into_iter();
+    let jobs: Vec<Piece<'_>> = p
+        .chunks_mut(part)
+        .enumerate()
+        .map(|(c, p)| {
+            let (sp, sm, sv) = (sps.next().flatten(), sms.next().flatten(), svs.next().flatten());
+            Piece {
+                base: c * part,
+                p,
+                m: ms.next().flatten(),
+                v: vs.next().flatten(),
+                out: outs.next().flatten(),
+                saved: if has_saved { sp.map(|sp| (sp, sm, sv)) } else { None },
+                saved_out: sos.next().flatten(),
+            }
+        })
+        .collect();
+    let work = |mut j: Piece<'_>| {
+        for (b, pb) in j.p.chunks_mut(BLOCK).enumerate() {
+            let (off, len) = (j.base + b * BLOCK, pb.len());
             let r = off..off + len;
+            let local = b * BLOCK..b * BLOCK + len;
+            let mut mb = j.m.as_deref_mut().map(|m| &mut m[local.clone()]);
+            let mut vb = j.v.as_deref_mut().map(|v| &mut v[local.clone()]);
+            let mut ob = j.out.as_deref_mut().map(|o| &mut o[local.clone()]);
+            if let Some((sp, sm, sv)) = j.saved.as_mut() {
+                sp[local.clone()].copy_from_slice(pb);
+                if let (Some(sm), Some(mb)) = (sm.as_deref_mut(), mb.as_deref()) {
+                    sm[local.clone()].copy_from_slice(mb);
+                }
+                if let (Some(sv), Some(vb)) = (sv.as_deref_mut(), vb.as_deref()) {
+                    sv[local.clone()].copy_from_slice(vb);
+                }
+                if let (Some(so), Some(ob)) = (j.saved_out.as_deref_mut(), ob.as_deref()) {
+                    so[local.clone()].copy_from_slice(ob);
+                }
+            }
             match alg {
                 Algorithm::AdamW(h) => {
                     let k = AdamScalars::new(h, t);
-                    let (mb, vb) = (
-                        &mut m.as_deref_mut().expect("moments")[b * BLOCK..b * BLOCK + len],
-                        &mut v.as_deref_mut().expect("moments")[b * BLOCK..b * BLOCK + len],
-                    );
+                    let (mb, vb) =
+                        (mb.as_deref_mut().expect("moments"), vb.as_deref_mut().expect("moments"));
                     match g {
                         GradSlice::F32(s) => adamw_block(&k, pb, mb, vb, &s[r], grad_scale),
                         GradSlice::Bf16(s) => adamw_block(&k, pb, mb, vb, &s[r], grad_scale),
@@ -626,30 +712,32 @@ pub fn cpu_update_scaled(
                     GradSlice::Bf16(s) => sgd_block(h, pb, &s[r], grad_scale),
                 },
             }
-            round_block(pb, o.as_deref_mut().map(|o| &mut o[b * BLOCK..b * BLOCK + len]));
+            round_block(pb, ob.take());
         }
     };
-    let mut ms_it = ms.drain(..).map(Some).chain(std::iter::repeat_with(|| None));
-    let mut vs_it = vs.drain(..).map(Some).chain(std::iter::repeat_with(|| None));
-    let jobs: Vec<_> = ps
-        .drain(..)
-        .zip(outs.drain(..))
-        .enumerate()
-        .map(|(c, (p, o))| (c, p, ms_it.next().flatten(), vs_it.next().flatten(), o))
-        .collect();
     if jobs.len() == 1 {
-        for (c, p, m, v, o) in jobs {
-            work(c, p, m, v, o);
-        }
+        jobs.into_iter().for_each(work);
     } else {
         std::thread::scope(|s| {
-            for (c, p, m, v, o) in jobs {
+            for j in jobs {
                 let work = &work;
-                s.spawn(move || work(c, p, m, v, o));
+                s.spawn(move || work(j));
             }
         });
     }
     Ok(())
+}
+
+/// A parameter's backup for speculative updates ([`speculate`]): copies of what an update
+/// overwrites.
+#[derive(Clone, Copy, Debug)]
+struct Backup {
+    /// The f32 master's (or f32 parameter's) copy.
+    p: TensorId,
+    /// The bf16 compute copy's, where there is a master.
+    out: Option<TensorId>,
+    /// The moments'.
+    moments: Option<(TensorId, TensorId)>,
 }
 
 /// The store tensors of one parameter.
@@ -661,6 +749,8 @@ struct ParamState {
     grad: TensorId,
     master: Option<TensorId>,
     moments: Option<(TensorId, TensorId)>,
+    /// Where a speculative update keeps what it overwrites ([`Optimizer::reserve_backup`]).
+    backup: Option<Backup>,
 }
 
 struct CpuJob {
@@ -669,6 +759,8 @@ struct CpuJob {
     /// The rule as it stands when the update is queued (its learning rate may change by step).
     alg: Algorithm,
     grad_scale: f32,
+    /// A speculative update: what it overwrites is saved here first.
+    save: Option<Backup>,
 }
 
 /// When the updates ran: one `(start, end)` a job (`end` `None` while it runs), oldest first,
@@ -689,6 +781,8 @@ struct Outcome {
     param: TensorId,
     result: Result<()>,
     left: Option<Commit>,
+    /// A speculative update's backup is whole (from then on the state may have changed).
+    saved: bool,
 }
 
 /// The writes that finish an update whose arithmetic is done: each state tensor read out of
@@ -727,6 +821,8 @@ pub struct Optimizer {
     log: BusyLog,
     /// This step's bookkeeping, so that a step can be retried after a failure.
     step: StepBook,
+    /// Speculative updates undone so far.
+    undone: u64,
 }
 
 /// What the current step has done, per parameter: updated (never twice), queued on the Cpu
@@ -738,6 +834,9 @@ struct StepBook {
     /// Updates that failed and were not redone yet (with the writes left, where the
     /// arithmetic was done): the step cannot finish while there are any.
     failed: std::collections::HashMap<TensorId, Commit>,
+    /// Speculative updates not yet committed or undone, and whether each one's backup is
+    /// whole (known once its job has run): the step cannot finish while there are any.
+    speculated: std::collections::HashMap<TensorId, bool>,
 }
 
 impl std::fmt::Debug for Optimizer {
@@ -822,6 +921,7 @@ impl Optimizer {
             gpu,
             worker: None,
             step: StepBook::default(),
+            undone: 0,
             busy: 0.0,
             log: BusyLog::default(),
         };
@@ -914,8 +1014,15 @@ impl Optimizer {
         let s = &self.store;
         let elems: usize = info.shape.iter().product();
         let id = s.lookup(&info.name).ok_or_else(|| Error::InvalidArgument(info.name.clone()))?;
-        let mut st =
-            ParamState { param: id, dtype: info.dtype, elems, grad, master: None, moments: None };
+        let mut st = ParamState {
+            param: id,
+            dtype: info.dtype,
+            elems,
+            grad,
+            master: None,
+            moments: None,
+            backup: None,
+        };
         let r = (|| -> Result<()> {
             if info.dtype == DType::BF16 {
                 let values: Vec<f32> = <bf16 as Float>::from_ne_bytes(&s.read(id)?)
@@ -961,7 +1068,8 @@ impl Optimizer {
         self.index.clear();
         for st in self.params.drain(..) {
             let ids = [Some(st.grad), st.master, st.moments.map(|m| m.0), st.moments.map(|m| m.1)];
-            for id in ids.into_iter().flatten() {
+            let backups = st.backup.map_or_else(Vec::new, |b| b.ids());
+            for id in ids.into_iter().flatten().chain(backups) {
                 if let Err(e) = self.store.remove(id) {
                     self.store.shared.defer_err(e);
                 }
@@ -1101,29 +1209,8 @@ impl Optimizer {
             };
         }
         let t = self.t + 1;
-        let alg = self.cfg.algorithm;
         match self.engine {
-            Engine::Cpu => {
-                // Start the write-back of a gradient made on the device now.
-                let queued = self.store.release(&[st.grad]).and_then(|()| {
-                    let w = self.worker.as_mut().expect("Cpu engine has a worker");
-                    w.tx.as_ref().expect("open").send(CpuJob { st, t, alg, grad_scale }).map_err(
-                        |_| {
-                            Error::InvalidArgument(
-                                "the optimizer's worker thread has stopped".into(),
-                            )
-                        },
-                    )?;
-                    w.pending += 1;
-                    Ok(())
-                });
-                match queued {
-                    Ok(()) => drop(self.step.queued.insert(param)),
-                    // Not queued: the step cannot finish until it is retried.
-                    Err(_) => drop(self.step.failed.insert(param, Commit::default())),
-                }
-                queued
-            }
+            Engine::Cpu => self.queue_cpu(st, grad_scale, None),
             _ => {
                 let t0 = Instant::now();
                 let mut left = Commit::default();
@@ -1141,6 +1228,28 @@ impl Optimizer {
                 r
             }
         }
+    }
+
+    /// Queues a Cpu update of `st` (speculative with `save`: what it overwrites is saved there
+    /// first).
+    fn queue_cpu(&mut self, st: ParamState, grad_scale: f32, save: Option<Backup>) -> Result<()> {
+        let (param, t, alg) = (st.param, self.t + 1, self.cfg.algorithm);
+        // Start the write-back of a gradient made on the device now.
+        let queued = self.store.release(&[st.grad]).and_then(|()| {
+            let w = self.worker.as_mut().expect("Cpu engine has a worker");
+            let job = CpuJob { st, t, alg, grad_scale, save };
+            w.tx.as_ref().expect("open").send(job).map_err(|_| {
+                Error::InvalidArgument("the optimizer's worker thread has stopped".into())
+            })?;
+            w.pending += 1;
+            Ok(())
+        });
+        match queued {
+            Ok(()) => drop(self.step.queued.insert(param)),
+            // Not queued: the step cannot finish until it is retried.
+            Err(_) => drop(self.step.failed.insert(param, Commit::default())),
+        }
+        queued
     }
 
     /// The parameters not updated yet in this step (neither done nor queued): after a failed
@@ -1171,7 +1280,7 @@ impl Optimizer {
     /// correction counts from): for resuming from a checkpoint saved after that many steps,
     /// with the state tensors written back. Between steps only (no update queued).
     pub fn set_steps(&mut self, steps: u64) -> Result<()> {
-        if self.pending() > 0 {
+        if self.pending() > 0 || !self.step.speculated.is_empty() {
             return Err(Error::InvalidArgument(
                 "set_steps with updates still queued: call finish first".into(),
             ));
@@ -1208,6 +1317,9 @@ impl Optimizer {
                 w.pending -= 1;
                 self.busy += secs;
                 self.step.queued.remove(&out.param);
+                if let Some(saved) = self.step.speculated.get_mut(&out.param) {
+                    *saved = out.saved;
+                }
                 match out.result {
                     Ok(()) => {
                         self.step.stepped.insert(out.param);
@@ -1264,6 +1376,13 @@ impl Optimizer {
     /// (a transient fault), then call `finish` again.
     pub fn finish(&mut self) -> Result<()> {
         self.wait_pending(0)?;
+        if !self.step.speculated.is_empty() {
+            return Err(Error::InvalidArgument(
+                "speculative updates of this step are neither committed nor undone: call \
+                 Optimizer::commit_speculative or Optimizer::undo_speculative before finish"
+                    .into(),
+            ));
+        }
         if !self.step.failed.is_empty() {
             return Err(Error::InvalidArgument(
                 "an update failed in this step: update the parameters Optimizer::unstepped \
@@ -1469,14 +1588,15 @@ fn spawn_worker(store: Arc<Store>, threads: usize, log: BusyLog) -> CpuWorker {
                 log.lock().push_back((t0, None));
                 // A panic in a job (a bug) is reported as an error; the worker lives on.
                 let mut left = Commit::default();
+                let mut saved = false;
                 let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                    cpu_job(&store, &job.alg, threads, &job, &mut left)
+                    cpu_job(&store, &job.alg, threads, &job, &mut left, &mut saved)
                 }))
                 .unwrap_or_else(|_| {
                     Err(Error::InvalidArgument("the optimizer's update panicked".into()))
                 });
-                let out =
-                    Outcome { param: job.st.param, left: r.is_err().then_some(left), result: r };
+                let (param, left) = (job.st.param, r.is_err().then_some(left));
+                let out = Outcome { param, left, result: r, saved };
                 if let Some(last) = log.lock().back_mut() {
                     last.1 = Some(Instant::now());
                 }
@@ -1588,6 +1708,7 @@ fn cpu_job(
     threads: usize,
     job: &CpuJob,
     left: &mut Commit,
+    saved: &mut bool,
 ) -> Result<()> {
     let st = &job.st;
     let grad = Slot::open(store, st.grad, store.info(st.grad)?.dtype)?;
@@ -1602,6 +1723,13 @@ fn cpu_job(
         Some(_) => Some(Slot::open(store, st.param, st.dtype)?),
         None => None,
     };
+    // A speculative update saves what it overwrites: in the update's own pass into a backup in
+    // host memory, else (a backup spilled to disk) whole, written, before anything changes.
+    let mut backup = job.save.map(|b| speculate::BackupSlots::open(store, &b)).transpose()?;
+    if let Some(b) = backup.take_if(|b| !b.in_place()) {
+        b.save_whole(store, &mut p, mv.as_mut(), out.as_mut())?;
+        *saved = true;
+    }
     {
         let g = grad.grad()?;
         let (m, v): (&mut [f32], &mut [f32]) = match mv.as_mut() {
@@ -1612,9 +1740,13 @@ fn cpu_job(
             Some(o) => Some(o.bf16s()?),
             None => None,
         };
-        cpu_update_scaled(alg, job.t, threads, p.f32s()?, m, v, g, job.grad_scale, o)?;
+        let into = backup.as_mut().map(|b| b.slices()).transpose()?;
+        let whole = into.is_some();
+        update_slices(alg, job.t, threads, p.f32s()?, m, v, g, job.grad_scale, o, into)?;
+        *saved |= whole;
     }
-    drop(grad);
+    // The backup's views commit as they drop, before the state's writes.
+    drop((grad, backup));
     let mut slots = vec![p];
     if let Some((m, v)) = mv {
         slots.push(m);
