@@ -593,8 +593,15 @@ struct Piece<'a> {
     m: Option<&'a mut [f32]>,
     v: Option<&'a mut [f32]>,
     out: Option<&'a mut [bf16]>,
-    saved: Option<(&'a mut [f32], Option<&'a mut [f32]>, Option<&'a mut [f32]>)>,
-    saved_out: Option<&'a mut [bf16]>,
+    saved: Option<SavedPiece<'a>>,
+}
+
+/// A [`Piece`]'s part of a [`Saved`].
+struct SavedPiece<'a> {
+    p: &'a mut [f32],
+    m: Option<&'a mut [f32]>,
+    v: Option<&'a mut [f32]>,
+    out: Option<&'a mut [bf16]>,
 }
 
 /// `s` cut at every `part` elements into `n` pieces (`None` past its end, or all `None`).
@@ -665,15 +672,19 @@ pub(crate) fn update_slices(
         .chunks_mut(part)
         .enumerate()
         .map(|(c, p)| {
-            let (sp, sm, sv) = (sps.next().flatten(), sms.next().flatten(), svs.next().flatten());
+            let (sp, m, v, out) = (
+                sps.next().flatten(),
+                sms.next().flatten(),
+                svs.next().flatten(),
+                sos.next().flatten(),
+            );
             Piece {
                 base: c * part,
                 p,
                 m: ms.next().flatten(),
                 v: vs.next().flatten(),
                 out: outs.next().flatten(),
-                saved: if has_saved { sp.map(|sp| (sp, sm, sv)) } else { None },
-                saved_out: sos.next().flatten(),
+                saved: sp.filter(|_| has_saved).map(|p| SavedPiece { p, m, v, out }),
             }
         })
         .collect();
@@ -682,26 +693,25 @@ pub(crate) fn update_slices(
             let (off, len) = (j.base + b * BLOCK, pb.len());
             let r = off..off + len;
             let local = b * BLOCK..b * BLOCK + len;
-            let mut mb = j.m.as_deref_mut().map(|m| &mut m[local.clone()]);
-            let mut vb = j.v.as_deref_mut().map(|v| &mut v[local.clone()]);
+            let mb = j.m.as_deref_mut().map(|m| &mut m[local.clone()]);
+            let vb = j.v.as_deref_mut().map(|v| &mut v[local.clone()]);
             let mut ob = j.out.as_deref_mut().map(|o| &mut o[local.clone()]);
-            if let Some((sp, sm, sv)) = j.saved.as_mut() {
-                sp[local.clone()].copy_from_slice(pb);
-                if let (Some(sm), Some(mb)) = (sm.as_deref_mut(), mb.as_deref()) {
+            if let Some(s) = j.saved.as_mut() {
+                s.p[local.clone()].copy_from_slice(pb);
+                if let (Some(sm), Some(mb)) = (s.m.as_deref_mut(), mb.as_deref()) {
                     sm[local.clone()].copy_from_slice(mb);
                 }
-                if let (Some(sv), Some(vb)) = (sv.as_deref_mut(), vb.as_deref()) {
+                if let (Some(sv), Some(vb)) = (s.v.as_deref_mut(), vb.as_deref()) {
                     sv[local.clone()].copy_from_slice(vb);
                 }
-                if let (Some(so), Some(ob)) = (j.saved_out.as_deref_mut(), ob.as_deref()) {
+                if let (Some(so), Some(ob)) = (s.out.as_deref_mut(), ob.as_deref()) {
                     so[local.clone()].copy_from_slice(ob);
                 }
             }
             match alg {
                 Algorithm::AdamW(h) => {
                     let k = AdamScalars::new(h, t);
-                    let (mb, vb) =
-                        (mb.as_deref_mut().expect("moments"), vb.as_deref_mut().expect("moments"));
+                    let (mb, vb) = (mb.expect("moments"), vb.expect("moments"));
                     match g {
                         GradSlice::F32(s) => adamw_block(&k, pb, mb, vb, &s[r], grad_scale),
                         GradSlice::Bf16(s) => adamw_block(&k, pb, mb, vb, &s[r], grad_scale),

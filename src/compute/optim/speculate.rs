@@ -332,3 +332,141 @@ impl Optimizer {
         self.undone
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::compute::optim::{AdamW, Algorithm, Engine, OptimizerConfig};
+    use crate::Store;
+
+    /// A parameter of `dtype` trained 3 steps by AdamW (lr 0.1, weight decay 0.01) on every
+    /// core: step 1 plain; step 2 speculative then undone (its backup in the Pinned tier, or
+    /// moved to the Disk tier when `spilled`) and redone clipped by 0.3; step 3 speculative and
+    /// committed. Returns the bytes of the parameter, its master and its moments after each step,
+    /// and those seen right after the undo.
+    fn three_steps(dtype: DType, speculate: bool, spilled: bool) -> (Vec<Vec<u8>>, Vec<u8>) {
+        let dir = tempfile::tempdir().unwrap();
+        let s = Arc::new(
+            Store::builder()
+                .host_backend()
+                .capacity(Tier::Device, 1 << 20)
+                .capacity(Tier::Pinned, 4 << 20)
+                .capacity(Tier::Disk, 4 << 20)
+                .disk_dir(dir.path())
+                .build()
+                .unwrap(),
+        );
+        let n = 9000; // two chunks of the update on two threads and more
+        let init: Vec<f32> = (0..n).map(|i| (i as f32 * 0.11).cos()).collect();
+        let w = match dtype {
+            DType::F32 => s.put_slice("w", &[n], &init).unwrap(),
+            _ => {
+                let b: Vec<bf16> = init.iter().map(|&x| bf16::from_f32(x)).collect();
+                s.put_slice("w", &[n], &b).unwrap()
+            }
+        };
+        let alg = Algorithm::AdamW(AdamW { lr: 0.1, weight_decay: 0.01, ..AdamW::default() });
+        let mut cfg = OptimizerConfig::new(alg, Engine::Cpu);
+        cfg.grad_dtype = Some(DType::F32);
+        let mut opt = Optimizer::new(s.clone(), &s.stream().unwrap(), &[w], cfg).unwrap();
+        assert!(opt.reserve_backup(w).unwrap());
+        let b = opt.params[0].backup.unwrap();
+        let st = opt.params[0];
+        if spilled {
+            for id in b.ids() {
+                s.move_to(id, Tier::Disk).unwrap();
+            }
+        }
+        let state = |opt: &Optimizer| -> Vec<u8> {
+            let st = opt.params[0];
+            let mut ids = vec![st.param];
+            ids.extend(st.master);
+            ids.extend(st.moments.map_or_else(Vec::new, |(m, v)| vec![m, v]));
+            ids.iter().flat_map(|&id| s.read(id).unwrap()).collect()
+        };
+        let grad = |k: f32| -> Vec<f32> { (0..n).map(|i| (i as f32 * k).sin()).collect() };
+        let mut after = Vec::new();
+        s.write_slice(st.grad, &grad(0.37)).unwrap();
+        opt.update(w).unwrap();
+        opt.finish().unwrap();
+        after.push(state(&opt));
+        s.write_slice(st.grad, &grad(0.53)).unwrap();
+        let mut undone = Vec::new();
+        if speculate {
+            opt.update_speculative(w).unwrap();
+            assert_eq!(opt.speculated(), 1);
+            assert!(opt.finish().is_err(), "finish before the speculation is settled");
+            assert_eq!(opt.undo_speculative().unwrap(), 1);
+            assert_eq!((opt.speculated(), opt.undone()), (0, 1));
+            undone = state(&opt);
+            assert_eq!(opt.unstepped(), [w]);
+        }
+        opt.update_scaled(w, 0.3).unwrap();
+        opt.finish().unwrap();
+        after.push(state(&opt));
+        s.write_slice(st.grad, &grad(0.71)).unwrap();
+        if speculate {
+            opt.update_speculative(w).unwrap();
+            assert_eq!(opt.commit_speculative(), 1);
+        } else {
+            opt.update(w).unwrap();
+        }
+        opt.finish().unwrap();
+        after.push(state(&opt));
+        if spilled {
+            assert!(b.ids().iter().all(|&id| s.tier_of(id).unwrap() == Tier::Disk));
+        }
+        (after, undone)
+    }
+
+    #[test]
+    fn a_speculative_update_undone_is_bit_for_bit_as_before_and_redone_clipped_as_a_clean_step() {
+        for dtype in [DType::F32, DType::BF16] {
+            let (clean, _) = three_steps(dtype, false, false);
+            for spilled in [false, true] {
+                let what = format!("{dtype}, backup spilled {spilled}");
+                let (got, undone) = three_steps(dtype, true, spilled);
+                assert_eq!(undone, clean[0], "{what}: the undo did not restore step 1's state");
+                assert_eq!(got, clean, "{what}");
+            }
+        }
+    }
+
+    #[test]
+    fn speculation_is_refused_without_a_backup_or_on_the_gpu_engines() {
+        let s = Arc::new(
+            Store::builder()
+                .host_backend()
+                .capacity(Tier::Device, 1 << 20)
+                .capacity(Tier::Pinned, 1 << 20)
+                .build()
+                .unwrap(),
+        );
+        let w = s.put_slice("w", &[16], &[1.0f32; 16]).unwrap();
+        let alg = Algorithm::AdamW(AdamW::default());
+        let mut opt = Optimizer::new(
+            s.clone(),
+            &s.stream().unwrap(),
+            &[w],
+            OptimizerConfig::new(alg, Engine::Cpu),
+        )
+        .unwrap();
+        assert_eq!(opt.backup_bytes(w).unwrap(), 16 * 12);
+        let e = opt.update_speculative(w).unwrap_err().to_string();
+        assert!(e.contains("reserve_backup first"), "{e}");
+        assert!(opt.reserve_backup(w).unwrap() && opt.has_backup(w));
+        opt.remove_backup(w).unwrap();
+        assert!(!opt.has_backup(w));
+        let mut gpu = Optimizer::new(
+            s.clone(),
+            &s.stream().unwrap(),
+            &[s.put_slice("u", &[16], &[1.0f32; 16]).unwrap()],
+            OptimizerConfig::new(alg, Engine::GpuResident),
+        )
+        .unwrap();
+        let u = s.lookup("u").unwrap();
+        assert!(gpu.reserve_backup(u).unwrap_err().to_string().contains("Cpu engine"));
+    }
+}
