@@ -109,6 +109,11 @@ pub struct FinetuneArgs {
     /// Where AdamW runs: cpu, gpu-mapped, gpu-resident or auto.
     #[arg(long, value_parser = engine)]
     pub engine: Option<Engine>,
+    /// Host memory for the backups that let the Cpu engine start a stage's update during the
+    /// backward, before the gradient norm is known (0: every update after the step; default:
+    /// all the Pinned tier has room for).
+    #[arg(long, value_parser = size, value_name = "SIZE")]
+    pub speculation_budget: Option<u64>,
     /// Parameters left untrained (`*` matches any run of characters); repeatable.
     #[arg(long, value_name = "PATTERN")]
     pub freeze: Vec<String>,
@@ -279,6 +284,7 @@ struct Args {
     device_budget: Option<u64>,
     pinned_budget: Option<u64>,
     engine: Option<Engine>,
+    speculation_budget: Option<u64>,
     freeze: Vec<String>,
     save: Option<PathBuf>,
     save_every: Option<u64>,
@@ -340,6 +346,7 @@ impl FinetuneArgs {
             device_budget: self.device_budget,
             pinned_budget: self.pinned_budget,
             engine: self.engine,
+            speculation_budget: self.speculation_budget,
             freeze: self.freeze,
             save: self.save,
             save_every: self.save_every,
@@ -500,6 +507,7 @@ fn train_config(a: &Args, saved: Option<&TrainConfig>) -> TrainConfig {
         t.clip = (c > 0.0).then_some(c);
     }
     t.engine = a.engine.unwrap_or(t.engine);
+    t.speculation_bytes = a.speculation_budget.unwrap_or(t.speculation_bytes);
     if !a.freeze.is_empty() {
         t.frozen = a.freeze.clone();
     }
