@@ -380,9 +380,20 @@ impl TrainPlan {
             }
         }
         let mapped = if state_home == Home::Mapped { state_bytes } else { 0 };
+        // The Cpu engine's backups for speculative updates (made last, in Pinned only, while
+        // there is room): a copy of each trained tensor's f32 master or weights, its bf16 copy
+        // beside a master, and its moments, up to the config's budget.
+        let backups = match train.engine {
+            Engine::Cpu => trainable
+                .iter()
+                .map(|&n| n * (4 * per_state + if per_state == 3 { 2 } else { 0 }))
+                .sum::<u64>()
+                .min(train.speculation_bytes),
+            _ => 0,
+        };
         let pinned_budget = given.pinned.unwrap_or_else(|| {
             let need: u64 = made.iter().filter(|m| m.2 != Home::Mapped).map(|m| m.1).sum();
-            host_left.saturating_sub(mapped).min(need + ck_total + (64 << 20))
+            host_left.saturating_sub(mapped).min(need + ck_total + backups + (64 << 20))
         });
 
         let mut placed = [[0u64; 4]; 5];
