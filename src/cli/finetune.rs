@@ -1156,6 +1156,10 @@ pub fn run(args: FinetuneArgs) -> Res<Ended> {
             let b = data.batches(step, &train, &device)?;
             let m = data.masks(step, &train, &device)?;
             let r = trainer.step_masked(&b, m.as_deref())?;
+            // The step's updates all started during the backward, or all after it.
+            let mut overlap = overlap.clone();
+            overlap.during_backward =
+                trainer.speculates_every_stage() && r.speculated > 0 && r.undone == 0;
             let floor = Floor::measured(&r, &machine, cpu_optimizer, &overlap);
             bar.println(&report(prefix, &r, total, &flops, &floor))?;
             let moved: u64 = r.moved.iter().flatten().sum();

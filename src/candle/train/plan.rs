@@ -383,14 +383,14 @@ impl TrainPlan {
         // The Cpu engine's backups for speculative updates (made last, in Pinned only, while
         // there is room): a copy of each trained tensor's f32 master or weights, its bf16 copy
         // beside a master, and its moments, up to the config's budget.
-        let backups = match train.engine {
+        let all_backups = match train.engine {
             Engine::Cpu => trainable
                 .iter()
                 .map(|&n| n * (4 * per_state + if per_state == 3 { 2 } else { 0 }))
-                .sum::<u64>()
-                .min(train.speculation_bytes),
+                .sum::<u64>(),
             _ => 0,
         };
+        let backups = all_backups.min(train.speculation_bytes);
         let pinned_budget = given.pinned.unwrap_or_else(|| {
             let need: u64 = made.iter().filter(|m| m.2 != Home::Mapped).map(|m| m.1).sum();
             host_left.saturating_sub(mapped).min(need + ck_total + backups + (64 << 20))
@@ -488,7 +488,12 @@ impl TrainPlan {
             _ => 0,
         };
         let flops = config.step_flops(accum * tokens_mb, train.seq, train.lora.is_some());
-        let overlap = Overlap::of(config, train);
+        let mut overlap = Overlap::of(config, train);
+        // Every stage's update starts during the backward when all the backups fit beside the
+        // rest in Pinned (while the steps do not clip).
+        let pinned_left = caps[Tier::Pinned.index()].saturating_sub(used[Tier::Pinned.index()]);
+        overlap.during_backward =
+            all_backups > 0 && backups == all_backups && backups <= pinned_left;
         let mut budgets = [device_budget, pinned_budget, mapped, 0];
         budgets[Tier::Disk.index()] = used[Tier::Disk.index()];
         Ok(TrainPlan {

@@ -527,6 +527,15 @@ impl Trainer {
         self.opt.as_ref()
     }
 
+    /// Whether every stage with trainable parameters has backups, so that its update can start
+    /// during the backward ([`TrainConfig::speculation_bytes`]; a step after a clipped one
+    /// does not speculate).
+    pub fn speculates_every_stage(&self) -> bool {
+        let trained = |s: usize| self.params.iter().any(|p| p.stage == s && p.trainable);
+        let stages = self.speculative.len();
+        (0..stages).any(trained) && (0..stages).all(|s| !trained(s) || self.speculative[s])
+    }
+
     /// The [`Layers`] the stages are fetched through (its transfers into candle).
     pub fn layers(&self) -> &Layers {
         &self.layers
