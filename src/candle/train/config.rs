@@ -35,9 +35,11 @@ pub struct TrainConfig {
     /// norm says to clip or is not finite; see [`Trainer::step`](crate::candle::Trainer::step)).
     /// A stage's backup is a copy of what its update overwrites (fp32 masters or f32 weights,
     /// bf16 compute copies, both moments: 12–14 bytes a parameter), made once in the Pinned tier
-    /// from the head down while this budget and the Pinned tier's free room last; the stages
-    /// past them update after the step, behind the next forward. Default `u64::MAX`: every
-    /// stage the Pinned tier has room for. 0: no speculation (every update after the step).
+    /// from the head down while this budget and the Pinned tier's free room last (a sixteenth
+    /// of the tier, 64 MiB at most, is left free); the stages past them update after the step,
+    /// behind the next forward. Default `u64::MAX`: every stage the Pinned tier has room for
+    /// (the memory plan's default Pinned tier adds room for them where the host has it). 0: no
+    /// speculation (every update after the step).
     pub speculation_bytes: u64,
     /// Name patterns of frozen parameters (`*` matches any run of characters): no gradient,
     /// no optimizer state, never changed.

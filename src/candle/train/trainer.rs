@@ -229,9 +229,11 @@ fn block_stage(l: usize) -> usize {
 
 /// Makes the optimizer's backups for the stages whose updates may start during the backward:
 /// from the head down (the order in which their gradients are final), while `budget` bytes and
-/// the Pinned tier's room last (the Cpu engine only). Returns, by stage (of `stages`), whether
-/// it has them.
+/// the Pinned tier's room last (the Cpu engine only), leaving the tier a sixteenth of its
+/// budget free, 64 MiB at most (the memory plan's spare room: the store moves tensors through
+/// it during the steps). Returns, by stage (of `stages`), whether it has them.
 fn reserve_backups(
+    store: &Store,
     opt: Option<&mut Optimizer>,
     params: &[Param],
     stages: usize,
@@ -250,7 +252,11 @@ fn reserve_backups(
             bytes =
                 bytes.saturating_add(opt.backup_bytes(p.id).map_err(|e| strata_err(&p.name, e))?);
         }
-        if bytes > left {
+        let stats = store.stats();
+        let capacity = stats.capacity(Tier::Pinned);
+        let taken = stats.used(Tier::Pinned) + stats.tiers[Tier::Pinned.index()].write_reserve;
+        let spare = (capacity / 16).min(64 << 20);
+        if bytes > left || bytes.saturating_add(spare) > capacity.saturating_sub(taken) {
             break;
         }
         let mut made = Vec::with_capacity(ps.len());
@@ -450,7 +456,7 @@ impl Trainer {
         };
         let block_tensors = block.tensors();
         let speculative =
-            reserve_backups(opt.as_mut(), &params, layers_n + 2, train.speculation_bytes)?;
+            reserve_backups(&store, opt.as_mut(), &params, layers_n + 2, train.speculation_bytes)?;
         Ok(Trainer {
             config,
             train,
