@@ -1447,7 +1447,8 @@ fn report(prefix: &str, r: &StepReport, total: u64, flops: &StepFlops, floor: &F
     format!(
         "{prefix}step {}/{total}: loss {:.6}  lr {:.3e}  grad norm {:.4}{}{}  {:.0} tokens/s  {:.4} TFLOPS \
          ({:.4} as 6 × parameters × tokens)  ({:.1} ms)  moved [{}]  stall {:.2} ms  optimizer {:.2} ms \
-         (hidden {:.2}, exposed {:.2} = {:.1}% of the step{speculated})  {}: step / floor {:.2}",
+         (hidden {:.2}, exposed {:.2} = {:.1}% of the step{speculated})  host {:.3} ms a block's \
+         micro-batch  {}: step / floor {:.2}",
         r.step + 1,
         r.loss,
         r.lr,
@@ -1464,6 +1465,7 @@ fn report(prefix: &str, r: &StepReport, total: u64, flops: &StepFlops, floor: &F
         r.optimizer_hidden_seconds * 1e3,
         r.optimizer_exposed_seconds * 1e3,
         100.0 * r.optimizer_exposed_seconds / r.seconds.max(f64::MIN_POSITIVE),
+        r.block_host_seconds * 1e3,
         floor,
         r.seconds / floor.seconds()
     )

@@ -10,10 +10,17 @@ use candle_core::Device;
 /// (candle computes as it is called), on CUDA the time between events recorded on candle's
 /// stream around them (the kernels' time, not the host's time to issue them). Read once the
 /// stream has run past the last span (the trainer reads it after its one sync of the step).
+///
+/// Beside it, the host's own time inside the spans a block opened ([`ComputeClock::start_block`]):
+/// on CUDA the time to issue a block's kernels (its launch work, with any wait a call makes), on
+/// the CPU the block's compute itself.
 pub(super) struct ComputeClock {
     device: Device,
     host: f64,
     open: Option<Instant>,
+    /// Host seconds inside the blocks' spans, and the open block span's start.
+    block_host: f64,
+    block_open: Option<Instant>,
     #[cfg(feature = "candle-cuda")]
     timers: Vec<crate::candle::cuda::CopyTimer>,
 }
@@ -24,6 +31,8 @@ impl ComputeClock {
             device: device.clone(),
             host: 0.0,
             open: None,
+            block_host: 0.0,
+            block_open: None,
             #[cfg(feature = "candle-cuda")]
             timers: Vec::new(),
         }
@@ -46,8 +55,23 @@ impl ComputeClock {
         Ok(())
     }
 
+    /// Starts a span of a block's calls: a span ([`ComputeClock::start`]) whose host time is
+    /// also summed apart ([`ComputeClock::block_host_seconds`]).
+    pub(super) fn start_block(&mut self) -> candle_core::Result<()> {
+        self.block_open.get_or_insert_with(Instant::now);
+        self.start()
+    }
+
+    /// Host seconds spent inside the blocks' spans so far (an open one not counted).
+    pub(super) fn block_host_seconds(&self) -> f64 {
+        self.block_host
+    }
+
     /// Ends the open span.
     pub(super) fn stop(&mut self) -> candle_core::Result<()> {
+        if let Some(t) = self.block_open.take() {
+            self.block_host += t.elapsed().as_secs_f64();
+        }
         match &self.device {
             #[cfg(feature = "candle-cuda")]
             Device::Cuda(d) => {
@@ -102,5 +126,15 @@ mod tests {
         assert!((0.04..0.12).contains(&s), "{s}");
         let t = Instant::now();
         assert_eq!(span_seconds(&[(t, t)]), 0.0);
+        // A block's span is counted apart too; the others are not.
+        let mut c = ComputeClock::new(&Device::Cpu);
+        c.start().unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        c.stop().unwrap();
+        c.start_block().unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(30));
+        c.stop().unwrap();
+        let (all, blocks) = (c.seconds().unwrap(), c.block_host_seconds());
+        assert!((0.03..0.1).contains(&blocks) && all >= blocks + 0.02, "{blocks} of {all}");
     }
 }
