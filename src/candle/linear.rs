@@ -10,8 +10,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, Layout, Shape, Tensor};
+use candle_core::Tensor;
 
 /// A LoRA adapter on one linear layer: `y = x·Wᵀ + scale · (x·Aᵀ)·Bᵀ` with `A` of `[rank, in]`
 /// and `B` of `[out, rank]` (PEFT's `lora_A` and `lora_B`), computed as PEFT computes it: the
@@ -199,60 +198,8 @@ fn as_rows(x: &Tensor, w: &Tensor) -> candle_core::Result<(Tensor, Vec<usize>)> 
 /// gradient is candle's own (`grad · w`): the same bits as [`linear`] gives without it.
 pub fn frozen_linear(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
     let (rows, shape) = as_rows(x, w)?;
-    rows.apply_op2_arc(w, std::sync::Arc::new(Box::new(FrozenMatmul)))?.reshape(shape)
-}
-
-/// [`frozen_linear`]'s op: `lhs · rhsᵀ`, the gradient to `lhs` only.
-struct FrozenMatmul;
-
-impl FrozenMatmul {
-    fn dims(l1: &Layout, l2: &Layout) -> candle_core::Result<(usize, usize, usize, Layout)> {
-        let (m, k) = l1.shape().dims2()?;
-        let (n, k2) = l2.shape().dims2()?;
-        if k != k2 {
-            candle_core::bail!("a frozen linear of {m}x{k} inputs and a {n}x{k2} weight");
-        }
-        Ok((m, n, k, l2.transpose(0, 1)?))
-    }
-}
-
-impl candle_core::CustomOp2 for FrozenMatmul {
-    fn name(&self) -> &'static str {
-        "frozen-linear"
-    }
-
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (m, n, k, t) = Self::dims(l1, l2)?;
-        Ok((s1.matmul(s2, (1, m, n, k), l1, &t)?, Shape::from((m, n))))
-    }
-
-    #[cfg(feature = "candle-cuda")]
-    fn cuda_fwd(
-        &self,
-        s1: &candle_core::CudaStorage,
-        l1: &Layout,
-        s2: &candle_core::CudaStorage,
-        l2: &Layout,
-    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        let (m, n, k, t) = Self::dims(l1, l2)?;
-        Ok((s1.matmul(s2, (1, m, n, k), l1, &t)?, Shape::from((m, n))))
-    }
-
-    fn bwd(
-        &self,
-        _x: &Tensor,
-        w: &Tensor,
-        _res: &Tensor,
-        grad: &Tensor,
-    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
-        Ok((Some(grad.matmul(w)?), None))
-    }
+    let op = super::fused::RowsMatmul { dw: None, what: "a frozen linear of" };
+    rows.apply_op2_arc(w, std::sync::Arc::new(Box::new(op)))?.reshape(shape)
 }
 
 #[cfg(test)]

@@ -73,7 +73,7 @@ pub fn accumulating_linear(x: &Tensor, w: &Tensor, dw: &Tensor) -> candle_core::
     if let Some(last) = shape.last_mut() {
         *last = out;
     }
-    let op = AccumulatingMatmul { dw: dw.clone() };
+    let op = RowsMatmul { dw: Some(dw.clone()), what: "accumulating_linear:" };
     x.reshape((rows, inp))?.apply_op2_arc(w, Arc::new(Box::new(op)))?.reshape(shape)
 }
 
@@ -121,26 +121,29 @@ fn check_sum(dw: &Tensor, (out, inp): (usize, usize), what: &str) -> candle_core
     Ok(())
 }
 
-/// [`accumulating_linear`]'s op on `(x, w)`, `x` as rows: `x·wᵀ`, the gradient to `x`, `w`'s
-/// added into `dw`.
-struct AccumulatingMatmul {
-    dw: Tensor,
+/// `lhs · rhsᵀ` (rows of inputs times a `[out, in]` weight) whose backward gives the gradient
+/// to `lhs` through candle and none to the weight: with `dw`, the weight's gradient is added
+/// into that f32 buffer instead ([`accumulating_linear`]); without, it is not computed
+/// ([`frozen_linear`](crate::candle::block::frozen_linear)). `what` starts its errors.
+pub(crate) struct RowsMatmul {
+    pub(crate) dw: Option<Tensor>,
+    pub(crate) what: &'static str,
 }
 
-impl AccumulatingMatmul {
-    fn dims(l1: &Layout, l2: &Layout) -> candle_core::Result<(usize, usize, usize, Layout)> {
+impl RowsMatmul {
+    fn dims(&self, l1: &Layout, l2: &Layout) -> candle_core::Result<(usize, usize, usize, Layout)> {
         let (m, k) = l1.shape().dims2()?;
         let (n, k2) = l2.shape().dims2()?;
         if k != k2 {
-            candle_core::bail!("accumulating_linear: {m}x{k} inputs and a {n}x{k2} weight");
+            candle_core::bail!("{} {m}x{k} inputs and a {n}x{k2} weight", self.what);
         }
         Ok((m, n, k, l2.transpose(0, 1)?))
     }
 }
 
-impl candle_core::CustomOp2 for AccumulatingMatmul {
+impl candle_core::CustomOp2 for RowsMatmul {
     fn name(&self) -> &'static str {
-        "strata-accumulating-linear"
+        "strata-rows-matmul"
     }
 
     fn cpu_fwd(
@@ -150,7 +153,7 @@ impl candle_core::CustomOp2 for AccumulatingMatmul {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (m, n, k, t) = Self::dims(l1, l2)?;
+        let (m, n, k, t) = self.dims(l1, l2)?;
         Ok((s1.matmul(s2, (1, m, n, k), l1, &t)?, Shape::from((m, n))))
     }
 
@@ -162,7 +165,7 @@ impl candle_core::CustomOp2 for AccumulatingMatmul {
         s2: &candle_core::CudaStorage,
         l2: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        let (m, n, k, t) = Self::dims(l1, l2)?;
+        let (m, n, k, t) = self.dims(l1, l2)?;
         Ok((s1.matmul(s2, (1, m, n, k), l1, &t)?, Shape::from((m, n))))
     }
 
@@ -173,7 +176,9 @@ impl candle_core::CustomOp2 for AccumulatingMatmul {
         _res: &Tensor,
         grad: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
-        add_weight_grad(&self.dw, grad, x)?;
+        if let Some(dw) = &self.dw {
+            add_weight_grad(dw, grad, x)?;
+        }
         Ok((Some(grad.matmul(w)?), None))
     }
 }

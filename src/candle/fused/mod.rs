@@ -48,6 +48,7 @@ mod swiglu;
 
 pub use accumulate::{accumulate, index_add_rows};
 pub use attention::attention;
+pub(crate) use linear::RowsMatmul;
 pub use linear::{accumulating_linear, add_weight_grad};
 pub use norm::rms_norm;
 pub use rope::rope;
