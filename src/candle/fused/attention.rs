@@ -36,22 +36,7 @@ pub fn attention(
     scale: f64,
     window: Option<usize>,
 ) -> candle_core::Result<Tensor> {
-    let (b, sq, nh, d) = q.dims4()?;
-    let (bk, skv, nkv, dk) = k.dims4()?;
-    if k.dims() != v.dims() || bk != b || dk != d {
-        candle_core::bail!(
-            "fused attention: queries {:?}, keys {:?} and values {:?} must share the batch and \
-             the head width, keys and values one shape ([batch, seq, heads, head_dim])",
-            q.dims(),
-            k.dims(),
-            v.dims()
-        );
-    }
-    if nkv == 0 || nh % nkv != 0 {
-        candle_core::bail!(
-            "fused attention: {nh} query heads are not a multiple of {nkv} key/value heads"
-        );
-    }
+    let [_, sq, _, skv, _, _] = check_qkv("fused attention", q, k, v)?;
     if skv < sq {
         candle_core::bail!(
             "fused attention: {sq} queries over {skv} keys; the queries are the last positions \
@@ -61,25 +46,61 @@ pub fn attention(
     if window == Some(0) {
         candle_core::bail!("fused attention: a sliding window of 0 positions sees nothing");
     }
-    if q.dtype() != k.dtype() || q.dtype() != v.dtype() {
-        candle_core::bail!(
-            "fused attention: queries {:?}, keys {:?} and values {:?}: one dtype",
-            q.dtype(),
-            k.dtype(),
-            v.dtype()
-        );
-    }
     // The kernels read whole head rows: a head dimension with another stride is copied first.
-    let rows = |t: &Tensor| if t.stride()[3] == 1 { Ok(t.clone()) } else { t.contiguous() };
-    rows(q)?.apply_op3_arc(
-        &rows(k)?,
-        &rows(v)?,
+    head_rows(q)?.apply_op3_arc(
+        &head_rows(k)?,
+        &head_rows(v)?,
         std::sync::Arc::new(Box::new(Attention {
             scale: scale as f32,
             window,
             lse: OnceLock::new(),
         })),
     )
+}
+
+/// Checks `q` (`[batch, q_len, heads, head_dim]`), `k` and `v` (`[batch, kv_len, kv_heads,
+/// head_dim]`) as an attention takes them (`what` names it in the errors): one batch, head width
+/// and dtype, keys and values one shape, query heads a multiple of the key/value heads. Returns
+/// `[batch, q_len, heads, kv_len, kv_heads, head_dim]`.
+pub(super) fn check_qkv(
+    what: &str,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+) -> candle_core::Result<[usize; 6]> {
+    let (b, sq, nh, d) = q.dims4()?;
+    let (bk, skv, nkv, dk) = k.dims4()?;
+    if k.dims() != v.dims() || bk != b || dk != d {
+        candle_core::bail!(
+            "{what}: queries {:?}, keys {:?} and values {:?} must share the batch and the head \
+             width, keys and values one shape ([batch, seq, heads, head_dim])",
+            q.dims(),
+            k.dims(),
+            v.dims()
+        );
+    }
+    if nkv == 0 || nh % nkv != 0 {
+        candle_core::bail!("{what}: {nh} query heads are not a multiple of {nkv} key/value heads");
+    }
+    if q.dtype() != k.dtype() || q.dtype() != v.dtype() {
+        candle_core::bail!(
+            "{what}: queries {:?}, keys {:?} and values {:?}: one dtype",
+            q.dtype(),
+            k.dtype(),
+            v.dtype()
+        );
+    }
+    Ok([b, sq, nh, skv, nkv, d])
+}
+
+/// `t` with whole head rows (`[.., head_dim]` of stride 1), copied where its head dimension has
+/// another stride.
+pub(super) fn head_rows(t: &Tensor) -> candle_core::Result<Tensor> {
+    if t.stride()[3] == 1 {
+        Ok(t.clone())
+    } else {
+        t.contiguous()
+    }
 }
 
 /// The op: its parameters, and the log-sum-exp of each query row once the forward ran.

@@ -50,32 +50,9 @@ pub fn attention(
     scale: f64,
     window: Option<usize>,
 ) -> candle_core::Result<Tensor> {
-    let (b, _, nh, d) = q.dims4()?;
-    let (bk, _, nkv, dk) = k.dims4()?;
-    if k.dims() != v.dims() || bk != b || dk != d {
-        candle_core::bail!(
-            "cuDNN attention: queries {:?}, keys {:?} and values {:?} must share the batch and \
-             the head width, keys and values one shape ([batch, seq, heads, head_dim])",
-            q.dims(),
-            k.dims(),
-            v.dims()
-        );
-    }
-    if nkv == 0 || nh % nkv != 0 {
-        candle_core::bail!(
-            "cuDNN attention: {nh} query heads are not a multiple of {nkv} key/value heads"
-        );
-    }
-    if q.dtype() != k.dtype() || q.dtype() != v.dtype() {
-        candle_core::bail!(
-            "cuDNN attention: queries {:?}, keys {:?} and values {:?}: one dtype",
-            q.dtype(),
-            k.dtype(),
-            v.dtype()
-        );
-    }
+    super::attention::check_qkv("cuDNN attention", q, k, v)?;
     // cuDNN reads whole head rows: a head dimension with another stride is copied first.
-    let rows = |t: &Tensor| if t.stride()[3] == 1 { Ok(t.clone()) } else { t.contiguous() };
+    use super::attention::head_rows as rows;
     rows(q)?.apply_op3_arc(
         &rows(k)?,
         &rows(v)?,
