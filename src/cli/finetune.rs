@@ -998,7 +998,11 @@ pub fn run(args: FinetuneArgs) -> Res<Ended> {
     if out_of_core && (a.pcie.is_none() || a.host_bandwidth.is_none()) {
         // This machine's link and host, measured: the figures a preset gave for them are
         // another machine's.
-        machine.measure(&store, train.optimizer_threads)?;
+        // (At the run's size: a small model is not kept waiting by copies of hundreds of MiB.)
+        let step_bytes = plan
+            .as_ref()
+            .map_or(u64::MAX, |p| (p.pcie.0 + p.pcie.1).max(p.optimizer_bytes).max(p.disk_io));
+        machine.measure_for(&store, train.optimizer_threads, step_bytes)?;
         given_figures(&mut machine, &a);
         if a.machine.is_some() {
             machine.name.push_str(", its link and host rates measured on this machine");

@@ -545,10 +545,10 @@ fn pcie_floor(
         )?;
         return Ok(());
     }
-    let mut machine = strata::Machine::unknown("this machine");
-    machine.measure_link(store)?;
-    let h2d = machine.require("h2d", machine.h2d)?;
     let per_pass = moved / g.passes as u64;
+    let mut machine = strata::Machine::unknown("this machine");
+    machine.measure_link_for(store, per_pass)?;
+    let h2d = machine.require("h2d", machine.h2d)?;
     let floor = per_pass as f64 / h2d;
     out!(
         "PCIe floor of a token pass: {} into the Device tier a pass ({} passes), at {:.1} GB/s \

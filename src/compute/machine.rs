@@ -48,19 +48,49 @@ impl Machine {
     /// [`host_update_bandwidth`]). The figures measured replace the machine's, each with a note
     /// saying so; the rest stay as they were.
     pub fn measure(&mut self, store: &Store, threads: usize) -> Result<()> {
-        self.measure_link(store)?;
-        let copy = host_copy_bandwidth(threads, 256 << 20)?;
+        self.measure_for(store, threads, u64::MAX)
+    }
+
+    /// [`Machine::measure`] for a run that moves `step_bytes` a step (across the link and through
+    /// the host optimizer): the copies are the run's size where it is smaller than
+    /// [`Machine::measure`]'s, down to 16 MiB (the host copy and the link) and 4 MiB (the
+    /// update), so that a small model's plan is not kept waiting by copies hundreds of times its
+    /// size, and is timed at the sizes it moves (a run whose bytes fit the caches sees the
+    /// caches' rates). Each figure's note says the size measured.
+    ///
+    /// ```
+    /// # fn main() -> strata::Result<()> {
+    /// use strata::{Machine, Store, Tier};
+    /// let store = Store::builder().host_backend().capacity(Tier::Device, 1 << 20).build()?;
+    /// let mut m = Machine::unknown("this machine");
+    /// m.measure_for(&store, 1, 2 << 20)?; // a run moving 2 MiB a step: 16 MiB copies
+    /// assert!(m.source("host_copy").unwrap().contains("16.00 MiB"));
+    /// # Ok(()) }
+    /// ```
+    pub fn measure_for(&mut self, store: &Store, threads: usize, step_bytes: u64) -> Result<()> {
+        let sized = |floor: usize, cap: usize| {
+            usize::try_from(step_bytes).unwrap_or(usize::MAX).clamp(floor, cap)
+        };
+        let (copy_bytes, update_bytes) = (sized(16 << 20, 256 << 20), sized(4 << 20, 64 << 20));
+        self.measure_link_sized(store, copy_bytes)?;
+        let copy = host_copy_bandwidth(threads, copy_bytes)?;
         self.host_copy = Some(copy);
         let threads_said =
             if threads == 0 { "every core".to_string() } else { threads.to_string() };
         self.note(
             "host_copy",
-            format!("measured now: a copy of 256 MiB on {threads_said} threads"),
+            format!(
+                "measured now: a copy of {} on {threads_said} threads",
+                format_size(copy_bytes as u64)
+            ),
         );
-        self.host_update = Some(host_update_bandwidth(threads, 64 << 20));
+        self.host_update = Some(host_update_bandwidth(threads, update_bytes));
         self.note(
             "host_update",
-            format!("measured now: an in-place update of 64 MiB on {threads_said} threads"),
+            format!(
+                "measured now: an in-place update of {} on {threads_said} threads",
+                format_size(update_bytes as u64)
+            ),
         );
         Ok(())
     }
@@ -70,22 +100,42 @@ impl Machine {
     /// a copy of 64 MiB on one thread, its read and its write (half the copy's traffic) each
     /// way. Replaces `h2d` and `d2h`, noting how they were measured.
     pub fn measure_link(&mut self, store: &Store) -> Result<()> {
+        self.measure_link_sized(store, LINK_BYTES)
+    }
+
+    /// [`Machine::measure_link`] for a pass that moves `pass_bytes` across the link: copies of
+    /// that size where it is under 256 MiB, down to 16 MiB (as [`Machine::measure_for`]).
+    pub fn measure_link_for(&mut self, store: &Store, pass_bytes: u64) -> Result<()> {
+        let bytes = usize::try_from(pass_bytes).unwrap_or(usize::MAX).clamp(16 << 20, LINK_BYTES);
+        self.measure_link_sized(store, bytes)
+    }
+
+    /// [`Machine::measure_link`] with copies of `bytes` on CUDA (a quarter of that on the host
+    /// backend, at least 4 MiB).
+    fn measure_link_sized(&mut self, store: &Store, bytes: usize) -> Result<()> {
         match store.cuda_context() {
             Some(ctx) => {
-                let h = median(&raw_pinned_copy(ctx, LINK_BYTES, Direction::HostToDevice, 5)?);
-                let d = median(&raw_pinned_copy(ctx, LINK_BYTES, Direction::DeviceToHost, 5)?);
-                self.h2d = Some(LINK_BYTES as f64 / h);
-                self.d2h = Some(LINK_BYTES as f64 / d);
-                let how = "measured now: pinned copies of 256 MiB, median of 5";
-                self.note("h2d", how);
+                let h = median(&raw_pinned_copy(ctx, bytes, Direction::HostToDevice, 5)?);
+                let d = median(&raw_pinned_copy(ctx, bytes, Direction::DeviceToHost, 5)?);
+                self.h2d = Some(bytes as f64 / h);
+                self.d2h = Some(bytes as f64 / d);
+                let how = format!(
+                    "measured now: pinned copies of {}, median of 5",
+                    format_size(bytes as u64)
+                );
+                self.note("h2d", how.clone());
                 self.note("d2h", how);
             }
             None => {
-                let one = host_copy_bandwidth(1, 64 << 20)? / 2.0;
+                let host = (bytes / 4).max(4 << 20);
+                let one = host_copy_bandwidth(1, host)? / 2.0;
                 self.h2d = Some(one);
                 self.d2h = Some(one);
-                let how = "measured now on the host backend: a memcpy of 64 MiB on one thread";
-                self.note("h2d", how);
+                let how = format!(
+                    "measured now on the host backend: a memcpy of {} on one thread",
+                    format_size(host as u64)
+                );
+                self.note("h2d", how.clone());
                 self.note("d2h", how);
             }
         }
