@@ -11,6 +11,9 @@
 //! must agree (`Stats` against the tensors); and after every tensor is removed the tiers must be
 //! empty again. The counts (sites × passes tried, faults injected, tensors checked, tensors lost:
 //! the goal is 0) are printed for `docs/reliability.md`.
+//!
+//! Armed faults are global to a process: the tests sharing the harness's process take turns;
+//! the long surveys each run in a child process of their own ([`runs_here`]), at once.
 
 mod common;
 
@@ -540,8 +543,38 @@ fn faults(site: Site) -> &'static [Fault] {
 /// Armed faults are global to the process: the tests here take turns.
 static ARMED: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
+/// The environment variable naming the test a child process of this binary runs alone.
+const ALONE: &str = "STRATA_FAULTS_ALONE";
+
+/// Whether the calling test `test` (its path in this binary, `trainer::...` for the trainer's)
+/// is to run its body here: `true` in a child process made for it, where it runs alone; in the
+/// test harness's process, runs this binary again for that one test (`--exact`, one thread),
+/// prints the child's output, fails the test with it when the child failed, and returns `false`.
+/// Armed faults are global to a process, so the tests sharing one take turns (`ARMED`); the long
+/// surveys each in a process of their own run at once, one per test thread (most of their time
+/// is spent waiting on copies and disk, not computing).
+fn runs_here(test: &str) -> bool {
+    if std::env::var(ALONE).is_ok_and(|t| t == test) {
+        return true;
+    }
+    let exe = std::env::current_exe().expect("this test binary's path");
+    let out = std::process::Command::new(exe)
+        .args([test, "--exact", "--test-threads=1", "--nocapture"])
+        .env(ALONE, test)
+        .output()
+        .expect("running this test binary again");
+    print!("{}", String::from_utf8_lossy(&out.stdout));
+    eprint!("{}", String::from_utf8_lossy(&out.stderr));
+    let ran = String::from_utf8_lossy(&out.stdout).contains("1 passed");
+    assert!(out.status.success() && ran, "{test} in a process of its own: {}", out.status);
+    false
+}
+
 #[test]
 fn every_fault_at_every_site_loses_nothing() {
+    if !runs_here("every_fault_at_every_site_loses_nothing") {
+        return;
+    }
     let _turn = ARMED.lock().unwrap_or_else(|e| e.into_inner());
     every_fault_at_every_site(Backend::Host);
 }
@@ -879,6 +912,9 @@ fn concurrent_run(dir: &Path, backend: Backend, seed: u64) -> Option<(Arc<Store>
 /// reads back its last written bytes and every file holds its thread's last successful save.
 #[test]
 fn a_fault_under_four_threads_returns_no_wrong_bytes() {
+    if !runs_here("a_fault_under_four_threads_returns_no_wrong_bytes") {
+        return;
+    }
     let _turn = ARMED.lock().unwrap_or_else(|e| e.into_inner());
     a_fault_under_four_threads(Backend::Host);
 }

@@ -383,6 +383,9 @@ fn survey(per_site: u64, kinds: &[(Engine, Base)]) {
 /// Every site at the middle of its passes, transient and sticky, both engines (in CI).
 #[test]
 fn the_trainer_survives_a_fault_at_every_site() {
+    if !super::runs_here("trainer::the_trainer_survives_a_fault_at_every_site") {
+        return;
+    }
     survey(1, &[(Engine::Cpu, Base::Random), (Engine::GpuResident, Base::Random)]);
 }
 
@@ -391,6 +394,9 @@ fn the_trainer_survives_a_fault_at_every_site() {
 /// The adapters, their moments and the checkpoints end as the clean run's, bit for bit.
 #[test]
 fn qlora_over_a_gguf_base_survives_a_fault_at_every_site() {
+    if !super::runs_here("trainer::qlora_over_a_gguf_base_survives_a_fault_at_every_site") {
+        return;
+    }
     survey(1, &[(Engine::Cpu, Base::Gguf)]);
 }
 
