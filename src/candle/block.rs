@@ -67,7 +67,7 @@
 
 use candle_core::Tensor;
 
-pub use super::linear::{frozen_linear, linear, Adapter, GradBuffer, Weights};
+pub use super::linear::{frozen_linear, linear, Adapter, GradBuffer, JointLinear, Weights};
 
 /// A block a trainer can train: its weights by name and shape, its forward from them, and the
 /// linears LoRA may adapt. The [module docs](self) have one to copy.
@@ -92,6 +92,16 @@ pub trait Block: Send + Sync {
     /// gradient the trainer sums straight into an f32 buffer ([`GradBuffer`]) rather than
     /// through a `Var`. None by default.
     fn linears(&self) -> Vec<String> {
+        Vec::new()
+    }
+
+    /// Groups of [`Block::linears`] that read one input and that [`Block::forward`] applies
+    /// together with [`Weights::linears`] (a group's names in that order): the trainer and its
+    /// twin join each group's weights by rows once when they stage the block
+    /// ([`Weights::join`]), so each group is one GEMM forward and one `dX` and one `dW` GEMM
+    /// backward, its gradients still each weight's own. None by default (each linear its own
+    /// GEMM); a group that cannot be joined ([`JointLinear::new`]) runs as separate linears.
+    fn joined_linears(&self) -> Vec<Vec<String>> {
         Vec::new()
     }
 }
@@ -119,7 +129,8 @@ pub fn model_tensors(config: &super::LlamaConfig, block: &dyn Block) -> Vec<(Str
 
 /// The built-in Llama block ([`block_forward`](super::llama::block_forward): RMSNorm, rotary
 /// embeddings, grouped-query attention, SwiGLU; the fused ops) as a [`Block`]: its linears are
-/// the seven projections (`self_attn.{q,k,v,o}_proj`, `mlp.{gate,up,down}_proj`).
+/// the seven projections (`self_attn.{q,k,v,o}_proj`, `mlp.{gate,up,down}_proj`), q, k and v
+/// joined into one GEMM and gate and up into another ([`Block::joined_linears`]).
 #[derive(Clone, Debug)]
 pub struct LlamaBlock {
     config: super::LlamaConfig,
@@ -166,5 +177,10 @@ impl Block for LlamaBlock {
             .filter(|s| s.ends_with("_proj.weight"))
             .map(|s| s.to_string())
             .collect()
+    }
+
+    fn joined_linears(&self) -> Vec<Vec<String>> {
+        let names = |g: &[&str]| g.iter().map(|s| s.to_string()).collect();
+        super::llama::JOINED_LINEARS.iter().map(|g| names(g)).collect()
     }
 }

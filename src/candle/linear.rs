@@ -2,7 +2,8 @@
 //! ([`linear`]), plus a LoRA adapter's share ([`Adapter`]), with no gradient computed for a
 //! frozen weight ([`frozen_linear`]) and, for a trained weight given an f32 buffer
 //! ([`GradBuffer`]), its gradient summed into that buffer by the backward itself
-//! ([`fused::accumulating_linear`](super::fused::accumulating_linear)). What a
+//! ([`fused::accumulating_linear`](super::fused::accumulating_linear)); and linears that read
+//! one input applied as one GEMM over their weights joined by rows ([`JointLinear`]). What a
 //! [`Block`](super::block::Block) and the built-in Llama block ([`super::llama`]) both use;
 //! `strata::candle::block` re-exports it.
 
@@ -45,6 +46,8 @@ impl Adapter {
 pub struct GradBuffer {
     sum: Tensor,
     uses: Arc<AtomicUsize>,
+    /// A buffer made by [`GradBuffer::split`]: the buffer it is rows of, and its first row.
+    whole: Option<(Tensor, usize)>,
 }
 
 impl GradBuffer {
@@ -66,7 +69,41 @@ impl GradBuffer {
                 sum.dims()
             );
         }
-        Ok(GradBuffer { sum, uses: Arc::new(AtomicUsize::new(0)) })
+        Ok(GradBuffer { sum, uses: Arc::new(AtomicUsize::new(0)), whole: None })
+    }
+
+    /// Buffers over consecutive rows of this one, `outs[0]` rows, then `outs[1]`, ... (the
+    /// rows must add up to this buffer's): the gradients of weights that a [`JointLinear`]
+    /// applies as one GEMM, each part a row range of the joint weight's gradient (contiguous:
+    /// no copy). Each part counts its own uses; the joint's backward sums into this buffer
+    /// once, and every part sees its rows of the sum.
+    ///
+    /// ```
+    /// use candle_core::Device;
+    /// use strata::candle::block::GradBuffer;
+    /// let whole = GradBuffer::zeros((5, 3), &Device::Cpu)?;
+    /// let parts = whole.split(&[2, 3])?;
+    /// assert_eq!(parts[1].tensor().dims(), [3, 3]);
+    /// assert!(whole.split(&[2, 2]).is_err());
+    /// # Ok::<(), candle_core::Error>(())
+    /// ```
+    pub fn split(&self, outs: &[usize]) -> candle_core::Result<Vec<GradBuffer>> {
+        let rows = self.sum.dims2()?.0;
+        if outs.iter().sum::<usize>() != rows {
+            candle_core::bail!(
+                "a gradient buffer of {rows} rows split into parts of {outs:?} rows: the parts \
+                 must add up to the buffer's rows"
+            );
+        }
+        let mut first = 0;
+        let mut parts = Vec::with_capacity(outs.len());
+        for &o in outs {
+            let sum = self.sum.narrow(0, first, o)?;
+            let uses = Arc::new(AtomicUsize::new(0));
+            parts.push(GradBuffer { sum, uses, whole: Some((self.sum.clone(), first)) });
+            first += o;
+        }
+        Ok(parts)
     }
 
     /// The f32 sum so far.
@@ -84,9 +121,181 @@ impl GradBuffer {
     /// candle's autograd graph).
     pub fn linear(&self, x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
         let y = super::fused::accumulating_linear(x, w, &self.sum)?;
-        self.uses.fetch_add(1, Ordering::Relaxed);
+        self.counted();
         Ok(y)
     }
+
+    /// Counts a forward that applied the weight (through a [`JointLinear`]).
+    fn counted(&self) {
+        self.uses.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// Linears that read one input, applied as one GEMM over their weights joined by rows: for
+/// weights `w_1` (`[out_1, in]`), `w_2`, ... the joint weight `[w_1; w_2; ..]` (`[Σ out_i,
+/// in]`, one concatenation along the rows of the row-major weights: a copy on the device,
+/// a memcpy on the CPU, made once when a block's weights are staged), whose output's columns
+/// `out_1`, then `out_2`, ... are each linear's output. A Llama block's q, k and v projections
+/// are one (one GEMM where there were three; in the backward one `dX` GEMM and one `dW` GEMM
+/// where there were three of each), its gate and up projections another (one where there were
+/// two). The weights' names, the store's tensors and the files stay as they are: only the
+/// compute reads the joint copy.
+///
+/// With gradient buffers ([`GradBuffer::split`] of one buffer, in the parts' order), the
+/// backward sums the joint weight's gradient into that one f32 buffer
+/// ([`fused::accumulating_linear`](super::fused::accumulating_linear)), so each part's buffer
+/// holds its own weight's gradient; without, no weight gradient is computed (a frozen base).
+///
+/// ```
+/// # fn main() -> candle_core::Result<()> {
+/// use candle_core::{Device, Tensor, Var};
+/// use strata::candle::block::{GradBuffer, JointLinear};
+///
+/// let dev = Device::Cpu;
+/// let a = Tensor::new(&[[1f32, 0.0], [0.0, 1.0]], &dev)?; // [2, 2]
+/// let b = Tensor::new(&[[1f32, 1.0]], &dev)?; // [1, 2]
+/// let bufs = GradBuffer::zeros((3, 2), &dev)?.split(&[2, 1])?;
+/// let j = JointLinear::new(&[("a", &a, Some(&bufs[0])), ("b", &b, Some(&bufs[1]))])?
+///     .expect("joinable");
+/// let x = Var::new(&[[2f32, 3.0]], &dev)?;
+/// let ys = j.apply(x.as_tensor())?; // one GEMM, its output split by columns
+/// assert_eq!((ys[0].to_vec2::<f32>()?, ys[1].to_vec2::<f32>()?), (vec![vec![2.0, 3.0]], vec![vec![5.0]]));
+/// ys[0].sum_all()?.add(&ys[1].sum_all()?)?.backward()?;
+/// assert_eq!(bufs[1].tensor().to_vec2::<f32>()?, [[2.0, 3.0]]); // b's gradient, in its rows
+/// // Weights of two dtypes are not joined: the caller applies them one by one.
+/// let c = b.to_dtype(candle_core::DType::BF16)?;
+/// assert!(JointLinear::new(&[("a", &a, None), ("c", &c, None)])?.is_none());
+/// # Ok(()) }
+/// ```
+#[derive(Clone, Debug)]
+pub struct JointLinear {
+    names: Vec<String>,
+    outs: Vec<usize>,
+    weight: Tensor,
+    /// The joint gradient buffer and the parts' buffers (rows of it), when the weights train.
+    grads: Option<(Tensor, Vec<GradBuffer>)>,
+}
+
+impl JointLinear {
+    /// The linears `parts` (each its weight's name, its weight `[out, in]` and its gradient
+    /// buffer if it has one) as one, or `None` where they cannot be joined, and the caller
+    /// applies them one by one (the same values; see [`Weights::linears`]): fewer than two;
+    /// a weight that is not a matrix, or weights of different input widths, dtypes or devices;
+    /// a weight in candle's autograd graph (a `Var`: its gradient comes from autograd, which a
+    /// joined copy would cut off); or gradient buffers on some of them only, or buffers that are
+    /// not the consecutive parts of one buffer ([`GradBuffer::split`] in the same order). An
+    /// error only when the joint weight cannot be made (memory).
+    pub fn new(
+        parts: &[(&str, &Tensor, Option<&GradBuffer>)],
+    ) -> candle_core::Result<Option<JointLinear>> {
+        let Some((_, first, _)) = parts.first() else { return Ok(None) };
+        if parts.len() < 2 {
+            return Ok(None);
+        }
+        let Ok((_, inp)) = first.dims2() else { return Ok(None) };
+        let mut outs = Vec::with_capacity(parts.len());
+        for (_, w, _) in parts {
+            match w.dims2() {
+                Ok((o, i))
+                    if i == inp
+                        && w.dtype() == first.dtype()
+                        && w.device().same_device(first.device())
+                        && !w.track_op() =>
+                {
+                    outs.push(o)
+                }
+                _ => return Ok(None),
+            }
+        }
+        let Some(grads) = joint_grads(parts, &outs) else { return Ok(None) };
+        let ws: Vec<&Tensor> = parts.iter().map(|(_, w, _)| *w).collect();
+        Ok(Some(JointLinear {
+            names: parts.iter().map(|(n, _, _)| n.to_string()).collect(),
+            outs,
+            weight: Tensor::cat(&ws, 0)?,
+            grads,
+        }))
+    }
+
+    /// The joined linears' weight names, in order.
+    pub fn names(&self) -> &[String] {
+        &self.names
+    }
+
+    /// Each part's output width (its weight's rows), in order.
+    pub fn outs(&self) -> &[usize] {
+        &self.outs
+    }
+
+    /// The joint weight, `[Σ out, in]`.
+    pub fn weight(&self) -> &Tensor {
+        &self.weight
+    }
+
+    /// Whether the backward sums the weights' gradients into buffers.
+    pub fn has_grads(&self) -> bool {
+        self.grads.is_some()
+    }
+
+    /// `x·Wᵀ` with the joint weight, `[.., Σ out]`: one GEMM, its backward one `dX` GEMM and,
+    /// with buffers, one `dW` GEMM into the joint buffer (`x` must then be in candle's
+    /// autograd graph). Each part counts the use ([`GradBuffer::uses`]).
+    pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        match &self.grads {
+            Some((sum, parts)) => {
+                let y = super::fused::accumulating_linear(x, &self.weight, sum)?;
+                parts.iter().for_each(GradBuffer::counted);
+                Ok(y)
+            }
+            None => linear(x, &self.weight),
+        }
+    }
+
+    /// [`JointLinear::forward`] split by columns: each part's output, `[.., out_i]`, a view of
+    /// the joint output (strided: an op that needs contiguous values copies it).
+    pub fn apply(&self, x: &Tensor) -> candle_core::Result<Vec<Tensor>> {
+        let y = self.forward(x)?;
+        let last = y.rank().saturating_sub(1);
+        let mut first = 0;
+        let mut out = Vec::with_capacity(self.outs.len());
+        for &o in &self.outs {
+            out.push(y.narrow(last, first, o)?);
+            first += o;
+        }
+        Ok(out)
+    }
+
+    /// The same joint without gradient buffers and outside any graph (a forward with no
+    /// backward).
+    pub fn detached(&self) -> JointLinear {
+        JointLinear { weight: self.weight.detach(), grads: None, ..self.clone() }
+    }
+}
+
+/// The joint gradient buffer of `parts` (of `outs` rows each): `Some(None)` when none has a
+/// buffer, `Some(Some(..))` when the buffers are the consecutive parts of one, `None` otherwise.
+#[allow(clippy::type_complexity)]
+fn joint_grads(
+    parts: &[(&str, &Tensor, Option<&GradBuffer>)],
+    outs: &[usize],
+) -> Option<Option<(Tensor, Vec<GradBuffer>)>> {
+    let bufs: Vec<&GradBuffer> = parts.iter().filter_map(|(_, _, g)| *g).collect();
+    if bufs.is_empty() {
+        return Some(None);
+    }
+    if bufs.len() != parts.len() {
+        return None;
+    }
+    let (whole, _) = bufs[0].whole.as_ref()?;
+    let mut first = 0;
+    for (g, &o) in bufs.iter().zip(outs) {
+        match &g.whole {
+            Some((w, f)) if w.id() == whole.id() && *f == first && g.sum.dims()[0] == o => {}
+            _ => return None,
+        }
+        first += o;
+    }
+    (whole.dims()[0] == first).then(|| Some((whole.clone(), bufs.into_iter().cloned().collect())))
 }
 
 /// A block's weights as its forward reads them: candle tensors by their names within the block
@@ -97,19 +306,68 @@ pub struct Weights {
     tensors: HashMap<String, Tensor>,
     adapters: HashMap<String, Adapter>,
     grads: HashMap<String, GradBuffer>,
+    joints: Vec<JointLinear>,
 }
 
 impl Weights {
-    /// Weights of these tensors, without adapters or gradient buffers.
+    /// Weights of these tensors, without adapters, gradient buffers or joints.
     pub fn new(tensors: HashMap<String, Tensor>) -> Weights {
-        Weights { tensors, adapters: HashMap::new(), grads: HashMap::new() }
+        Weights { tensors, ..Weights::default() }
     }
 
     /// Gives the linear whose weight is `name` a gradient buffer: [`Weights::linear`] then
-    /// sums the weight's gradient into it in the backward ([`GradBuffer::linear`]).
+    /// sums the weight's gradient into it in the backward ([`GradBuffer::linear`]). A joint
+    /// ([`Weights::join`]) made before, of that weight, is dropped: join after the buffers.
     pub fn with_grad_buffer(mut self, name: impl Into<String>, buf: GradBuffer) -> Weights {
-        self.grads.insert(name.into(), buf);
+        let name = name.into();
+        self.joints.retain(|j| !j.names.contains(&name));
+        self.grads.insert(name, buf);
         self
+    }
+
+    /// Joins the linears whose weights are `names` ([`JointLinear`], with their gradient
+    /// buffers), so that [`Weights::linears`] of those names runs one GEMM; where they cannot
+    /// be joined ([`JointLinear::new`] says when), leaves them apart ([`Weights::joint`] tells
+    /// which). An error for a name the block does not have, or when the joint weight cannot be
+    /// made.
+    pub fn join(mut self, names: &[&str]) -> candle_core::Result<Weights> {
+        let mut parts = Vec::with_capacity(names.len());
+        for n in names {
+            parts.push((*n, self.get(n)?, self.grads.get(*n)));
+        }
+        if let Some(j) = JointLinear::new(&parts)? {
+            self.joints.retain(|o| !o.names.iter().any(|n| j.names.contains(n)));
+            self.joints.push(j);
+        }
+        Ok(self)
+    }
+
+    /// The joint of exactly the linears `names`, in that order, when [`Weights::join`] made one.
+    pub fn joint(&self, names: &[&str]) -> Option<&JointLinear> {
+        self.joints.iter().find(|j| j.names.iter().map(String::as_str).eq(names.iter().copied()))
+    }
+
+    /// The joints ([`Weights::join`]).
+    pub fn joints(&self) -> &[JointLinear] {
+        &self.joints
+    }
+
+    /// These weights for a forward with no backward: every tensor detached from candle's
+    /// graph, no gradient buffers, the joints kept (detached).
+    pub fn detached(&self) -> Weights {
+        let detach = |m: &HashMap<String, Tensor>| {
+            m.iter().map(|(n, t)| (n.clone(), t.detach())).collect::<HashMap<_, _>>()
+        };
+        Weights {
+            tensors: detach(&self.tensors),
+            adapters: self
+                .adapters
+                .iter()
+                .map(|(n, a)| (n.clone(), Adapter { a: a.a.detach(), b: a.b.detach(), ..*a }))
+                .collect(),
+            grads: HashMap::new(),
+            joints: self.joints.iter().map(JointLinear::detached).collect(),
+        }
     }
 
     /// The gradient buffer of the linear whose weight is `name`, if it has one.
@@ -160,6 +418,25 @@ impl Weights {
             Some(a) => a.add_to(y, x),
             None => Ok(y),
         }
+    }
+
+    /// The linears whose weights are `names`, all of the same `x`: one GEMM over their joined
+    /// weights when [`Weights::join`] joined exactly these, its output split by columns (strided
+    /// views), else [`Weights::linear`] of each. Either way each output gets its adapter's share
+    /// and each trained weight its gradient.
+    pub fn linears(&self, names: &[&str], x: &Tensor) -> candle_core::Result<Vec<Tensor>> {
+        let Some(j) = self.joint(names) else {
+            return names.iter().map(|n| self.linear(n, x)).collect();
+        };
+        let ys = j.apply(x)?;
+        names
+            .iter()
+            .zip(ys)
+            .map(|(n, y)| match self.adapters.get(*n) {
+                Some(a) => a.add_to(y, x),
+                None => Ok(y),
+            })
+            .collect()
     }
 }
 
@@ -231,5 +508,139 @@ mod tests {
         ] {
             assert!(GradBuffer::new(bad).is_err());
         }
+    }
+    fn randn(rng: &mut crate::candle::llama::SeededRng, shape: &[usize]) -> Tensor {
+        let v: Vec<f32> = (0..shape.iter().product()).map(|_| rng.normal(1.0) as f32).collect();
+        Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
+    }
+
+    /// The largest `|a − b|` over the largest `|b|`.
+    fn rel(a: &Tensor, b: &Tensor) -> f32 {
+        let (a, b) = (a.flatten_all().unwrap(), b.flatten_all().unwrap());
+        let top = b.abs().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap();
+        a.sub(&b).unwrap().abs().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap() / top
+    }
+
+    fn bits(t: &Tensor) -> Vec<u32> {
+        let v = t.flatten_all().unwrap().to_dtype(DType::F32).unwrap().to_vec1::<f32>().unwrap();
+        v.into_iter().map(f32::to_bits).collect()
+    }
+
+    /// `(outputs, dx, weight gradients)` of `sum(Σ y_i · r_i)` for the linears `outs` of one
+    /// `x`: joined (one GEMM, one buffer split by rows) or apart (a GEMM and a buffer each).
+    fn run(
+        x: &Tensor,
+        ws: &[Tensor],
+        rs: &[Tensor],
+        joined: bool,
+    ) -> (Vec<Tensor>, Tensor, Vec<Tensor>) {
+        let dev = Device::Cpu;
+        let names: Vec<String> = (0..ws.len()).map(|i| format!("w{i}")).collect();
+        let names: Vec<&str> = names.iter().map(String::as_str).collect();
+        let inp = ws[0].dims2().unwrap().1;
+        let outs: Vec<usize> = ws.iter().map(|w| w.dims2().unwrap().0).collect();
+        let bufs = match joined {
+            true => {
+                GradBuffer::zeros((outs.iter().sum(), inp), &dev).unwrap().split(&outs).unwrap()
+            }
+            false => outs.iter().map(|&o| GradBuffer::zeros((o, inp), &dev).unwrap()).collect(),
+        };
+        let tensors = names.iter().zip(ws).map(|(n, w)| (n.to_string(), w.clone())).collect();
+        let mut w = Weights::new(tensors);
+        for (n, b) in names.iter().zip(&bufs) {
+            w = w.with_grad_buffer(*n, b.clone());
+        }
+        let w = w.join(&names).unwrap();
+        assert_eq!(w.joint(&names).is_some(), joined, "joined when the buffers are one's parts");
+        let xv = Var::from_tensor(x).unwrap();
+        let ys = w.linears(&names, xv.as_tensor()).unwrap();
+        let mut loss = Tensor::zeros((), DType::F32, &dev).unwrap();
+        for (y, r) in ys.iter().zip(rs) {
+            loss = loss.add(&y.mul(r).unwrap().sum_all().unwrap()).unwrap();
+        }
+        let g = loss.backward().unwrap();
+        assert!(bufs.iter().all(|b| b.uses() == 1), "every part counts its use");
+        (ys, g.get(&xv).unwrap().clone(), bufs.iter().map(|b| b.tensor().clone()).collect())
+    }
+
+    #[test]
+    fn joined_linears_give_the_separate_outputs_and_each_weight_its_gradient_within_1e6() {
+        let mut rng = crate::candle::llama::SeededRng::new(41);
+        // Widths of a Llama block's q/k/v (grouped) and gate/up; one row (a token) and many.
+        for (rows, inp, outs) in [
+            (1, 16, vec![16, 8, 8]),
+            (7, 32, vec![32, 16, 16]),
+            (74, 96, vec![96, 32, 32]),
+            (40, 64, vec![176, 176]),
+        ] {
+            let x = randn(&mut rng, &[1, rows, inp]);
+            let ws: Vec<Tensor> = outs.iter().map(|&o| randn(&mut rng, &[o, inp])).collect();
+            let rs: Vec<Tensor> = outs.iter().map(|&o| randn(&mut rng, &[1, rows, o])).collect();
+            let (jy, jdx, jdw) = run(&x, &ws, &rs, true);
+            let (sy, sdx, sdw) = run(&x, &ws, &rs, false);
+            // Each output and each weight's gradient is the same sum over the same values as its
+            // own GEMM's; the `gemm` crate picks its kernels by shape, and some shapes round
+            // differently (7 rows of 32 inputs: about a third of the outputs by an ulp or two),
+            // so within 1e-6 of the largest, not bit for bit. dX is one sum over Σ out where
+            // the separate GEMMs' sums were added: f32 rounding apart too.
+            for (i, (a, b)) in jy.iter().zip(&sy).enumerate() {
+                assert!(rel(a, b) < 1e-6, "{rows}x{inp}: output {i}: {}", rel(a, b));
+            }
+            for (i, (a, b)) in jdw.iter().zip(&sdw).enumerate() {
+                assert!(rel(a, b) < 1e-6, "{rows}x{inp}: weight {i}'s gradient: {}", rel(a, b));
+            }
+            assert!(rel(&jdx, &sdx) < 1e-6, "{rows}x{inp}: dx: {}", rel(&jdx, &sdx));
+        }
+    }
+
+    #[test]
+    fn linears_that_cannot_be_joined_stay_apart_and_give_the_same_values() {
+        let dev = Device::Cpu;
+        let mut rng = crate::candle::llama::SeededRng::new(7);
+        let (a, b) = (randn(&mut rng, &[4, 6]), randn(&mut rng, &[2, 6]));
+        let bf = b.to_dtype(DType::BF16).unwrap();
+        let var = Var::from_tensor(&b).unwrap();
+        let whole = GradBuffer::zeros((6, 6), &dev).unwrap().split(&[4, 2]).unwrap();
+        let other = GradBuffer::zeros((2, 6), &dev).unwrap();
+        let reversed = GradBuffer::zeros((6, 6), &dev).unwrap().split(&[2, 4]).unwrap();
+        let cases: [(&str, &Tensor, [Option<&GradBuffer>; 2]); 6] = [
+            ("mixed dtypes", &bf, [None, None]),
+            ("a Var", var.as_tensor(), [None, None]),
+            ("a buffer on one only", &b, [Some(&whole[0]), None]),
+            ("buffers of two wholes", &b, [Some(&whole[0]), Some(&other)]),
+            ("parts out of order", &b, [Some(&reversed[1]), Some(&reversed[0])]),
+            ("another input width", &randn(&mut rng, &[2, 5]), [None, None]),
+        ];
+        for (what, second, [ga, gb]) in cases {
+            let parts = [("a", &a, ga), ("b", second, gb)];
+            assert!(JointLinear::new(&parts).unwrap().is_none(), "{what}: joined");
+        }
+        assert!(JointLinear::new(&[("a", &a, None)]).unwrap().is_none(), "one alone");
+        // Weights::join falls back: no joint, each linear on its own (its own GEMM, its own
+        // buffer), the same values.
+        let x = randn(&mut rng, &[1, 3, 6]);
+        let apart = Weights::new(HashMap::from([("a".into(), a.clone()), ("b".into(), b.clone())]))
+            .with_grad_buffer("a", whole[0].clone())
+            .with_grad_buffer("b", other.clone())
+            .join(&["a", "b"])
+            .unwrap();
+        assert!(apart.joint(&["a", "b"]).is_none() && apart.joints().is_empty());
+        let xv = Var::from_tensor(&x).unwrap();
+        let ys = apart.linears(&["a", "b"], xv.as_tensor()).unwrap();
+        assert_eq!(bits(&ys[1]), bits(&apart.linear("b", xv.as_tensor()).unwrap()));
+        ys[1].sum_all().unwrap().backward().unwrap();
+        assert_eq!((whole[0].uses(), other.uses()), (1, 2));
+        assert!(other.tensor().abs().unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap() > 0.0);
+        assert!(Weights::default().join(&["a", "b"]).is_err(), "a name the block lacks");
+        // Frozen weights join without buffers; a buffer added after drops the joint.
+        let plain = Weights::new(HashMap::from([("a".into(), a), ("b".into(), b)]));
+        let frozen = plain.join(&["a", "b"]).unwrap();
+        let j = frozen.joint(&["a", "b"]).expect("joined");
+        assert!(!j.has_grads() && j.outs() == [4, 2] && j.weight().dims() == [6, 6]);
+        assert!(frozen.joint(&["b", "a"]).is_none(), "a joint is of its names in order");
+        let ys = frozen.linears(&["a", "b"], &x).unwrap();
+        assert!(rel(&ys[1], &frozen.linear("b", &x).unwrap()) < 1e-6);
+        let rebuffered = frozen.with_grad_buffer("a", whole[0].clone());
+        assert!(rebuffered.joints().is_empty());
     }
 }

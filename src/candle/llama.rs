@@ -21,7 +21,7 @@ use std::collections::HashMap;
 use candle_core::{DType as CDType, Device, Tensor, D};
 
 use super::fused;
-use super::linear::{Adapter, GradBuffer, Weights};
+use super::linear::{Adapter, GradBuffer, JointLinear, Weights};
 use super::llama_config::LlamaConfig;
 pub use super::llama_config::{BLOCK_BIASES, BLOCK_TENSORS, EMBED, LM_HEAD, NORM};
 
@@ -205,6 +205,16 @@ impl Rope {
     }
 }
 
+/// The block's linears that read one input and run as one GEMM over their weights joined by
+/// rows ([`JointLinear`]) under [`Compute::Fused`]: the q, k and v projections (of the first
+/// norm's output), and the gate and up projections (of the second's). What
+/// [`BlockWeights::join`] joins and [`LlamaBlock`](super::block::LlamaBlock) lists in
+/// [`Block::joined_linears`](super::block::Block::joined_linears).
+pub const JOINED_LINEARS: [&[&str]; 2] = [
+    &[BLOCK_TENSORS[1], BLOCK_TENSORS[2], BLOCK_TENSORS[3]],
+    &[BLOCK_TENSORS[6], BLOCK_TENSORS[7]],
+];
+
 /// One block's weights (candle tensors, or `Var`s' tensors for training), in the order of
 /// [`BLOCK_TENSORS`], and the q/k/v biases of a config with them ([`BLOCK_BIASES`]).
 #[derive(Clone, Debug)]
@@ -236,6 +246,9 @@ pub struct BlockWeights {
     /// backward of such a projection adds its weight's gradient into the buffer
     /// ([`GradBuffer::linear`]). None unless a trainer adds them.
     pub grad_buffers: HashMap<String, GradBuffer>,
+    /// The [`JOINED_LINEARS`] joined ([`BlockWeights::join`]; a trainer joins them when it
+    /// stages the block): each one GEMM under [`Compute::Fused`]. None: one GEMM a projection.
+    pub joints: Vec<JointLinear>,
 }
 
 impl BlockWeights {
@@ -277,16 +290,59 @@ impl BlockWeights {
             },
             adapters: HashMap::new(),
             grad_buffers: HashMap::new(),
+            joints: Vec::new(),
         })
     }
 
     /// The weights of a [`Weights`] (a [`Block`](super::block::Block)'s view of them), its
-    /// adapters and gradient buffers included.
+    /// adapters, gradient buffers and joints included.
     pub fn from_weights(config: &LlamaConfig, w: &Weights) -> candle_core::Result<BlockWeights> {
         let mut bw = Self::from_fn(config, |s| w.get(s).cloned())?;
         bw.adapters = w.adapters().clone();
         bw.grad_buffers = w.grad_buffers().clone();
+        bw.joints = w.joints().to_vec();
         Ok(bw)
+    }
+
+    /// These weights with each of [`JOINED_LINEARS`] joined ([`JointLinear`]: a copy of the
+    /// group's weights as one matrix, their gradient buffers joined when they are the parts of
+    /// one, [`GradBuffer::split`]), so that the fused forward makes two GEMMs of the normed
+    /// inputs where it made five. A group that cannot be joined ([`JointLinear::new`]: weights
+    /// of two dtypes, `Var`s, buffers on some only) stays apart. Join after adding gradient
+    /// buffers: the joints take the buffers they find.
+    pub fn join(mut self) -> candle_core::Result<BlockWeights> {
+        let mut joints = Vec::with_capacity(JOINED_LINEARS.len());
+        for names in JOINED_LINEARS {
+            let mut parts = Vec::with_capacity(names.len());
+            for &n in names {
+                parts.push((n, self.weight(n)?, self.grad_buffers.get(n)));
+            }
+            joints.extend(JointLinear::new(&parts)?);
+        }
+        self.joints = joints;
+        Ok(self)
+    }
+
+    /// The projection weight named `name` in [`BLOCK_TENSORS`].
+    fn weight(&self, name: &str) -> candle_core::Result<&Tensor> {
+        let [_, qn, kn, vn, on, _, gn, un, dn] = BLOCK_TENSORS;
+        Ok(match name {
+            n if n == qn => &self.q,
+            n if n == kn => &self.k,
+            n if n == vn => &self.v,
+            n if n == on => &self.o,
+            n if n == gn => &self.gate,
+            n if n == un => &self.up,
+            n if n == dn => &self.down,
+            _ => candle_core::bail!("{name}: not a projection of a Llama block"),
+        })
+    }
+
+    /// The joint of the projections `names` when `compute` is fused and the block has one.
+    fn joint(&self, compute: Compute, names: &[&str]) -> Option<&JointLinear> {
+        let same =
+            |j: &&JointLinear| j.names().iter().map(String::as_str).eq(names.iter().copied());
+        self.joints.iter().find(same).filter(|_| compute == Compute::Fused)
     }
 
     /// The projection whose weight is `w`, named `name` in [`BLOCK_TENSORS`], of `x`, with its
@@ -299,10 +355,73 @@ impl BlockWeights {
             }
             None => linear(x, w)?,
         };
+        self.adapted(name, y, x)
+    }
+
+    /// `y`, projection `name`'s output for `x`, with its adapter's share when it has one.
+    fn adapted(&self, name: &str, y: Tensor, x: &Tensor) -> candle_core::Result<Tensor> {
         match self.adapters.get(name) {
             Some(a) => a.add_to(y, x),
             None => Ok(y),
         }
+    }
+
+    /// The queries, keys and values of `n` (`[batch, seq, hidden]`, the first norm's output):
+    /// `[batch, seq, heads, head_dim]` each, with their adapters and biases. Joined, one GEMM
+    /// whose output, seen as `[batch, seq, heads + 2 · kv_heads, head_dim]`, is split along the
+    /// heads: views with the joint's strides, which the fused RoPE (q, k) and attention (v) read
+    /// in place; a part with an adapter or a bias is split by columns and gets them added (into
+    /// a new contiguous tensor). Else three GEMMs, each output contiguous.
+    fn qkv(
+        &self,
+        compute: Compute,
+        config: &LlamaConfig,
+        n: &Tensor,
+    ) -> candle_core::Result<[Tensor; 3]> {
+        let (b, s, _) = n.dims3()?;
+        let (nh, nkv, hd) =
+            (config.num_attention_heads, config.num_key_value_heads, config.head_dim);
+        let [_, qn, kn, vn, ..] = BLOCK_TENSORS;
+        let (names, heads, first) = ([qn, kn, vn], [nh, nkv, nkv], [0, nh, nh + nkv]);
+        let Some(j) = self.joint(compute, &names) else {
+            let w = [&self.q, &self.k, &self.v];
+            let part = |i: usize| {
+                let y = self.add_bias(self.project(names[i], w[i], n)?, i)?;
+                y.reshape((b, s, heads[i], hd))
+            };
+            return Ok([part(0)?, part(1)?, part(2)?]);
+        };
+        if j.outs() != [nh * hd, nkv * hd, nkv * hd] {
+            candle_core::bail!(
+                "q, k and v projections of {:?} rows for {nh} query heads and {nkv} key/value \
+                 heads of {hd}",
+                j.outs()
+            );
+        }
+        let y = j.forward(n)?;
+        let all = y.reshape((b, s, nh + 2 * nkv, hd))?;
+        let part = |i: usize| {
+            if !self.adapters.contains_key(names[i]) && self.qkv_bias.is_none() {
+                return all.narrow(2, first[i], heads[i]);
+            }
+            let yi = y.narrow(D::Minus1, first[i] * hd, heads[i] * hd)?;
+            self.add_bias(self.adapted(names[i], yi, n)?, i)?.reshape((b, s, heads[i], hd))
+        };
+        Ok([part(0)?, part(1)?, part(2)?])
+    }
+
+    /// The gate and up projections of `n` (the second norm's output), with their adapters: one
+    /// GEMM over their joint weight, split by columns (strided views: the fused SwiGLU copies
+    /// each into a contiguous tensor, an adapter's add writes a new one), or two.
+    fn gate_up(&self, compute: Compute, n: &Tensor) -> candle_core::Result<[Tensor; 2]> {
+        let [.., gn, un, _] = BLOCK_TENSORS;
+        let Some(j) = self.joint(compute, &[gn, un]) else {
+            return Ok([self.project(gn, &self.gate, n)?, self.project(un, &self.up, n)?]);
+        };
+        let [g, u]: [Tensor; 2] = j.apply(n)?.try_into().map_err(|_| {
+            candle_core::Error::Msg("a gate/up joint of other than two parts".into())
+        })?;
+        Ok([self.adapted(gn, g, n)?, self.adapted(un, u, n)?])
     }
 
     /// The bias of projection `i` (0: q, 1: k, 2: v) added to `y`, when there is one. In f32
@@ -432,12 +551,14 @@ fn causal_mask(
 pub enum Compute {
     /// The fused ops of [`super::fused`]: attention FlashAttention-style (no `seq × seq`
     /// tensor, the causal mask inside its tiles, the key/value heads read in place for their
-    /// query heads), RMSNorm, RoPE and SwiGLU each one op with its own backward. What the
+    /// query heads), RMSNorm, RoPE and SwiGLU each one op with its own backward; and, with the
+    /// block's joints ([`BlockWeights::joints`]), q/k/v one GEMM and gate/up one GEMM. What the
     /// trainer, its in-memory twin and generation run.
     #[default]
     Fused,
     /// Plain candle ops (the scores and the softmax materialized, the mask built on the host,
-    /// the key/value heads repeated): the fused ops' reference in the tests.
+    /// the key/value heads repeated, one GEMM a projection whatever the joints): the fused ops'
+    /// reference in the tests.
     Decomposed,
 }
 
@@ -459,6 +580,16 @@ pub fn block_forward(
 }
 
 /// [`block_forward`] computed as `compute` says.
+///
+/// The block's GEMMs: seven linears, each one GEMM forward and, in the backward, one `dX` GEMM
+/// and (a trained weight) one `dW` GEMM. Under [`Compute::Fused`] with the block's joints
+/// ([`BlockWeights::join`]; the trainer and its twin join when they stage a block), the five
+/// projections of the normed inputs are two GEMMs, `[Wq; Wk; Wv]` and `[Wgate; Wup]`: 7 → 4
+/// forward GEMMs (launches) per block and micro-batch, and as many `dX` and `dW` GEMMs
+/// backward (each part's gradient a row range of the joint buffer). The outputs are split by
+/// views ([`BlockWeights`]' `qkv`); candle's autograd pads each part's output gradient back to
+/// the joint's width (a zeros, a concatenation and an add per part, element-wise work on the
+/// joint output's size) where three separate `dX`s were added instead.
 pub fn block_forward_with(
     compute: Compute,
     config: &LlamaConfig,
@@ -469,18 +600,16 @@ pub fn block_forward_with(
     cache: Option<&mut KvCache>,
 ) -> candle_core::Result<Tensor> {
     let (b, s, _) = x.dims3()?;
-    let (nh, nkv, hd) = (config.num_attention_heads, config.num_key_value_heads, config.head_dim);
+    let (nh, hd) = (config.num_attention_heads, config.head_dim);
     let eps = config.rms_norm_eps;
     let norm = |x: &Tensor, w: &Tensor| match compute {
         Compute::Fused => fused::rms_norm(x, w, eps),
         Compute::Decomposed => rms_norm(x, w, eps),
     };
 
-    let [_, qn, kn, vn, on, _, gn, un, dn] = BLOCK_TENSORS;
+    let [.., on, _, _, _, dn] = BLOCK_TENSORS;
     let n = norm(x, &w.input_norm)?;
-    let q = w.add_bias(w.project(qn, &w.q, &n)?, 0)?.reshape((b, s, nh, hd))?;
-    let k = w.add_bias(w.project(kn, &w.k, &n)?, 1)?.reshape((b, s, nkv, hd))?;
-    let v = w.add_bias(w.project(vn, &w.v, &n)?, 2)?.reshape((b, s, nkv, hd))?;
+    let [q, k, v] = w.qkv(compute, config, &n)?;
     let attn = match compute {
         Compute::Fused => fused_attention(config, rope, &q, &k, &v, offset, cache)?,
         Compute::Decomposed => decomposed_attention(config, rope, &q, &k, &v, offset, cache)?,
@@ -488,7 +617,7 @@ pub fn block_forward_with(
     let h = x.add(&w.project(on, &w.o, &attn.reshape((b, s, nh * hd))?)?)?;
 
     let n = norm(&h, &w.post_norm)?;
-    let (gate, up) = (w.project(gn, &w.gate, &n)?, w.project(un, &w.up, &n)?);
+    let [gate, up] = w.gate_up(compute, &n)?;
     let act = match compute {
         Compute::Fused => fused::swiglu(&gate, &up)?,
         Compute::Decomposed => gate.silu()?.mul(&up)?,
@@ -639,4 +768,170 @@ pub fn inputs_and_targets(tokens: &Tensor) -> candle_core::Result<(Tensor, Tenso
     let ids = tokens.narrow(1, 0, n - 1)?.contiguous()?;
     let targets = tokens.narrow(1, 1, n - 1)?.flatten_all()?.contiguous()?;
     Ok((ids, targets))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Var;
+
+    fn randn(rng: &mut SeededRng, shape: &[usize], std: f64, mean: f32) -> Tensor {
+        let v: Vec<f32> =
+            (0..shape.iter().product()).map(|_| rng.normal(std) as f32 + mean).collect();
+        Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
+    }
+
+    /// Block 0 of `config` with random weights (norms near 1, biases random too).
+    fn block(config: &LlamaConfig, seed: u64) -> BlockWeights {
+        let mut rng = SeededRng::new(seed);
+        let shapes: HashMap<String, Vec<usize>> = config.tensors().into_iter().collect();
+        let p = LlamaConfig::block_prefix(0);
+        BlockWeights::from_fn(config, |s| {
+            let shape = &shapes[&format!("{p}{s}")];
+            let mean = if s.contains("norm") { 1.0 } else { 0.0 };
+            Ok(randn(&mut rng, shape, 0.3, mean))
+        })
+        .unwrap()
+    }
+
+    fn bits(t: &Tensor) -> Vec<u32> {
+        t.flatten_all().unwrap().to_vec1::<f32>().unwrap().into_iter().map(f32::to_bits).collect()
+    }
+
+    /// The largest `|a − b|` over the largest `|b|`.
+    fn rel(a: &Tensor, b: &Tensor) -> f32 {
+        let top = b.abs().unwrap().flatten_all().unwrap().max(0).unwrap();
+        let d = a.sub(b).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap();
+        d.to_scalar::<f32>().unwrap() / top.to_scalar::<f32>().unwrap()
+    }
+
+    fn config(json: &str) -> LlamaConfig {
+        LlamaConfig::from_json(json).unwrap()
+    }
+
+    /// The projections' names, in [`BLOCK_TENSORS`]' order.
+    fn projections() -> Vec<&'static str> {
+        BLOCK_TENSORS.into_iter().filter(|n| n.ends_with("_proj.weight")).collect()
+    }
+
+    /// `(y, dx, the projections' weight gradients)` of `sum(y · r)` for the fused block, its
+    /// projections trained through gradient buffers: one buffer a joined group when `joined`,
+    /// else one a weight (and then [`BlockWeights::join`] must leave them apart).
+    fn trained(
+        c: &LlamaConfig,
+        bw: &BlockWeights,
+        x: &Tensor,
+        r: &Tensor,
+        joined: bool,
+    ) -> (Tensor, Tensor, Vec<Tensor>) {
+        let dev = Device::Cpu;
+        let mut bw = bw.clone();
+        let mut bufs: HashMap<String, GradBuffer> = HashMap::new();
+        if joined {
+            for group in JOINED_LINEARS {
+                let shapes: Vec<(usize, usize)> =
+                    group.iter().map(|n| bw.weight(n).unwrap().dims2().unwrap()).collect();
+                let rows = shapes.iter().map(|s| s.0).sum();
+                let outs: Vec<usize> = shapes.iter().map(|s| s.0).collect();
+                let parts =
+                    GradBuffer::zeros((rows, shapes[0].1), &dev).unwrap().split(&outs).unwrap();
+                bufs.extend(group.iter().map(|n| n.to_string()).zip(parts));
+            }
+        }
+        for n in projections() {
+            if !bufs.contains_key(n) {
+                let shape = bw.weight(n).unwrap().dims2().unwrap();
+                bufs.insert(n.to_string(), GradBuffer::zeros(shape, &dev).unwrap());
+            }
+        }
+        bw.grad_buffers = bufs.clone();
+        let bw = bw.join().unwrap();
+        assert_eq!(bw.joints.len(), if joined { 2 } else { 0 }, "separate buffers stay apart");
+        let rope = Rope::new(c, x.dims()[1], &dev).unwrap();
+        let xv = Var::from_tensor(x).unwrap();
+        let y = block_forward(c, &bw, xv.as_tensor(), &rope, 0, None).unwrap();
+        let g = y.mul(r).unwrap().sum_all().unwrap().backward().unwrap();
+        let dw = projections().iter().map(|n| bufs[*n].tensor().clone()).collect();
+        (y, g.get(&xv).unwrap().clone(), dw)
+    }
+
+    #[test]
+    fn a_block_with_joined_projections_gives_the_separate_values_and_gradients() {
+        let c = config(
+            r#"{"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 10}"#,
+        );
+        let bw = block(&c, 3);
+        let mut rng = SeededRng::new(4);
+        let x = randn(&mut rng, &[2, 9, 32], 1.0, 0.0);
+        let r = randn(&mut rng, &[2, 9, 32], 1.0, 0.0);
+        let (jy, jdx, jdw) = trained(&c, &bw, &x, &r, true);
+        let (sy, sdx, sdw) = trained(&c, &bw, &x, &r, false);
+        // Two GEMMs where there were five: each output the same sum over the same inputs, but
+        // the `gemm` crate picks its kernels by shape, and for some shapes (7 or 9 rows of 32
+        // inputs) the joined and the separate GEMMs round differently: f32 rounding apart.
+        assert!(rel(&jy, &sy) < 1e-5, "y: {}", rel(&jy, &sy));
+        // The backward's dX of the joined GEMMs is one sum where two or three were added: f32
+        // rounding apart, and so is everything upstream of it.
+        assert!(rel(&jdx, &sdx) < 1e-5, "dx: {}", rel(&jdx, &sdx));
+        for ((n, a), b) in projections().iter().zip(&jdw).zip(&sdw) {
+            assert!(rel(a, b) < 1e-5, "{n}: {}", rel(a, b));
+        }
+        // The decomposed block (the reference) runs a GEMM a projection, joints or not.
+        let rope = Rope::new(&c, 9, &Device::Cpu).unwrap();
+        let decomposed = |w: &BlockWeights| {
+            block_forward_with(Compute::Decomposed, &c, w, &x, &rope, 0, None).unwrap()
+        };
+        let joined = bw.clone().join().unwrap();
+        assert_eq!(joined.joints.len(), 2);
+        assert_eq!(bits(&decomposed(&joined)), bits(&decomposed(&bw)));
+    }
+
+    #[test]
+    fn biases_and_adapters_are_added_to_each_part_after_the_split() {
+        // Qwen2: q/k/v biases; LoRA adapters on q and up over a frozen base.
+        let c = config(
+            r#"{"model_type": "qwen2", "hidden_size": 32, "intermediate_size": 48,
+                "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+                "vocab_size": 10}"#,
+        );
+        let mut rng = SeededRng::new(9);
+        let mut vars = Vec::new();
+        let mut var = |shape: &[usize]| {
+            let v = Var::from_tensor(&randn(&mut rng, shape, 0.3, 0.0)).unwrap();
+            vars.push(v.clone());
+            v.as_tensor().clone()
+        };
+        let mut bw = block(&c, 8);
+        let [_, qn, kn, vn, ..] = BLOCK_TENSORS;
+        bw.qkv_bias = Some([var(&[32]), var(&[16]), var(&[16])]);
+        for (n, out) in [(qn, 32), (BLOCK_TENSORS[7], 48)] {
+            let adapter = Adapter { a: var(&[4, 32]), b: var(&[out, 4]), scale: 2.0 };
+            bw.adapters.insert(n.to_string(), adapter);
+        }
+        let x = randn(&mut SeededRng::new(10), &[1, 7, 32], 1.0, 0.0);
+        let rope = Rope::new(&c, 7, &Device::Cpu).unwrap();
+        let run = |w: &BlockWeights| {
+            let xv = Var::from_tensor(&x).unwrap();
+            let y = block_forward(&c, w, xv.as_tensor(), &rope, 0, None).unwrap();
+            let g = y.sqr().unwrap().sum_all().unwrap().backward().unwrap();
+            let mut grads = vec![g.get(&xv).unwrap().clone()];
+            grads.extend(vars.iter().map(|v| g.get(v).unwrap().clone()));
+            (y, grads)
+        };
+        let joined = bw.clone().join().unwrap();
+        let names: Vec<Vec<&str>> =
+            joined.joints.iter().map(|j| j.names().iter().map(String::as_str).collect()).collect();
+        assert_eq!(names, [vec![qn, kn, vn], vec![BLOCK_TENSORS[6], BLOCK_TENSORS[7]]]);
+        assert!(joined.joints.iter().all(|j| !j.has_grads()), "a frozen base has no buffer");
+        let ((jy, jg), (sy, sg)) = (run(&joined), run(&bw));
+        assert!(rel(&jy, &sy) < 1e-5, "y: {}", rel(&jy, &sy));
+        for (i, (a, b)) in jg.iter().zip(&sg).enumerate() {
+            assert!(rel(a, b) < 1e-5, "gradient {i}: {}", rel(a, b));
+        }
+        // A bf16 v among f32 q and k: not joined, the block runs as before.
+        let mut mixed = bw.clone();
+        mixed.v = mixed.v.to_dtype(CDType::BF16).unwrap();
+        assert_eq!(mixed.join().unwrap().joints.len(), 1, "gate/up joined, q/k/v apart");
+    }
 }

@@ -331,6 +331,7 @@ fn a_fused_block_equals_the_decomposed_block_values_and_gradients() {
                     qkv_bias: None,
                     adapters: Default::default(),
                     grad_buffers: Default::default(),
+                    joints: Default::default(),
                 };
                 block_forward_with(compute, c, &w, &t[0], rope, 0, None).unwrap()
             }

@@ -4,7 +4,10 @@
 //! theirs summed by the backward itself: each linear's backward adds `dYᵀ·X` into the buffer in
 //! place, one GEMM with beta = 1 over the micro-batch's 16-bit (or f32) values into f32
 //! ([`GradBuffer`], [`fused::add_weight_grad`]), so those weights need no `Var` and no
-//! micro-batch's weight gradient is made, rounded or added on its own ([`linear_buffers`]). The
+//! micro-batch's weight gradient is made, rounded or added on its own ([`linear_buffers`]); the
+//! linears a block joins ([`Block::joined_linears`]: a Llama block's q/k/v and gate/up) get one
+//! buffer a group, each weight's buffer a row range of it, so that the joint GEMM's backward
+//! sums every part's gradient in one GEMM ([`staged`]). The
 //! others' (norms, biases, adapters, the head) come from candle's autograd, each micro-batch's
 //! gradient added into the buffer in place ([`fused::accumulate`]); an embedding's rows are
 //! added into its buffer in place, in f32, after the head's share when the embeddings are tied
@@ -49,7 +52,10 @@ pub(super) fn trained_linears(
 }
 
 /// A new f32 buffer of zeros on `device` for each of [`trained_linears`], for a step's
-/// backward of block `l` ([`with_buffers`]).
+/// backward of block `l` ([`with_buffers`]). The linears of a group the block joins
+/// ([`Block::joined_linears`]), when all of them are trained and read inputs of one width, get
+/// one buffer of the group's rows, each its own rows of it ([`GradBuffer::split`]): what the
+/// joint's backward sums into. The others get a buffer each.
 pub(super) fn linear_buffers(
     block: &dyn Block,
     block_tensors: &[(String, Vec<usize>)],
@@ -57,12 +63,47 @@ pub(super) fn linear_buffers(
     trained: impl Fn(&str) -> bool,
     device: &Device,
 ) -> candle_core::Result<Vec<LinearGrad>> {
-    trained_linears(block, block_tensors, l, trained)
+    let linears = trained_linears(block, block_tensors, l, trained);
+    let mut bufs: Vec<Option<GradBuffer>> = linears.iter().map(|_| None).collect();
+    for group in block.joined_linears() {
+        let at: Vec<usize> = group
+            .iter()
+            .filter_map(|g| linears.iter().position(|(_, local, _)| local == g))
+            .collect();
+        let inp = at.first().map(|&i| linears[i].2 .1);
+        if at.len() < 2
+            || at.len() != group.len()
+            || at.iter().any(|&i| Some(linears[i].2 .1) != inp || bufs[i].is_some())
+        {
+            continue;
+        }
+        let outs: Vec<usize> = at.iter().map(|&i| linears[i].2 .0).collect();
+        let whole = GradBuffer::zeros((outs.iter().sum(), inp.unwrap_or(0)), device)?;
+        for (i, part) in at.into_iter().zip(whole.split(&outs)?) {
+            bufs[i] = Some(part);
+        }
+    }
+    linears
         .into_iter()
-        .map(|(name, local, shape)| {
-            Ok(LinearGrad { name, local, buf: GradBuffer::zeros(shape, device)? })
+        .zip(bufs)
+        .map(|((name, local, shape), buf)| {
+            let buf = match buf {
+                Some(b) => b,
+                None => GradBuffer::zeros(shape, device)?,
+            };
+            Ok(LinearGrad { name, local, buf })
         })
         .collect()
+}
+
+/// `w` as a block's forward reads it once staged: each group of linears the block joins
+/// ([`Block::joined_linears`]) joined ([`Weights::join`]: one copy of the group's weights a
+/// stage, reused by every micro-batch; with their buffers, so call it after [`with_buffers`]).
+pub(super) fn staged(w: Weights, block: &dyn Block) -> candle_core::Result<Weights> {
+    block.joined_linears().iter().try_fold(w, |w, group| {
+        let names: Vec<&str> = group.iter().map(String::as_str).collect();
+        w.join(&names)
+    })
 }
 
 /// `w` with the buffers `bufs` on their linears.
@@ -187,6 +228,37 @@ mod tests {
         let weight = Tensor::zeros((2, 3), CDType::F32, &dev).unwrap();
         w.grad_buffer("fc.weight").unwrap().linear(x.as_tensor(), &weight).unwrap();
         check_applied(&[g], "mlp").unwrap();
+    }
+
+    #[test]
+    fn a_joined_group_gets_one_buffer_its_parts_rows_of_it_unless_part_of_it_is_frozen() {
+        let dev = Device::Cpu;
+        let c = LlamaConfig::from_json(
+            r#"{"hidden_size": 8, "intermediate_size": 12, "num_hidden_layers": 1,
+                "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 10}"#,
+        )
+        .unwrap();
+        let block = crate::candle::block::LlamaBlock::new(&c, 4, &dev).unwrap();
+        let tensors = block.tensors();
+        let weights = || {
+            let t = tensors
+                .iter()
+                .map(|(n, s)| (n.clone(), Tensor::zeros(s.as_slice(), CDType::F32, &dev).unwrap()));
+            Weights::new(t.collect())
+        };
+        let joints = |trained: &dyn Fn(&str) -> bool| {
+            let bufs = linear_buffers(&block, &tensors, 0, trained, &dev).unwrap();
+            let w = staged(with_buffers(weights(), &bufs), &block).unwrap();
+            let names: Vec<Vec<String>> = w.joints().iter().map(|j| j.names().to_vec()).collect();
+            assert!(w.joints().iter().all(|j| j.has_grads()));
+            (bufs.len(), names)
+        };
+        // All trained: q/k/v and gate/up each one buffer ([8 + 4 + 4, 8], [12 + 12, 8]).
+        let (n, names) = joints(&|_| true);
+        assert_eq!((n, names), (7, block.joined_linears()));
+        // v frozen: q and k keep a buffer each and are not joined; gate/up still are.
+        let (n, names) = joints(&|name| !name.contains("v_proj"));
+        assert_eq!((n, names), (6, vec![block.joined_linears()[1].clone()]));
     }
 
     #[test]

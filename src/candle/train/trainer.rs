@@ -13,7 +13,7 @@ use candle_core::{DType as CDType, Device, Tensor, Var};
 use super::clock::{span_seconds, ComputeClock};
 use super::grads::{
     add_grad, check_applied, clip_factor, embedding_backward, grad_of, linear_buffers,
-    loss_and_norm, sum_of_squares, with_buffers,
+    loss_and_norm, staged, sum_of_squares, with_buffers,
 };
 use super::{
     block_weights, candle_to_store, check_batches, checkpoint, compute_dtype, init_values,
@@ -844,7 +844,8 @@ impl Trainer {
             self.wait_for(&[stage, stage + 1])?;
             let (this, next) = (names(self, stage), names(self, stage + 1));
             let w = self.layers.fetch(&refs(&this), &refs(&next))?;
-            let bw = self.weights_of(l, |n| w.get(n).cloned())?;
+            // Staged once for the micro-batches: the joined linears' weights copied together.
+            let bw = staged(self.weights_of(l, |n| w.get(n).cloned())?, self.block.as_ref())?;
             for (m, x) in xs.iter_mut().enumerate() {
                 let ck = &self.checkpoints[l][m];
                 let id = self.layers.id(ck).expect("checkpoint");
@@ -935,7 +936,7 @@ impl Trainer {
             let plain: Vec<&str> = bufs.iter().map(|g| g.name.as_str()).collect();
             let vars = self.as_vars(&w, &this[..weights_n], &plain)?;
             let bw = self.weights_of(l, |n| vars.get(n).map(|v| v.0.clone()))?;
-            let bw = with_buffers(bw, &bufs);
+            let bw = staged(with_buffers(bw, &bufs), self.block.as_ref())?;
             clock.start_block()?;
             for (m, gy) in grads_in.iter_mut().enumerate() {
                 let xv = Var::from_tensor(&w[&self.checkpoints[l][m]])?;

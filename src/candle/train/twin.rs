@@ -9,14 +9,14 @@ use candle_core::{DType as CDType, Device, Tensor, Var};
 use super::device_adamw::{DeviceState, Kernels};
 use super::grads::{
     add_grad, check_applied, clip_factor, embedding_backward, grad_of, linear_buffers,
-    loss_and_norm, sum_of_squares, trained_linears, with_buffers, LinearGrad,
+    loss_and_norm, staged, sum_of_squares, trained_linears, with_buffers, LinearGrad,
 };
 use super::{
     block_weights, check_batches, init_values, prepare_masks, run_params, Init, LlamaConfig,
     LoraConfig, TrainConfig,
 };
 use crate::base::types::DType;
-use crate::candle::block::{model_tensors, Block, LlamaBlock};
+use crate::candle::block::{model_tensors, Block, LlamaBlock, Weights};
 use crate::candle::llama::{embed, head_logits, inputs_and_targets, next_token_loss_masked, EMBED};
 use crate::candle::lora::{adapter_specs, AdapterSpec};
 use crate::compute::optim::AdamW;
@@ -199,27 +199,40 @@ impl LlamaTwin {
     }
 
     /// The f32 logits from the embedding's output `x` (`[batch, seq, hidden]`): the blocks, the
-    /// final norm and the head; each block's trained linears with their gradient buffers when
-    /// `bufs` has them (a step's forward: `bufs[l]` block `l`'s).
-    fn logits_from(
-        &self,
-        x: &Tensor,
-        bufs: Option<&[Vec<LinearGrad>]>,
-    ) -> candle_core::Result<Tensor> {
+    /// final norm and the head; each block's weights as `blocks` has them staged (a step's
+    /// forward: [`LlamaTwin::staged`]), else as they are.
+    fn logits_from(&self, x: &Tensor, blocks: Option<&[Weights]>) -> candle_core::Result<Tensor> {
         let cfg = &self.config;
         let scale = self.train.lora.as_ref().map_or(1.0, LoraConfig::scale);
         let mut x = x.clone();
         for l in 0..cfg.num_hidden_layers {
-            let mut w = block_weights(&self.block_tensors, &self.specs, scale, l, |n| {
-                self.tensor(n).cloned()
-            })?;
-            if let Some(b) = bufs.and_then(|b| b.get(l)) {
-                w = with_buffers(w, b);
-            }
-            x = self.block.forward(l, &w, &x)?;
+            x = match blocks.and_then(|b| b.get(l)) {
+                Some(w) => self.block.forward(l, w, &x)?,
+                None => {
+                    let w = block_weights(&self.block_tensors, &self.specs, scale, l, |n| {
+                        self.tensor(n).cloned()
+                    })?;
+                    self.block.forward(l, &w, &x)?
+                }
+            };
         }
         let [norm, head] = cfg.head_names();
         head_logits(cfg, &x, self.needed(norm)?, self.needed(head)?)
+    }
+
+    /// Each block's weights for a step, staged as the trainer stages them: with its trained
+    /// linears' gradient buffers (`bufs[l]`) and its joined linears joined (one copy of their
+    /// weights a step, for every micro-batch).
+    fn staged(&self, bufs: &[Vec<LinearGrad>]) -> candle_core::Result<Vec<Weights>> {
+        let scale = self.train.lora.as_ref().map_or(1.0, LoraConfig::scale);
+        (0..self.config.num_hidden_layers)
+            .map(|l| {
+                let w = block_weights(&self.block_tensors, &self.specs, scale, l, |n| {
+                    self.tensor(n).cloned()
+                })?;
+                staged(with_buffers(w, &bufs[l]), self.block.as_ref())
+            })
+            .collect()
     }
 
     /// One step over `batches`, as [`Trainer::step`](super::Trainer::step); returns the loss.
@@ -251,6 +264,7 @@ impl LlamaTwin {
         let bufs = (0..self.config.num_hidden_layers)
             .map(|l| linear_buffers(self.block.as_ref(), &self.block_tensors, l, trained, &dev))
             .collect::<candle_core::Result<Vec<_>>>()?;
+        let blocks = self.staged(&bufs)?;
         let mut losses = Vec::with_capacity(batches.len());
         let mut rows = Vec::with_capacity(batches.len());
         for (m, b) in batches.iter().enumerate() {
@@ -265,12 +279,12 @@ impl LlamaTwin {
                     &targets,
                     mask,
                     scale,
-                    &bufs,
+                    &blocks,
                     &mut acc,
                     &mut losses,
                 )?
             } else {
-                let logits = self.logits_from(x.as_tensor(), Some(&bufs))?;
+                let logits = self.logits_from(x.as_tensor(), Some(&blocks))?;
                 let l = next_token_loss_masked(&logits, &targets, mask, scale)?;
                 let grads = l.backward()?;
                 losses.push(l);
@@ -287,6 +301,7 @@ impl LlamaTwin {
             };
             rows.push((ids, gx));
         }
+        drop(blocks);
         let kind = self.block.kind();
         for g in bufs.into_iter().flatten() {
             check_applied(std::slice::from_ref(&g), &kind)?;
@@ -330,9 +345,10 @@ impl LlamaTwin {
 
     /// One micro-batch's loss and gradients the out-of-core trainer's way: the blocks' forward
     /// without a graph, keeping each block's input; the head's forward and backward; then each
-    /// block recomputed from its input and run backward, last first. Each parameter's gradient
-    /// is added into its buffer in `acc` (a trained linear weight's into its buffer in `bufs`,
-    /// by the recomputed block's backward); returns the gradient at the embedding's output.
+    /// block recomputed from its input and run backward, last first, with its staged weights
+    /// `blocks[l]` ([`LlamaTwin::staged`]). Each parameter's gradient is added into its buffer
+    /// in `acc` (a trained linear weight's into its buffer in the staged weights, by the
+    /// recomputed block's backward); returns the gradient at the embedding's output.
     #[allow(clippy::too_many_arguments)]
     fn recomputed_backward(
         &self,
@@ -340,23 +356,16 @@ impl LlamaTwin {
         targets: &Tensor,
         mask: Option<&Tensor>,
         scale: f64,
-        bufs: &[Vec<LinearGrad>],
+        blocks: &[Weights],
         acc: &mut [Option<Tensor>],
         losses: &mut Vec<Tensor>,
     ) -> candle_core::Result<Tensor> {
         let cfg = &self.config;
-        let lora = self.train.lora.as_ref().map_or(1.0, LoraConfig::scale);
-        let weights = |l: usize, detached: bool| {
-            block_weights(&self.block_tensors, &self.specs, lora, l, |n| {
-                self.tensor(n).map(|t| if detached { t.detach() } else { t.clone() })
-            })
-        };
         // The forward: no graph, every block's input kept (the trainer's checkpoints).
         let mut inputs = Vec::with_capacity(cfg.num_hidden_layers);
         let mut h = x.detach();
-        for l in 0..cfg.num_hidden_layers {
-            let w = weights(l, true)?;
-            let y = self.block.forward(l, &w, &h)?;
+        for (l, w) in blocks.iter().enumerate() {
+            let y = self.block.forward(l, &w.detached(), &h)?;
             inputs.push(std::mem::replace(&mut h, y));
         }
         // The head, forward and backward, from the last block's output.
@@ -381,9 +390,8 @@ impl LlamaTwin {
         drop(grads);
         // Each block recomputed from its input, its backward from the gradient at its output.
         for (l, input) in inputs.into_iter().enumerate().rev() {
-            let w = with_buffers(weights(l, false)?, &bufs[l]);
             let xv = Var::from_tensor(&input)?;
-            let y = self.block.forward(l, &w, xv.as_tensor())?;
+            let y = self.block.forward(l, &blocks[l], xv.as_tensor())?;
             let grads = y.mul(&gy)?.sum_all()?.backward()?;
             add_all(&grads, acc)?;
             gy = grad_of(&grads, xv.as_tensor(), "a block's input")?;
