@@ -509,8 +509,19 @@ mod tests {
             assert!(GradBuffer::new(bad).is_err());
         }
     }
-    fn randn(rng: &mut crate::candle::llama::SeededRng, shape: &[usize]) -> Tensor {
-        let v: Vec<f32> = (0..shape.iter().product()).map(|_| rng.normal(1.0) as f32).collect();
+
+    /// A tiny generator (xorshift), so that these tests need nothing from the modules above.
+    struct Rng(u64);
+
+    /// Uniform values in [-1, 1) of `shape`.
+    fn uniform(rng: &mut Rng, shape: &[usize]) -> Tensor {
+        let mut next = || {
+            rng.0 ^= rng.0 << 13;
+            rng.0 ^= rng.0 >> 7;
+            rng.0 ^= rng.0 << 17;
+            (rng.0 >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+        };
+        let v: Vec<f32> = (0..shape.iter().product()).map(|_| next()).collect();
         Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
     }
 
@@ -565,7 +576,7 @@ mod tests {
 
     #[test]
     fn joined_linears_give_the_separate_outputs_and_each_weight_its_gradient_within_1e6() {
-        let mut rng = crate::candle::llama::SeededRng::new(41);
+        let mut rng = Rng(41);
         // Widths of a Llama block's q/k/v (grouped) and gate/up; one row (a token) and many.
         for (rows, inp, outs) in [
             (1, 16, vec![16, 8, 8]),
@@ -573,9 +584,9 @@ mod tests {
             (74, 96, vec![96, 32, 32]),
             (40, 64, vec![176, 176]),
         ] {
-            let x = randn(&mut rng, &[1, rows, inp]);
-            let ws: Vec<Tensor> = outs.iter().map(|&o| randn(&mut rng, &[o, inp])).collect();
-            let rs: Vec<Tensor> = outs.iter().map(|&o| randn(&mut rng, &[1, rows, o])).collect();
+            let x = uniform(&mut rng, &[1, rows, inp]);
+            let ws: Vec<Tensor> = outs.iter().map(|&o| uniform(&mut rng, &[o, inp])).collect();
+            let rs: Vec<Tensor> = outs.iter().map(|&o| uniform(&mut rng, &[1, rows, o])).collect();
             let (jy, jdx, jdw) = run(&x, &ws, &rs, true);
             let (sy, sdx, sdw) = run(&x, &ws, &rs, false);
             // Each output and each weight's gradient is the same sum over the same values as its
@@ -596,8 +607,8 @@ mod tests {
     #[test]
     fn linears_that_cannot_be_joined_stay_apart_and_give_the_same_values() {
         let dev = Device::Cpu;
-        let mut rng = crate::candle::llama::SeededRng::new(7);
-        let (a, b) = (randn(&mut rng, &[4, 6]), randn(&mut rng, &[2, 6]));
+        let mut rng = Rng(7);
+        let (a, b) = (uniform(&mut rng, &[4, 6]), uniform(&mut rng, &[2, 6]));
         let bf = b.to_dtype(DType::BF16).unwrap();
         let var = Var::from_tensor(&b).unwrap();
         let whole = GradBuffer::zeros((6, 6), &dev).unwrap().split(&[4, 2]).unwrap();
@@ -609,7 +620,7 @@ mod tests {
             ("a buffer on one only", &b, [Some(&whole[0]), None]),
             ("buffers of two wholes", &b, [Some(&whole[0]), Some(&other)]),
             ("parts out of order", &b, [Some(&reversed[1]), Some(&reversed[0])]),
-            ("another input width", &randn(&mut rng, &[2, 5]), [None, None]),
+            ("another input width", &uniform(&mut rng, &[2, 5]), [None, None]),
         ];
         for (what, second, [ga, gb]) in cases {
             let parts = [("a", &a, ga), ("b", second, gb)];
@@ -618,7 +629,7 @@ mod tests {
         assert!(JointLinear::new(&[("a", &a, None)]).unwrap().is_none(), "one alone");
         // Weights::join falls back: no joint, each linear on its own (its own GEMM, its own
         // buffer), the same values.
-        let x = randn(&mut rng, &[1, 3, 6]);
+        let x = uniform(&mut rng, &[1, 3, 6]);
         let apart = Weights::new(HashMap::from([("a".into(), a.clone()), ("b".into(), b.clone())]))
             .with_grad_buffer("a", whole[0].clone())
             .with_grad_buffer("b", other.clone())

@@ -25,7 +25,12 @@ fn io(path: &Path, e: std::io::Error) -> candle_core::Error {
 impl Trainer {
     /// The f32 logits (`[batch · seq, vocab]`) of `ids` (`[batch, seq]` u32 token ids, `seq`
     /// at most the training sequence), computed out of core stage by stage as a step's forward
-    /// computes them (adapters included), after the last step's updates have run.
+    /// computes them (adapters included), after the last step's updates have run; each
+    /// projection its own GEMM (a step joins q/k/v and gate/up, [`Block::joined_linears`]: the
+    /// same values, f32 rounding apart), as [`LlamaTwin::logits`](crate::candle::LlamaTwin::logits)
+    /// computes them.
+    ///
+    /// [`Block::joined_linears`]: crate::candle::block::Block::joined_linears
     pub fn logits(&mut self, ids: &Tensor) -> candle_core::Result<Tensor> {
         self.check_whole()?;
         self.settle()?;

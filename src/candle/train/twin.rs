@@ -193,7 +193,8 @@ impl LlamaTwin {
             .ok_or_else(|| candle_core::Error::CannotFindTensor { path: name.to_string() }.bt())
     }
 
-    /// The f32 logits (`[batch · seq, vocab]`) of `ids` (`[batch, seq]`, u32).
+    /// The f32 logits (`[batch · seq, vocab]`) of `ids` (`[batch, seq]`, u32), each projection
+    /// its own GEMM (not joined, as [`Trainer::logits`](super::Trainer::logits)).
     pub fn logits(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
         self.logits_from(&embed(self.needed(EMBED)?, ids)?, None)
     }
