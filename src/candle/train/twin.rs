@@ -223,7 +223,8 @@ impl LlamaTwin {
 
     /// Each block's weights for a step, staged as the trainer stages them: with its trained
     /// linears' gradient buffers (`bufs[l]`) and its joined linears joined (one copy of their
-    /// weights a step, for every micro-batch).
+    /// weights a step, for every micro-batch: each micro-batch runs the whole model, so every
+    /// block's joints are held for the step, where the trainer holds one block's).
     fn staged(&self, bufs: &[Vec<LinearGrad>]) -> candle_core::Result<Vec<Weights>> {
         let scale = self.train.lora.as_ref().map_or(1.0, LoraConfig::scale);
         (0..self.config.num_hidden_layers)
