@@ -383,11 +383,11 @@ impl TrainPlan {
         // The Cpu engine's backups for speculative updates (made last, in Pinned only, while
         // there is room): a copy of each trained tensor's f32 master or weights, its bf16 copy
         // beside a master, and its moments, up to the config's budget.
+        // (`Optimizer::backup_bytes`: 4 + 8 bytes an element, and the compute copy's beside a
+        // master.)
+        let backup_per_element = 4 + 8 + if per_state == 3 { elem } else { 0 };
         let all_backups = match train.engine {
-            Engine::Cpu => trainable
-                .iter()
-                .map(|&n| n * (4 * per_state + if per_state == 3 { 2 } else { 0 }))
-                .sum::<u64>(),
+            Engine::Cpu => trainable.iter().map(|&n| n * backup_per_element).sum::<u64>(),
             _ => 0,
         };
         let backups = all_backups.min(train.speculation_bytes);
@@ -490,10 +490,12 @@ impl TrainPlan {
         let flops = config.step_flops(accum * tokens_mb, train.seq, train.lora.is_some());
         let mut overlap = Overlap::of(config, train);
         // Every stage's update starts during the backward when all the backups fit beside the
-        // rest in Pinned (while the steps do not clip).
-        let pinned_left = caps[Tier::Pinned.index()].saturating_sub(used[Tier::Pinned.index()]);
-        overlap.during_backward =
-            all_backups > 0 && backups == all_backups && backups <= pinned_left;
+        // rest in Pinned, leaving the room the trainer leaves (while the steps do not clip).
+        let pinned = caps[Tier::Pinned.index()];
+        let pinned_left = pinned.saturating_sub(used[Tier::Pinned.index()]);
+        overlap.during_backward = all_backups > 0
+            && backups == all_backups
+            && backups.saturating_add(backup_spare(pinned)) <= pinned_left;
         let mut budgets = [device_budget, pinned_budget, mapped, 0];
         budgets[Tier::Disk.index()] = used[Tier::Disk.index()];
         Ok(TrainPlan {
@@ -535,6 +537,13 @@ impl TrainPlan {
             disk: disk_both_ways(m, ck, ck),
         }
     }
+}
+
+/// The room the speculative updates' backups leave free in a Pinned tier of `capacity` bytes: a
+/// sixteenth of it, 64 MiB at most (the plan's spare room: the store moves tensors through it
+/// during the steps).
+pub(super) fn backup_spare(capacity: u64) -> u64 {
+    (capacity / 16).min(64 << 20)
 }
 
 /// How a step's CPU optimizer overlaps its compute, for the floor ([`Overlap::exposed`]): the
@@ -748,8 +757,13 @@ impl Floor {
 
     /// What bounds the step: `compute`, `compute and the CPU optimizer's exposed part` (where
     /// that part is more than 1% of the compute), `PCIe`, `the CPU optimizer` or `disk` (of the
-    /// parts known).
+    /// parts known), or `no part known` where some are not known and those known take no time.
     pub fn bound(&self) -> &'static str {
+        let parts = [self.compute_path(), self.pcie, self.optimizer, self.disk];
+        if parts.iter().any(Option::is_none) && parts.iter().flatten().all(|&x| x == 0.0) {
+            // Nothing known takes any time: no part bounds the step.
+            return "no part known";
+        }
         let s = Some(self.seconds());
         if self.compute_path() == s {
             let (c, e) = (self.compute.unwrap_or(0.0), self.optimizer_exposed.unwrap_or(0.0));
@@ -994,5 +1008,111 @@ mod tests {
         let o = Overlap::of(&c, &lora);
         assert_eq!((o.update[0], o.update[o.update.len() - 1]), (0.0, 0.0));
         assert!((o.update.iter().sum::<f64>() - 1.0).abs() < 1e-9);
+    }
+
+    /// Odd runs and machines: one block, one micro-batch, no speculation or all of it, LoRA on
+    /// one block, no free disk. Each plan's floor is finite, its exposed optimizer part within
+    /// the optimizer's time (all of it with no compute to hide behind); a machine whose rates
+    /// are not known has no part bounding its floor (it said `disk`, whose 0 bytes took 0 s);
+    /// an unknown disk is refused saying which flag gives it.
+    #[test]
+    fn odd_runs_and_machines_give_sane_floors() {
+        let one = LlamaConfig::from_json(
+            r#"{"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
+                "num_attention_heads": 4, "vocab_size": 97}"#,
+        )
+        .unwrap();
+        let t = TrainConfig { micro_batch: 1, seq: 16, accum: 1, ..TrainConfig::default() };
+        let lora = TrainConfig {
+            lora: Some(crate::candle::lora::LoraConfig::new(2, 4.0, &["q_proj"])),
+            ..t.clone()
+        };
+        let m = Machine { disk_bytes: Some(0), ..host_machine() };
+        for (what, train) in [
+            ("one block, one micro-batch", t.clone()),
+            ("no speculation", TrainConfig { speculation_bytes: 0, ..t.clone() }),
+            ("a budget of one byte", TrainConfig { speculation_bytes: 1, ..t.clone() }),
+            ("LoRA on one block", lora),
+        ] {
+            let plan = TrainPlan::new(&one, &train, DType::F32, &m, Budgets::default()).unwrap();
+            assert_eq!(plan.on_disk(), 0, "{what}: no free disk, nothing on it");
+            assert_eq!(plan.overlap.during_backward, train.speculation_bytes > 1, "{what}");
+            for compute in [0.0, 1e-3, 1.0] {
+                let f = plan.floor(&m, Some(compute));
+                let (o, e) = (f.optimizer.unwrap(), f.optimizer_exposed.unwrap());
+                assert!(f.seconds().is_finite() && f.seconds() > 0.0, "{what}: {f}");
+                assert!((0.0..=o * (1.0 + 1e-9)).contains(&e), "{what}, compute {compute}: {f}");
+                if compute == 0.0 {
+                    assert!((e - o).abs() <= 1e-12 * o, "{what}: {f}");
+                }
+            }
+        }
+        let plan = TrainPlan::new(&one, &t, DType::F32, &m, Budgets::default()).unwrap();
+        let unknown = Machine {
+            h2d: None,
+            d2h: None,
+            host_update: None,
+            disk_read: None,
+            disk_write: None,
+            model_flops: None,
+            ..m.clone()
+        };
+        let f = plan.floor(&unknown, None);
+        assert_eq!((f.seconds(), f.bound()), (0.0, "no part known"), "{f}");
+        let e = TrainPlan::new(
+            &one,
+            &t,
+            DType::F32,
+            &Machine { disk_bytes: None, ..m },
+            Budgets::default(),
+        );
+        assert!(e.unwrap_err().to_string().contains("--disk"));
+    }
+
+    /// The bytes a backup of one trained element takes, as the optimizer makes it
+    /// ([`Optimizer::backup_bytes`](crate::optim::Optimizer::backup_bytes)) for a parameter
+    /// of `dtype`.
+    fn backup_bytes_per_element(dtype: DType) -> u64 {
+        use crate::compute::optim::{Optimizer, OptimizerConfig};
+        let s = std::sync::Arc::new(crate::Store::builder().host_backend().build().unwrap());
+        let w = s.put(&format!("w.{dtype}"), dtype, &[10], &vec![0u8; 10 * dtype.size_of()]);
+        let w = w.unwrap();
+        let cfg = OptimizerConfig::new(Algorithm::AdamW(AdamW::default()), Engine::Cpu);
+        let opt = Optimizer::new(s.clone(), &s.stream().unwrap(), &[w], cfg).unwrap();
+        opt.backup_bytes(w).unwrap() / 10
+    }
+
+    /// The default Pinned tier makes room for every backup the trainer makes for speculative
+    /// updates: a copy of the f32 master or weights, the 16-bit copy beside a master, and both
+    /// moments (12 bytes an f32 parameter or a LoRA adapter, 14 a bf16 one). (It counted 8 for
+    /// the f32 ones: a run with a Pinned tier of 1 GiB or more, whose backups must leave 64
+    /// MiB of it free, had no room for the last stage's, and the plan said every update
+    /// started during the backward.)
+    #[test]
+    fn the_pinned_tier_has_room_for_every_backup_the_optimizer_makes() {
+        let c = tiny();
+        let t = TrainConfig { micro_batch: 1, seq: 32, accum: 1, ..TrainConfig::default() };
+        let lora = TrainConfig {
+            lora: Some(crate::candle::lora::LoraConfig::new(4, 8.0, &["q_proj"])),
+            ..t.clone()
+        };
+        for (train, dtype, param) in [
+            (&t, DType::F32, DType::F32),
+            (&t, DType::BF16, DType::BF16),
+            // Adapters are f32 over any base.
+            (&lora, DType::F32, DType::F32),
+            (&lora, DType::BF16, DType::F32),
+        ] {
+            let plan = |bytes: u64| {
+                let tc = TrainConfig { speculation_bytes: bytes, ..train.clone() };
+                TrainPlan::new(&c, &tc, dtype, &host_machine(), Budgets::default()).unwrap()
+            };
+            let (all, none) = (plan(u64::MAX), plan(0));
+            let n = trainable_parameters(&c, train).unwrap();
+            let room = all.budgets[Tier::Pinned.index()] - none.budgets[Tier::Pinned.index()];
+            let what = format!("{dtype}, LoRA {}", train.lora.is_some());
+            assert_eq!(room, n * backup_bytes_per_element(param), "{what}");
+            assert!(all.overlap.during_backward && !none.overlap.during_backward, "{what}");
+        }
     }
 }

@@ -263,7 +263,7 @@ fn reserve_backups(
         let stats = store.stats();
         let capacity = stats.capacity(Tier::Pinned);
         let taken = stats.used(Tier::Pinned) + stats.tiers[Tier::Pinned.index()].write_reserve;
-        let spare = (capacity / 16).min(64 << 20);
+        let spare = super::plan::backup_spare(capacity);
         if bytes > left || bytes.saturating_add(spare) > capacity.saturating_sub(taken) {
             break;
         }
