@@ -857,6 +857,104 @@ mod tests {
         assert!(e.contains("window -1"), "{e}");
     }
 
+    /// A stand-in `libstrata_attn.so` built from `body` (C) with the system's C compiler into
+    /// `dir`, or `None` (saying so) where there is none.
+    fn fake_lib(dir: &Path, name: &str, body: &str) -> Option<String> {
+        let src = dir.join(format!("{name}.c"));
+        let lib = dir.join(format!("{name}.so"));
+        std::fs::write(&src, body).unwrap();
+        let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
+        match std::process::Command::new(&cc)
+            .args(["-shared", "-fPIC", "-o"])
+            .arg(&lib)
+            .arg(&src)
+            .status()
+        {
+            Ok(s) if s.success() => Some(lib.to_string_lossy().into_owned()),
+            Ok(s) => panic!("{cc} failed on {name}.c: {s}"),
+            Err(e) => {
+                println!("SKIP: no C compiler ({cc}: {e}) to build a stand-in library");
+                None
+            }
+        }
+    }
+
+    /// The functions of `strata_attn.h` version `abi`, but `missing`; cuDNN's version
+    /// `cudnn`; `strata_attn_check` answers `status` with the message `why` (NULL when empty).
+    fn fake_source(abi: i32, missing: &str, cudnn: usize, status: i32, why: &str) -> String {
+        let why = if why.is_empty() { "0".to_string() } else { format!("\"{why}\"") };
+        [
+            format!("int strata_attn_abi_version(void) {{ return {abi}; }}"),
+            format!("unsigned long strata_attn_cudnn_version(void) {{ return {cudnn}; }}"),
+            format!("int strata_attn_check(const void *d, int b) {{ return {status}; }}"),
+            "int strata_attn_workspace_size(const void *d, int b, unsigned long *n) { return 2; }"
+                .into(),
+            "int strata_attn_sdpa_forward(void) { return 2; }".into(),
+            "int strata_attn_sdpa_backward(void) { return 2; }".into(),
+            format!("const char *strata_attn_last_error(void) {{ return {why}; }}"),
+        ]
+        .into_iter()
+        .filter(|f| missing.is_empty() || !f.contains(&format!("{missing}(")))
+        .collect::<Vec<_>>()
+        .join("\n")
+    }
+
+    /// Libraries that are not the one strata speaks to: one without the shim's symbols (another
+    /// library of that name), another version of its interface, one that lacks a function, one
+    /// whose cuDNN does not load: each a reason, never a crash; and a library that loads gives
+    /// its checks' refusals as typed errors (a refusal as `InvalidArgument` with the library's
+    /// message, anything else as a CUDA error naming the call).
+    #[test]
+    fn a_library_that_is_not_the_shim_it_expects_is_refused_with_why() {
+        let dir = tempfile::tempdir().unwrap();
+        let Some(empty) = fake_lib(dir.path(), "empty", "int unrelated(void) { return 0; }") else {
+            return;
+        };
+        let why = AttentionLib::open(&empty).err().unwrap();
+        assert!(why.contains("no symbol strata_attn_abi_version"), "{why}");
+        let cases = [
+            ("v2", fake_source(2, "", 91900, 0, ""), "interface is version 2"),
+            (
+                "nobackward",
+                fake_source(1, "strata_attn_sdpa_backward", 91900, 0, ""),
+                "no symbol strata_attn_sdpa_backward",
+            ),
+            (
+                "noerror",
+                fake_source(1, "strata_attn_last_error", 91900, 0, ""),
+                "no symbol strata_attn_last_error",
+            ),
+            ("nocudnn", fake_source(1, "", 0, 0, ""), "cuDNN 9's parts"),
+        ];
+        for (name, body, needle) in cases {
+            let lib = fake_lib(dir.path(), name, &body).unwrap();
+            let why = AttentionLib::open(&lib).err().unwrap_or_else(|| panic!("{name} loaded"));
+            assert!(why.contains(needle), "{name}: {why}");
+        }
+        assert!(AttentionLib::open("a\0b").err().unwrap().contains("NUL"));
+        let desc = describe(&shape(), Direction::Forward).unwrap();
+        for (name, status, msg) in [
+            ("ok", 0, ""),
+            ("refuses", INVALID_ARGUMENT, "head_dim 60 is not a multiple of 8"),
+            ("unsupported", UNSUPPORTED, ""),
+            ("broken", 7, "cudnnCreate failed"),
+        ] {
+            let lib = fake_lib(dir.path(), name, &fake_source(1, "", 91900, status, msg)).unwrap();
+            let lib = AttentionLib::open(&lib).unwrap_or_else(|e| panic!("{name}: {e}"));
+            assert_eq!(lib.cudnn_version(), 91900);
+            match (status, lib.check(&desc, Direction::Forward)) {
+                (OK, Ok(())) => {}
+                (INVALID_ARGUMENT | UNSUPPORTED, Err(Error::InvalidArgument(m))) => {
+                    assert!(m.contains(msg), "{name}: {m}")
+                }
+                (_, Err(Error::Cuda { call: "strata_attn_check", message })) => {
+                    assert!(message.contains("status 7") && message.contains(msg), "{message}")
+                }
+                (_, other) => panic!("{name}: {other:?}"),
+            }
+        }
+    }
+
     #[test]
     fn a_missing_library_is_a_typed_error_saying_how_to_build_it() {
         let e = unavailable("/nowhere/libstrata_attn.so: cannot open shared object file".into());
