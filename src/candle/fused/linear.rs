@@ -377,6 +377,138 @@ mod tests {
         assert_eq!(f64s(&dw), f64s(&direct));
     }
 
+    /// `(dx, dw)` of `sum(f(y) · r)` with `y = x·wᵀ` and `x = make(base)` (any layout: a
+    /// broadcast, say), `base` a `Var`: through the accumulating op (`dw` summed into a fresh
+    /// buffer) and through candle's autograd (`w` a `Var`), `dx` being `base`'s gradient.
+    fn both(
+        base: &Tensor,
+        make: impl Fn(&Tensor) -> Tensor,
+        w: &Tensor,
+        r: &Tensor,
+        f: impl Fn(Tensor) -> Tensor,
+    ) -> [(Vec<f64>, Vec<f64>); 2] {
+        let (o, i) = w.dims2().unwrap();
+        let run = |ours: bool| {
+            let base = Var::from_tensor(base).unwrap();
+            let xs = make(base.as_tensor());
+            let dw = Tensor::zeros((o, i), DType::F32, &Device::Cpu).unwrap();
+            let wv = Var::from_tensor(w).unwrap();
+            let y = if ours {
+                accumulating_linear(&xs, w, &dw).unwrap()
+            } else {
+                let rows = xs.elem_count() / i.max(1);
+                let mut shape = xs.dims().to_vec();
+                *shape.last_mut().unwrap() = o;
+                xs.reshape((rows, i))
+                    .unwrap()
+                    .matmul(&wv.as_tensor().t().unwrap())
+                    .unwrap()
+                    .reshape(shape)
+                    .unwrap()
+            };
+            let g = f(y).mul(r).unwrap().sum_all().unwrap().backward().unwrap();
+            let dx = f64s(g.get(&base).unwrap());
+            let dw = if ours { f64s(&dw) } else { f64s(g.get(&wv).unwrap()) };
+            (dx, dw)
+        };
+        [run(true), run(false)]
+    }
+
+    #[test]
+    fn broadcast_inputs_strided_output_gradients_and_a_single_row_give_candles_gradients() {
+        let mut rng = SeededRng::new(11);
+        let w = randn(&mut rng, &[6, 5], DType::F32);
+        let same = |t: &Tensor| t.clone();
+        // A broadcast x: one row seen as [3, 4, 5] (strides 0): dW sums its 12 uses.
+        let base = randn(&mut rng, &[1, 1, 5], DType::F32);
+        let wide = |t: &Tensor| t.broadcast_as((3, 4, 5)).unwrap();
+        assert!(!wide(&base).is_contiguous());
+        let r = randn(&mut rng, &[3, 4, 6], DType::F32);
+        let [(dx, dw), (rdx, rdw)] = both(&base, wide, &w, &r, |y| y);
+        assert_eq!(dx, rdx);
+        assert!(rel(&dw, &rdw) < 1e-6, "{}", rel(&dw, &rdw));
+        // dY strided: the linear's output transposed before the loss.
+        let x = randn(&mut rng, &[7, 5], DType::F32);
+        let r = randn(&mut rng, &[6, 7], DType::F32);
+        let [(dx, dw), (rdx, rdw)] = both(&x, same, &w, &r, |y| y.t().unwrap());
+        assert_eq!(dx, rdx);
+        assert!(rel(&dw, &rdw) < 1e-6, "{}", rel(&dw, &rdw));
+        // x of rank 1: one row.
+        let x = randn(&mut rng, &[5], DType::F32);
+        let r = randn(&mut rng, &[6], DType::F32);
+        let [(dx, dw), (rdx, rdw)] = both(&x, same, &w, &r, |y| y);
+        assert_eq!(dx, rdx);
+        assert!(rel(&dw, &rdw) < 1e-6, "{}", rel(&dw, &rdw));
+    }
+
+    #[test]
+    fn a_weight_applied_twice_sums_both_and_a_backward_run_twice_adds_twice() {
+        let mut rng = SeededRng::new(12);
+        let w = randn(&mut rng, &[4, 3], DType::F32);
+        let x = Var::from_tensor(&randn(&mut rng, &[2, 5, 3], DType::F32)).unwrap();
+        let r = randn(&mut rng, &[2, 5, 4], DType::F32);
+        // Tied: one weight and its buffer in two linears of one graph (over x and x²).
+        let x2 = x.as_tensor().sqr().unwrap();
+        let dw = Tensor::zeros((4, 3), DType::F32, &Device::Cpu).unwrap();
+        let y = accumulating_linear(x.as_tensor(), &w, &dw)
+            .unwrap()
+            .add(&accumulating_linear(&x2, &w, &dw).unwrap())
+            .unwrap();
+        let loss = y.mul(&r).unwrap().sum_all().unwrap();
+        let g = loss.backward().unwrap();
+        let wv = Var::from_tensor(&w).unwrap();
+        let lin = |x: &Tensor| x.broadcast_matmul(&wv.as_tensor().t().unwrap()).unwrap();
+        let ry = lin(x.as_tensor()).add(&lin(&x2)).unwrap();
+        let rg = ry.mul(&r).unwrap().sum_all().unwrap().backward().unwrap();
+        let want = f64s(rg.get(&wv).unwrap());
+        assert!(rel(&f64s(&dw), &want) < 1e-6, "{}", rel(&f64s(&dw), &want));
+        let dx = f64s(g.get(&x).unwrap());
+        let rdx = f64s(rg.get(&x).unwrap());
+        assert!(rel(&dx, &rdx) < 1e-6);
+        // The same graph's backward again: added once more (documented), not replaced.
+        loss.backward().unwrap();
+        let twice: Vec<f64> = want.iter().map(|v| 2.0 * v).collect();
+        assert!(rel(&f64s(&dw), &twice) < 1e-6, "{}", rel(&f64s(&dw), &twice));
+    }
+
+    #[test]
+    fn f16_sums_in_f32_and_a_buffer_inside_a_larger_tensor_is_added_in_its_place() {
+        let mut rng = SeededRng::new(13);
+        let x = randn(&mut rng, &[2, 30, 16], DType::F16);
+        let w = randn(&mut rng, &[8, 16], DType::F16);
+        let r = randn(&mut rng, &[2, 30, 8], DType::F16);
+        let (y, _, dw) = run(&x, &w, &r, true);
+        assert_eq!((y.dtype(), dw.dtype()), (DType::F16, DType::F32));
+        let want = reference(&[(&r, &x)], 8, 16);
+        assert!(rel(&f64s(&dw), &want) < 1e-6, "{}", rel(&f64s(&dw), &want));
+        // A buffer that is rows 1..3 of a [4, 2] tensor (contiguous, at an offset): only those
+        // rows change.
+        let all = Tensor::zeros((4, 2), DType::F32, &Device::Cpu).unwrap();
+        let dw = all.narrow(0, 1, 2).unwrap();
+        assert!(dw.is_contiguous());
+        let x = Var::new(&[[1f32, 2.0]], &Device::Cpu).unwrap();
+        let w = Tensor::new(&[[1f32, 1.0], [1.0, 1.0]], &Device::Cpu).unwrap();
+        let y = accumulating_linear(x.as_tensor(), &w, &dw).unwrap();
+        y.sum_all().unwrap().backward().unwrap();
+        assert_eq!(all.to_vec2::<f32>().unwrap(), [[0.0, 0.0], [1.0, 2.0], [1.0, 2.0], [0.0, 0.0]]);
+    }
+
+    #[test]
+    fn no_rows_give_an_empty_output_and_add_nothing() {
+        let w = ramp(6, &[3, 2], 0.1);
+        let dw = Tensor::zeros((3, 2), DType::F32, &Device::Cpu).unwrap();
+        for dims in [vec![0, 2], vec![2, 0, 2]] {
+            let x = Var::zeros(dims.as_slice(), DType::F32, &Device::Cpu).unwrap();
+            let y = accumulating_linear(x.as_tensor(), &w, &dw).unwrap();
+            let mut want = dims.clone();
+            *want.last_mut().unwrap() = 3;
+            assert_eq!(y.dims(), want.as_slice());
+            let g = y.sum_all().unwrap().backward().unwrap();
+            assert_eq!(g.get(&x).unwrap().dims(), dims.as_slice());
+        }
+        assert_eq!(dw.sum_all().unwrap().to_scalar::<f32>().unwrap(), 0.0);
+    }
+
     #[test]
     fn a_buffer_of_the_wrong_dtype_shape_or_layout_is_refused() {
         let w = ramp(6, &[3, 2], 0.1);
