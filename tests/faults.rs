@@ -1164,6 +1164,162 @@ fn a_failed_update_can_be_retried_to_the_clean_result() {
     assert!(differ.is_empty(), "{}", differ.join("\n"));
 }
 
+/// The tensors of parameter `name`'s backup for speculative updates, by the names
+/// `Optimizer::reserve_backup` gives them.
+fn backup_ids(st: &Store, name: &str) -> Vec<TensorId> {
+    [".backup", ".master.backup", ".exp_avg.backup", ".exp_avg_sq.backup"]
+        .iter()
+        .filter_map(|s| st.lookup(&format!("{name}{s}")))
+        .collect()
+}
+
+/// One speculative run for [`a_fault_in_the_middle_of_an_undo_leaves_it_to_undo_again`]: an f32
+/// and a bf16 parameter (with its f32 master), AdamW; step 0 plain; step 1's updates
+/// speculative, waited for, then undone under `arm` (a fault, a count, or nothing), the undo
+/// called again until it succeeds (at most 5 times; while it has not, `finish` must refuse),
+/// then the step redone clipped by 0.5. The optimizer's state lives in `state_tier` and the
+/// backups in `backup_tier` (moved there). Returns the parameters' and state's bytes after
+/// step 0, after the undo and after step 1, and whether the fault fired.
+#[allow(clippy::type_complexity)]
+fn undo_run(
+    state_tier: Tier,
+    backup_tier: Tier,
+    arm: &dyn Fn(),
+) -> strata::Result<([Vec<Vec<u8>>; 3], bool)> {
+    use half::bf16;
+    use strata::optim::AdamW;
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    let st = build(dir.path(), Backend::Host)?;
+    let s = st.stream()?;
+    let init: Vec<f32> = (0..512).map(|k| (k as f32 * 0.01).cos()).collect();
+    let w0 = st.put_group("w0", strata::Group::Param, DType::F32, &[512], &f32s(&init))?;
+    let halves: Vec<u8> =
+        init.iter().flat_map(|&x| bf16::from_f32(x * 0.5).to_le_bytes()).collect();
+    let w1 = st.put_group("w1", strata::Group::Param, DType::BF16, &[512], &halves)?;
+    let ws = [w0, w1];
+    let alg = Algorithm::AdamW(AdamW { lr: 0.01, weight_decay: 0.1, ..AdamW::default() });
+    let mut cfg = OptimizerConfig::new(alg, Engine::Cpu);
+    cfg.grad_dtype = Some(DType::F32);
+    let mut opt = Optimizer::new(st.clone(), &s, &ws, cfg)?;
+    for &w in &ws {
+        assert!(opt.reserve_backup(w)?, "no room for {w}'s backup");
+    }
+    for id in opt.state_tensors() {
+        st.move_to(id, state_tier)?;
+    }
+    for name in ["w0", "w1"] {
+        for id in backup_ids(&st, name) {
+            st.move_to(id, backup_tier)?;
+        }
+    }
+    let state = |opt: &Optimizer| -> strata::Result<Vec<Vec<u8>>> {
+        let mut out = Vec::new();
+        for &w in &ws {
+            out.push(st.read(w)?);
+        }
+        for id in opt.state_tensors() {
+            out.push(st.read(id)?);
+        }
+        Ok(out)
+    };
+    let grads = |opt: &Optimizer, step: usize| -> strata::Result<()> {
+        for (i, &w) in ws.iter().enumerate() {
+            let g: Vec<f32> =
+                (0..512).map(|k| ((k * (i + 2)) as f32).sin() * (step + 1) as f32).collect();
+            st.write(opt.grad(w)?, &f32s(&g))?;
+        }
+        Ok(())
+    };
+    grads(&opt, 0)?;
+    for &w in &ws {
+        opt.update(w)?;
+    }
+    opt.finish()?;
+    let first = state(&opt)?;
+    grads(&opt, 1)?;
+    for &w in &ws {
+        opt.update_speculative(w)?;
+    }
+    // The updates are done (their backups whole) before the fault is armed: it hits the undo.
+    opt.wait_pending(0)?;
+    assert_eq!(opt.speculated(), 2);
+    arm();
+    let mut fired = false;
+    let mut tries = 0;
+    loop {
+        tries += 1;
+        let r = opt.undo_speculative();
+        if failpoint::fired() {
+            fired = true;
+        }
+        failpoint::disarm();
+        match r {
+            Ok(_) => break,
+            Err(e) if tries < 5 => {
+                // Not undone: the step cannot end with the updates half written back.
+                assert!(opt.speculated() > 0, "an undo failed ({e}) yet nothing is left to undo");
+                assert!(opt.finish().is_err(), "finish took a step whose undo failed ({e})");
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    assert_eq!((opt.speculated(), opt.unstepped().len()), (0, 2));
+    let undone = state(&opt)?;
+    for w in opt.unstepped() {
+        opt.update_scaled(w, 0.5)?;
+    }
+    opt.finish()?;
+    Ok(([first, undone, state(&opt)?], fired))
+}
+
+/// A fault at each pass of each site an undo of speculative updates goes through (issue 41's
+/// backups), with the optimizer's state and the backups in host memory or on the Disk tier:
+/// the undo fails, leaving the updates to undo (and `finish` refusing the step), and undone
+/// again the state is bit for bit what it was before the step; redone clipped, the step is a
+/// clean one.
+#[test]
+fn a_fault_in_the_middle_of_an_undo_leaves_it_to_undo_again() {
+    let _turn = ARMED.lock().unwrap_or_else(|e| e.into_inner());
+    let sites = [Site::Copy, Site::HostCopy, Site::DiskRead, Site::DiskWrite];
+    let (mut runs, mut fired, mut differ) = (0u64, 0u64, Vec::new());
+    for (state_tier, backup_tier) in
+        [(Tier::Pinned, Tier::Pinned), (Tier::Disk, Tier::Pinned), (Tier::Disk, Tier::Disk)]
+    {
+        let what = format!("state in {state_tier:?}, backups in {backup_tier:?}");
+        let ([first, undone, clean], _) = undo_run(state_tier, backup_tier, &|| {})
+            .unwrap_or_else(|e| panic!("{what}: the clean run failed: {e}"));
+        assert!(undone == first, "{what}: the undo did not restore the state");
+        let _ = undo_run(state_tier, backup_tier, &failpoint::count);
+        let passes: Vec<(Site, u64)> = sites.iter().map(|&s| (s, failpoint::hits(s))).collect();
+        failpoint::disarm();
+        println!("{what}: an undo passes {passes:?}");
+        for (site, n) in passes {
+            for k in 1..=n.min(8) {
+                runs += 1;
+                let ctx = format!("{what}, {site:?} #{k}");
+                match undo_run(state_tier, backup_tier, &|| {
+                    failpoint::arm(site, k, faults(site)[0])
+                }) {
+                    Ok(([_, u, end], f)) => {
+                        fired += u64::from(f);
+                        if u != first {
+                            differ.push(format!("{ctx}: undone, the state is not step 0's"));
+                        }
+                        if end != clean {
+                            differ.push(format!("{ctx}: the step redone differs from a clean one"));
+                        }
+                    }
+                    Err(e) => differ.push(format!("{ctx}: {e}")),
+                }
+                failpoint::disarm();
+            }
+        }
+    }
+    println!("undo under faults: {runs} runs ({fired} fired), {} wrong", differ.len());
+    assert!(fired > 0, "no fault hit an undo");
+    assert!(differ.is_empty(), "{}", differ.join("\n"));
+}
+
 /// A backend whose driver calls keep failing (a GPU gone bad) is declared failed after a few
 /// failures in a row: device work is then refused at once with the first error, without
 /// another call into the driver, and stays refused after the fault is gone; what host memory
