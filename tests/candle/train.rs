@@ -461,3 +461,59 @@ fn the_gradients_take_one_buffer_a_parameter_whatever_the_micro_batches() {
         assert_eq!(grads(4), one, "tied {tied}: 4 micro-batches");
     }
 }
+
+/// Trains `steps` steps of bf16 weights (seed 6) out of core; returns the reports and the bytes
+/// of every trained tensor, its master and its moments, by name.
+fn bf16_run(
+    c: &LlamaConfig,
+    t: &TrainConfig,
+    steps: u64,
+) -> (Vec<StepReport>, Vec<(String, Vec<u8>)>) {
+    let s = store(c);
+    let weights = put_random_weights(&s, c, 6, strata::DType::BF16).unwrap();
+    let mut tr = Trainer::new(s.clone(), &Device::Cpu, c.clone(), t.clone(), weights).unwrap();
+    let reports = (0..steps).map(|step| tr.step(&batches(step, c, t)).unwrap()).collect();
+    tr.finish().unwrap();
+    let mut state = Vec::new();
+    for (name, id) in tr.params() {
+        state.push((name.clone(), s.read(id).unwrap()));
+        for suffix in ["master", "exp_avg", "exp_avg_sq"] {
+            if let Some(id) = s.lookup(&format!("{name}.{suffix}")) {
+                state.push((format!("{name}.{suffix}"), s.read(id).unwrap()));
+            }
+        }
+    }
+    (reports, state)
+}
+
+/// Issue 41's speculative updates against the same run without them (a budget of 0), bit for
+/// bit: bf16 weights (the backups keep their f32 masters and bf16 copies), some parameters
+/// frozen, two micro-batches; clipping off (every stage's update stands), on every step (all
+/// undone, then redone clipped), and on every step with a budget for the head's backup alone
+/// (its update undone, then every stage's queued clipped).
+#[test]
+fn a_speculative_run_is_the_run_without_speculation_bit_for_bit() {
+    let c = tiny(false);
+    let frozen = ["*.input_layernorm.weight", "model.layers.1.mlp.*"];
+    // The head: the final norm and the output projection, 14 bytes a bf16 parameter.
+    let head = 14 * (c.hidden_size * (1 + c.vocab_size)) as u64;
+    for (clip, budget) in [(None, u64::MAX), (Some(1e-4), u64::MAX), (Some(1e-4), head)] {
+        let what = format!("clip {clip:?}, budget {budget}");
+        let t =
+            TrainConfig { speculation_bytes: budget, ..train_config(clip, Engine::Cpu, &frozen) };
+        let (spec, got) = bf16_run(&c, &t, 2);
+        let (plain, want) = bf16_run(&c, &TrainConfig { speculation_bytes: 0, ..t.clone() }, 2);
+        let stages = if budget == head { 1 } else { 5 };
+        assert_eq!(spec[0].speculated, stages, "{what}: {:?}", spec[0]);
+        let undone = if clip.is_some() { stages } else { 0 };
+        assert_eq!(spec[0].undone, undone, "{what}: {:?}", spec[0]);
+        assert!(plain.iter().all(|r| r.speculated == 0), "{what}");
+        for (s, p) in spec.iter().zip(&plain) {
+            assert_eq!(s.loss.to_bits(), p.loss.to_bits(), "{what}: loss of step {}", s.step);
+        }
+        assert_eq!(got.len(), want.len(), "{what}");
+        for ((n, a), (_, b)) in got.iter().zip(&want) {
+            assert!(a == b, "{what}: {n} differs");
+        }
+    }
+}
