@@ -46,7 +46,8 @@ use super::accumulate::f32s_mut;
 /// `x·wᵀ` for `x` of `[.., in]` and `w` of `[out, in]`, whose backward gives `x` its gradient
 /// and adds `w`'s into `dw` ([`add_weight_grad`]) instead of returning it: `dw` is an f32
 /// tensor of `[out, in]`, contiguous, on `x`'s device, owned by the caller (every tensor
-/// sharing its storage sees the sums). The forward is candle's matrix product, the same bits as
+/// sharing its storage sees the sums; the weight's or `x`'s own memory is refused). The forward
+/// is candle's matrix product, the same bits as
 /// [`linear`](crate::candle::block::linear) gives.
 ///
 /// Each backward of the result adds once, so a graph whose backward runs twice adds twice.
@@ -57,6 +58,15 @@ use super::accumulate::f32s_mut;
 pub fn accumulating_linear(x: &Tensor, w: &Tensor, dw: &Tensor) -> candle_core::Result<Tensor> {
     let (out, inp) = w.dims2()?;
     check_sum(dw, (out, inp), "accumulating_linear")?;
+    for (other, what) in [(w, "the weight"), (x, "x")] {
+        if same_memory(dw, other) {
+            // The backward adds into dw before it reads w for x's gradient, and a buffer that
+            // is x cannot be written while x is read.
+            candle_core::bail!(
+                "accumulating_linear: the gradient buffer shares its memory with {what}: give                  it a tensor of its own (Tensor::zeros)"
+            );
+        }
+    }
     if !x.track_op() {
         candle_core::bail!(
             "accumulating_linear: x is not in candle's autograd graph (neither a Var nor computed \
@@ -105,6 +115,14 @@ pub fn add_weight_grad(dw: &Tensor, dy: &Tensor, x: &Tensor) -> candle_core::Res
     let dy = dy.reshape((rows, out))?.contiguous()?;
     let x = x.reshape((rows, inp))?.contiguous()?;
     dw.inplace_op3(&dy, &x, &WeightGrad)
+}
+
+/// Whether `a` and `b` are views of one storage.
+fn same_memory(a: &Tensor, b: &Tensor) -> bool {
+    let at = |t: &Tensor| -> *const candle_core::Storage { &*t.storage_and_layout().0 };
+    // One read lock at a time: the two may be the same lock.
+    let pa = at(a);
+    std::ptr::eq(pa, at(b))
 }
 
 /// Refuses a gradient buffer that is not a contiguous f32 `[out, in]`.
@@ -527,6 +545,15 @@ mod tests {
         let dw = Tensor::zeros((3, 2), DType::F32, &Device::Cpu).unwrap();
         let e = accumulating_linear(&x.detach(), &w, &dw).unwrap_err().to_string();
         assert!(e.contains("not in candle's autograd graph"), "{e}");
+        // The weight itself, or x, as the buffer: the backward would add into the weight
+        // before reading it for x's gradient (or write x while reading it).
+        let square = ramp(4, &[2, 2], 0.1);
+        for (dw, what) in [(&square, "the weight"), (x, "x")] {
+            let e = accumulating_linear(x, &square, dw).unwrap_err().to_string();
+            assert!(e.contains(&format!("shares its memory with {what}")), "{e}");
+        }
+        let e = accumulating_linear(x, &square, &square.narrow(0, 0, 2).unwrap());
+        assert!(e.unwrap_err().to_string().contains("with the weight"));
         let wide = Var::from_tensor(&ramp(6, &[2, 3], 0.1)).unwrap();
         let e = accumulating_linear(wide.as_tensor(), &w, &dw).unwrap_err().to_string();
         assert!(e.contains("x of [2, 3] for a weight of [3, 2]"), "{e}");
