@@ -460,6 +460,30 @@ fn a_qlora_run_killed_during_its_steps_and_saves_resumes_from_a_whole_checkpoint
     crash_test(8, 4, qlora_run, true);
 }
 
+/// [`tiny_run`] without clipping: every step's updates start during the backward
+/// (speculatively, issue 41) and stand.
+fn speculating_run(steps: u64) -> Vec<String> {
+    let mut v = tiny_run(steps);
+    v.extend(strings(&["--clip", "0"]));
+    v
+}
+
+/// A run whose every step updates speculatively during its backward (its state backed up),
+/// killed during its steps and its saves: each resume starts from a whole checkpoint, never
+/// from a mix of a step's speculative updates, and the run ends as the uninterrupted one. (The
+/// backups live in the store's memory tiers only, and a save ends a step's updates first.)
+#[test]
+#[ignore = "a minute or more: cargo test --features candle --test candle speculating_run_killed -- --ignored --nocapture"]
+fn a_speculating_run_killed_during_its_steps_and_saves_resumes_from_a_whole_checkpoint() {
+    let r = run(&speculating_run(2), Duration::from_secs(60));
+    assert_eq!(r.code, Some(0), "{}", r.stderr);
+    // Each step line says its stages updated in the backward, none undone.
+    let steps: Vec<&str> = r.stdout.lines().filter(|l| l.starts_with("step ")).collect();
+    assert_eq!(steps.len(), 2, "{}", r.stdout);
+    assert!(steps.iter().all(|l| l.contains("stages updated in the backward)")), "{}", r.stdout);
+    crash_test(10, 6, speculating_run, true);
+}
+
 /// Sixty kills (12 to 25 s on two cores, with the load).
 #[test]
 #[ignore = "up to half a minute: cargo test --features candle --test candle sixty_kills -- --ignored --nocapture"]
