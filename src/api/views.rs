@@ -108,7 +108,9 @@ impl Stream {
 /// store about it with [`DeviceView::record_use`] before the view drops, so the memory is not
 /// reused or overwritten before that work is done. With cudarc's event tracking on (its
 /// default), work launched through [`DeviceView::cuda_slice`] on other streams is covered
-/// without it; a trainer that turned tracking off must call `record_use`.
+/// without it; a trainer that turned tracking off must call `record_use`, as must one whose
+/// store `strata::candle::store_for` made for a candle device (it turns tracking off in
+/// candle's context).
 ///
 /// Two views of one tensor alive at once (on two streams) are not ordered against each other:
 /// the store orders a view after the work of views that have *dropped*. A caller writing through

@@ -90,6 +90,15 @@ use crate::{Store, StoreBuilder, Stream};
 /// in the device's own CUDA context (a store in another context could not copy into candle's
 /// memory). Every other setting comes from `builder`.
 ///
+/// For a CUDA device made by `Device::new_cuda` (candle's per-thread default stream, no other
+/// stream in its context) this turns cudarc's event tracking off in the device's context, as
+/// candle runs without a store: the store's copy streams would otherwise switch it on, costing
+/// events around every allocation, launch and free of candle's, and they never touch candle's
+/// tensors (the store orders its own memory with its own events). A device whose context
+/// already has a stream of cudarc's (`Device::new_cuda_with_stream`) keeps its tracking. Work
+/// you issue on a stream of your own in that context, with candle's tensors or a view's memory,
+/// is then yours to order (events; [`DeviceView::record_use`](crate::DeviceView::record_use)).
+///
 /// ```
 /// # fn main() -> candle_core::Result<()> {
 /// use strata as st;
@@ -104,7 +113,14 @@ pub fn store_for(device: &Device, builder: StoreBuilder) -> candle_core::Result<
     let store = match device {
         Device::Cpu => builder.host_backend().build(),
         #[cfg(feature = "candle-cuda")]
-        Device::Cuda(dev) => builder.context(dev.cuda_stream().context().clone()).build(),
+        Device::Cuda(dev) => {
+            let ctx = dev.cuda_stream().context().clone();
+            // Before the store makes its copy streams in candle's context: they would turn
+            // cudarc's event tracking on for every candle op, and need none of it (what orders
+            // what, and where tracking stays on: backend::cuda::untrack_single_stream).
+            crate::backend::cuda::untrack_single_stream(&ctx);
+            builder.context(ctx).build()
+        }
         other => Err(Error::BackendMismatch(format!(
             "candle device {other:?}: strata serves candle's CPU device, and its CUDA devices \
              when built with the candle-cuda feature"

@@ -246,6 +246,52 @@ impl CudaBackend {
     }
 }
 
+/// Turns cudarc's event tracking off in `ctx` if no cudarc stream was made in it yet; returns
+/// whether tracking is off. For candle's CUDA device, before a store makes its copy streams in
+/// candle's context (`strata::candle::store_for`); no other caller.
+///
+/// cudarc (0.19) tracks each buffer's uses with two events made at its allocation, and, once
+/// a context holds a stream made by `new_stream`, waits for and records them around every
+/// launch and copy that takes the buffer and waits for them before freeing it: host work on
+/// every op, there to order a buffer used on several streams. candle's `Device::new_cuda` runs
+/// on CUDA's per-thread default stream, which makes no such stream, so cudarc orders nothing
+/// for candle's buffers; the store's two copy streams would switch that on for every one of
+/// them, though the store's streams never take a cudarc buffer of candle's. With tracking off
+/// the context stays as candle runs alone: its work in stream order on candle's stream (per
+/// host thread, as the per-thread stream is), no event per allocation, launch or free.
+///
+/// A context that already has a stream of cudarc's is left alone (tracking stays as it is):
+/// its owner may share buffers between that stream and another and count on cudarc's events.
+///
+/// The caller's contract (the reason this function is safe to call): from here on, every cudarc
+/// buffer of `ctx` is used only on the stream that allocated it, or across streams in an order
+/// strata's own events give. strata's candle integration keeps it: candle's tensors and every
+/// buffer strata allocates for candle (the fused ops' outputs, cuDNN's and the attention
+/// library's workspaces, dequantized weights, copies out of views, the device AdamW's state)
+/// are allocated and used on candle's stream; the store's streams (its copy streams, the
+/// streams `Store::stream` makes) touch only the store's own memory (`cuMemAlloc` and
+/// `cuMemHostAlloc` blocks, no cudarc buffers), ordered against candle's stream by the store's
+/// pooled events (a view's stream waits for the copy that brought the tensor, a view's drop
+/// records its stream's last use, and a copy, eviction or overwrite of the memory waits for
+/// it); and the store's memory lent to candle's stream as a cudarc slice ([`BorrowedSlice`])
+/// is never freed by cudarc. Work the caller issues on another stream of this context with
+/// candle's tensors, or with a view's memory, is theirs to order (`DeviceView::record_use`).
+#[cfg_attr(not(feature = "candle-cuda"), allow(dead_code))]
+pub(crate) fn untrack_single_stream(ctx: &Arc<CudaContext>) -> bool {
+    if ctx.is_in_multi_stream_mode() {
+        return !ctx.is_event_tracking();
+    }
+    // SAFETY: cudarc's conditions for tracking off are about buffers used on several streams:
+    // none freed while another stream still uses it, none used on another stream before its
+    // allocation there completed, no two streams writing one at once. The context has one
+    // stream of work (no `new_stream` yet), where cudarc ordered nothing; the caller's contract
+    // above keeps every cudarc buffer of the context on its own stream from here on, or
+    // ordered across streams by the store's events, and the buffers made before this call
+    // with their events (while tracking was on) are used the same way.
+    unsafe { ctx.disable_event_tracking() };
+    true
+}
+
 /// Frees a block allocated by [`CudaBackend::alloc`]. Errors are recorded in the context (cudarc's
 /// Drop-error slot) and surface through `Store::check_err`.
 pub(crate) fn free_block(ctx: &Arc<CudaContext>, b: &Block) {
