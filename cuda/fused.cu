@@ -1,6 +1,7 @@
 // The fused ops of strata::candle::fused, compiled at run time with NVRTC (bf16.cuh prepended):
-// attention forward and backward (FlashAttention-2's algorithm), RMSNorm, RoPE and SwiGLU with
-// their backwards, gradients summed in place in f32, and block-quantized weights dequantized.
+// attention forward and backward (FlashAttention-2's algorithm), RMSNorm (alone or after the
+// residual add), RoPE and SwiGLU with their backwards, gradients summed in place in f32, and
+// block-quantized weights dequantized.
 // The same algorithms as the CPU code of src/candle/fused/ and src/base/quant.rs: every value
 // widened to f32, combined in f32, rounded once to the storage type; no atomics, so every sum has a fixed order and a run gives the same bits as the last.
 // Launched by src/candle/fused/cuda.rs on candle's stream. No headers: bf16 and f16 are carried
@@ -417,6 +418,30 @@ __device__ void rms_fwd(const T* x, const T* w, T* out, float* inv, int hidden, 
     if (threadIdx.x == 0) inv[row] = r;
 }
 
+// The residual add and RMSNorm in one pass (src/candle/fused/add_norm.rs): h = narrow(x + r)
+// as candle's add rounds it, then out and inv of h exactly as rms_fwd computes them (the same
+// sums in the same order), one block per row. Each thread reads back only the h it wrote.
+template <typename T>
+__device__ void add_rms_fwd(const T* x, const T* r, const T* w, T* h, T* out, float* inv,
+                            int hidden, float eps) {
+    __shared__ float scratch[32];
+    const long long at = (long long)blockIdx.x * hidden;
+    float ss = 0.0f;
+    for (int e = threadIdx.x; e < hidden; e += blockDim.x) {
+        const T hv = narrow<T>(widen(x[at + e]) + widen(r[at + e]));
+        h[at + e] = hv;
+        const float v = widen(hv);
+        ss += v * v;
+    }
+    ss = block_sum(ss, scratch);
+    const float rr = 1.0f / sqrtf(ss / hidden + eps);
+    for (int e = threadIdx.x; e < hidden; e += blockDim.x) {
+        const float n = widen(narrow<T>(widen(h[at + e]) * rr));
+        out[at + e] = narrow<T>(n * widen(w[e]));
+    }
+    if (threadIdx.x == 0) inv[blockIdx.x] = rr;
+}
+
 // dx = inv * dn - x * inv^3 * mean(dn * x), dn = dy * w; one block per row.
 template <typename T>
 __device__ void rms_dx(const T* x, const T* w, const T* dy, const float* inv, T* dx, int hidden) {
@@ -661,6 +686,11 @@ __device__ void dequant(const unsigned char* src, T* out, long long n, int type,
     extern "C" __global__ void strata_rms_fwd_##name(const T* x, const T* w, T* out, float* inv,  \
                                                      int hidden, float eps) {                     \
         rms_fwd<T>(x, w, out, inv, hidden, eps);                                                  \
+    }                                                                                              \
+    extern "C" __global__ void strata_add_rms_fwd_##name(const T* x, const T* r, const T* w,       \
+                                                         T* h, T* out, float* inv, int hidden,     \
+                                                         float eps) {                              \
+        add_rms_fwd<T>(x, r, w, h, out, inv, hidden, eps);                                         \
     }                                                                                              \
     extern "C" __global__ void strata_rms_dx_##name(const T* x, const T* w, const T* dy,          \
                                                     const float* inv, T* dx, int hidden) {        \

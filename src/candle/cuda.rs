@@ -123,10 +123,9 @@ pub(crate) fn dequantize_view(
     if bytes > all.len() {
         candle_core::bail!("{bytes} bytes of {dtype} asked of a view of {}", all.len());
     }
-    // Zeroed (the safe allocation), then written whole by the kernel.
-    let mut out = dev.alloc_zeros::<f32>(n.max(1))?;
+    // A new buffer the kernel writes whole (allocated by the launcher, not zeroed first).
     let kernels = crate::backend::cuda::fused::FusedKernels::<f32>::get(&dev.cuda_stream())?;
-    let written = kernels.dequantize(dtype, &all.slice(0..bytes), &mut out.as_view_mut())?;
+    let (out, written) = kernels.dequantize(dtype, &all.slice(0..bytes))?;
     debug_assert_eq!(written, n);
     let storage = CudaStorage::wrap_cuda_slice(out, dev.clone());
     Ok(Tensor::from_storage(Storage::Cuda(storage), shape, BackpropOp::none(), false))

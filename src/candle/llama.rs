@@ -551,8 +551,9 @@ fn causal_mask(
 pub enum Compute {
     /// The fused ops of [`super::fused`]: attention FlashAttention-style (no `seq × seq`
     /// tensor, the causal mask inside its tiles, the key/value heads read in place for their
-    /// query heads), RMSNorm, RoPE and SwiGLU each one op with its own backward; and, with the
-    /// block's joints ([`BlockWeights::joints`]), q/k/v one GEMM and gate/up one GEMM. What the
+    /// query heads), RMSNorm (the post-attention one with the residual add before it), RoPE and
+    /// SwiGLU each one op with its own backward; and, with the block's joints
+    /// ([`BlockWeights::joints`]), q/k/v one GEMM and gate/up one GEMM. What the
     /// trainer, its in-memory twin and generation run.
     #[default]
     Fused,
@@ -614,9 +615,16 @@ pub fn block_forward_with(
         Compute::Fused => fused_attention(config, rope, &q, &k, &v, offset, cache)?,
         Compute::Decomposed => decomposed_attention(config, rope, &q, &k, &v, offset, cache)?,
     };
-    let h = x.add(&w.project(on, &w.o, &attn.reshape((b, s, nh * hd))?)?)?;
-
-    let n = norm(&h, &w.post_norm)?;
+    let o = w.project(on, &w.o, &attn.reshape((b, s, nh * hd))?)?;
+    // The residual add and the norm that reads its result: one pass when fused.
+    let (h, n) = match compute {
+        Compute::Fused => fused::add_rms_norm(x, &o, &w.post_norm, eps)?,
+        Compute::Decomposed => {
+            let h = x.add(&o)?;
+            let n = rms_norm(&h, &w.post_norm, eps)?;
+            (h, n)
+        }
+    };
     let [gate, up] = w.gate_up(compute, &n)?;
     let act = match compute {
         Compute::Fused => fused::swiglu(&gate, &up)?,

@@ -273,7 +273,15 @@ fn gradients_match_finite_differences() {
     });
     let x = randn(&mut rng, &[3, 10]);
     let w = randn(&mut rng, &[10]).affine(0.1, 1.0).unwrap();
-    finite_differences("rms_norm", &[x, w], &|t| fused::rms_norm(&t[0], &t[1], 1e-5).unwrap());
+    finite_differences("rms_norm", &[x.clone(), w.clone()], &|t| {
+        fused::rms_norm(&t[0], &t[1], 1e-5).unwrap()
+    });
+    // Both outputs of the residual add and norm, so the gradient reaches x and r through h and n.
+    let r = randn(&mut rng, &[3, 10]);
+    finite_differences("add_rms_norm", &[x, r, w], &|t| {
+        let (h, n) = fused::add_rms_norm(&t[0], &t[1], &t[2], 1e-5).unwrap();
+        Tensor::cat(&[h, n], 1).unwrap()
+    });
     let (g, u) = (randn(&mut rng, &[4, 7]), randn(&mut rng, &[4, 7]));
     finite_differences("swiglu", &[g, u], &|t| fused::swiglu(&t[0], &t[1]).unwrap());
     let rope = Rope::new(&rope_config(), 80, &Device::Cpu).unwrap();
@@ -400,6 +408,8 @@ fn what_the_fused_ops_cannot_take_is_an_error() {
             "f32, bf16 or f16",
         ),
         (fused::rms_norm(&z(&[2, 8]), &z(&[7]), 1e-6), "weight"),
+        (fused::add_rms_norm(&z(&[2, 8]), &z(&[2, 8]), &z(&[7]), 1e-6).map(|p| p.1), "weight"),
+        (fused::add_rms_norm(&z(&[2, 8]), &z(&[8]), &z(&[8]), 1e-6).map(|p| p.1), "one shape"),
         (fused::swiglu(&z(&[2, 8]), &z(&[2, 7])), "one shape"),
         (fused::rope(&q, &z(&[3, 8]), &z(&[3, 8]), 0), "past the rotary tables"),
         (fused::rope(&q, &z(&[8, 6]), &z(&[8, 6]), 0), "heads of 8"),
@@ -507,8 +517,13 @@ fn ops_on_device_equal_the_cpu_ops(dev: &Device) {
     for (rows, hidden) in [(1, 8), (70, 33), (130, 4096)] {
         let x = randn(&mut rng, &[rows, hidden]);
         let w = randn(&mut rng, &[hidden]).affine(0.1, 1.0).unwrap();
-        compare(&format!("rms_norm {rows}x{hidden}"), vec![x, w], &|t| {
+        compare(&format!("rms_norm {rows}x{hidden}"), vec![x.clone(), w.clone()], &|t| {
             fused::rms_norm(&t[0], &t[1], 1e-5).unwrap()
+        });
+        let r = randn(&mut rng, &[rows, hidden]);
+        compare(&format!("add_rms_norm {rows}x{hidden}"), vec![x, r, w], &|t| {
+            let (h, n) = fused::add_rms_norm(&t[0], &t[1], &t[2], 1e-5).unwrap();
+            Tensor::cat(&[h, n], 1).unwrap()
         });
         let (g, u) = (randn(&mut rng, &[rows, hidden]), randn(&mut rng, &[rows, hidden]));
         compare(&format!("swiglu {rows}x{hidden}"), vec![g, u], &|t| {

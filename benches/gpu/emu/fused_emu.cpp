@@ -97,6 +97,7 @@ struct K;
             NS::strata_attn_dkdv_##N##_d256};                                                   \
         static constexpr auto delta = NS::strata_attn_delta_##N;                                \
         static constexpr auto rms_fwd = NS::strata_rms_fwd_##N;                                 \
+        static constexpr auto add_rms_fwd = NS::strata_add_rms_fwd_##N;                         \
         static constexpr auto rms_dx = NS::strata_rms_dx_##N;                                   \
         static constexpr auto rms_dw_partial = NS::strata_rms_dw_partial_##N;                   \
         static constexpr auto rms_dw_sum = NS::strata_rms_dw_sum_##N;                           \
@@ -628,6 +629,52 @@ static void rms_case(size_t rows, size_t hidden, bool fwd_dx = true) {
     }
 }
 
+// The residual add and RMSNorm in one pass (add_rms_fwd): h must be narrow(x + r) with the sum
+// in f32 (candle's add), bit for bit; out and inv must be bit for bit what rms_fwd gives for that
+// h (the same sums in the same order), and within rms_fwd's tolerance of the reference.
+template <class T>
+static void add_rms_case(size_t rows, size_t hidden) {
+    const std::string tag = std::string(E<T>::name) + " rows=" + std::to_string(rows) +
+                            " hidden=" + std::to_string(hidden);
+    const float eps = 1e-5f;
+    auto x = rand_vec<T>(rows * hidden, -2, 2), r = rand_vec<T>(rows * hidden, -2, 2),
+         w = rand_vec<T>(hidden, -1.5, 1.5);
+    const i32 h = (i32)hidden;
+    std::vector<T> hs(rows * hidden, nan_of<T>()), out(rows * hidden, nan_of<T>());
+    std::vector<float> inv(rows, nan_of<float>());
+    const dim3 grid = grid3(rows, 1, 1);
+    // fused.rs: FusedKernels::add_rms_fwd
+    bool ok = empty_grid(grid) ||
+              emu::launch(kname("add_rms_fwd", E<T>::name).c_str(), K<T>::add_rms_fwd, grid,
+                          row_threads(hidden), (size_t)0, x.data(), r.data(), w.data(),
+                          hs.data(), out.data(), inv.data(), h, eps);
+    // rms_fwd over the h add_rms_fwd wrote: the unfused pair's norm.
+    std::vector<T> out2(rows * hidden, nan_of<T>());
+    std::vector<float> inv2(rows, nan_of<float>());
+    ok = ok && (empty_grid(grid) ||
+                emu::launch(kname("rms_fwd", E<T>::name).c_str(), K<T>::rms_fwd, grid,
+                            row_threads(hidden), (size_t)0, hs.data(), w.data(), out2.data(),
+                            inv2.data(), h, eps));
+    Check ch{"h (bit-exact: x + r in f32, rounded once)"}, cu{"out, inv = rms_fwd's (bit-exact)"},
+        ci{"inv"}, co{"out"};
+    for (size_t i = 0; i < rows * hidden; i++) {
+        ch.add(i, W(hs[i]), W(E<T>::narrow((float)W(x[i]) + (float)W(r[i]))), 0.0);
+        cu.add(i, W(out[i]), W(out2[i]), 0.0);
+    }
+    for (size_t row = 0; row < rows; row++) {
+        cu.add(row, inv[row], inv2[row], 0.0);
+        const double ri = ref_inv(hs, row, hidden, eps);
+        ci.add(row, inv[row], ri, 1e-5 * ri);
+        for (size_t e = 0; e < hidden; e++) {
+            const double n = W(E<T>::narrow((float)W(hs[row * hidden + e]) * inv[row]));
+            const double ref = n * W(w[e]);
+            const double got = W(out[row * hidden + e]);
+            co.add(row * hidden + e, got, ref, ulp<T>(std::max(std::fabs(ref), std::fabs(got))) + 1e-5 * std::fabs(ref));
+        }
+    }
+    report("add_rms_fwd " + tag, ok, {ch, cu, ci, co});
+}
+
 // ---- RoPE -----------------------------------------------------------------------------------
 // x: [b, s, h, d] at strides st (exact buffer), positions offset.., tables [(offset + s), d].
 template <class T>
@@ -879,6 +926,8 @@ static void all_for_type() {
     rms_case<T>(5, 100);   // hidden not a multiple of 32: 128 threads
     rms_case<T>(3, 1100);  // past 1024: 1024 threads, each several columns
     rms_case<T>(130, 300, false);  // dw: chunks of 64, 64 and 2 rows, 2 column blocks
+    add_rms_case<T>(5, 100);   // hidden not a multiple of 32: 128 threads
+    add_rms_case<T>(3, 1100);  // past 1024: 1024 threads, each several columns
     {
         const size_t dense[4] = {3 * 4 * 8, 4 * 8, 8, 1};
         rope_case<T>(2, 3, 4, 8, dense, 0, false, "dense");

@@ -1,8 +1,9 @@
-//! `cuda/fused.cu`, the kernels of the fused ops (`strata::candle::fused`: attention, RMSNorm,
-//! RoPE, SwiGLU and their backwards, and gradients summed in place in f32), compiled at run time with NVRTC, and one safe launcher
-//! per kernel. Compiled in every build and written over cudarc alone: the candle side
-//! (`src/candle/fused/cuda.rs`) turns candle's storages and layouts into the views and plain
-//! numbers these launchers take, and holds no `unsafe`.
+//! `cuda/fused.cu`, the kernels of the fused ops (`strata::candle::fused`: attention, RMSNorm
+//! (alone or after the residual add), RoPE, SwiGLU and their backwards, and gradients summed in
+//! place in f32), compiled at run time with NVRTC, and one safe launcher per kernel. Compiled
+//! in every build and written over cudarc alone: the candle side (`src/candle/fused/cuda.rs`)
+//! turns candle's storages and layouts into the views and plain numbers these launchers take,
+//! and holds no `unsafe`.
 //!
 //! The source compiles one element type per program (`#define STRATA_ELEM_f32`, `_bf16`,
 //! `_f16`, with `cuda/bf16.cuh` prepended): [`FusedKernels::get`] compiles it once per element
@@ -11,7 +12,7 @@
 //! a later device on the same GPU's primary context finds them loaded).
 //!
 //! Each launcher takes the geometry (sizes, strides in elements, window, scale) as numbers and
-//! the buffers as cudarc views, and before launching checks, with checked arithmetic, that the
+//! its inputs as cudarc views, and before launching checks, with checked arithmetic, that the
 //! largest element offset the kernel can reach through those sizes and strides lies inside each
 //! view (for a strided tensor `Σ (size − 1) · stride + 1`, for a dense one the product of its
 //! sizes), that every size fits the `int` the kernel holds it in (with room for a tile or a
@@ -19,18 +20,23 @@
 //! attention kernels were compiled for. A violated check is an [`Error::InvalidArgument`]
 //! saying what did not fit; nothing is launched. Work with no element launches nothing.
 //!
-//! Outputs are the caller's: cudarc offers no safe allocation that skips the initialisation
-//! (`alloc` is `unsafe`, `alloc_zeros` the safe one), so each output costs a memset on the
-//! stream, one extra pass of writes over it, before the kernel writes it whole. Its cost has
-//! not been measured (no GPU was lent when this was written).
+//! Each launcher allocates the buffers its kernel writes (outputs, and the backwards' scratch
+//! rows), on its stream, and returns them: uninitialised (cudarc's `alloc`, `unsafe`;
+//! [`FusedKernels`]' private `uninit` states the contract), since every kernel here writes each
+//! element of what it outputs (its grid or its grid-stride loop covers them all; each
+//! launcher's `// SAFETY:` says how), so no memset pass precedes it. Only the sums made in
+//! place are written into buffers the caller owns and has initialised (`grad_acc`,
+//! `grad_index_add`).
 //!
 //! ## Safety
-//! Each launcher's `unsafe` block rests on three facts: the function was loaded from the
+//! Each launch's `unsafe` block rests on three facts: the function was loaded from the
 //! program of the launcher's element type (the type parameter of [`FusedKernels`], which only
 //! [`FusedKernels::get`] makes), by a name whose signature the `// SAFETY:` comment states; the
-//! arguments pushed match that list in order and type; and every buffer is a cudarc view, valid
+//! arguments pushed match that list in order and type; and every buffer is cudarc's, valid
 //! for the launch (cudarc keeps it alive and ordered on its stream), holding at least the
-//! elements the kernel can touch (checked before the launch).
+//! elements the kernel can touch (checked before the launch, or allocated so by the
+//! launcher). Each allocation's `unsafe` block rests on the kernel launched after it writing
+//! every element before anything reads one.
 
 // The launchers' one caller is the candle integration's CUDA path; every build compiles them.
 #![cfg_attr(not(feature = "candle-cuda"), allow(dead_code))]
@@ -40,8 +46,8 @@ use std::sync::Arc;
 
 use cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
 use cudarc::driver::{
-    CudaFunction, CudaModule, CudaStream, CudaView, CudaViewMut, DeviceRepr, LaunchArgs,
-    LaunchConfig, PushKernelArg, ValidAsZeroBits,
+    CudaFunction, CudaModule, CudaSlice, CudaStream, CudaView, CudaViewMut, DeviceRepr, LaunchArgs,
+    LaunchConfig, PushKernelArg,
 };
 use half::{bf16, f16};
 use parking_lot::Mutex;
@@ -72,9 +78,7 @@ const INT_ROOM: usize = 1024;
 
 /// An element type of `cuda/fused.cu`'s programs. Only strata implements it (the module is
 /// private), for f32, bf16 and f16.
-pub(crate) trait FusedElem:
-    DeviceRepr + ValidAsZeroBits + Copy + Send + Sync + Unpin + 'static
-{
+pub(crate) trait FusedElem: DeviceRepr + Copy + Send + Sync + Unpin + 'static {
     /// The kernels' suffix and `STRATA_ELEM_` define.
     const NAME: &'static str;
 }
@@ -109,7 +113,7 @@ pub(crate) fn sources() -> [(&'static str, String); 3] {
 /// The attention kernels (each once per width of [`WIDTHS`]) and the others, in the order
 /// [`kernel_names`] lists them and [`Program`] holds them.
 const ATTENTION: [&str; 3] = ["attn_fwd", "attn_dq", "attn_dkdv"];
-const POINTWISE: [&str; 11] = [
+const POINTWISE: [&str; 12] = [
     "attn_delta",
     "rms_fwd",
     "rms_dx",
@@ -121,6 +125,7 @@ const POINTWISE: [&str; 11] = [
     "grad_acc",
     "grad_index_add",
     "dequant",
+    "add_rms_fwd",
 ];
 /// Indices into [`Program::kernels`].
 const FWD: usize = 0;
@@ -137,6 +142,7 @@ const SWIGLU_BWD: usize = 16;
 const GRAD_ACC: usize = 17;
 const GRAD_INDEX_ADD: usize = 18;
 const DEQUANT: usize = 19;
+const ADD_RMS_FWD: usize = 20;
 
 /// The `type` index `strata_dequant_<T>` takes for `dtype` (`cuda/fused.cu`'s `dequant_one`):
 /// its place among [`DType::ALL`]'s block-quantized dtypes (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K …
@@ -308,6 +314,13 @@ fn reach(dims: &[(usize, usize)]) -> Option<usize> {
 /// The product of `sizes`, `None` past `usize`.
 fn product(sizes: &[usize]) -> Option<usize> {
     sizes.iter().try_fold(1usize, |acc, &n| acc.checked_mul(n))
+}
+
+/// The elements of a buffer a launcher allocates (`None`: its sizes overflowed `usize`).
+fn elems(what: &str, buffer: &str, n: Option<usize>) -> Result<usize> {
+    n.ok_or_else(|| {
+        Error::InvalidArgument(format!("{what}: {buffer}'s sizes overflow the address space"))
+    })
 }
 
 /// `x` as the `int` a kernel takes, with [`INT_ROOM`] to spare.
@@ -507,73 +520,90 @@ impl<T: FusedElem> FusedKernels<T> {
         &self.program.kernels[index]
     }
 
+    /// A new buffer of `n` elements of `U` (at least one: no empty allocation) on the
+    /// launchers' stream, not initialised: no memset pass before the kernel that fills it.
+    ///
+    /// # Safety
+    /// Before anything reads the buffer, the caller launches on this stream a kernel that writes
+    /// each of its `n` elements (when `n` is 0, the one element allocated is part of no tensor,
+    /// and nothing reads it). A launch refused or failed drops the buffer unread.
+    unsafe fn uninit<U: DeviceRepr>(&self, n: usize) -> Result<CudaSlice<U>> {
+        let _bound = bind(self.stream.context())?;
+        // SAFETY: forwarded from this function's contract: every element is written before it
+        // is read.
+        unsafe { self.stream.alloc::<U>(n.max(1)) }.map_err(|e| Error::cuda("cuMemAllocAsync", e))
+    }
+
     /// The attention's forward: `o` (`[b, sq, nh, d]`) and each query row's log-sum-exp `lse`
-    /// (`[b, sq, nh]`) of `q`, `k`, `v` as `shape` lays them out.
+    /// (`[b, sq, nh]`) of `q`, `k`, `v` as `shape` lays them out, in new buffers.
     pub(crate) fn attn_fwd(
         &self,
         shape: &AttnShape,
         [q, k, v]: [&CudaView<'_, T>; 3],
-        o: &mut CudaViewMut<'_, T>,
-        lse: &mut CudaViewMut<'_, f32>,
-    ) -> Result<()> {
+    ) -> Result<(CudaSlice<T>, CudaSlice<f32>)> {
         let what = "fused attention's forward on CUDA";
         let a = shape.check(what)?;
         a.check_qkv(what, [q, k, v])?;
-        holds(what, "o", o.len(), a.rows.and_then(|r| r.checked_mul(a.d())))?;
-        holds(what, "lse", lse.len(), a.rows)?;
+        let rows = elems(what, "o's rows", a.rows)?;
+        let n = elems(what, "o", rows.checked_mul(a.d()))?;
+        // SAFETY: strata_attn_fwd writes every element of both, launched below: its grid is
+        // (sq / BQ rounded up, nh, b), each block's 4 warps hold BQ = 16 query rows (RPW = 4
+        // each) and write, for each row below sq, o's d elements (lane + 32·c for c below W /
+        // 32, W >= d) and lse (lane 0). A grid with a 0 has rows = b·sq·nh = 0: nothing to write.
+        let (mut o, mut lse) = unsafe { (self.uninit::<T>(n)?, self.uninit::<f32>(rows)?) };
         let kernel = self.kernel(FWD * WIDTHS.len() + a.width);
         let smem = 4 * (BQ * a.d() + 2 * BK * (a.d() + 1));
         let grid = [shape.sq.div_ceil(BQ), shape.nh, shape.b];
         let _bound = bind(self.stream.context())?;
-        let Some(cfg) = kernel.config(what, grid, ATTN_THREADS, smem)? else { return Ok(()) };
+        let Some(cfg) = kernel.config(what, grid, ATTN_THREADS, smem)? else { return Ok((o, lse)) };
         let mut b = self.stream.launch_builder(&kernel.f);
-        b.arg(q).arg(k).arg(v).arg(o).arg(lse);
+        b.arg(q).arg(k).arg(v).arg(&mut o).arg(&mut lse);
         a.push(&mut b);
         // SAFETY: strata_attn_fwd_<T>_d<W>(const T* q, const T* k, const T* v, T* o, float*
         // lse, int sq, int skv, int nh, int nkv, int d, long long ×9 strides, float scale, long
         // long window), W >= d: q read at its strides for b × sq × nh × d, k and v for b × skv
         // × nkv × d (nkv divides nh), each checked to reach inside its view; o holds b·sq·nh·d,
-        // lse b·sq·nh (checked); shared memory as the kernel lays it out for d.
+        // lse b·sq·nh (allocated so); shared memory as the kernel lays it out for d.
         unsafe { b.launch(cfg) }.map_err(launch_err)?;
-        Ok(())
+        Ok((o, lse))
     }
 
-    /// `delta[row] = dout[row] · o[row]` over `rows` contiguous rows of `d`.
+    /// `delta[row] = dout[row] · o[row]` over `rows` contiguous rows of `d`, in a new buffer.
     pub(crate) fn attn_delta(
         &self,
         [rows, d]: [usize; 2],
         [dout, o]: [&CudaView<'_, T>; 2],
-        delta: &mut CudaViewMut<'_, f32>,
-    ) -> Result<()> {
+    ) -> Result<CudaSlice<f32>> {
         let what = "fused attention's backward (delta) on CUDA";
         let n = product(&[rows, d]);
         holds(what, "the output's gradient", dout.len(), n)?;
         holds(what, "the output", o.len(), n)?;
-        holds(what, "delta", delta.len(), Some(rows))?;
         let (r, dd) = (long(what, "rows", rows)?, int(what, "a head width", d)?);
+        // SAFETY: strata_attn_delta writes delta[row] for every row below rows (lane 0 of warp
+        // row: rows.div_ceil(4) blocks of 4 warps), launched below; no row, no block.
+        let mut delta = unsafe { self.uninit::<f32>(rows)? };
         let kernel = self.kernel(DELTA);
         let _bound = bind(self.stream.context())?;
         let Some(cfg) = kernel.config(what, [rows.div_ceil(4), 1, 1], ATTN_THREADS, 0)? else {
-            return Ok(());
+            return Ok(delta);
         };
         let mut b = self.stream.launch_builder(&kernel.f);
-        b.arg(dout).arg(o).arg(delta).arg(&r).arg(&dd);
+        b.arg(dout).arg(o).arg(&mut delta).arg(&r).arg(&dd);
         // SAFETY: strata_attn_delta_<T>(const T* dout, const T* o, float* delta, long long
         // rows, int d): one warp per row, rows.div_ceil(4) blocks of 4 warps; dout and o hold
-        // rows·d elements, delta rows (checked).
+        // rows·d elements (checked), delta rows (allocated so).
         unsafe { b.launch(cfg) }.map_err(launch_err)?;
-        Ok(())
+        Ok(delta)
     }
 
-    /// The attention's `dq` (`[b, sq, nh, d]`), from q, k, v, the output's gradient `dout`,
-    /// the forward's `lse` and [`FusedKernels::attn_delta`]'s `delta`.
+    /// The attention's `dq` (`[b, sq, nh, d]`, a new buffer), from q, k, v, the output's
+    /// gradient `dout`, the forward's `lse` and [`FusedKernels::attn_delta`]'s `delta`.
     pub(crate) fn attn_dq(
         &self,
         shape: &AttnShape,
         [q, k, v, dout]: [&CudaView<'_, T>; 4],
         [lse, delta]: [&CudaView<'_, f32>; 2],
-        dq: &mut CudaViewMut<'_, T>,
-    ) -> Result<()> {
+    ) -> Result<CudaSlice<T>> {
         let what = "fused attention's backward (dq) on CUDA";
         let a = shape.check(what)?;
         a.check_qkv(what, [q, k, v])?;
@@ -581,32 +611,34 @@ impl<T: FusedElem> FusedKernels<T> {
         holds(what, "the output's gradient", dout.len(), n)?;
         holds(what, "lse", lse.len(), a.rows)?;
         holds(what, "delta", delta.len(), a.rows)?;
-        holds(what, "dq", dq.len(), n)?;
+        let n = elems(what, "dq", n)?;
+        // SAFETY: strata_attn_dq writes every element, launched below: the forward's grid and
+        // rows (each row below sq writes its d elements), so a grid with a 0 has none.
+        let mut dq = unsafe { self.uninit::<T>(n)? };
         let kernel = self.kernel(DQ * WIDTHS.len() + a.width);
         let smem = 4 * (2 * BQ * a.d() + 2 * BK * (a.d() + 1));
         let grid = [shape.sq.div_ceil(BQ), shape.nh, shape.b];
         let _bound = bind(self.stream.context())?;
-        let Some(cfg) = kernel.config(what, grid, ATTN_THREADS, smem)? else { return Ok(()) };
+        let Some(cfg) = kernel.config(what, grid, ATTN_THREADS, smem)? else { return Ok(dq) };
         let mut b = self.stream.launch_builder(&kernel.f);
-        b.arg(q).arg(k).arg(v).arg(dout).arg(lse).arg(delta).arg(dq);
+        b.arg(q).arg(k).arg(v).arg(dout).arg(lse).arg(delta).arg(&mut dq);
         a.push(&mut b);
         // SAFETY: strata_attn_dq_<T>_d<W>(const T* q, k, v, dout, const float* lse, delta, T*
         // dq, int ×5, long long ×9 strides, float scale, long long window), W >= d: q, k, v as
-        // in the forward (checked); dout and dq hold b·sq·nh·d, lse and delta b·sq·nh
-        // (checked).
+        // in the forward (checked); dout holds b·sq·nh·d, lse and delta b·sq·nh (checked), dq
+        // b·sq·nh·d (allocated so).
         unsafe { b.launch(cfg) }.map_err(launch_err)?;
-        Ok(())
+        Ok(dq)
     }
 
-    /// The attention's `dk` and `dv` (`[b, skv, nkv, d]`), summed over each key/value head's
-    /// query heads; inputs as [`FusedKernels::attn_dq`]'s.
+    /// The attention's `dk` and `dv` (`[b, skv, nkv, d]`, new buffers), summed over each
+    /// key/value head's query heads; inputs as [`FusedKernels::attn_dq`]'s.
     pub(crate) fn attn_dkdv(
         &self,
         shape: &AttnShape,
         [q, k, v, dout]: [&CudaView<'_, T>; 4],
         [lse, delta]: [&CudaView<'_, f32>; 2],
-        [dk, dv]: [&mut CudaViewMut<'_, T>; 2],
-    ) -> Result<()> {
+    ) -> Result<(CudaSlice<T>, CudaSlice<T>)> {
         let what = "fused attention's backward (dk, dv) on CUDA";
         let a = shape.check(what)?;
         a.check_qkv(what, [q, k, v])?;
@@ -618,95 +650,137 @@ impl<T: FusedElem> FusedKernels<T> {
         )?;
         holds(what, "lse", lse.len(), a.rows)?;
         holds(what, "delta", delta.len(), a.rows)?;
-        let n = a.kv_rows.and_then(|r| r.checked_mul(a.d()));
-        holds(what, "dk", dk.len(), n)?;
-        holds(what, "dv", dv.len(), n)?;
+        let n = elems(what, "dk", a.kv_rows.and_then(|r| r.checked_mul(a.d())))?;
+        // SAFETY: strata_attn_dkdv writes every element of both, launched below: its grid is
+        // (skv / BK rounded up, nkv, b), each block's 4 warps of 8 keys cover BK = 32 keys and
+        // write, for each key below skv, its d elements of dk and dv, zeros where no query sees
+        // the key (sq 0 included). A grid with a 0 has b·skv·nkv = 0 rows.
+        let (mut dk, mut dv) = unsafe { (self.uninit::<T>(n)?, self.uninit::<T>(n)?) };
         let kernel = self.kernel(DKDV * WIDTHS.len() + a.width);
         let smem = 4 * (2 * BK * (a.d() + 1) + 2 * 4 * a.d() + 2 * 4 * BK);
         let grid = [shape.skv.div_ceil(BK), shape.nkv, shape.b];
         let _bound = bind(self.stream.context())?;
-        let Some(cfg) = kernel.config(what, grid, ATTN_THREADS, smem)? else { return Ok(()) };
+        let Some(cfg) = kernel.config(what, grid, ATTN_THREADS, smem)? else { return Ok((dk, dv)) };
         let mut b = self.stream.launch_builder(&kernel.f);
-        b.arg(q).arg(k).arg(v).arg(dout).arg(lse).arg(delta).arg(dk).arg(dv);
+        b.arg(q).arg(k).arg(v).arg(dout).arg(lse).arg(delta).arg(&mut dk).arg(&mut dv);
         a.push(&mut b);
         // SAFETY: strata_attn_dkdv_<T>_d<W>(const T* q, k, v, dout, const float* lse, delta,
         // T* dk, T* dv, int ×5, long long ×9 strides, float scale, long long window), W >= d:
         // q, k, v, dout, lse, delta as for dq (checked; with sq 0 no row is read); dk and dv
-        // hold b·skv·nkv·d (checked).
+        // hold b·skv·nkv·d (allocated so).
         unsafe { b.launch(cfg) }.map_err(launch_err)?;
-        Ok(())
+        Ok((dk, dv))
     }
 
-    /// RMSNorm's forward over `rows` contiguous rows of `hidden`: `out` and each row's inverse
-    /// root mean square `inv`.
+    /// RMSNorm's forward over `rows` contiguous rows of `hidden`: the output and each row's
+    /// inverse root mean square, in new buffers.
     pub(crate) fn rms_fwd(
         &self,
         [rows, hidden]: [usize; 2],
         eps: f32,
         [x, w]: [&CudaView<'_, T>; 2],
-        out: &mut CudaViewMut<'_, T>,
-        inv: &mut CudaViewMut<'_, f32>,
-    ) -> Result<()> {
+    ) -> Result<(CudaSlice<T>, CudaSlice<f32>)> {
         let what = "fused rms_norm's forward on CUDA";
         let n = product(&[rows, hidden]);
         holds(what, "the input", x.len(), n)?;
         holds(what, "the weight", w.len(), Some(hidden))?;
-        holds(what, "the output", out.len(), n)?;
-        holds(what, "the saved rows", inv.len(), Some(rows))?;
         let h = int(what, "a row", hidden)?;
+        let n = elems(what, "the output", n)?;
+        // SAFETY: strata_rms_fwd writes every element of both, launched below: one block per
+        // row (grid rows), its threads striding over the row's hidden elements of out, thread 0
+        // writing inv[row]; no row, nothing to write.
+        let (mut out, mut inv) = unsafe { (self.uninit::<T>(n)?, self.uninit::<f32>(rows)?) };
         let kernel = self.kernel(RMS_FWD);
         let _bound = bind(self.stream.context())?;
         let Some(cfg) = kernel.config(what, [rows, 1, 1], row_threads(hidden), 0)? else {
-            return Ok(());
+            return Ok((out, inv));
         };
         let mut b = self.stream.launch_builder(&kernel.f);
-        b.arg(x).arg(w).arg(out).arg(inv).arg(&h).arg(&eps);
+        b.arg(x).arg(w).arg(&mut out).arg(&mut inv).arg(&h).arg(&eps);
         // SAFETY: strata_rms_fwd_<T>(const T* x, const T* w, T* out, float* inv, int hidden,
-        // float eps): one block per row of a multiple of 32 threads up to 1024; x and out hold
-        // rows·hidden elements, w hidden, inv rows (checked).
+        // float eps): one block per row of a multiple of 32 threads up to 1024; x holds
+        // rows·hidden elements, w hidden (checked), out rows·hidden, inv rows (allocated so).
         unsafe { b.launch(cfg) }.map_err(launch_err)?;
-        Ok(())
+        Ok((out, inv))
     }
 
-    /// RMSNorm's `dx` over `rows` contiguous rows of `hidden`.
+    /// The residual add and RMSNorm over `rows` contiguous rows of `hidden`, in one pass: `h =
+    /// x + r` (rounded once to `T`), the norm of `h` as [`FusedKernels::rms_fwd`] computes it,
+    /// and each row's inverse root mean square, in new buffers.
+    pub(crate) fn add_rms_fwd(
+        &self,
+        [rows, hidden]: [usize; 2],
+        eps: f32,
+        [x, r, w]: [&CudaView<'_, T>; 3],
+    ) -> Result<(CudaSlice<T>, CudaSlice<T>, CudaSlice<f32>)> {
+        let what = "fused add_rms_norm's forward on CUDA";
+        let n = product(&[rows, hidden]);
+        holds(what, "the input", x.len(), n)?;
+        holds(what, "the residual", r.len(), n)?;
+        holds(what, "the weight", w.len(), Some(hidden))?;
+        let hd = int(what, "a row", hidden)?;
+        let n = elems(what, "the output", n)?;
+        // SAFETY: strata_add_rms_fwd writes every element of the three, launched below: one
+        // block per row (grid rows), its threads striding over the row's hidden elements of h
+        // (the first pass) and of out (the second), thread 0 writing inv[row]; no row, nothing
+        // to write.
+        let (mut h, mut out, mut inv) =
+            unsafe { (self.uninit::<T>(n)?, self.uninit::<T>(n)?, self.uninit::<f32>(rows)?) };
+        let kernel = self.kernel(ADD_RMS_FWD);
+        let _bound = bind(self.stream.context())?;
+        let Some(cfg) = kernel.config(what, [rows, 1, 1], row_threads(hidden), 0)? else {
+            return Ok((h, out, inv));
+        };
+        let mut b = self.stream.launch_builder(&kernel.f);
+        b.arg(x).arg(r).arg(w).arg(&mut h).arg(&mut out).arg(&mut inv).arg(&hd).arg(&eps);
+        // SAFETY: strata_add_rms_fwd_<T>(const T* x, const T* r, const T* w, T* h, T* out,
+        // float* inv, int hidden, float eps): one block per row of a multiple of 32 threads up
+        // to 1024; x and r hold rows·hidden elements, w hidden (checked), h and out
+        // rows·hidden, inv rows (allocated so).
+        unsafe { b.launch(cfg) }.map_err(launch_err)?;
+        Ok((h, out, inv))
+    }
+
+    /// RMSNorm's `dx` over `rows` contiguous rows of `hidden`, in a new buffer.
     pub(crate) fn rms_dx(
         &self,
         [rows, hidden]: [usize; 2],
         [x, w, dy]: [&CudaView<'_, T>; 3],
         inv: &CudaView<'_, f32>,
-        dx: &mut CudaViewMut<'_, T>,
-    ) -> Result<()> {
+    ) -> Result<CudaSlice<T>> {
         let what = "fused rms_norm's backward (dx) on CUDA";
         let n = product(&[rows, hidden]);
         holds(what, "the input", x.len(), n)?;
         holds(what, "the weight", w.len(), Some(hidden))?;
         holds(what, "the gradient", dy.len(), n)?;
         holds(what, "the saved rows", inv.len(), Some(rows))?;
-        holds(what, "dx", dx.len(), n)?;
         let h = int(what, "a row", hidden)?;
+        let n = elems(what, "dx", n)?;
+        // SAFETY: strata_rms_dx writes every element, launched below: one block per row, its
+        // threads striding over the row's hidden elements; no row, nothing to write.
+        let mut dx = unsafe { self.uninit::<T>(n)? };
         let kernel = self.kernel(RMS_DX);
         let _bound = bind(self.stream.context())?;
         let Some(cfg) = kernel.config(what, [rows, 1, 1], row_threads(hidden), 0)? else {
-            return Ok(());
+            return Ok(dx);
         };
         let mut b = self.stream.launch_builder(&kernel.f);
-        b.arg(x).arg(w).arg(dy).arg(inv).arg(dx).arg(&h);
+        b.arg(x).arg(w).arg(dy).arg(inv).arg(&mut dx).arg(&h);
         // SAFETY: strata_rms_dx_<T>(const T* x, const T* w, const T* dy, const float* inv, T*
-        // dx, int hidden): one block per row of a multiple of 32 threads up to 1024; x, dy, dx
-        // hold rows·hidden elements, w hidden, inv rows (checked).
+        // dx, int hidden): one block per row of a multiple of 32 threads up to 1024; x, dy hold
+        // rows·hidden elements, w hidden, inv rows (checked), dx rows·hidden (allocated so).
         unsafe { b.launch(cfg) }.map_err(launch_err)?;
-        Ok(())
+        Ok(dx)
     }
 
-    /// The partial sums of RMSNorm's weight gradient: `partial[c][col]` over the `chunk_rows`
-    /// rows of chunk `c`, for `rows.div_ceil(chunk_rows)` chunks.
+    /// The partial sums of RMSNorm's weight gradient, in a new buffer: `partial[c][col]` over
+    /// the `chunk_rows` rows of chunk `c`, for `rows.div_ceil(chunk_rows)` chunks.
     pub(crate) fn rms_dw_partial(
         &self,
         [rows, hidden, chunk_rows]: [usize; 3],
         [x, dy]: [&CudaView<'_, T>; 2],
         inv: &CudaView<'_, f32>,
-        partial: &mut CudaViewMut<'_, f32>,
-    ) -> Result<()> {
+    ) -> Result<CudaSlice<f32>> {
         let what = "fused rms_norm's backward (dw) on CUDA";
         if chunk_rows == 0 {
             return Err(Error::InvalidArgument(format!("{what}: chunks of 0 rows")));
@@ -716,50 +790,58 @@ impl<T: FusedElem> FusedKernels<T> {
         holds(what, "the input", x.len(), n)?;
         holds(what, "the gradient", dy.len(), n)?;
         holds(what, "the saved rows", inv.len(), Some(rows))?;
-        holds(what, "the partial sums", partial.len(), product(&[chunks, hidden]))?;
         let (r, h) = (long(what, "rows", rows)?, int(what, "a row", hidden)?);
         let c = int(what, "rows per chunk", chunk_rows)?;
+        let n = elems(what, "the partial sums", product(&[chunks, hidden]))?;
+        // SAFETY: strata_rms_dw_partial writes every element, launched below: one thread per
+        // (column below hidden: hidden / 256 blocks rounded up, chunk: the grid's y), each
+        // writing its partial sum (0 for a chunk past the rows, which the grid never has); a
+        // grid with a 0 has chunks·hidden = 0.
+        let mut partial = unsafe { self.uninit::<f32>(n)? };
         let kernel = self.kernel(RMS_DW_PARTIAL);
         let _bound = bind(self.stream.context())?;
         let Some(cfg) = kernel.config(what, [hidden.div_ceil(256), chunks, 1], 256, 0)? else {
-            return Ok(());
+            return Ok(partial);
         };
         let mut b = self.stream.launch_builder(&kernel.f);
-        b.arg(x).arg(dy).arg(inv).arg(partial).arg(&r).arg(&h).arg(&c);
+        b.arg(x).arg(dy).arg(inv).arg(&mut partial).arg(&r).arg(&h).arg(&c);
         // SAFETY: strata_rms_dw_partial_<T>(const T* x, const T* dy, const float* inv, float*
         // partial, long long rows, int hidden, int chunk_rows): one thread per (column below
         // hidden, chunk of the grid's y), reading rows below `rows`; x and dy hold rows·hidden
-        // elements, inv rows, partial chunks·hidden (checked).
+        // elements, inv rows (checked), partial chunks·hidden (allocated so).
         unsafe { b.launch(cfg) }.map_err(launch_err)?;
-        Ok(())
+        Ok(partial)
     }
 
-    /// RMSNorm's weight gradient `dw` (`hidden`): the `chunks` partial sums added in order.
+    /// RMSNorm's weight gradient `dw` (`hidden`, a new buffer): the `chunks` partial sums added
+    /// in order (none: zeros).
     pub(crate) fn rms_dw_sum(
         &self,
         [chunks, hidden]: [usize; 2],
         partial: &CudaView<'_, f32>,
-        dw: &mut CudaViewMut<'_, T>,
-    ) -> Result<()> {
+    ) -> Result<CudaSlice<T>> {
         let what = "fused rms_norm's backward (dw) on CUDA";
         holds(what, "the partial sums", partial.len(), product(&[chunks, hidden]))?;
-        holds(what, "dw", dw.len(), Some(hidden))?;
         let (c, h) = (int(what, "chunks", chunks)?, int(what, "a row", hidden)?);
+        // SAFETY: strata_rms_dw_sum writes every element, launched below: one thread per column
+        // below hidden (hidden / 256 blocks rounded up), the sum of 0 chunks included.
+        let mut dw = unsafe { self.uninit::<T>(hidden)? };
         let kernel = self.kernel(RMS_DW_SUM);
         let _bound = bind(self.stream.context())?;
         let Some(cfg) = kernel.config(what, [hidden.div_ceil(256), 1, 1], 256, 0)? else {
-            return Ok(());
+            return Ok(dw);
         };
         let mut b = self.stream.launch_builder(&kernel.f);
-        b.arg(partial).arg(dw).arg(&c).arg(&h);
+        b.arg(partial).arg(&mut dw).arg(&c).arg(&h);
         // SAFETY: strata_rms_dw_sum_<T>(const float* partial, T* dw, int chunks, int hidden):
-        // one thread per column below hidden; partial holds chunks·hidden, dw hidden (checked).
+        // one thread per column below hidden; partial holds chunks·hidden (checked), dw hidden
+        // (allocated so).
         unsafe { b.launch(cfg) }.map_err(launch_err)?;
-        Ok(())
+        Ok(dw)
     }
 
     /// RoPE of `x` (`dims` `[b, s, h, d]`, `strides` in elements) at positions `offset..offset
-    /// + s`, or its transpose (`inverse`), into a contiguous `out`; `cos` and `sin` are
+    /// + s`, or its transpose (`inverse`), into a new contiguous buffer; `cos` and `sin` are
     /// `[positions, d]`.
     pub(crate) fn rope(
         &self,
@@ -767,17 +849,15 @@ impl<T: FusedElem> FusedKernels<T> {
         (offset, inverse): (usize, bool),
         x: &CudaView<'_, T>,
         [cos, sin]: [&CudaView<'_, f32>; 2],
-        out: &mut CudaViewMut<'_, T>,
-    ) -> Result<()> {
+    ) -> Result<CudaSlice<T>> {
         let what = "fused rope on CUDA";
         let [_, s, h, d] = dims;
         if d % 2 != 0 {
             return Err(Error::InvalidArgument(format!("{what}: heads of {d}, not an even width")));
         }
-        let dense = product(&dims);
-        holds(what, "the output", out.len(), dense)?;
-        // One thread per pair (e, e + d/2) of each head: out holds 2·pairs (checked above).
-        let pairs = dense.map_or(0, |n| n / 2);
+        let dense = elems(what, "the output", product(&dims))?;
+        // One thread per pair (e, e + d/2) of each head: the output holds 2·pairs.
+        let pairs = dense / 2;
         let x_reach = reach(&std::array::from_fn::<_, 4, _>(|i| (dims[i], strides[i])));
         holds(what, "x", x.len(), x_reach)?;
         // No pair, no read of the tables.
@@ -793,12 +873,16 @@ impl<T: FusedElem> FusedKernels<T> {
         }
         let (off, inv) = (long(what, "an offset", offset)?, i32::from(inverse));
         let n = long(what, "pairs", pairs)?;
+        // SAFETY: strata_rope writes every element, launched below: a grid-stride loop over
+        // the pairs (every pair whatever the grid), pair (row, e) writing elements e and e + d/2
+        // of its row for e below d/2, d even (checked); no pair, no element.
+        let mut out = unsafe { self.uninit::<T>(dense)? };
         let kernel = self.kernel(ROPE);
         let grid = [if pairs == 0 { 0 } else { stride_blocks(pairs) }, 1, 1];
         let _bound = bind(self.stream.context())?;
-        let Some(cfg) = kernel.config(what, grid, 256, 0)? else { return Ok(()) };
+        let Some(cfg) = kernel.config(what, grid, 256, 0)? else { return Ok(out) };
         let mut b = self.stream.launch_builder(&kernel.f);
-        b.arg(x).arg(out).arg(cos).arg(sin);
+        b.arg(x).arg(&mut out).arg(cos).arg(sin);
         for v in &ints {
             b.arg(v);
         }
@@ -809,59 +893,63 @@ impl<T: FusedElem> FusedKernels<T> {
         // SAFETY: strata_rope_<T>(const T* x, T* out, const float* cos, const float* sin, int
         // s, int h, int d, long long ×4 strides, long long offset, int inverse, long long
         // pairs), pairs = b·s·h·(d/2), d even: x read at its 4 strides for [b, s, h, d] (its
-        // reach checked); out holds b·s·h·d elements, cos and sin (offset + s)·d (checked).
+        // reach checked); out holds b·s·h·d elements (allocated so), cos and sin (offset + s)·d
+        // (checked).
         unsafe { b.launch(cfg) }.map_err(launch_err)?;
-        Ok(())
+        Ok(out)
     }
 
-    /// SwiGLU's forward over `n` contiguous elements: `out = silu(g) · u`.
+    /// SwiGLU's forward over `n` contiguous elements: `silu(g) · u`, in a new buffer.
     pub(crate) fn swiglu_fwd(
         &self,
         n: usize,
         [g, u]: [&CudaView<'_, T>; 2],
-        out: &mut CudaViewMut<'_, T>,
-    ) -> Result<()> {
+    ) -> Result<CudaSlice<T>> {
         let what = "fused swiglu's forward on CUDA";
         holds(what, "the gate", g.len(), Some(n))?;
         holds(what, "up", u.len(), Some(n))?;
-        holds(what, "the output", out.len(), Some(n))?;
         let len = long(what, "a length", n)?;
+        // SAFETY: strata_swiglu_fwd writes every element, launched below: a grid-stride loop
+        // over the n elements (all of them whatever the grid); none, no launch.
+        let mut out = unsafe { self.uninit::<T>(n)? };
         let kernel = self.kernel(SWIGLU_FWD);
         let grid = [if n == 0 { 0 } else { stride_blocks(n) }, 1, 1];
         let _bound = bind(self.stream.context())?;
-        let Some(cfg) = kernel.config(what, grid, 256, 0)? else { return Ok(()) };
+        let Some(cfg) = kernel.config(what, grid, 256, 0)? else { return Ok(out) };
         let mut b = self.stream.launch_builder(&kernel.f);
-        b.arg(g).arg(u).arg(out).arg(&len);
+        b.arg(g).arg(u).arg(&mut out).arg(&len);
         // SAFETY: strata_swiglu_fwd_<T>(const T* g, const T* u, T* out, long long n): a
-        // grid-stride loop over n elements of each (checked).
+        // grid-stride loop over n elements of each (checked; out allocated so).
         unsafe { b.launch(cfg) }.map_err(launch_err)?;
-        Ok(())
+        Ok(out)
     }
 
-    /// SwiGLU's backward over `n` contiguous elements: the gradients of the gate and of up.
+    /// SwiGLU's backward over `n` contiguous elements: the gradients of the gate and of up, in
+    /// new buffers.
     pub(crate) fn swiglu_bwd(
         &self,
         n: usize,
         [g, u, dy]: [&CudaView<'_, T>; 3],
-        [dg, du]: [&mut CudaViewMut<'_, T>; 2],
-    ) -> Result<()> {
+    ) -> Result<(CudaSlice<T>, CudaSlice<T>)> {
         let what = "fused swiglu's backward on CUDA";
         holds(what, "the gate", g.len(), Some(n))?;
         holds(what, "up", u.len(), Some(n))?;
         holds(what, "the gradient", dy.len(), Some(n))?;
-        holds(what, "the gate's gradient", dg.len(), Some(n))?;
-        holds(what, "up's gradient", du.len(), Some(n))?;
         let len = long(what, "a length", n)?;
+        // SAFETY: strata_swiglu_bwd writes every element of both, launched below: a
+        // grid-stride loop over the n elements; none, no launch.
+        let (mut dg, mut du) = unsafe { (self.uninit::<T>(n)?, self.uninit::<T>(n)?) };
         let kernel = self.kernel(SWIGLU_BWD);
         let grid = [if n == 0 { 0 } else { stride_blocks(n) }, 1, 1];
         let _bound = bind(self.stream.context())?;
-        let Some(cfg) = kernel.config(what, grid, 256, 0)? else { return Ok(()) };
+        let Some(cfg) = kernel.config(what, grid, 256, 0)? else { return Ok((dg, du)) };
         let mut b = self.stream.launch_builder(&kernel.f);
-        b.arg(g).arg(u).arg(dy).arg(dg).arg(du).arg(&len);
+        b.arg(g).arg(u).arg(dy).arg(&mut dg).arg(&mut du).arg(&len);
         // SAFETY: strata_swiglu_bwd_<T>(const T* g, const T* u, const T* dy, T* dg, T* du,
-        // long long n): a grid-stride loop over n elements of each (checked).
+        // long long n): a grid-stride loop over n elements of each (checked; dg and du
+        // allocated so).
         unsafe { b.launch(cfg) }.map_err(launch_err)?;
-        Ok(())
+        Ok((dg, du))
     }
 
     /// `acc += g` over `n` contiguous elements, `g` widened to f32: a gradient added in place
@@ -918,32 +1006,33 @@ impl<T: FusedElem> FusedKernels<T> {
     }
 
     /// `src`, whole blocks of the block-quantized `dtype` (GGUF's `Q4_0` … `Q8_K`, as stored),
-    /// dequantized into `out`'s first elements, rounded once to `T`, with the arithmetic of
+    /// dequantized into a new buffer, rounded once to `T`, with the arithmetic of
     /// [`quant::dequantize`](crate::base::quant::dequantize) (the same f32 values, bit for bit);
-    /// returns the elements written. Refused, nothing launched: a dtype that is not
-    /// block-quantized, bytes that are not whole blocks, an `out` too short.
+    /// returns it and the elements it holds. Refused, nothing launched: a dtype that is not
+    /// block-quantized, bytes that are not whole blocks.
     pub(crate) fn dequantize(
         &self,
         dtype: DType,
         src: &CudaView<'_, u8>,
-        out: &mut CudaViewMut<'_, T>,
-    ) -> Result<usize> {
+    ) -> Result<(CudaSlice<T>, usize)> {
         let what = "dequantize on CUDA";
         let (ty, belems, bsize, n) = dequant_args(dtype, src.len())?;
-        holds(what, "the output", out.len(), Some(n))?;
         let len = long(what, "the elements", n)?;
+        // SAFETY: strata_dequant writes every element, launched below: a grid-stride loop over
+        // the n elements (all of them whatever the grid); none, no launch.
+        let mut out = unsafe { self.uninit::<T>(n)? };
         let kernel = self.kernel(DEQUANT);
         let grid = [if n == 0 { 0 } else { stride_blocks(n) }, 1, 1];
         let _bound = bind(self.stream.context())?;
-        let Some(cfg) = kernel.config(what, grid, 256, 0)? else { return Ok(0) };
+        let Some(cfg) = kernel.config(what, grid, 256, 0)? else { return Ok((out, 0)) };
         let mut b = self.stream.launch_builder(&kernel.f);
-        b.arg(src).arg(out).arg(&len).arg(&ty).arg(&belems).arg(&bsize);
+        b.arg(src).arg(&mut out).arg(&len).arg(&ty).arg(&belems).arg(&bsize);
         // SAFETY: strata_dequant_<T>(const unsigned char* src, T* out, long long n, int type,
         // int belems, int bsize): a grid-stride loop over the n = blocks · belems elements of
-        // out (checked), element e reading bytes of block e / belems, all within src's
+        // out (allocated so), element e reading bytes of block e / belems, all within src's
         // blocks · bsize bytes (src is whole blocks, checked); type is quant_index's.
         unsafe { b.launch(cfg) }.map_err(launch_err)?;
-        Ok(n)
+        Ok((out, n))
     }
 }
 
@@ -1028,7 +1117,7 @@ mod tests {
     #[test]
     fn kernel_indices_follow_the_names() {
         let names = kernel_names("bf16");
-        assert_eq!(names.len(), 20);
+        assert_eq!(names.len(), 21);
         for (i, name) in [
             (FWD * 3, "strata_attn_fwd_bf16_d64"),
             (DQ * 3 + 1, "strata_attn_dq_bf16_d128"),
@@ -1044,6 +1133,7 @@ mod tests {
             (GRAD_ACC, "strata_grad_acc_bf16"),
             (GRAD_INDEX_ADD, "strata_grad_index_add_bf16"),
             (DEQUANT, "strata_dequant_bf16"),
+            (ADD_RMS_FWD, "strata_add_rms_fwd_bf16"),
         ] {
             assert_eq!(names[i], name);
         }

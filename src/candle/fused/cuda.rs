@@ -2,11 +2,11 @@
 //! turned into the views and sizes that `cuda/fused.cu`'s checked launchers take
 //! (`crate::backend::cuda::fused`, which compiles the program once per element type and compute
 //! capability, loads it once per context and holds the launches' `unsafe`), each kernel
-//! launched on candle's stream, each output a new buffer candle owns (zeroed on the stream
-//! before the kernel writes it: cudarc's one safe allocation), but for the sums made in place
-//! into f32 buffers the caller owns (`accumulate`, `index_add_rows`, and a linear layer's weight
-//! gradient by cuBLAS with beta = 1). Nothing here waits for the device or copies to or from the
-//! host.
+//! launched on candle's stream, each output a new buffer that the launcher allocates on the
+//! stream, uninitialised (the kernel writes it whole), and candle then owns (zeroed first only
+//! for cuDNN's kernels, [`output`]), but for the sums made in place into f32 buffers the caller
+//! owns (`accumulate`, `index_add_rows`, and a linear layer's weight gradient by cuBLAS with
+//! beta = 1). Nothing here waits for the device or copies to or from the host.
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda::{CudaDType, CudaDevice, CudaStorage};
@@ -17,7 +17,9 @@ use super::{with_elem, Geometry};
 use crate::backend::cuda::fused::{AttnShape, FusedKernels};
 use crate::backend::cuda::programs::add_at_b_f32;
 
-/// A new zeroed buffer of `n` elements (at least one) for a kernel's output.
+/// A new zeroed buffer of `n` elements (at least one), for the output of a kernel that strata
+/// has not checked writes every element: cuDNN's fused attention (`cudnn.rs`). The kernels of
+/// `cuda/fused.cu` write theirs whole, and their launchers allocate them without the memset.
 pub(super) fn output<T: DeviceRepr + ValidAsZeroBits>(
     dev: &CudaDevice,
     n: usize,
@@ -88,13 +90,10 @@ pub(super) fn attention_forward(
 ) -> candle_core::Result<(CudaStorage, CudaStorage)> {
     let dev = q.0.device().clone();
     let shape = attn_shape(g, [q.1, k.1, v.1])?;
-    let rows = g.b * g.sq * g.nh;
     with_elem!(q.0, "fused attention", |T| {
         let (qv, kv, vv) = (view::<T>(q.0, q.1)?, view::<T>(k.0, k.1)?, view::<T>(v.0, v.1)?);
-        let mut o = output::<T>(&dev, rows * g.d)?;
-        let mut lse = output::<f32>(&dev, rows)?;
         let f = FusedKernels::<T>::get(&dev.cuda_stream())?;
-        f.attn_fwd(&shape, [&qv, &kv, &vv], &mut o.as_view_mut(), &mut lse.as_view_mut())?;
+        let (o, lse) = f.attn_fwd(&shape, [&qv, &kv, &vv])?;
         Ok((
             CudaStorage::wrap_cuda_slice(o, dev.clone()),
             CudaStorage::wrap_cuda_slice(lse, dev.clone()),
@@ -113,21 +112,16 @@ pub(super) fn attention_backward(
     let dev = q.0.device().clone();
     let shape = attn_shape(g, [q.1, k.1, v.1])?;
     let rows = g.b * g.sq * g.nh;
-    let kv_elems = g.b * g.skv * g.nkv * g.d;
     with_elem!(q.0, "fused attention", |T| {
         let (qv, kv, vv) = (view::<T>(q.0, q.1)?, view::<T>(k.0, k.1)?, view::<T>(v.0, v.1)?);
         let ov = dense::<T>(o.0, o.1, "the attention's output")?;
         let dov = dense::<T>(dout.0, dout.1, "the attention's gradient")?;
         let lv = dense::<f32>(lse.0, lse.1, "the log-sum-exp")?;
-        let mut delta = output::<f32>(&dev, rows)?;
-        let mut dq = output::<T>(&dev, rows * g.d)?;
-        let mut dk = output::<T>(&dev, kv_elems)?;
-        let mut dv = output::<T>(&dev, kv_elems)?;
         let f = FusedKernels::<T>::get(&dev.cuda_stream())?;
-        f.attn_delta([rows, g.d], [&dov, &ov], &mut delta.as_view_mut())?;
+        let delta = f.attn_delta([rows, g.d], [&dov, &ov])?;
         let (inputs, saved) = ([&qv, &kv, &vv, &dov], [&lv, &delta.as_view()]);
-        f.attn_dq(&shape, inputs, saved, &mut dq.as_view_mut())?;
-        f.attn_dkdv(&shape, inputs, saved, [&mut dk.as_view_mut(), &mut dv.as_view_mut()])?;
+        let dq = f.attn_dq(&shape, inputs, saved)?;
+        let (dk, dv) = f.attn_dkdv(&shape, inputs, saved)?;
         let wrap = |s| CudaStorage::wrap_cuda_slice(s, dev.clone());
         Ok((wrap(dq), wrap(dk), wrap(dv)))
     })
@@ -146,15 +140,35 @@ pub(super) fn rms_norm_forward(
     with_elem!(x.0, "fused rms_norm", |T| {
         let xv = dense::<T>(x.0, x.1, "rms_norm's input")?;
         let wv = dense::<T>(w.0, w.1, "rms_norm's weight")?;
-        let mut out = output::<T>(&dev, n)?;
-        let mut inv = output::<f32>(&dev, rows)?;
         let f = FusedKernels::<T>::get(&dev.cuda_stream())?;
-        let (mut ov, mut iv) = (out.as_view_mut(), inv.as_view_mut());
-        f.rms_fwd([rows, hidden], eps, [&xv, &wv], &mut ov, &mut iv)?;
+        let (out, inv) = f.rms_fwd([rows, hidden], eps, [&xv, &wv])?;
         Ok((
             CudaStorage::wrap_cuda_slice(out, dev.clone()),
             CudaStorage::wrap_cuda_slice(inv, dev.clone()),
         ))
+    })
+}
+
+/// The residual add and RMSNorm in one pass: `h = x + r`, the norm of `h` and each row's
+/// inverse root mean square.
+pub(super) fn add_rms_norm_forward(
+    x: Arg,
+    r: Arg,
+    w: Arg,
+    eps: f32,
+) -> candle_core::Result<(CudaStorage, CudaStorage, CudaStorage)> {
+    let dev = x.0.device().clone();
+    let hidden = w.1.dims()[0];
+    let n = x.1.shape().elem_count();
+    let rows = n.checked_div(hidden).unwrap_or(0);
+    with_elem!(x.0, "fused add_rms_norm", |T| {
+        let xv = dense::<T>(x.0, x.1, "add_rms_norm's input")?;
+        let rv = dense::<T>(r.0, r.1, "add_rms_norm's residual")?;
+        let wv = dense::<T>(w.0, w.1, "add_rms_norm's weight")?;
+        let f = FusedKernels::<T>::get(&dev.cuda_stream())?;
+        let (h, out, inv) = f.add_rms_fwd([rows, hidden], eps, [&xv, &rv, &wv])?;
+        let wrap = |s| CudaStorage::wrap_cuda_slice(s, dev.clone());
+        Ok((wrap(h), wrap(out), CudaStorage::wrap_cuda_slice(inv, dev.clone())))
     })
 }
 
@@ -179,15 +193,11 @@ pub(super) fn rms_norm_backward(
         let wv = dense::<T>(w.0, w.1, "rms_norm's weight")?;
         let dyv = dense::<T>(dy.0, dy.1, "rms_norm's gradient")?;
         let iv = dense::<f32>(inv.0, inv.1, "rms_norm's saved rows")?;
-        let mut dx = output::<T>(&dev, n)?;
-        let mut dw = output::<T>(&dev, hidden)?;
-        let mut partial = output::<f32>(&dev, chunks * hidden)?;
         let f = FusedKernels::<T>::get(&dev.cuda_stream())?;
-        f.rms_dx([rows, hidden], [&xv, &wv, &dyv], &iv, &mut dx.as_view_mut())?;
-        let dims = [rows, hidden, DW_ROWS];
-        f.rms_dw_partial(dims, [&xv, &dyv], &iv, &mut partial.as_view_mut())?;
+        let dx = f.rms_dx([rows, hidden], [&xv, &wv, &dyv], &iv)?;
+        let partial = f.rms_dw_partial([rows, hidden, DW_ROWS], [&xv, &dyv], &iv)?;
         // With no row, chunks is 0: dw is the empty sum, written as zeros.
-        f.rms_dw_sum([chunks, hidden], &partial.as_view(), &mut dw.as_view_mut())?;
+        let dw = f.rms_dw_sum([chunks, hidden], &partial.as_view())?;
         Ok((
             CudaStorage::wrap_cuda_slice(dx, dev.clone()),
             CudaStorage::wrap_cuda_slice(dw, dev.clone()),
@@ -213,10 +223,8 @@ pub(super) fn rope(
         let xv = view::<T>(x.0, x.1)?;
         let cv = dense::<f32>(cos.0, cos.1, "rope's cos")?;
         let sv = dense::<f32>(sin.0, sin.1, "rope's sin")?;
-        let mut out = output::<T>(&dev, x.1.shape().elem_count())?;
         let f = FusedKernels::<T>::get(&dev.cuda_stream())?;
-        let tables = [&cv, &sv];
-        f.rope([dims, strides], (offset, inverse), &xv, tables, &mut out.as_view_mut())?;
+        let out = f.rope([dims, strides], (offset, inverse), &xv, [&cv, &sv])?;
         Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
     })
 }
@@ -228,9 +236,8 @@ pub(super) fn swiglu_forward(g: Arg, u: Arg) -> candle_core::Result<CudaStorage>
     with_elem!(g.0, "fused swiglu", |T| {
         let gv = dense::<T>(g.0, g.1, "swiglu's gate")?;
         let uv = dense::<T>(u.0, u.1, "swiglu's up")?;
-        let mut out = output::<T>(&dev, n)?;
         let f = FusedKernels::<T>::get(&dev.cuda_stream())?;
-        f.swiglu_fwd(n, [&gv, &uv], &mut out.as_view_mut())?;
+        let out = f.swiglu_fwd(n, [&gv, &uv])?;
         Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
     })
 }
@@ -247,10 +254,8 @@ pub(super) fn swiglu_backward(
         let gv = dense::<T>(g.0, g.1, "swiglu's gate")?;
         let uv = dense::<T>(u.0, u.1, "swiglu's up")?;
         let dyv = dense::<T>(dy.0, dy.1, "swiglu's gradient")?;
-        let mut dg = output::<T>(&dev, n)?;
-        let mut du = output::<T>(&dev, n)?;
         let f = FusedKernels::<T>::get(&dev.cuda_stream())?;
-        f.swiglu_bwd(n, [&gv, &uv, &dyv], [&mut dg.as_view_mut(), &mut du.as_view_mut()])?;
+        let (dg, du) = f.swiglu_bwd(n, [&gv, &uv, &dyv])?;
         let wrap = |s| CudaStorage::wrap_cuda_slice(s, dev.clone());
         Ok((wrap(dg), wrap(du)))
     })

@@ -1,9 +1,10 @@
 //! Fused operations of the Llama block, each one candle op with its own backward: attention
 //! ([`attention`], FlashAttention-2's algorithm: causal, grouped-query, an optional sliding
-//! window, never a `seq × seq` tensor), RMSNorm ([`rms_norm`]), the rotary embedding ([`rope`])
-//! and SwiGLU's gate ([`swiglu`]); gradients summed in place in f32 ([`accumulate`],
-//! [`index_add_rows`]); and a linear layer whose backward sums its weight's gradient straight
-//! into an f32 buffer ([`accumulating_linear`], [`add_weight_grad`]).
+//! window, never a `seq × seq` tensor), RMSNorm ([`rms_norm`], and with the residual add before
+//! it, [`add_rms_norm`]), the rotary embedding ([`rope`]) and SwiGLU's gate ([`swiglu`]);
+//! gradients summed in place in f32 ([`accumulate`], [`index_add_rows`]); and a linear layer
+//! whose backward sums its weight's gradient straight into an f32 buffer
+//! ([`accumulating_linear`], [`add_weight_grad`]).
 //!
 //! Each is a candle `CustomOp` (`Tensor::apply_op*`), so candle's autograd runs its backward:
 //! the forward saves what the backward needs (attention: the log-sum-exp of each query row;
@@ -37,6 +38,7 @@
 //! ```
 
 mod accumulate;
+mod add_norm;
 mod attention;
 #[cfg(feature = "candle-cuda")]
 mod cuda;
@@ -47,6 +49,7 @@ mod rope;
 mod swiglu;
 
 pub use accumulate::{accumulate, index_add_rows};
+pub use add_norm::add_rms_norm;
 pub use attention::attention;
 pub(crate) use linear::RowsMatmul;
 pub use linear::{accumulating_linear, add_weight_grad};

@@ -2,9 +2,10 @@
 //! f32, rounded to `x`'s dtype, times the weight (rounded again). The forward keeps each row's
 //! inverse root mean square for the backward.
 
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 
 use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Storage, Tensor, WithDType};
+use parking_lot::Mutex;
 use rayon::prelude::*;
 
 use super::{contiguous, cpu_tensor, dot, with_elem, Elem};
@@ -14,29 +15,47 @@ use super::{contiguous, cpu_tensor, dot, with_elem, Elem};
 /// fused backward (the gradients of `x` and of the weight, the weight's summed over the rows in
 /// f32).
 pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> candle_core::Result<Tensor> {
+    check_weight("fused rms_norm", x, weight)?;
+    let op = RmsNorm { eps: eps as f32, saved: Arc::default() };
+    x.contiguous()?.apply_op2_arc(&weight.contiguous()?, Arc::new(Box::new(op)))
+}
+
+/// Fails unless `weight` is `[hidden]` for rows of `x`'s last dimension, in `x`'s dtype.
+pub(super) fn check_weight(what: &str, x: &Tensor, weight: &Tensor) -> candle_core::Result<()> {
     let hidden = x.dims().last().copied().unwrap_or(0);
     if weight.dims() != [hidden] {
         candle_core::bail!(
-            "fused rms_norm: a weight of {:?} for rows of {hidden} ({:?})",
+            "{what}: a weight of {:?} for rows of {hidden} ({:?})",
             weight.dims(),
             x.dims()
         );
     }
     if weight.dtype() != x.dtype() {
         candle_core::bail!(
-            "fused rms_norm: a {:?} weight for {:?} values: one dtype",
+            "{what}: a {:?} weight for {:?} values: one dtype",
             weight.dtype(),
             x.dtype()
         );
     }
-    let op = RmsNorm { eps: eps as f32, inv: OnceLock::new() };
-    x.contiguous()?.apply_op2_arc(&weight.contiguous()?, std::sync::Arc::new(Box::new(op)))
+    Ok(())
 }
 
-struct RmsNorm {
-    eps: f32,
+/// The op: `x` and the weight in, the normalized rows out.
+pub(super) struct RmsNorm {
+    pub(super) eps: f32,
+    pub(super) saved: Arc<Saved>,
+}
+
+/// What an [`RmsNorm`]'s forward leaves for its backward, and the output when another op
+/// computed it ahead ([`super::add_norm`]: the residual add and the norm in one pass).
+#[derive(Default)]
+pub(super) struct Saved {
     /// Each row's `1 / sqrt(mean(x²) + eps)`, f32, once the forward ran.
-    inv: OnceLock<Tensor>,
+    pub(super) inv: OnceLock<Tensor>,
+    /// The output, computed from this op's input with this op's arithmetic by the op that made
+    /// the input: the forward takes it instead of computing it again (and computes it when it
+    /// is not there).
+    pub(super) ahead: Mutex<Option<Storage>>,
 }
 
 /// Rows per work item on the CPU; the weight's gradient is summed per item, then over the
@@ -55,6 +74,9 @@ impl CustomOp2 for RmsNorm {
         w: &CpuStorage,
         lw: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
+        if let Some(Storage::Cpu(out)) = self.saved.ahead.lock().take() {
+            return Ok((out, lx.shape().clone()));
+        }
         let hidden = lw.dims()[0];
         with_elem!(x, "fused rms_norm", |T| {
             let xs = contiguous::<T>(x, lx, "rms_norm's input")?;
@@ -69,13 +91,10 @@ impl CustomOp2 for RmsNorm {
                     .zip(xs.par_chunks(hidden))
                     .for_each(|((out, inv), x)| {
                         let xf: Vec<f32> = x.iter().map(|v| v.widen()).collect();
-                        *inv = 1.0 / (dot(&xf, &xf) / hidden as f32 + self.eps).sqrt();
-                        for ((o, x), w) in out.iter_mut().zip(&xf).zip(&w) {
-                            *o = T::narrow(T::narrow(x * *inv).widen() * w);
-                        }
+                        *inv = norm_row(&xf, &w, self.eps, out);
                     });
             }
-            let _ = self.inv.set(cpu_tensor(inv, rows));
+            let _ = self.saved.inv.set(cpu_tensor(inv, rows));
             Ok((T::to_cpu_storage_owned(out), lx.shape().clone()))
         })
     }
@@ -88,9 +107,12 @@ impl CustomOp2 for RmsNorm {
         w: &candle_core::CudaStorage,
         lw: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        if let Some(Storage::Cuda(out)) = self.saved.ahead.lock().take() {
+            return Ok((out, lx.shape().clone()));
+        }
         let (out, inv) = super::cuda::rms_norm_forward((x, lx), (w, lw), self.eps)?;
         let rows = lx.shape().elem_count().checked_div(lw.dims()[0]).unwrap_or(0);
-        let _ = self.inv.set(super::cuda_tensor(inv, rows));
+        let _ = self.saved.inv.set(super::cuda_tensor(inv, rows));
         Ok((out, lx.shape().clone()))
     }
 
@@ -101,7 +123,7 @@ impl CustomOp2 for RmsNorm {
         _out: &Tensor,
         grad: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
-        let inv = self.inv.get().ok_or_else(|| {
+        let inv = self.saved.inv.get().ok_or_else(|| {
             candle_core::Error::Msg("fused rms_norm: a backward before its forward".into()).bt()
         })?;
         let grad = grad.contiguous()?;
@@ -134,6 +156,16 @@ impl CustomOp2 for RmsNorm {
         };
         Ok((Some(dx), Some(dw)))
     }
+}
+
+/// RMSNorm of one row `x` (widened to f32) with the weight `w` (widened) into `out`, rounded
+/// where `LlamaRMSNorm` rounds; returns the row's `1 / sqrt(mean(x²) + eps)`.
+pub(super) fn norm_row<T: Elem>(x: &[f32], w: &[f32], eps: f32, out: &mut [T]) -> f32 {
+    let inv = 1.0 / (dot(x, x) / x.len() as f32 + eps).sqrt();
+    for ((o, x), w) in out.iter_mut().zip(x).zip(w) {
+        *o = T::narrow(T::narrow(x * inv).widen() * w);
+    }
+    inv
 }
 
 /// `dx` and `dw` on the CPU: for each row, with `n = x · inv` and `dn = dy · w`,
