@@ -473,7 +473,8 @@ fn tensors_the_device_tier_cannot_hold_now_are_read_on_the_host() {
 }
 
 /// On a GPU (feature `candle-cuda`): the out-of-core run on candle's CUDA device, from device
-/// views on candle's stream, equals candle's own in-memory run there.
+/// views on candle's stream, equals candle's own in-memory run there, with cudarc's event
+/// tracking off in candle's context (`store_for`: the store's events order its streams).
 #[cfg(feature = "candle-cuda")]
 #[test]
 fn out_of_core_on_cuda_equals_in_memory() {
@@ -495,6 +496,7 @@ fn out_of_core_on_cuda_equals_in_memory() {
         Store::builder().capacity(Tier::Device, 96 << 10).prefetch_budget(96 << 10),
     )
     .unwrap();
+    assert!(!dev.as_cuda_device().unwrap().is_event_tracking(), "store_for left tracking on");
     let loaded = store.load_checkpoint(&file, LoadOptions::default()).unwrap();
     let layers = Layers::from_loaded(store.clone(), &loaded, &dev).unwrap();
     let bert = OutOfCoreBert::new(layers, &config(), DType::F32).unwrap();
@@ -505,6 +507,23 @@ fn out_of_core_on_cuda_equals_in_memory() {
     }
     let tr = bert.layers().transfers().unwrap();
     assert!(tr.view_copy_bytes > 0 && tr.view_copy_seconds > 0.0);
+}
+
+/// On a GPU (feature `candle-cuda`): a candle device whose context already has a stream of
+/// cudarc's (`new_cuda_with_stream`) keeps cudarc's event tracking: its owner may count on it.
+#[cfg(feature = "candle-cuda")]
+#[test]
+fn a_device_with_its_own_stream_keeps_cudarc_event_tracking() {
+    let dev = match Device::new_cuda_with_stream(0) {
+        Ok(d) => d,
+        Err(e) => {
+            assert!(std::env::var("STRATA_REQUIRE_GPU").is_err(), "no GPU: {e}");
+            println!("SKIP a_device_with_its_own_stream_keeps_cudarc_event_tracking: no GPU ({e})");
+            return;
+        }
+    };
+    let _store = strata::candle::store_for(&dev, Store::builder()).unwrap();
+    assert!(dev.as_cuda_device().unwrap().is_event_tracking());
 }
 
 /// Out-of-core training of a Llama-style decoder, and the decoder itself (in this binary, so
