@@ -553,8 +553,8 @@ pub enum Compute {
     /// tensor, the causal mask inside its tiles, the key/value heads read in place for their
     /// query heads), RMSNorm (the post-attention one with the residual add before it), RoPE and
     /// SwiGLU each one op with its own backward; and, with the block's joints
-    /// ([`BlockWeights::joints`]), q/k/v one GEMM and gate/up one GEMM. What the
-    /// trainer, its in-memory twin and generation run.
+    /// ([`BlockWeights::joints`]), q/k/v one GEMM and gate/up one GEMM. What the trainer, its
+    /// in-memory twin and generation run.
     #[default]
     Fused,
     /// Plain candle ops (the scores and the softmax materialized, the mask built on the host,

@@ -794,9 +794,8 @@ impl<T: FusedElem> FusedKernels<T> {
         let c = int(what, "rows per chunk", chunk_rows)?;
         let n = elems(what, "the partial sums", product(&[chunks, hidden]))?;
         // SAFETY: strata_rms_dw_partial writes every element, launched below: one thread per
-        // (column below hidden: hidden / 256 blocks rounded up, chunk: the grid's y), each
-        // writing its partial sum (0 for a chunk past the rows, which the grid never has); a
-        // grid with a 0 has chunks·hidden = 0.
+        // (column below hidden: hidden / 256 blocks rounded up; chunk: the grid's y, chunks of
+        // them), each writing its partial sum; a grid with a 0 has chunks·hidden = 0.
         let mut partial = unsafe { self.uninit::<f32>(n)? };
         let kernel = self.kernel(RMS_DW_PARTIAL);
         let _bound = bind(self.stream.context())?;
