@@ -687,7 +687,9 @@ static CACHES: AtomicU64 = AtomicU64::new(0);
 /// [`Layers`] just before it runs (the next block's weights and KV cache prefetched meanwhile)
 /// and dropped after it, unless the block is resident ([`OutOfCoreLlama::with_resident`]); the
 /// KV cache in the store ([`StoreKvCache`]); the embedding rows the input uses gathered on the
-/// host. It takes `&self` everywhere, so many threads can share one (each with its own cache).
+/// host. It takes `&self` everywhere, so many threads can share one (each with its own cache;
+/// on CUDA, on a device made with `Device::new_cuda_with_stream`, see
+/// [`store_for`](super::store_for)).
 ///
 /// ```
 /// # fn main() -> candle_core::Result<()> {

@@ -276,6 +276,15 @@ impl CudaBackend {
 /// it); and the store's memory lent to candle's stream as a cudarc slice ([`BorrowedSlice`])
 /// is never freed by cudarc. Work the caller issues on another stream of this context with
 /// candle's tensors, or with a view's memory, is theirs to order (`DeviceView::record_use`).
+///
+/// Where this is not sound: candle's per-thread stream is a different stream on each host
+/// thread, so a candle tensor made on one thread and used on another (a model's resident
+/// blocks, built on one thread and shared in an `Arc` by several) is used on two streams.
+/// cudarc's events ordered that while the store's streams kept tracking on; with it off nothing
+/// does, as nothing does in candle without a store. strata's own programs run a model's GPU
+/// work on one thread; a caller sharing a model between threads makes the device with
+/// `Device::new_cuda_with_stream` (one stream for every thread, tracking left on), as
+/// docs/candle.md says.
 #[cfg_attr(not(feature = "candle-cuda"), allow(dead_code))]
 pub(crate) fn untrack_single_stream(ctx: &Arc<CudaContext>) -> bool {
     if ctx.is_in_multi_stream_mode() {
