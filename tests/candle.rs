@@ -522,7 +522,11 @@ fn a_device_with_its_own_stream_keeps_cudarc_event_tracking() {
             return;
         }
     };
-    let _store = strata::candle::store_for(&dev, Store::builder()).unwrap();
+    let small = Store::builder()
+        .capacity(Tier::Device, 1 << 20)
+        .capacity(Tier::Pinned, 1 << 20)
+        .capacity(Tier::Mapped, 1 << 20);
+    let _store = strata::candle::store_for(&dev, small).unwrap();
     assert!(dev.as_cuda_device().unwrap().is_event_tracking());
 }
 
