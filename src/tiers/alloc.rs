@@ -220,6 +220,53 @@ impl ExtentAllocator {
         }
     }
 
+    /// Whether an extent of `old` bytes can be [shrunk](ExtentAllocator::shrink) to one of
+    /// `new`: it reserves no less, and is a range or a slot of the same size.
+    pub(crate) fn can_shrink(&self, old: u64, new: u64) -> bool {
+        let (have, want) = (self.reserved_size(old), self.reserved_size(new));
+        want <= have && (self.slot_of(old).is_none() || have == want)
+    }
+
+    /// Shrinks the live extent that `alloc(old)` returned at `offset` to what `alloc(new)` could
+    /// have returned there, giving the rest back: afterwards it is freed with `free(offset,
+    /// new)`. A range shrinks to a shorter range, or to the first slot of its first page (which
+    /// becomes a page of `new`'s slots). False, and nothing changed, where that cannot be (see
+    /// [`ExtentAllocator::can_shrink`]: a smaller slot lives in another page) or `offset` is not
+    /// where `alloc(old)` put a live extent.
+    pub(crate) fn shrink(&mut self, offset: u64, old: u64, new: u64) -> bool {
+        if !self.can_shrink(old, new) {
+            return false;
+        }
+        let (have, want) = (self.reserved_size(old), self.reserved_size(new));
+        if have == want {
+            return true;
+        }
+        if !self.is_live(offset, old) {
+            debug_assert!(false, "shrink of an extent that is not allocated: {offset}, {old}");
+            return false;
+        }
+        match self.slot_of(new) {
+            None => {
+                // `want` is 0 for an empty extent: all of it goes back.
+                self.used -= have - want;
+                self.release_range(offset + want, have - want);
+            }
+            Some((class, slot)) => {
+                // The first page stays, cut into slots, the first taken; the rest goes back.
+                if have > self.align {
+                    self.used -= have - self.align;
+                    self.release_range(offset + self.align, have - self.align);
+                }
+                self.used -= self.align - slot;
+                if let Some(slots) = self.slots.as_mut() {
+                    slots.pages.insert(offset, (class, 1));
+                    slots.open[class as usize].insert(offset);
+                }
+            }
+        }
+        true
+    }
+
     /// Returns `[offset, offset + need)` to the free ranges, merged with its free neighbours.
     fn release_range(&mut self, offset: u64, need: u64) {
         let (mut start, mut end) = (offset, offset + need);
@@ -329,6 +376,37 @@ impl ExtentAllocator {
 mod tests {
     use super::*;
     use crate::base::testutil::Rng;
+
+    #[test]
+    fn shrink_gives_the_tail_back_and_frees_as_the_smaller_size() {
+        let mut a = ExtentAllocator::new(8 * 4096, 4096).with_small_slots();
+        // A range to a shorter range.
+        let x = a.alloc(3 * 4096).unwrap();
+        assert!(a.shrink(x, 3 * 4096, 5000));
+        assert_eq!(a.used(), 2 * 4096);
+        a.free(x, 5000);
+        assert_eq!((a.used(), a.ranges()), (0, vec![(0, 8 * 4096)]));
+        // A range to a slot: its first page becomes a page of slots, shared with a later slot.
+        let x = a.alloc(2 * 4096).unwrap();
+        assert!(a.shrink(x, 2 * 4096, 100));
+        assert_eq!(a.used(), 128);
+        let y = a.alloc(100).unwrap();
+        assert_eq!(y, x + 128, "the next slot of that page");
+        a.free(x, 100);
+        a.free(y, 100);
+        assert_eq!((a.used(), a.ranges()), (0, vec![(0, 8 * 4096)]));
+        // To nothing.
+        let x = a.alloc(4096).unwrap();
+        assert!(a.shrink(x, 4096, 0));
+        assert_eq!((a.used(), a.ranges()), (0, vec![(0, 8 * 4096)]));
+        // A slot shrinks only within its slot size.
+        let x = a.alloc(1000).unwrap();
+        assert!(a.shrink(x, 1000, 600));
+        assert!(!a.shrink(x, 600, 100));
+        assert_eq!(a.used(), 1024);
+        a.free(x, 600);
+        assert_eq!((a.used(), a.ranges()), (0, vec![(0, 8 * 4096)]));
+    }
 
     #[test]
     fn alloc_free_coalesce() {

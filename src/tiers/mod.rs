@@ -282,15 +282,15 @@ impl TierBooks {
         let old = self.reserve.held.take();
         if let Some((t, e)) = &old {
             let have = self.reserved_size(*t, e.bytes());
-            if *t == tier && have >= want {
-                // Shrink in place (the tail goes back to the tier), or keep it as it is.
-                let off = e.offset();
-                if have > want {
-                    if let Some(a) = self.allocs[t.index()].as_mut() {
-                        a.free(off + want, have - want);
-                    }
-                }
-                self.reserve.held = Some((tier, Extent::new(off, largest)));
+            // Shrink in place (the tail goes back to the tier), or keep it as it is. Not where
+            // it is a slot of a shared page and the new size a smaller slot (see `shrink`).
+            let shrunk = *t == tier
+                && have >= want
+                && self.allocs[t.index()]
+                    .as_mut()
+                    .is_some_and(|a| a.shrink(e.offset(), e.bytes(), largest));
+            if shrunk {
+                self.reserve.held = Some((tier, Extent::new(e.offset(), largest)));
                 return Ok(());
             }
         }
@@ -349,8 +349,10 @@ impl TierBooks {
         if let Some(f) = &self.reserve.lent {
             return Err(f.clone());
         }
+        // Only a reserve the write's copy can be cut from, should the write keep it there
+        // (`return_reserve`): a slot of a shared page is not cut into a smaller slot.
         let fits = match &self.reserve.held {
-            Some((t, e)) => self.reserved_size(*t, bytes) <= self.reserved_size(*t, e.bytes()),
+            Some((t, e)) => self.alloc_of(*t).is_some_and(|a| a.can_shrink(e.bytes(), bytes)),
             None => false,
         };
         if !fits {
@@ -377,12 +379,11 @@ impl TierBooks {
         match kept {
             None => self.reserve.held = Some((t, Extent::new(off, full))),
             Some(bytes) => {
-                let (used, all) = (self.reserved_size(t, bytes), self.reserved_size(t, full));
-                if all > used {
-                    if let Some(a) = self.allocs[t.index()].as_mut() {
-                        a.free(off + used, all - used);
-                    }
-                }
+                // The reserve's extent becomes the tensor's, of its size (the rest back to the
+                // tier): freed later as an extent of `bytes`.
+                let shrunk =
+                    self.allocs[t.index()].as_mut().is_none_or(|a| a.shrink(off, full, bytes));
+                debug_assert!(shrunk, "a write reserve of {full} bytes kept for {bytes}");
             }
         }
         let _ = self.fit_reserve();
@@ -556,5 +557,54 @@ impl TierBooks {
             }
             _ => SmallVec::new(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Books with only a Pinned tier of 64 KiB, whose small extents share pages.
+    fn pinned_books() -> TierBooks {
+        let pinned = ExtentAllocator::new(64 << 10, 4096).with_small_slots();
+        let mut books = TierBooks::new([None, Some(pinned), None, None]);
+        books.reserve.enabled = true;
+        books
+    }
+
+    /// A write kept its copy in the write reserve (its in-place write failed): the reserve's
+    /// extent, a page, becomes the small tensor's slot, freed later as that.
+    #[test]
+    fn a_write_reserve_kept_by_a_small_tensor_is_freed_as_its_slot() {
+        let mut books = pinned_books();
+        books.reserve.note(3000);
+        books.fit_reserve().unwrap();
+        let done = Arc::new(Signal::default());
+        let Ok(Some((t, ext))) = books.lend_reserve(100, &done) else { panic!("not lent") };
+        assert_eq!(t, Tier::Pinned);
+        books.return_reserve(Some(100));
+        assert!(done.is_set());
+        books.reserve.unnote(3000);
+        books.fit_reserve().unwrap();
+        assert_eq!(books.used(Tier::Pinned), 128, "the tensor's slot");
+        books.free(Tier::Pinned, ext);
+        assert_eq!((books.used(Tier::Pinned), books.largest_free(Tier::Pinned)), (0, 64 << 10));
+    }
+
+    /// A reserve that is a slot is not lent to a write whose copy would take a smaller slot
+    /// (that slot could not be kept), and is lent to one of its own slot size.
+    #[test]
+    fn a_slot_reserve_is_lent_only_to_writes_of_its_slot_size() {
+        let mut books = pinned_books();
+        books.reserve.note(1000);
+        books.fit_reserve().unwrap();
+        let done = Arc::new(Signal::default());
+        assert!(matches!(books.lend_reserve(100, &done), Ok(None)));
+        let Ok(Some((_, ext))) = books.lend_reserve(600, &done) else { panic!("not lent") };
+        books.return_reserve(Some(600));
+        books.reserve.unnote(1000);
+        books.fit_reserve().unwrap();
+        books.free(Tier::Pinned, ext);
+        assert_eq!((books.used(Tier::Pinned), books.largest_free(Tier::Pinned)), (0, 64 << 10));
     }
 }
