@@ -7,7 +7,11 @@ use crate::base::types::{format_size, BackendKind, Group, Tier};
 /// Use of one tier.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct TierStats {
-    /// Bytes taken by tensors (rounded up to the tier's alignment).
+    /// Bytes taken by tensors (rounded up to the tier's alignment), and by copies the store
+    /// dropped whose memory waits for work still touching it (a copy in flight, a view's
+    /// kernels: [`Store::wait_for_copies`] waits for those).
+    ///
+    /// [`Store::wait_for_copies`]: crate::Store::wait_for_copies
     pub used: u64,
     /// The tier's budget (0: disabled).
     pub capacity: u64,

@@ -354,10 +354,40 @@ fn run(backend: Backend, views: bool, seconds: f64, seed: u64) {
     for id in present {
         store.remove(id).unwrap();
     }
+    // A removed tensor's memory is freed once the work still touching it has run (an upload a
+    // read's promotion issued, a demotion): under load some may still be queued.
+    let early = store.stats();
+    store.wait_for_copies().unwrap();
     let stats = store.stats();
     for t in Tier::ALL {
+        if early.used(t) != 0 {
+            eprintln!("end: {t} held {} bytes for copies still in flight", early.used(t));
+        }
         assert_eq!(stats.used(t), 0, "end: {t} still used after removing everything");
     }
+}
+
+/// [`run`] many times over, for races too rare for one run: `STRATA_STRESS_RUNS` runs (10) of
+/// `STRATA_STRESS_SECONDS` (1) each from seed `STRATA_STRESS_SEED` (100) on, every host copy
+/// taking `STRATA_STRESS_SLOW_US` µs (0) more ([`strata::failpoint::slow_copies`]), e.g.
+/// `STRATA_STRESS_RUNS=50 STRATA_STRESS_SLOW_US=300 cargo test --features text,failpoints
+/// --test core concurrency::many_runs -- --ignored --nocapture`.
+#[cfg(feature = "failpoints")]
+#[test]
+#[ignore = "minutes; run by hand when hunting a race"]
+fn many_runs_of_mixed_operations_from_8_threads() {
+    let var = |name: &str, default: f64| {
+        std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+    };
+    let runs = var("STRATA_STRESS_RUNS", 10.0) as u64;
+    let seconds = var("STRATA_STRESS_SECONDS", 1.0);
+    let seed = var("STRATA_STRESS_SEED", 100.0) as u64;
+    let slow = Duration::from_micros(var("STRATA_STRESS_SLOW_US", 0.0) as u64);
+    strata::failpoint::slow_copies(slow);
+    for i in 0..runs {
+        run(Backend::Host, i % 2 == 1, seconds, seed + i);
+    }
+    strata::failpoint::slow_copies(Duration::ZERO);
 }
 
 /// Runs `f` on a thread and fails if it is not done within the watchdog's time.

@@ -294,6 +294,9 @@ fn run(backend: Backend, policy: PolicyKind, seed: u64, steps: usize, tally: &mu
     for id in sh.data.keys().copied().collect::<Vec<_>>() {
         store.remove(id).unwrap();
     }
+    // Memory a copy still in flight touches (an upload a read's promotion issued) is freed
+    // once that copy has run.
+    store.wait_for_copies().unwrap();
     let s = store.stats();
     for t in Tier::ALL {
         assert_eq!(s.used(t), 0, "policy {policy}, seed {seed}: {t} still used when empty");
