@@ -220,6 +220,15 @@ impl ExtentAllocator {
         }
     }
 
+    /// The smallest request of at least `size` bytes that takes pages of its own rather than a
+    /// slot of a shared page: `size` itself unless it would take a slot.
+    pub(crate) fn unshared(&self, size: u64) -> u64 {
+        match self.slot_of(size) {
+            Some(_) => self.align / 2 + 1,
+            None => size,
+        }
+    }
+
     /// Whether an extent of `old` bytes can be [shrunk](ExtentAllocator::shrink) to one of
     /// `new`: it reserves no less, and is a range or a slot of the same size.
     pub(crate) fn can_shrink(&self, old: u64, new: u64) -> bool {

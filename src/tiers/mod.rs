@@ -278,19 +278,21 @@ impl TierBooks {
         else {
             return Err((Tier::Disk, largest));
         };
-        let want = self.reserved_size(tier, largest);
+        // Pages of its own, never a slot of a shared page, so that a write of any covered size
+        // can keep its copy there (`return_reserve`: a slot is not cut into a smaller one).
+        let size = self.alloc_of(tier).map_or(largest, |a| a.unshared(largest));
+        let want = self.reserved_size(tier, size);
         let old = self.reserve.held.take();
         if let Some((t, e)) = &old {
             let have = self.reserved_size(*t, e.bytes());
-            // Shrink in place (the tail goes back to the tier), or keep it as it is. Not where
-            // it is a slot of a shared page and the new size a smaller slot (see `shrink`).
+            // Shrink in place (the tail goes back to the tier), or keep it as it is.
             let shrunk = *t == tier
                 && have >= want
                 && self.allocs[t.index()]
                     .as_mut()
-                    .is_some_and(|a| a.shrink(e.offset(), e.bytes(), largest));
+                    .is_some_and(|a| a.shrink(e.offset(), e.bytes(), size));
             if shrunk {
-                self.reserve.held = Some((tier, Extent::new(e.offset(), largest)));
+                self.reserve.held = Some((tier, Extent::new(e.offset(), size)));
                 return Ok(());
             }
         }
@@ -300,16 +302,16 @@ impl TierBooks {
         let mut other_tier = None;
         if let Some((t, e)) = old {
             if t == tier {
-                let size = e.bytes();
+                let old_size = e.bytes();
                 self.free(t, Ext::Mem(e));
-                let got = self.take_backed(tier, largest).or_else(|| self.take_backed(t, size));
-                let fitted = got.as_ref().is_some_and(|x| x.mem_extent().bytes() == largest);
+                let got = self.take_backed(tier, size).or_else(|| self.take_backed(t, old_size));
+                let fitted = got.as_ref().is_some_and(|x| x.mem_extent().bytes() == size);
                 self.reserve.held = got.map(|x| (t, x.into_mem_extent()));
                 return if fitted { Ok(()) } else { Err((tier, largest)) };
             }
             other_tier = Some((t, e));
         }
-        match self.take_backed(tier, largest) {
+        match self.take_backed(tier, size) {
             Some(x) => {
                 if let Some((t, e)) = other_tier {
                     self.free(t, Ext::Mem(e));
@@ -350,7 +352,7 @@ impl TierBooks {
             return Err(f.clone());
         }
         // Only a reserve the write's copy can be cut from, should the write keep it there
-        // (`return_reserve`): a slot of a shared page is not cut into a smaller slot.
+        // (`return_reserve`; the reserve takes pages of its own, so any covered size can).
         let fits = match &self.reserve.held {
             Some((t, e)) => self.alloc_of(*t).is_some_and(|a| a.can_shrink(e.bytes(), bytes)),
             None => false,
@@ -591,19 +593,20 @@ mod tests {
         assert_eq!((books.used(Tier::Pinned), books.largest_free(Tier::Pinned)), (0, 64 << 10));
     }
 
-    /// A reserve that is a slot is not lent to a write whose copy would take a smaller slot
-    /// (that slot could not be kept), and is lent to one of its own slot size.
+    /// A reserve covering only tensors of at most half a page takes a page of its own, not a
+    /// slot: it is lent to a write of any covered size, whose copy it can become.
     #[test]
-    fn a_slot_reserve_is_lent_only_to_writes_of_its_slot_size() {
+    fn a_reserve_for_small_tensors_is_a_page_lent_to_any_of_them() {
         let mut books = pinned_books();
         books.reserve.note(1000);
         books.fit_reserve().unwrap();
+        assert_eq!(books.reserve_bytes(Tier::Pinned), 4096);
         let done = Arc::new(Signal::default());
-        assert!(matches!(books.lend_reserve(100, &done), Ok(None)));
-        let Ok(Some((_, ext))) = books.lend_reserve(600, &done) else { panic!("not lent") };
-        books.return_reserve(Some(600));
+        let Ok(Some((_, ext))) = books.lend_reserve(100, &done) else { panic!("not lent") };
+        books.return_reserve(Some(100));
         books.reserve.unnote(1000);
         books.fit_reserve().unwrap();
+        assert_eq!(books.used(Tier::Pinned), 128, "the tensor's slot");
         books.free(Tier::Pinned, ext);
         assert_eq!((books.used(Tier::Pinned), books.largest_free(Tier::Pinned)), (0, 64 << 10));
     }
