@@ -248,6 +248,9 @@ pub struct BlockWeights {
     pub grad_buffers: HashMap<String, GradBuffer>,
     /// The [`JOINED_LINEARS`] joined ([`BlockWeights::join`]; a trainer joins them when it
     /// stages the block): each one GEMM under [`Compute::Fused`]. None: one GEMM a projection.
+    /// A joint is a copy made by [`BlockWeights::join`] and is not checked against the fields
+    /// above: after replacing a joined weight or adding a gradient buffer, join again (or clear
+    /// this), or the forward keeps using the old copy and the new buffer is never summed into.
     pub joints: Vec<JointLinear>,
 }
 

@@ -98,7 +98,9 @@ use crate::{Store, StoreBuilder, Stream};
 /// already has a stream of cudarc's (`Device::new_cuda_with_stream`) keeps its tracking. Work
 /// you issue on a stream of your own in that context, with candle's tensors or a view's memory,
 /// is then yours to order (events; [`DeviceView::record_use`](crate::DeviceView::record_use)),
-/// and so is a candle tensor used on two host threads (the per-thread stream is one stream per
+/// and so is a candle tensor used, or dropped, on two host threads (a tensor freed on another
+/// thread is freed on that thread's stream, no longer after the first thread's work on it; the
+/// per-thread stream is one stream per
 /// thread): to share a model between threads, make the device with `new_cuda_with_stream`.
 ///
 /// ```

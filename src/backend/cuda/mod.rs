@@ -279,8 +279,9 @@ impl CudaBackend {
 ///
 /// Where this is not sound: candle's per-thread stream is a different stream on each host
 /// thread, so a candle tensor made on one thread and used on another (a model's resident
-/// blocks, built on one thread and shared in an `Arc` by several) is used on two streams.
-/// cudarc's events ordered that while the store's streams kept tracking on; with it off nothing
+/// blocks, built on one thread and shared in an `Arc` by several) is used on two streams, and
+/// one dropped on another thread is freed on that thread's stream, no longer after the work of
+/// the thread that used it. cudarc's events ordered that while the store's streams kept tracking on; with it off nothing
 /// does, as nothing does in candle without a store. strata's own programs run a model's GPU
 /// work on one thread; a caller sharing a model between threads makes the device with
 /// `Device::new_cuda_with_stream` (one stream for every thread, tracking left on), as
