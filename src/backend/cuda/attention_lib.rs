@@ -31,7 +31,9 @@ use std::ffi::{c_char, c_void, CStr, CString};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
 
-use cudarc::driver::{CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceRepr};
+use cudarc::driver::{
+    CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceRepr,
+};
 use half::{bf16, f16};
 
 use super::bind;
@@ -514,18 +516,30 @@ impl AttentionLib {
         }
     }
 
-    /// The workspace bytes a call of `desc` needs (the library builds and caches cuDNN's graph
-    /// on the current device: `stream`'s context is made current for it).
-    fn workspace(&self, stream: &CudaStream, desc: &Desc, dir: Direction) -> Result<usize> {
-        let _bound = bind(stream.context())?;
-        let mut bytes = 0usize;
-        // SAFETY: `desc` passed the checks; `bytes` is a valid place for the answer.
-        let st = unsafe { (self.workspace_size)(desc, dir.flag(), &mut bytes) };
-        if st == OK {
-            Ok(bytes)
-        } else {
-            Err(self.error("strata_attn_workspace_size", st))
-        }
+    /// A workspace of the bytes a call of `desc` needs (and that count), on `stream`, uninitialised (the library
+    /// builds and caches cuDNN's graph on the current device: `stream`'s context is made
+    /// current for it).
+    fn workspace(
+        &self,
+        stream: &Arc<CudaStream>,
+        desc: &Desc,
+        dir: Direction,
+    ) -> Result<(CudaSlice<u8>, usize)> {
+        let bytes = {
+            let _bound = bind(stream.context())?;
+            let mut bytes = 0usize;
+            // SAFETY: `desc` passed the checks; `bytes` is a valid place for the answer.
+            let st = unsafe { (self.workspace_size)(desc, dir.flag(), &mut bytes) };
+            if st != OK {
+                return Err(self.error("strata_attn_workspace_size", st));
+            }
+            bytes
+        };
+        // SAFETY: the workspace is scratch cuDNN writes before it reads; nothing reads its
+        // first contents, so no initialisation is needed.
+        let ws = unsafe { stream.alloc::<u8>(bytes.max(1)) }
+            .map_err(|e| Error::cuda("cuMemAllocAsync", e))?;
+        Ok((ws, bytes))
     }
 
     /// `o = softmax(scale · q kᵀ + mask) v` and each query row's log-sum-exp (`lse`, f32
@@ -542,18 +556,8 @@ impl AttentionLib {
         for (t, len) in [(Q, q.len()), (K, k.len()), (V, v.len()), (O, o.len())] {
             holds(NAMES[t], len, reach(shape, t).unwrap_or(usize::MAX))?;
         }
-        if lse.len() < shape.lse_len() {
-            return Err(invalid(format!(
-                "the log-sum-exp holds {} elements, [b, heads, q_len] is {}",
-                lse.len(),
-                shape.lse_len()
-            )));
-        }
-        let bytes = self.workspace(stream, &desc, Direction::Forward)?;
-        // SAFETY: the workspace is scratch cuDNN writes before it reads; nothing reads its
-        // first contents, so no initialisation is needed.
-        let mut ws = unsafe { stream.alloc::<u8>(bytes.max(1)) }
-            .map_err(|e| Error::cuda("cuMemAllocAsync", e))?;
+        holds("the log-sum-exp ([b, heads, q_len])", lse.len(), shape.lse_len())?;
+        let (mut ws, bytes) = self.workspace(stream, &desc, Direction::Forward)?;
         let _bound = bind(stream.context())?;
         let (qp, _gq) = q.device_ptr(stream);
         let (kp, _gk) = k.device_ptr(stream);
@@ -609,17 +613,8 @@ impl AttentionLib {
         ] {
             holds(NAMES[t], len, reach(shape, t).unwrap_or(usize::MAX))?;
         }
-        if lse.len() < shape.lse_len() {
-            return Err(invalid(format!(
-                "the log-sum-exp holds {} elements, [b, heads, q_len] is {}",
-                lse.len(),
-                shape.lse_len()
-            )));
-        }
-        let bytes = self.workspace(stream, &desc, Direction::Backward)?;
-        // SAFETY: as the forward's: scratch, written before it is read.
-        let mut ws = unsafe { stream.alloc::<u8>(bytes.max(1)) }
-            .map_err(|e| Error::cuda("cuMemAllocAsync", e))?;
+        holds("the log-sum-exp ([b, heads, q_len])", lse.len(), shape.lse_len())?;
+        let (mut ws, bytes) = self.workspace(stream, &desc, Direction::Backward)?;
         let _bound = bind(stream.context())?;
         let (qp, _gq) = q.device_ptr(stream);
         let (kp, _gk) = k.device_ptr(stream);
