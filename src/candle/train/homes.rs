@@ -3,9 +3,7 @@
 //! ([`put_checkpoint`]), candle tensors written into store tensors ([`candle_to_store`]), and
 //! parameters read back in f32 ([`read_f32`]).
 
-#[cfg(feature = "candle-cuda")]
-use candle_core::Device;
-use candle_core::{DType as CDType, Tensor};
+use candle_core::{DType as CDType, Device, Tensor};
 
 use super::strata_err;
 use crate::base::types::{DType, Group, TensorId, Tier};
@@ -116,6 +114,22 @@ pub(crate) fn candle_to_store(
             }
             drop(view);
             store.release(&[id]).map_err(|e| strata_err(name, e))
+        }
+        Device::Cpu => {
+            let _ = stream;
+            // Straight from candle's storage into the store: one copy (through `to_vec1` it
+            // was three, each into a fresh allocation).
+            use candle_core::{CpuStorage, Storage};
+            let (storage, layout) = t.storage_and_layout();
+            let (start, end) = layout
+                .contiguous_offsets()
+                .ok_or_else(|| candle_core::Error::Msg(format!("{name}: not contiguous")))?;
+            let bytes: &[u8] = match &*storage {
+                Storage::Cpu(CpuStorage::F32(v)) => bytemuck::cast_slice(&v[start..end]),
+                Storage::Cpu(CpuStorage::BF16(v)) => bytemuck::cast_slice(&v[start..end]),
+                _ => candle_core::bail!("{name}: no copy into the store for {:?}", t.dtype()),
+            };
+            store.write(id, bytes).map_err(|e| strata_err(name, e))
         }
         _ => {
             let _ = stream;
