@@ -19,7 +19,7 @@ use super::linear::Adapter;
 use super::llama::{
     block_forward, embed, head_logits, BlockWeights, KvCache, Rope, SeededRng, EMBED,
 };
-use super::{strata_err, tensor_from_bytes, wait_for_writer, Layers, LlamaConfig};
+use super::{strata_err, tensor_from_bytes, wait_for_writer, with_cpu_bytes, Layers, LlamaConfig};
 use crate::base::types::{DType, Group, TensorId};
 use crate::{DeviceView, Store};
 
@@ -924,21 +924,21 @@ impl OutOfCoreLlama {
                         super::cuda::candle_into_view(&new, &mut view, start, cuda)
                             .map_err(|e| e.context(format!("writing tensor {name}")))?
                     }
-                    _ => {
-                        let bytes = host_bytes(&new)?;
+                    _ => with_cpu_bytes(name, &new, |bytes| {
                         view.with_host_bytes_mut(|all| {
-                            all[start * esize..start * esize + bytes.len()].copy_from_slice(&bytes)
+                            all[start * esize..start * esize + bytes.len()].copy_from_slice(bytes)
                         })
-                        .map_err(|e| strata_err(name, e))?
-                    }
+                    })?
+                    .map_err(|e| strata_err(name, e))?,
                 }
                 view.mark_dirty();
             }
             None => {
-                let bytes = host_bytes(&new)?;
                 let mut all =
                     wait_for_writer(|| store.read_in_place(id)).map_err(|e| strata_err(name, e))?;
-                all[start * esize..start * esize + bytes.len()].copy_from_slice(&bytes);
+                with_cpu_bytes(name, &new, |bytes| {
+                    all[start * esize..start * esize + bytes.len()].copy_from_slice(bytes)
+                })?;
                 wait_for_writer(|| store.write(id, &all)).map_err(|e| strata_err(name, e))?;
             }
         }
@@ -1027,17 +1027,6 @@ impl OutOfCoreLlama {
         }
         Ok(logits)
     }
-}
-
-/// A CPU tensor's elements as bytes (native order).
-fn host_bytes(t: &Tensor) -> candle_core::Result<Vec<u8>> {
-    let t = t.flatten_all()?;
-    Ok(match t.dtype() {
-        CDType::F32 => bytemuck::cast_slice(&t.to_vec1::<f32>()?).to_vec(),
-        CDType::BF16 => bytemuck::cast_slice(&t.to_vec1::<half::bf16>()?).to_vec(),
-        CDType::F16 => bytemuck::cast_slice(&t.to_vec1::<half::f16>()?).to_vec(),
-        other => candle_core::bail!("a KV cache of {other:?}"),
-    })
 }
 
 impl CausalLm for OutOfCoreLlama {

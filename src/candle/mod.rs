@@ -381,6 +381,29 @@ pub(crate) fn read_tensor(
     }
 }
 
+/// Calls `f` with a contiguous CPU tensor's elements as bytes (native order), borrowed from
+/// candle's storage (no copy; a tensor that is a view starts at its offset). An error naming
+/// `name` for a tensor that is not on the CPU, not contiguous, or not f32, bf16 or f16.
+pub(crate) fn with_cpu_bytes<R>(
+    name: &str,
+    t: &Tensor,
+    f: impl FnOnce(&[u8]) -> R,
+) -> candle_core::Result<R> {
+    use candle_core::{CpuStorage, Storage};
+    let (storage, layout) = t.storage_and_layout();
+    let (start, end) = layout
+        .contiguous_offsets()
+        .ok_or_else(|| candle_core::Error::Msg(format!("{name}: not contiguous")))?;
+    let bytes: &[u8] = match &*storage {
+        Storage::Cpu(CpuStorage::F32(v)) => bytemuck::cast_slice(&v[start..end]),
+        Storage::Cpu(CpuStorage::BF16(v)) => bytemuck::cast_slice(&v[start..end]),
+        Storage::Cpu(CpuStorage::F16(v)) => bytemuck::cast_slice(&v[start..end]),
+        Storage::Cpu(_) => candle_core::bail!("{name}: no bytes of a {:?} tensor", t.dtype()),
+        _ => candle_core::bail!("{name}: not a CPU tensor"),
+    };
+    Ok(f(bytes))
+}
+
 /// A candle tensor on `device` holding a copy of `bytes`, a tensor of `dtype` and `shape` as
 /// stored (native byte order), converted as candle's safetensors loader converts it.
 pub(crate) fn tensor_from_bytes(
@@ -402,4 +425,24 @@ pub(crate) fn tensor_from_bytes(
         return Tensor::from_vec(wide, shape, device);
     }
     Tensor::from_raw_buffer(bytes, cd, shape, device)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cpu_bytes_are_borrowed_from_the_view_and_refused_where_there_are_none() {
+        let t = Tensor::new(&[[1f32, 2.0], [3.0, 4.0], [5.0, 6.0]], &Device::Cpu).unwrap();
+        let row = t.narrow(0, 1, 1).unwrap();
+        let got = with_cpu_bytes("row", &row, |b| b.to_vec()).unwrap();
+        assert_eq!(got, bytemuck::cast_slice::<f32, u8>(&[3.0, 4.0]));
+        let bf = t.to_dtype(candle_core::DType::BF16).unwrap();
+        assert_eq!(with_cpu_bytes("bf", &bf, |b| b.len()).unwrap(), 12);
+        let err = with_cpu_bytes("tr", &t.t().unwrap(), |_| ()).unwrap_err().to_string();
+        assert!(err.contains("tr: not contiguous"), "{err}");
+        let ids = Tensor::new(&[1u32, 2], &Device::Cpu).unwrap();
+        let err = with_cpu_bytes("ids", &ids, |_| ()).unwrap_err().to_string();
+        assert!(err.contains("ids: no bytes of a U32 tensor"), "{err}");
+    }
 }

@@ -119,17 +119,8 @@ pub(crate) fn candle_to_store(
             let _ = stream;
             // Straight from candle's storage into the store: one copy (through `to_vec1` it
             // was three, each into a fresh allocation).
-            use candle_core::{CpuStorage, Storage};
-            let (storage, layout) = t.storage_and_layout();
-            let (start, end) = layout
-                .contiguous_offsets()
-                .ok_or_else(|| candle_core::Error::Msg(format!("{name}: not contiguous")))?;
-            let bytes: &[u8] = match &*storage {
-                Storage::Cpu(CpuStorage::F32(v)) => bytemuck::cast_slice(&v[start..end]),
-                Storage::Cpu(CpuStorage::BF16(v)) => bytemuck::cast_slice(&v[start..end]),
-                _ => candle_core::bail!("{name}: no copy into the store for {:?}", t.dtype()),
-            };
-            store.write(id, bytes).map_err(|e| strata_err(name, e))
+            super::super::with_cpu_bytes(name, &t, |bytes| store.write(id, bytes))?
+                .map_err(|e| strata_err(name, e))
         }
         _ => {
             let _ = stream;
