@@ -936,7 +936,9 @@ impl OutOfCoreLlama {
             None => {
                 let mut all =
                     wait_for_writer(|| store.read_in_place(id)).map_err(|e| strata_err(name, e))?;
-                with_cpu_bytes(name, &new, |bytes| {
+                // (a CUDA tensor's values come to the host first: the tier has no room for a view)
+                let host = new.to_device(&Device::Cpu)?;
+                with_cpu_bytes(name, &host, |bytes| {
                     all[start * esize..start * esize + bytes.len()].copy_from_slice(bytes)
                 })?;
                 wait_for_writer(|| store.write(id, &all)).map_err(|e| strata_err(name, e))?;

@@ -383,7 +383,8 @@ pub(crate) fn read_tensor(
 
 /// Calls `f` with a contiguous CPU tensor's elements as bytes (native order), borrowed from
 /// candle's storage (no copy; a tensor that is a view starts at its offset). An error naming
-/// `name` for a tensor that is not on the CPU, not contiguous, or not f32, bf16 or f16.
+/// `name` for a tensor that is not on the CPU, not contiguous, or not f32, bf16 or f16. `f` runs
+/// under the storage's read lock: it must not write to `t` or to a tensor sharing its storage.
 pub(crate) fn with_cpu_bytes<R>(
     name: &str,
     t: &Tensor,

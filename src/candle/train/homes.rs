@@ -119,6 +119,9 @@ pub(crate) fn candle_to_store(
             let _ = stream;
             // Straight from candle's storage into the store: one copy (through `to_vec1` it
             // was three, each into a fresh allocation).
+            if !matches!(t.dtype(), CDType::F32 | CDType::BF16) {
+                candle_core::bail!("{name}: no copy into the store for {:?}", t.dtype())
+            }
             super::super::with_cpu_bytes(name, &t, |bytes| store.write(id, bytes))?
                 .map_err(|e| strata_err(name, e))
         }
