@@ -472,6 +472,50 @@ fn tensors_the_device_tier_cannot_hold_now_are_read_on_the_host() {
     assert_eq!(layers.transfers().unwrap().host_copy_bytes, 60 << 10);
 }
 
+/// A joined group is copied once into one tensor whose row ranges are the group's tensors (each
+/// from the Device tier, or from host memory when the tier cannot hold it); a group that does
+/// not qualify is fetched one by one, the same values.
+#[test]
+fn joined_groups_are_fetched_into_one_tensor_of_their_rows() {
+    let s = budget_store(64 << 10);
+    let put = |n: &str, shape: &[usize]| {
+        let count = shape.iter().product();
+        s.put(n, strata::DType::F32, shape, &f32_bytes(count)).unwrap()
+    };
+    // "big" (48 KiB) beside 16 KiB pinned in a 64 KiB tier: read from host memory.
+    let p = put("p", &[64, 64]);
+    s.move_to(p, Tier::Device).unwrap();
+    s.pin(&[p]).unwrap();
+    let ids = [("q", put("q", &[8, 4])), ("k", put("k", &[4, 4])), ("big", put("big", &[3072, 4]))];
+    let odd = [("wide", put("wide", &[2, 8])), ("flat", put("flat", &[4]))];
+    let names = ids.iter().chain(&odd).map(|&(n, i)| (n.to_string(), i));
+    let layers = Layers::new(s.clone(), names, &Device::Cpu).unwrap();
+    let groups: Vec<Vec<String>> =
+        [vec!["q", "k", "big"], vec!["q", "wide"], vec!["k", "flat"], vec!["k", "q"]]
+            .iter()
+            .map(|g| g.iter().map(|n| n.to_string()).collect())
+            .collect();
+    let uses = ["q", "k", "big", "wide", "flat"];
+    let w = layers.fetch_joined(&uses, &[], &groups).unwrap();
+    let joint = w.joined(&["q", "k", "big"]).expect("stacked");
+    assert_eq!(joint.dims(), [3084, 4]);
+    let rows = |t: &Tensor| t.to_vec2::<f32>().unwrap();
+    let cat = Tensor::cat(&[w.get("q").unwrap(), w.get("k").unwrap(), w.get("big").unwrap()], 0);
+    assert_eq!(rows(joint), rows(&cat.unwrap()));
+    assert_eq!(rows(w.get("k").unwrap())[0], [0.0, 1.0, 2.0, 3.0]);
+    for not in [&["q", "wide"][..], &["k", "flat"], &["k", "q"]] {
+        assert!(w.joined(not).is_none(), "{not:?}: not stacked (the last: q and k were already)");
+    }
+    assert_eq!(w.get("flat").unwrap().to_vec1::<f32>().unwrap(), [0.0, 1.0, 2.0, 3.0]);
+    assert_eq!(w.len(), 5);
+    let t = layers.transfers().unwrap();
+    assert_eq!((t.tensors, t.host_copy_bytes), (5, 3072 * 16));
+    assert_eq!(t.view_copy_bytes, (32 + 16 + 16 + 4) * 4, "q, k, wide, flat through views");
+    // A group naming what the fetch does not use is not stacked.
+    let w = layers.fetch_joined(&["q"], &[], &groups).unwrap();
+    assert!(w.joined(&["q", "k", "big"]).is_none() && w.len() == 1);
+}
+
 /// On a GPU (feature `candle-cuda`): the out-of-core run on candle's CUDA device, from device
 /// views on candle's stream, equals candle's own in-memory run there, with cudarc's event
 /// tracking off in candle's context (`store_for`: the store's events order its streams).

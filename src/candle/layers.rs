@@ -238,6 +238,24 @@ impl Layers {
     /// not served is `CannotFindTensor`; a dtype candle lacks is `UnsupportedSafeTensorDtype`
     /// naming the tensor.
     pub fn fetch(&self, uses: &[&str], next: &[&str]) -> candle_core::Result<LayerWeights> {
+        self.fetch_joined(uses, next, &[])
+    }
+
+    /// [`Layers::fetch`], with each group of `joined` (names among `uses`: 2-D weights of one
+    /// dtype and one column count, in the order their rows stack) copied into one tensor of
+    /// their rows stacked, [`LayerWeights::joined`], whose row ranges are the group's tensors
+    /// (views, no copy of their own): the weights a joined GEMM reads
+    /// ([`Weights::join_stacked`](super::block::Weights::join_stacked)) without concatenating
+    /// them again. On the CPU, where the copy into candle is on the step's cores; elsewhere, and
+    /// for a group that does not qualify (a name not in `uses` or given twice, a quantized or
+    /// 1-D tensor, mixed dtypes or widths), the group's tensors are fetched one by one as
+    /// `fetch` does.
+    pub fn fetch_joined(
+        &self,
+        uses: &[&str],
+        next: &[&str],
+        joined: &[Vec<String>],
+    ) -> candle_core::Result<LayerWeights> {
         // Every name and dtype checked before anything moves: a fetch refused for a bad input
         // leaves the store as it was.
         let ids = self.resolve(uses)?;
@@ -252,10 +270,25 @@ impl Layers {
         self.prefetch(next)?;
         let mut tensors = HashMap::with_capacity(uses.len());
         let mut on_device = Vec::with_capacity(ids.len());
+        let mut stacks = Vec::new();
         let res = (|| -> candle_core::Result<()> {
+            for group in joined {
+                if group.iter().any(|n| tensors.contains_key(n)) {
+                    continue; // in a group stacked already: handed over once
+                }
+                let Some(parts) = self.stackable(group, uses, &ids, &infos) else { continue };
+                let stacked = self.stack(&parts, &mut on_device)?;
+                let mut row = 0;
+                for (name, _, info) in &parts {
+                    tensors.insert(name.to_string(), stacked.narrow(0, row, info.shape[0])?);
+                    row += info.shape[0];
+                }
+                self.transfers.lock().t.tensors += parts.len() as u64;
+                stacks.push((group.clone(), stacked));
+            }
             for ((&id, &name), info) in ids.iter().zip(uses).zip(&infos) {
                 if tensors.contains_key(name) {
-                    continue; // named twice: handed over once
+                    continue; // named twice, or stacked: handed over once
                 }
                 let t = match self.through_view(name, id, info)? {
                     Some(t) => {
@@ -278,7 +311,99 @@ impl Layers {
         let released = self.store.release(&on_device);
         res?;
         released.map_err(|e| strata_err(uses.join(", ").as_str(), e))?;
-        Ok(LayerWeights { tensors, device: self.device.clone() })
+        Ok(LayerWeights { tensors, joined: stacks, device: self.device.clone() })
+    }
+
+    /// The members of `group` with their ids and infos when they can be stacked
+    /// ([`Layers::fetch_joined`]): on the CPU, each named once in `group` and present in `uses`,
+    /// 2-D, of one float dtype and one column count.
+    fn stackable<'a>(
+        &self,
+        group: &'a [String],
+        uses: &[&str],
+        ids: &[TensorId],
+        infos: &'a [crate::TensorInfo],
+    ) -> Option<Vec<(&'a str, TensorId, &'a crate::TensorInfo)>> {
+        if !self.device.is_cpu() || group.len() < 2 {
+            return None;
+        }
+        let mut parts = Vec::with_capacity(group.len());
+        for (i, name) in group.iter().enumerate() {
+            if group[..i].contains(name) {
+                return None;
+            }
+            let at = uses.iter().position(|u| u == name)?;
+            parts.push((name.as_str(), ids[at], &infos[at]));
+        }
+        let (_, _, first) = parts[0];
+        let same = |info: &crate::TensorInfo| {
+            info.dtype == first.dtype && info.shape.len() == 2 && info.shape[1] == first.shape[1]
+        };
+        (matches!(first.dtype, crate::DType::F32 | crate::DType::BF16 | crate::DType::F16)
+            && parts.iter().all(|(_, _, info)| same(info)))
+        .then_some(parts)
+    }
+
+    /// `parts`' values, rows stacked, in one candle tensor: each copied once, from its Device
+    /// tier copy through a view where the tier holds it (its id then in `on_device`, to be
+    /// released), else from host memory.
+    fn stack(
+        &self,
+        parts: &[(&str, TensorId, &crate::TensorInfo)],
+        on_device: &mut Vec<TensorId>,
+    ) -> candle_core::Result<Tensor> {
+        let rows: usize = parts.iter().map(|(_, _, i)| i.shape[0]).sum();
+        let cols = parts[0].2.shape[1];
+        fn stacked<T: bytemuck::Pod + candle_core::WithDType>(
+            layers: &Layers,
+            parts: &[(&str, TensorId, &crate::TensorInfo)],
+            on_device: &mut Vec<TensorId>,
+            shape: (usize, usize),
+        ) -> candle_core::Result<Tensor> {
+            let mut v: Vec<T> = Vec::with_capacity(shape.0 * shape.1);
+            let extend = |v: &mut Vec<T>, b: &[u8]| match bytemuck::try_cast_slice::<u8, T>(b) {
+                Ok(values) => v.extend_from_slice(values),
+                Err(_) => v.extend(
+                    b.chunks_exact(std::mem::size_of::<T>()).map(bytemuck::pod_read_unaligned::<T>),
+                ),
+            };
+            for &(name, id, info) in parts {
+                if layers.with_view_bytes(name, id, info, |b| extend(&mut v, b))?.is_some() {
+                    on_device.push(id);
+                } else {
+                    let b = super::wait_for_writer(|| layers.store.read_in_place(id))
+                        .map_err(|e| strata_err(name, e))?;
+                    extend(&mut v, &b);
+                    layers.transfers.lock().t.host_copy_bytes += info.bytes;
+                }
+            }
+            Tensor::from_vec(v, shape, &layers.device)
+        }
+        match parts[0].2.dtype {
+            crate::DType::F32 => stacked::<f32>(self, parts, on_device, (rows, cols)),
+            crate::DType::BF16 => stacked::<half::bf16>(self, parts, on_device, (rows, cols)),
+            crate::DType::F16 => stacked::<half::f16>(self, parts, on_device, (rows, cols)),
+            other => Err(unsupported_dtype(parts[0].0, other)),
+        }
+    }
+
+    /// `f` over tensor `id`'s bytes in the Device tier, through a view (a host backend's: the
+    /// candle device is the CPU), the copy counted in [`Layers::transfers`]; `None` when the
+    /// tier cannot hold it ([`Layers::view_of`]).
+    fn with_view_bytes<R>(
+        &self,
+        name: &str,
+        id: TensorId,
+        info: &crate::TensorInfo,
+        f: impl FnOnce(&[u8]) -> R,
+    ) -> candle_core::Result<Option<R>> {
+        let Some(view) = self.view_of(name, id, info)? else { return Ok(None) };
+        let t0 = Instant::now();
+        let r = view.with_host_bytes(f).map_err(|e| strata_err(name, e))?;
+        let mut c = self.transfers.lock();
+        c.t.view_copy_bytes += info.bytes;
+        c.t.view_copy_seconds += t0.elapsed().as_secs_f64();
+        Ok(Some(r))
     }
 
     /// One tensor through a device view, copied into a candle tensor; `None` when it is to be
@@ -293,64 +418,73 @@ impl Layers {
         id: TensorId,
         info: &crate::TensorInfo,
     ) -> candle_core::Result<Option<Tensor>> {
+        #[cfg(feature = "candle-cuda")]
+        if let Device::Cuda(dev) = &self.device {
+            return self.through_cuda_view(name, id, info, dev);
+        }
+        self.with_view_bytes(name, id, info, |b| {
+            tensor_from_bytes(name, b, info.dtype, &info.shape, &self.device)
+        })?
+        .transpose()
+    }
+
+    /// [`Layers::through_view`] on CUDA: the view copied device to device into candle's memory
+    /// on candle's stream (a quantized tensor dequantized there), timed by events.
+    #[cfg(feature = "candle-cuda")]
+    fn through_cuda_view(
+        &self,
+        name: &str,
+        id: TensorId,
+        info: &crate::TensorInfo,
+        dev: &candle_core::CudaDevice,
+    ) -> candle_core::Result<Option<Tensor>> {
+        use super::cuda::{dequantize_view, view_to_candle, CopyTimer};
+        if matches!(info.dtype, crate::DType::U16 | crate::DType::F8E4M3) {
+            return Ok(None);
+        }
+        let Some(view) = self.view_of(name, id, info)? else { return Ok(None) };
+        let in_context =
+            |e: candle_core::Error| e.context(format!("copying tensor {name} to candle"));
+        let stream = dev.cuda_stream();
+        let mut timer = CopyTimer::start(&stream).map_err(in_context)?;
+        let t = if info.dtype.is_quantized() {
+            dequantize_view(&view, dev, info.dtype, &info.shape).map_err(in_context)?
+        } else {
+            let cd = candle_dtype(info.dtype).unwrap_or(CDType::U8);
+            view_to_candle(&view, dev, cd, &info.shape).map_err(in_context)?
+        };
+        timer.stop(&stream).map_err(in_context)?;
+        let mut c = self.transfers.lock();
+        c.t.view_copy_bytes += info.bytes;
+        // Fold the timers whose copies are done, so that they do not pile up.
+        let mut done = 0.0;
+        c.timers.retain(|t| match t.seconds_if_done() {
+            Some(s) => {
+                done += s;
+                false
+            }
+            None => true,
+        });
+        c.t.view_copy_seconds += done;
+        c.timers.push(timer);
+        Ok(Some(t))
+    }
+
+    /// A device view of tensor `id`; `None` when the Device tier cannot hold it (too large for
+    /// it, or no room beside what it holds now).
+    fn view_of(
+        &self,
+        name: &str,
+        id: TensorId,
+        info: &crate::TensorInfo,
+    ) -> candle_core::Result<Option<crate::DeviceView>> {
         if info.bytes > self.device_capacity {
             return Ok(None);
         }
-        #[cfg(feature = "candle-cuda")]
-        if matches!(self.device, Device::Cuda(_))
-            && matches!(info.dtype, crate::DType::U16 | crate::DType::F8E4M3)
-        {
-            return Ok(None);
-        }
-        let view = match super::wait_for_writer(|| self.store.device_view(id, &self.stream)) {
-            Ok(view) => view,
-            Err(crate::Error::TooLarge { .. } | crate::Error::OutOfMemory { .. }) => {
-                return Ok(None)
-            }
-            Err(e) => return Err(strata_err(name, e)),
-        };
-        match &self.device {
-            #[cfg(feature = "candle-cuda")]
-            Device::Cuda(dev) => {
-                use super::cuda::{dequantize_view, view_to_candle, CopyTimer};
-                let in_context =
-                    |e: candle_core::Error| e.context(format!("copying tensor {name} to candle"));
-                let stream = dev.cuda_stream();
-                let mut timer = CopyTimer::start(&stream).map_err(in_context)?;
-                let t = if info.dtype.is_quantized() {
-                    dequantize_view(&view, dev, info.dtype, &info.shape).map_err(in_context)?
-                } else {
-                    let cd = candle_dtype(info.dtype).unwrap_or(CDType::U8);
-                    view_to_candle(&view, dev, cd, &info.shape).map_err(in_context)?
-                };
-                timer.stop(&stream).map_err(in_context)?;
-                let mut c = self.transfers.lock();
-                c.t.view_copy_bytes += info.bytes;
-                // Fold the timers whose copies are done, so that they do not pile up.
-                let mut done = 0.0;
-                c.timers.retain(|t| match t.seconds_if_done() {
-                    Some(s) => {
-                        done += s;
-                        false
-                    }
-                    None => true,
-                });
-                c.t.view_copy_seconds += done;
-                c.timers.push(timer);
-                Ok(Some(t))
-            }
-            _ => {
-                let t0 = Instant::now();
-                let t = view
-                    .with_host_bytes(|b| {
-                        tensor_from_bytes(name, b, info.dtype, &info.shape, &self.device)
-                    })
-                    .map_err(|e| strata_err(name, e))??;
-                let mut c = self.transfers.lock();
-                c.t.view_copy_bytes += info.bytes;
-                c.t.view_copy_seconds += t0.elapsed().as_secs_f64();
-                Ok(Some(t))
-            }
+        match super::wait_for_writer(|| self.store.device_view(id, &self.stream)) {
+            Ok(view) => Ok(Some(view)),
+            Err(crate::Error::TooLarge { .. } | crate::Error::OutOfMemory { .. }) => Ok(None),
+            Err(e) => Err(strata_err(name, e)),
         }
     }
 
@@ -446,6 +580,7 @@ impl Layers {
 #[derive(Clone, Debug)]
 pub struct LayerWeights {
     tensors: HashMap<String, Tensor>,
+    joined: Vec<(Vec<String>, Tensor)>,
     device: Device,
 }
 
@@ -453,6 +588,13 @@ impl LayerWeights {
     /// The tensor of this name.
     pub fn get(&self, name: &str) -> Option<&Tensor> {
         self.tensors.get(name)
+    }
+
+    /// The tensor [`Layers::fetch_joined`] stacked the rows of the tensors `names` into (in
+    /// that order), if it did.
+    pub fn joined(&self, names: &[impl AsRef<str>]) -> Option<&Tensor> {
+        let same = |g: &[String]| g.iter().map(String::as_str).eq(names.iter().map(|n| n.as_ref()));
+        self.joined.iter().find(|(g, _)| same(g)).map(|(_, t)| t)
     }
 
     /// Number of tensors.
@@ -481,5 +623,11 @@ impl LayerWeights {
     /// The tensors, by name.
     pub fn into_tensors(self) -> HashMap<String, Tensor> {
         self.tensors
+    }
+
+    /// Takes the stacked groups out ([`LayerWeights::joined`]): each group's names and its
+    /// tensor (the group's tensors stay, views of it).
+    pub fn take_joined(&mut self) -> Vec<(Vec<String>, Tensor)> {
+        std::mem::take(&mut self.joined)
     }
 }

@@ -188,6 +188,18 @@ impl JointLinear {
     pub fn new(
         parts: &[(&str, &Tensor, Option<&GradBuffer>)],
     ) -> candle_core::Result<Option<JointLinear>> {
+        Self::new_stacked(parts, None)
+    }
+
+    /// [`JointLinear::new`], its weight `stacked` where that holds the parts' rows in order and
+    /// the parts are its row ranges (views of its memory, as [`Layers::fetch_joined`] hands them
+    /// over: checked), instead of a copy of the parts concatenated.
+    ///
+    /// [`Layers::fetch_joined`]: crate::candle::Layers::fetch_joined
+    pub fn new_stacked(
+        parts: &[(&str, &Tensor, Option<&GradBuffer>)],
+        stacked: Option<&Tensor>,
+    ) -> candle_core::Result<Option<JointLinear>> {
         let Some((_, first, _)) = parts.first() else { return Ok(None) };
         if parts.len() < 2 {
             return Ok(None);
@@ -209,10 +221,14 @@ impl JointLinear {
         }
         let Some(grads) = joint_grads(parts, &outs) else { return Ok(None) };
         let ws: Vec<&Tensor> = parts.iter().map(|(_, w, _)| *w).collect();
+        let weight = match stacked {
+            Some(s) if rows_of(s, &ws, inp) => s.clone(),
+            _ => Tensor::cat(&ws, 0)?,
+        };
         Ok(Some(JointLinear {
             names: parts.iter().map(|(n, _, _)| n.to_string()).collect(),
             outs,
-            weight: Tensor::cat(&ws, 0)?,
+            weight,
             grads,
         }))
     }
@@ -275,6 +291,28 @@ impl JointLinear {
 /// The joint gradient buffer of `parts` (of `outs` rows each): `Some(None)` when none has a
 /// buffer, `Some(Some(..))` when the buffers are the consecutive parts of one, `None` otherwise.
 #[allow(clippy::type_complexity)]
+/// Whether `parts` (each `[rows, cols]`) are, in order, the consecutive row ranges of the
+/// contiguous `[Σ rows, cols]` matrix `stacked`: views of its storage, starting where it starts.
+fn rows_of(stacked: &Tensor, parts: &[&Tensor], cols: usize) -> bool {
+    // Where a tensor's elements start: its storage (compared by address, never read through)
+    // and its offset there; each storage lock released before the next is taken.
+    let at = |t: &Tensor| {
+        let (storage, layout) = t.storage_and_layout();
+        let start = layout.contiguous_offsets()?.0;
+        Some((&*storage as *const candle_core::Storage as usize, start))
+    };
+    let rows: usize = parts.iter().map(|p| p.dims()[0]).sum();
+    let Some((home, mut next)) = at(stacked) else { return false };
+    if stacked.dims() != [rows, cols] || stacked.track_op() {
+        return false;
+    }
+    parts.iter().all(|p| {
+        let here = at(p) == Some((home, next));
+        next += p.elem_count();
+        here && p.dtype() == stacked.dtype()
+    })
+}
+
 fn joint_grads(
     parts: &[(&str, &Tensor, Option<&GradBuffer>)],
     outs: &[usize],
@@ -330,12 +368,23 @@ impl Weights {
     /// be joined ([`JointLinear::new`] says when), leaves them apart ([`Weights::joint`] tells
     /// which). An error for a name the block does not have, or when the joint weight cannot be
     /// made.
-    pub fn join(mut self, names: &[&str]) -> candle_core::Result<Weights> {
+    pub fn join(self, names: &[&str]) -> candle_core::Result<Weights> {
+        self.join_stacked(names, None)
+    }
+
+    /// [`Weights::join`], the joint weight being `stacked` where the weights `names` are its
+    /// row ranges ([`JointLinear::new_stacked`]: a layer fetched by
+    /// [`Layers::fetch_joined`](crate::candle::Layers::fetch_joined)), not a new copy.
+    pub fn join_stacked(
+        mut self,
+        names: &[&str],
+        stacked: Option<&Tensor>,
+    ) -> candle_core::Result<Weights> {
         let mut parts = Vec::with_capacity(names.len());
         for n in names {
             parts.push((*n, self.get(n)?, self.grads.get(*n)));
         }
-        if let Some(j) = JointLinear::new(&parts)? {
+        if let Some(j) = JointLinear::new_stacked(&parts, stacked)? {
             self.joints.retain(|o| !o.names.iter().any(|n| j.names.contains(n)));
             self.joints.push(j);
         }
@@ -483,6 +532,36 @@ pub fn frozen_linear(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
 mod tests {
     use super::*;
     use candle_core::{DType, Device, Var};
+
+    #[test]
+    fn a_stacked_weight_is_taken_only_when_the_parts_are_its_rows() {
+        let dev = Device::Cpu;
+        let stacked = Tensor::arange(0f32, 12.0, &dev).unwrap().reshape((6, 2)).unwrap();
+        let (q, kv) = (stacked.narrow(0, 0, 4).unwrap(), stacked.narrow(0, 4, 2).unwrap());
+        let parts = [("q", &q, None), ("kv", &kv, None)];
+        let j = JointLinear::new_stacked(&parts, Some(&stacked)).unwrap().unwrap();
+        assert!(rows_of(j.weight(), &[&q, &kv], 2), "the stacked tensor itself, no copy");
+        assert_eq!(j.outs(), [4, 2]);
+        // Not its rows: the parts' values in another tensor, the parts in another order, a part
+        // that is not a view of it; each time the parts concatenated, the same values.
+        let copy = stacked.copy().unwrap();
+        let other = kv.copy().unwrap();
+        for (parts, s) in [
+            ([("q", &q, None), ("kv", &kv, None)], &copy),
+            ([("kv", &kv, None), ("q", &q, None)], &stacked),
+            ([("q", &q, None), ("kv", &other, None)], &stacked),
+        ] {
+            let j = JointLinear::new_stacked(&parts, Some(s)).unwrap().unwrap();
+            let ws: Vec<&Tensor> = parts.iter().map(|(_, w, _)| *w).collect();
+            assert!(!rows_of(s, &ws, 2) && !rows_of(j.weight(), &[&q, &kv], 2));
+            let cat = Tensor::cat(&ws, 0).unwrap().to_vec2::<f32>().unwrap();
+            assert_eq!(j.weight().to_vec2::<f32>().unwrap(), cat);
+        }
+        // A stacked tensor of the wrong shape is not taken either.
+        let wide = Tensor::zeros((6, 3), DType::F32, &dev).unwrap();
+        let j = JointLinear::new_stacked(&parts, Some(&wide)).unwrap().unwrap();
+        assert_eq!(j.weight().dims(), [6, 2]);
+    }
 
     #[test]
     fn a_weight_with_a_buffer_sums_its_gradient_there_and_the_others_go_on_as_before() {

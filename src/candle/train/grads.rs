@@ -100,9 +100,22 @@ pub(super) fn linear_buffers(
 /// ([`Block::joined_linears`]) joined ([`Weights::join`]: one copy of the group's weights a
 /// stage, reused by every micro-batch; with their buffers, so call it after [`with_buffers`]).
 pub(super) fn staged(w: Weights, block: &dyn Block) -> candle_core::Result<Weights> {
+    staged_from(w, block, |_| None)
+}
+
+/// [`staged`], each group's joint weight the tensor `stacked` gives for the group's names where
+/// it gives one holding their rows (a layer fetched with [`Layers::fetch_joined`]), not a copy.
+///
+/// [`Layers::fetch_joined`]: crate::candle::Layers::fetch_joined
+pub(super) fn staged_from(
+    w: Weights,
+    block: &dyn Block,
+    stacked: impl Fn(&[&str]) -> Option<Tensor>,
+) -> candle_core::Result<Weights> {
     block.joined_linears().iter().try_fold(w, |w, group| {
         let names: Vec<&str> = group.iter().map(String::as_str).collect();
-        w.join(&names)
+        let s = stacked(&names);
+        w.join_stacked(&names, s.as_ref())
     })
 }
 

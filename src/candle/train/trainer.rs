@@ -13,7 +13,7 @@ use candle_core::{DType as CDType, Device, Tensor, Var};
 use super::clock::{span_seconds, ComputeClock};
 use super::grads::{
     add_grad, check_applied, clip_factor, embedding_backward, grad_of, linear_buffers,
-    loss_and_norm, staged, sum_of_squares, with_buffers,
+    loss_and_norm, staged_from, sum_of_squares, with_buffers,
 };
 use super::{
     block_weights, candle_to_store, check_batches, checkpoint, compute_dtype, init_values,
@@ -589,6 +589,12 @@ impl Trainer {
         block_weights(&self.block_tensors, &self.specs, scale, l, get)
     }
 
+    /// The groups of block `l`'s linears the block joins ([`Block::joined_linears`]), under
+    /// their names in the store: what [`Layers::fetch_joined`] stacks.
+    fn joined_groups(&self, l: usize) -> Vec<Vec<String>> {
+        self.block.joined_linears().iter().map(|g| in_block(l, g)).collect()
+    }
+
     /// Waits until the updates writing what stages `stages` read have run; returns the seconds
     /// waited.
     fn wait_for(&mut self, stages: &[usize]) -> candle_core::Result<f64> {
@@ -843,9 +849,15 @@ impl Trainer {
             let stage = block_stage(l);
             self.wait_for(&[stage, stage + 1])?;
             let (this, next) = (names(self, stage), names(self, stage + 1));
-            let w = self.layers.fetch(&refs(&this), &refs(&next))?;
-            // Staged once for the micro-batches: the joined linears' weights copied together.
-            let bw = staged(self.weights_of(l, |n| w.get(n).cloned())?, self.block.as_ref())?;
+            // The joined linears' weights copied into one tensor each as they are fetched
+            // (stacked; on the CPU), and staged once for the micro-batches.
+            let groups = self.joined_groups(l);
+            let w = self.layers.fetch_joined(&refs(&this), &refs(&next), &groups)?;
+            let bw = staged_from(
+                self.weights_of(l, |n| w.get(n).cloned())?,
+                self.block.as_ref(),
+                |names| w.joined(&in_block(l, names)).cloned(),
+            )?;
             for (m, x) in xs.iter_mut().enumerate() {
                 let ck = &self.checkpoints[l][m];
                 let id = self.layers.id(ck).expect("checkpoint");
@@ -927,7 +939,10 @@ impl Trainer {
             } else {
                 self.embed_grad.iter().cloned().collect()
             };
-            let w = self.layers.fetch(&refs(&this), &refs(&next))?.into_tensors();
+            let groups = self.joined_groups(l);
+            let mut fetched = self.layers.fetch_joined(&refs(&this), &refs(&next), &groups)?;
+            let stacks = fetched.take_joined();
+            let w = fetched.into_tensors();
             // The trained linear weights' gradients are summed by the backward itself, into
             // these f32 buffers; the block's other trained tensors are `Var`s.
             let trained = |n: &str| self.params.iter().any(|p| p.name == n && p.trainable);
@@ -936,7 +951,10 @@ impl Trainer {
             let plain: Vec<&str> = bufs.iter().map(|g| g.name.as_str()).collect();
             let vars = self.as_vars(&w, &this[..weights_n], &plain)?;
             let bw = self.weights_of(l, |n| vars.get(n).map(|v| v.0.clone()))?;
-            let bw = staged(with_buffers(bw, &bufs), self.block.as_ref())?;
+            let bw = staged_from(with_buffers(bw, &bufs), self.block.as_ref(), |names| {
+                let names = in_block(l, names);
+                stacks.iter().find(|(g, _)| *g == names).map(|(_, t)| t.clone())
+            })?;
             clock.start_block()?;
             for (m, gy) in grads_in.iter_mut().enumerate() {
                 let xv = Var::from_tensor(&w[&self.checkpoints[l][m]])?;
@@ -1222,4 +1240,10 @@ impl Trainer {
 
 pub(super) fn refs(v: &[String]) -> Vec<&str> {
     v.iter().map(String::as_str).collect()
+}
+
+/// Block `l`'s tensor names as the store serves them (`model.layers.L.` before each).
+fn in_block(l: usize, names: &[impl AsRef<str>]) -> Vec<String> {
+    let p = LlamaConfig::block_prefix(l);
+    names.iter().map(|n| format!("{p}{}", n.as_ref())).collect()
 }
