@@ -514,6 +514,23 @@ fn joined_groups_are_fetched_into_one_tensor_of_their_rows() {
     // A group naming what the fetch does not use is not stacked.
     let w = layers.fetch_joined(&["q"], &[], &groups).unwrap();
     assert!(w.joined(&["q", "k", "big"]).is_none() && w.len() == 1);
+
+    // bf16 weights stack as bf16, their bits as stored.
+    let bf = |n: &str, rows: usize| {
+        let v: Vec<half::bf16> =
+            (0..rows * 4).map(|i| half::bf16::from_f32(i as f32 / 8.0)).collect();
+        s.put(n, strata::DType::BF16, &[rows, 4], bytemuck::cast_slice(&v)).unwrap()
+    };
+    let (g, u) = (bf("g", 3), bf("u", 2));
+    let layers =
+        Layers::new(s.clone(), [("g".to_string(), g), ("u".to_string(), u)], &Device::Cpu).unwrap();
+    let group = vec![vec!["g".to_string(), "u".to_string()]];
+    let w = layers.fetch_joined(&["g", "u"], &[], &group).unwrap();
+    let joint = w.joined(&["g", "u"]).expect("stacked");
+    assert_eq!((joint.dtype(), joint.dims()), (DType::BF16, &[5, 4][..]));
+    let row = |t: &Tensor, r: usize| t.get(r).unwrap().to_vec1::<half::bf16>().unwrap();
+    assert_eq!(row(joint, 3), row(w.get("u").unwrap(), 0));
+    assert_eq!(row(joint, 3)[1], half::bf16::from_f32(0.125));
 }
 
 /// On a GPU (feature `candle-cuda`): the out-of-core run on candle's CUDA device, from device

@@ -288,9 +288,6 @@ impl JointLinear {
     }
 }
 
-/// The joint gradient buffer of `parts` (of `outs` rows each): `Some(None)` when none has a
-/// buffer, `Some(Some(..))` when the buffers are the consecutive parts of one, `None` otherwise.
-#[allow(clippy::type_complexity)]
 /// Whether `parts` (each `[rows, cols]`) are, in order, the consecutive row ranges of the
 /// contiguous `[Σ rows, cols]` matrix `stacked`: views of its storage, starting where it starts.
 fn rows_of(stacked: &Tensor, parts: &[&Tensor], cols: usize) -> bool {
@@ -313,6 +310,9 @@ fn rows_of(stacked: &Tensor, parts: &[&Tensor], cols: usize) -> bool {
     })
 }
 
+/// The joint gradient buffer of `parts` (of `outs` rows each): `Some(None)` when none has a
+/// buffer, `Some(Some(..))` when the buffers are the consecutive parts of one, `None` otherwise.
+#[allow(clippy::type_complexity)]
 fn joint_grads(
     parts: &[(&str, &Tensor, Option<&GradBuffer>)],
     outs: &[usize],
@@ -557,6 +557,12 @@ mod tests {
             let cat = Tensor::cat(&ws, 0).unwrap().to_vec2::<f32>().unwrap();
             assert_eq!(j.weight().to_vec2::<f32>().unwrap(), cat);
         }
+        // A stacked tensor that is itself a view starting past its storage's first element.
+        let big = Tensor::arange(0f32, 16.0, &dev).unwrap().reshape((8, 2)).unwrap();
+        let inner = big.narrow(0, 1, 6).unwrap();
+        let (a, b) = (inner.narrow(0, 0, 4).unwrap(), inner.narrow(0, 4, 2).unwrap());
+        assert!(rows_of(&inner, &[&a, &b], 2));
+        assert!(!rows_of(&inner, &[&big.narrow(0, 0, 4).unwrap(), &b], 2));
         // A stacked tensor of the wrong shape is not taken either.
         let wide = Tensor::zeros((6, 3), DType::F32, &dev).unwrap();
         let j = JointLinear::new_stacked(&parts, Some(&wide)).unwrap().unwrap();

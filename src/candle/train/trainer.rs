@@ -968,7 +968,7 @@ impl Trainer {
                 *gy = grad_of(&grads, &xv, "a block's input")?;
             }
             clock.stop()?;
-            drop((w, vars, bw));
+            drop((w, vars, bw, stacks));
             check_applied(&bufs, &self.block.kind())?;
             for g in bufs {
                 acc.insert(g.name, Some(g.buf.tensor().clone()));
