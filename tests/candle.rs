@@ -533,6 +533,48 @@ fn joined_groups_are_fetched_into_one_tensor_of_their_rows() {
     assert_eq!(row(joint, 3)[1], half::bf16::from_f32(0.125));
 }
 
+/// `fetch_vars` hands the named tensors over as candle variables (through a view, from host
+/// memory when the Device tier cannot hold one, bf16 as stored), the same values as `fetch`;
+/// `Var::from_tensor` takes them without a copy (a gradient reaches them).
+#[test]
+fn fetch_vars_hands_variables_over_without_a_second_copy() {
+    let s = budget_store(64 << 10);
+    let p = s.put("p", strata::DType::F32, &[64, 64], &f32_bytes(4096)).unwrap();
+    s.move_to(p, Tier::Device).unwrap();
+    s.pin(&[p]).unwrap();
+    let v: Vec<half::bf16> = (0..8).map(|i| half::bf16::from_f32(i as f32 / 8.0)).collect();
+    let ids = [
+        ("w", s.put("w", strata::DType::F32, &[2, 4], &f32_bytes(8)).unwrap()),
+        ("big", s.put("big", strata::DType::F32, &[3072, 4], &f32_bytes(3072 * 4)).unwrap()),
+        ("b", s.put("b", strata::DType::BF16, &[2, 4], bytemuck::cast_slice(&v)).unwrap()),
+        ("n", s.put("n", strata::DType::F32, &[2, 4], &f32_bytes(8)).unwrap()),
+    ];
+    let layers =
+        Layers::new(s.clone(), ids.iter().map(|&(n, i)| (n.to_string(), i)), &Device::Cpu).unwrap();
+    let uses = ["w", "big", "b", "n"];
+    let plain = layers.fetch(&uses, &[]).unwrap();
+    let w = layers.fetch_vars(&uses, &[], &["w", "big", "b"]).unwrap();
+    for n in uses {
+        let (got, want) = (w.get(n).unwrap(), plain.get(n).unwrap());
+        assert_eq!(got.is_variable(), n != "n", "{n}");
+        assert!(!want.is_variable());
+        assert_eq!((got.dtype(), got.dims()), (want.dtype(), want.dims()));
+        let f32s = |t: &Tensor| t.to_dtype(DType::F32).unwrap().flatten_all().unwrap();
+        assert_eq!(f32s(got).to_vec1::<f32>().unwrap(), f32s(want).to_vec1::<f32>().unwrap());
+    }
+    let t = layers.transfers().unwrap();
+    assert_eq!(t.host_copy_bytes, 2 * 3072 * 16, "big from host memory, both times");
+    // The Var is the fetched tensor itself: a gradient of the one is a gradient of the other.
+    let var = candle_core::Var::from_tensor(w.get("w").unwrap()).unwrap();
+    assert_eq!(var.as_tensor().id(), w.get("w").unwrap().id());
+    let grads = var.as_tensor().sqr().unwrap().sum_all().unwrap().backward().unwrap();
+    let g = grads.get(w.get("w").unwrap()).expect("a gradient").flatten_all().unwrap();
+    assert_eq!(g.to_vec1::<f32>().unwrap(), (0..8).map(|i| 2.0 * i as f32).collect::<Vec<_>>());
+    // Copied by `Var::from_tensor` where the fetch made a plain tensor.
+    let copied = candle_core::Var::from_tensor(plain.get("w").unwrap()).unwrap();
+    assert_ne!(copied.as_tensor().id(), plain.get("w").unwrap().id());
+}
+
 /// On a GPU (feature `candle-cuda`): the out-of-core run on candle's CUDA device, from device
 /// views on candle's stream, equals candle's own in-memory run there, with cudarc's event
 /// tracking off in candle's context (`store_for`: the store's events order its streams).

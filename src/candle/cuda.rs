@@ -68,12 +68,14 @@ impl CopyTimer {
 /// bytes, and the view's drop records that stream's use, so the store reuses the memory only
 /// after this copy ran). `dtype` and `shape` describe the tensor; its bytes must be a whole
 /// number of `dtype`'s elements (the caller checked). A `shape` of fewer elements than the
-/// view holds copies only the view's first ones (a KV cache's filled positions).
+/// view holds copies only the view's first ones (a KV cache's filled positions). With `var`,
+/// the tensor is a candle variable (a `Var` of it shares its storage, no copy).
 pub(crate) fn view_to_candle(
     view: &DeviceView,
     dev: &CudaDevice,
     dtype: candle_core::DType,
     shape: &[usize],
+    var: bool,
 ) -> candle_core::Result<Tensor> {
     use candle_core::DType as C;
     let n = shape.iter().product();
@@ -94,7 +96,7 @@ pub(crate) fn view_to_candle(
         }
     };
     debug_assert_eq!(storage.dtype(), dtype);
-    Ok(Tensor::from_storage(Storage::Cuda(storage), shape, BackpropOp::none(), false))
+    Ok(Tensor::from_storage(Storage::Cuda(storage), shape, BackpropOp::none(), var))
 }
 
 /// A candle f32 tensor of `shape` on `dev`: the view's bytes, whole blocks of the

@@ -886,7 +886,7 @@ impl OutOfCoreLlama {
             #[cfg(feature = "candle-cuda")]
             // Only the filled positions are copied (the first bytes: position-major).
             (Some(view), Device::Cuda(cuda)) => {
-                super::cuda::view_to_candle(&view, cuda, cache.dtype, &[len, b, h, d])?
+                super::cuda::view_to_candle(&view, cuda, cache.dtype, &[len, b, h, d], false)?
             }
             (Some(view), _) => view
                 .with_host_bytes(|bytes| {

@@ -11,6 +11,7 @@ use parking_lot::Mutex;
 
 use super::{
     candle_dtype, read_tensor, strata_err, stream_for, tensor_from_bytes, unsupported_dtype,
+    var_from_bytes,
 };
 use crate::base::types::{TensorId, Tier};
 use crate::{Loaded, Store, Stream};
@@ -256,6 +257,42 @@ impl Layers {
         next: &[&str],
         joined: &[Vec<String>],
     ) -> candle_core::Result<LayerWeights> {
+        self.fetch_inner(uses, next, joined, &[])
+    }
+
+    /// [`Layers::fetch`], with the tensors named in `vars` made candle variables as they are
+    /// copied into candle: `Var::from_tensor` then takes each without a copy of its own (it
+    /// copies a plain tensor). For the weights a step trains through candle's autograd (a tied
+    /// embedding table read as the head, say), one copy of each instead of two.
+    ///
+    /// ```
+    /// # fn main() -> candle_core::Result<()> {
+    /// use candle_core::{Device, Var};
+    /// use strata as st;
+    /// let store = st::candle::store_for(&Device::Cpu, st::Store::builder())?;
+    /// let id = store.put("head", st::DType::F32, &[2], &[0u8; 8])?;
+    /// let layers = st::candle::Layers::new(store, [("head".to_string(), id)], &Device::Cpu)?;
+    /// let w = layers.fetch_vars(&["head"], &[], &["head"])?;
+    /// assert!(w.get("head").unwrap().is_variable());
+    /// let v = Var::from_tensor(w.get("head").unwrap())?; // the same storage, no copy
+    /// # Ok(()) }
+    /// ```
+    pub fn fetch_vars(
+        &self,
+        uses: &[&str],
+        next: &[&str],
+        vars: &[&str],
+    ) -> candle_core::Result<LayerWeights> {
+        self.fetch_inner(uses, next, &[], vars)
+    }
+
+    fn fetch_inner(
+        &self,
+        uses: &[&str],
+        next: &[&str],
+        joined: &[Vec<String>],
+        vars: &[&str],
+    ) -> candle_core::Result<LayerWeights> {
         // Every name and dtype checked before anything moves: a fetch refused for a bad input
         // leaves the store as it was.
         let ids = self.resolve(uses)?;
@@ -273,8 +310,10 @@ impl Layers {
         let mut stacks = Vec::new();
         let res = (|| -> candle_core::Result<()> {
             for group in joined {
-                if group.iter().any(|n| tensors.contains_key(n)) {
-                    continue; // in a group stacked already: handed over once
+                if group.iter().any(|n| tensors.contains_key(n) || vars.contains(&n.as_str())) {
+                    // In a group stacked already (handed over once), or a variable (whose rows
+                    // cannot be a view of another tensor).
+                    continue;
                 }
                 let Some(parts) = self.stackable(group, uses, &ids, &infos) else { continue };
                 let stacked = self.stack(&parts, &mut on_device)?;
@@ -290,13 +329,14 @@ impl Layers {
                 if tensors.contains_key(name) {
                     continue; // named twice, or stacked: handed over once
                 }
-                let t = match self.through_view(name, id, info)? {
+                let var = vars.contains(&name);
+                let t = match self.through_view(name, id, info, var)? {
                     Some(t) => {
                         on_device.push(id);
                         t
                     }
                     None => {
-                        let t = read_tensor(&self.store, name, id, info, &self.device)?;
+                        let t = read_tensor(&self.store, name, id, info, &self.device, var)?;
                         self.transfers.lock().t.host_copy_bytes += info.bytes;
                         t
                     }
@@ -361,12 +401,7 @@ impl Layers {
             shape: (usize, usize),
         ) -> candle_core::Result<Tensor> {
             let mut v: Vec<T> = Vec::with_capacity(shape.0 * shape.1);
-            let extend = |v: &mut Vec<T>, b: &[u8]| match bytemuck::try_cast_slice::<u8, T>(b) {
-                Ok(values) => v.extend_from_slice(values),
-                Err(_) => v.extend(
-                    b.chunks_exact(std::mem::size_of::<T>()).map(bytemuck::pod_read_unaligned::<T>),
-                ),
-            };
+            let extend = super::extend_from_bytes::<T>;
             for &(name, id, info) in parts {
                 if layers.with_view_bytes(name, id, info, |b| extend(&mut v, b))?.is_some() {
                     on_device.push(id);
@@ -417,13 +452,18 @@ impl Layers {
         name: &str,
         id: TensorId,
         info: &crate::TensorInfo,
+        var: bool,
     ) -> candle_core::Result<Option<Tensor>> {
         #[cfg(feature = "candle-cuda")]
         if let Device::Cuda(dev) = &self.device {
-            return self.through_cuda_view(name, id, info, dev);
+            return self.through_cuda_view(name, id, info, dev, var);
         }
         self.with_view_bytes(name, id, info, |b| {
-            tensor_from_bytes(name, b, info.dtype, &info.shape, &self.device)
+            if var {
+                var_from_bytes(name, b, info.dtype, &info.shape, &self.device)
+            } else {
+                tensor_from_bytes(name, b, info.dtype, &info.shape, &self.device)
+            }
         })?
         .transpose()
     }
@@ -437,6 +477,7 @@ impl Layers {
         id: TensorId,
         info: &crate::TensorInfo,
         dev: &candle_core::CudaDevice,
+        var: bool,
     ) -> candle_core::Result<Option<Tensor>> {
         use super::cuda::{dequantize_view, view_to_candle, CopyTimer};
         if matches!(info.dtype, crate::DType::U16 | crate::DType::F8E4M3) {
@@ -448,10 +489,16 @@ impl Layers {
         let stream = dev.cuda_stream();
         let mut timer = CopyTimer::start(&stream).map_err(in_context)?;
         let t = if info.dtype.is_quantized() {
-            dequantize_view(&view, dev, info.dtype, &info.shape).map_err(in_context)?
+            let t = dequantize_view(&view, dev, info.dtype, &info.shape).map_err(in_context)?;
+            // (a quantized base is frozen: a variable of it is made by a copy)
+            if var {
+                candle_core::Var::from_tensor(&t)?.into_inner()
+            } else {
+                t
+            }
         } else {
             let cd = candle_dtype(info.dtype).unwrap_or(CDType::U8);
-            view_to_candle(&view, dev, cd, &info.shape).map_err(in_context)?
+            view_to_candle(&view, dev, cd, &info.shape, var).map_err(in_context)?
         };
         timer.stop(&stream).map_err(in_context)?;
         let mut c = self.transfers.lock();

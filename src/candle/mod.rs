@@ -340,23 +340,27 @@ pub(crate) fn wait_for_writer<T>(mut f: impl FnMut() -> Result<T>) -> Result<T> 
 /// The tensor `id` (`info` its metadata) read from the store without promoting it, as a candle
 /// tensor on `device`, converted as candle's safetensors loader converts it. The bytes are read
 /// straight into the vector candle takes (on the CPU, candle keeps it: one copy from the store).
+/// With `var`, a float tensor is made a candle variable (a `Var` of it shares its storage,
+/// instead of copying it as `Var::from_tensor` copies a plain tensor).
 pub(crate) fn read_tensor(
     store: &Store,
     name: &str,
     id: TensorId,
     info: &crate::TensorInfo,
     device: &Device,
+    var: bool,
 ) -> candle_core::Result<Tensor> {
     let shape = info.shape.as_slice();
     macro_rules! typed {
-        ($t:ty) => {
-            Tensor::from_vec(
-                wait_for_writer(|| store.read_in_place_as::<$t>(id))
-                    .map_err(|e| strata_err(name, e))?,
-                shape,
-                device,
-            )
-        };
+        ($t:ty) => {{
+            let values = wait_for_writer(|| store.read_in_place_as::<$t>(id))
+                .map_err(|e| strata_err(name, e))?;
+            if var {
+                candle_core::Var::from_vec(values, shape, device).map(candle_core::Var::into_inner)
+            } else {
+                Tensor::from_vec(values, shape, device)
+            }
+        }};
     }
     match info.dtype {
         DType::U8 => typed!(u8),
@@ -376,7 +380,11 @@ pub(crate) fn read_tensor(
         _ => {
             let bytes =
                 wait_for_writer(|| store.read_in_place(id)).map_err(|e| strata_err(name, e))?;
-            tensor_from_bytes(name, &bytes, info.dtype, shape, device)
+            if var {
+                var_from_bytes(name, &bytes, info.dtype, shape, device)
+            } else {
+                tensor_from_bytes(name, &bytes, info.dtype, shape, device)
+            }
         }
     }
 }
@@ -426,6 +434,47 @@ pub(crate) fn tensor_from_bytes(
         return Tensor::from_vec(wide, shape, device);
     }
     Tensor::from_raw_buffer(bytes, cd, shape, device)
+}
+
+/// Appends `bytes` (native byte order, whole elements) to `v`: cast where they are aligned for
+/// `T`, else read element by element.
+pub(crate) fn extend_from_bytes<T: bytemuck::Pod>(v: &mut Vec<T>, bytes: &[u8]) {
+    match bytemuck::try_cast_slice::<u8, T>(bytes) {
+        Ok(values) => v.extend_from_slice(values),
+        Err(_) => v.extend(
+            bytes.chunks_exact(std::mem::size_of::<T>()).map(bytemuck::pod_read_unaligned::<T>),
+        ),
+    }
+}
+
+/// [`tensor_from_bytes`], the tensor made a candle variable as it is made (f32, bf16, f16 and a
+/// dequantized block-quantized tensor: no copy beside the one from `bytes`; another dtype is
+/// copied once more by `Var::from_tensor`).
+pub(crate) fn var_from_bytes(
+    name: &str,
+    bytes: &[u8],
+    dtype: DType,
+    shape: &[usize],
+    device: &Device,
+) -> candle_core::Result<Tensor> {
+    use candle_core::Var;
+    fn values<T: bytemuck::Pod>(b: &[u8]) -> Vec<T> {
+        let mut v = Vec::with_capacity(b.len() / std::mem::size_of::<T>());
+        extend_from_bytes(&mut v, b);
+        v
+    }
+    let var = match dtype {
+        DType::F32 => Var::from_vec(values::<f32>(bytes), shape, device)?,
+        DType::BF16 => Var::from_vec(values::<half::bf16>(bytes), shape, device)?,
+        DType::F16 => Var::from_vec(values::<half::f16>(bytes), shape, device)?,
+        q if q.is_quantized() => Var::from_vec(
+            crate::base::quant::dequantize(q, bytes).map_err(|e| strata_err(name, e))?,
+            shape,
+            device,
+        )?,
+        _ => Var::from_tensor(&tensor_from_bytes(name, bytes, dtype, shape, device)?)?,
+    };
+    Ok(var.into_inner())
 }
 
 #[cfg(test)]

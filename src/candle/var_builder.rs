@@ -100,7 +100,7 @@ impl StoreBackend {
             }
         }
         // Without promotion: the bytes go to candle, a copy in a faster tier would be waste.
-        read_tensor(&self.store, name, id, &info, dev)
+        read_tensor(&self.store, name, id, &info, dev, false)
     }
 }
 

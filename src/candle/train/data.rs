@@ -124,15 +124,18 @@ pub fn read_input(
     Ok(bytes)
 }
 
+/// A step's micro-batches, checked: `accum` of them, each `[micro_batch, seq + 1]` u32 token
+/// ids below the vocabulary's size. Gives each one's ids (row-major), read to the host in one go:
+/// one host sync for the step's tokens, before any of them is used.
 pub(super) fn check_batches(
     tc: &TrainConfig,
     cfg: &LlamaConfig,
     batches: &[Tensor],
-) -> candle_core::Result<()> {
+) -> candle_core::Result<Vec<Vec<u32>>> {
     if batches.len() != tc.accum {
         candle_core::bail!("{} micro-batches for a step of {}", batches.len(), tc.accum);
     }
-    let mut maxes = Vec::with_capacity(batches.len());
+    let mut flat = Vec::with_capacity(batches.len());
     for b in batches {
         if b.dims() != [tc.micro_batch, tc.seq + 1] || b.dtype() != CDType::U32 {
             candle_core::bail!(
@@ -143,14 +146,13 @@ pub(super) fn check_batches(
                 tc.seq + 1
             );
         }
-        maxes.push(b.max_all()?);
+        flat.push(b.flatten_all()?);
     }
-    // Read in one go: one host sync for the step's tokens, before any of them is used.
-    let max = Tensor::stack(&maxes, 0)?.max_all()?.to_scalar::<u32>()?;
-    if max as usize >= cfg.vocab_size {
+    let all = Tensor::cat(&flat, 0)?.to_vec1::<u32>()?;
+    if let Some(&max) = all.iter().max().filter(|&&m| m as usize >= cfg.vocab_size) {
         candle_core::bail!("token id {max} in a vocabulary of {}", cfg.vocab_size);
     }
-    Ok(())
+    Ok(all.chunks(tc.micro_batch * (tc.seq + 1)).map(<[u32]>::to_vec).collect())
 }
 
 /// A step's loss masks, checked: one `[micro_batch, seq]` a micro-batch, every value 0 (the

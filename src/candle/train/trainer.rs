@@ -23,7 +23,7 @@ use super::{
 use crate::base::types::{DType, Group, TensorId, Tier};
 use crate::candle::block::{model_tensors, Block, LlamaBlock, Weights};
 use crate::candle::llama::{
-    embed, head_logits, inputs_and_targets, next_token_loss_masked, EMBED, LM_HEAD, NORM,
+    head_logits, inputs_and_targets, next_token_loss_masked, EMBED, LM_HEAD, NORM,
 };
 use crate::candle::lora::{adapter_specs, AdapterSpec};
 use crate::candle::Layers;
@@ -733,7 +733,8 @@ impl Trainer {
     }
 
     /// Candle `Var`s of the trainable tensors among `w` but those in `plain` (frozen ones, and
-    /// those whose gradient is summed without a `Var`, stay plain tensors).
+    /// those whose gradient is summed without a `Var`, stay plain tensors). A tensor fetched as
+    /// a variable ([`Layers::fetch_vars`]) is taken as it is; another is copied.
     fn as_vars(
         &self,
         w: &HashMap<String, Tensor>,
@@ -824,7 +825,7 @@ impl Trainer {
         }
         let stats0 = self.store.stats();
         let (tc, cfg) = (self.train.clone(), self.config.clone());
-        check_batches(&tc, &cfg, batches)?;
+        let tokens = check_batches(&tc, &cfg, batches)?;
         let masks = masks.map(|m| prepare_masks(&tc, m)).transpose()?;
         let n_layers = cfg.num_hidden_layers;
         let head = n_layers + 1;
@@ -835,14 +836,19 @@ impl Trainer {
 
         // Forward, stage by stage, every micro-batch through a stage before the next.
         self.wait_for(&[0, 1])?;
-        let next = names(self, 1);
-        let w = self.layers.fetch(&[EMBED], &refs(&next))?;
-        let table = w.get(EMBED).expect("fetched").clone();
-        drop(w);
-        clock.start()?;
-        let mut xs: Vec<Tensor> =
-            io.iter().map(|(ids, _)| embed(&table, ids)).collect::<candle_core::Result<_>>()?;
-        clock.stop()?;
+        self.layers.prefetch(&refs(&names(self, 1)))?;
+        // The embedding: only the rows the step's inputs pick cross to the device, gathered on
+        // the host at once (the table is not fetched whole; its rows are the values candle's
+        // `index_select` would pick), a row-range view of them a micro-batch.
+        let (mb, seq, hidden) = (tc.micro_batch, tc.seq, cfg.hidden_size);
+        let rows: Vec<usize> = tokens
+            .iter()
+            .flat_map(|t| t.chunks(seq + 1).flat_map(|row| row[..seq].iter().map(|&i| i as usize)))
+            .collect();
+        let table = self.layers.gather_rows(EMBED, &rows)?;
+        let mut xs: Vec<Tensor> = (0..io.len())
+            .map(|m| table.narrow(0, m * mb * seq, mb * seq)?.reshape((mb, seq, hidden)))
+            .collect::<candle_core::Result<_>>()?;
         drop(table);
         crate::base::failpoint::check(crate::base::failpoint::Site::Compute, Path::new("forward"))?;
         for l in 0..n_layers {
@@ -876,7 +882,14 @@ impl Trainer {
         if let Some(last) = self.checkpoints.last() {
             next.extend(last.iter().cloned());
         }
-        let w = self.layers.fetch(&refs(&head_names), &refs(&next))?.into_tensors();
+        // The trained ones made candle variables as they are copied in (`as_vars` then copies
+        // none of them: the tied embedding table is the largest tensor of a small model).
+        let trained: Vec<&str> = head_names
+            .iter()
+            .map(String::as_str)
+            .filter(|n| self.params.iter().any(|p| p.name == *n && p.trainable))
+            .collect();
+        let w = self.layers.fetch_vars(&refs(&head_names), &refs(&next), &trained)?.into_tensors();
         let vars = self.as_vars(&w, &head_names, &[])?;
         drop(w);
         let counted = masks.as_ref().map_or(tc.micro_batch * tc.seq * tc.accum, |m| m.1);
