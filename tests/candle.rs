@@ -534,7 +534,8 @@ fn joined_groups_are_fetched_into_one_tensor_of_their_rows() {
 }
 
 /// `fetch_vars` hands the named tensors over as candle variables (through a view, from host
-/// memory when the Device tier cannot hold one, bf16 as stored), the same values as `fetch`;
+/// memory when the Device tier cannot hold one, bf16 as stored, Q8_0 dequantized), the same
+/// values as `fetch`;
 /// `Var::from_tensor` takes them without a copy (a gradient reaches them).
 #[test]
 fn fetch_vars_hands_variables_over_without_a_second_copy() {
@@ -542,18 +543,32 @@ fn fetch_vars_hands_variables_over_without_a_second_copy() {
     let p = s.put("p", strata::DType::F32, &[64, 64], &f32_bytes(4096)).unwrap();
     s.move_to(p, Tier::Device).unwrap();
     s.pin(&[p]).unwrap();
-    let v: Vec<half::bf16> = (0..8).map(|i| half::bf16::from_f32(i as f32 / 8.0)).collect();
+    let bf = |n: usize| -> Vec<half::bf16> {
+        (0..n).map(|i| half::bf16::from_f32((i % 64) as f32 / 8.0)).collect()
+    };
+    // Two Q8_0 blocks: an f16 scale of 0.5, then 32 signed bytes each.
+    let mut q8 = Vec::new();
+    for b in 0..2i8 {
+        q8.extend_from_slice(&half::f16::from_f32(0.5).to_le_bytes());
+        q8.extend((0..32i8).map(|i| (i - 16 + b) as u8));
+    }
+    let put = |n: &'static str, dtype, shape: &[usize], bytes: &[u8]| {
+        (n, s.put(n, dtype, shape, bytes).unwrap())
+    };
     let ids = [
-        ("w", s.put("w", strata::DType::F32, &[2, 4], &f32_bytes(8)).unwrap()),
-        ("big", s.put("big", strata::DType::F32, &[3072, 4], &f32_bytes(3072 * 4)).unwrap()),
-        ("b", s.put("b", strata::DType::BF16, &[2, 4], bytemuck::cast_slice(&v)).unwrap()),
-        ("n", s.put("n", strata::DType::F32, &[2, 4], &f32_bytes(8)).unwrap()),
+        put("w", strata::DType::F32, &[2, 4], &f32_bytes(8)),
+        put("big", strata::DType::F32, &[3072, 4], &f32_bytes(3072 * 4)),
+        put("b", strata::DType::BF16, &[2, 4], bytemuck::cast_slice(&bf(8))),
+        // 60 KiB of bf16 beside 16 KiB pinned in a 64 KiB tier: read from host memory
+        put("bigb", strata::DType::BF16, &[7680, 4], bytemuck::cast_slice(&bf(7680 * 4))),
+        put("q", strata::DType::Q8_0, &[2, 32], &q8),
+        put("n", strata::DType::F32, &[2, 4], &f32_bytes(8)),
     ];
     let layers =
         Layers::new(s.clone(), ids.iter().map(|&(n, i)| (n.to_string(), i)), &Device::Cpu).unwrap();
-    let uses = ["w", "big", "b", "n"];
+    let uses = ["w", "big", "b", "bigb", "q", "n"];
     let plain = layers.fetch(&uses, &[]).unwrap();
-    let w = layers.fetch_vars(&uses, &[], &["w", "big", "b"]).unwrap();
+    let w = layers.fetch_vars(&uses, &[], &["w", "big", "b", "bigb", "q"]).unwrap();
     for n in uses {
         let (got, want) = (w.get(n).unwrap(), plain.get(n).unwrap());
         assert_eq!(got.is_variable(), n != "n", "{n}");
@@ -562,8 +577,10 @@ fn fetch_vars_hands_variables_over_without_a_second_copy() {
         let f32s = |t: &Tensor| t.to_dtype(DType::F32).unwrap().flatten_all().unwrap();
         assert_eq!(f32s(got).to_vec1::<f32>().unwrap(), f32s(want).to_vec1::<f32>().unwrap());
     }
+    assert_eq!(w.get("q").unwrap().dtype(), DType::F32, "dequantized");
+    assert_eq!(w.get("q").unwrap().get(1).unwrap().to_vec1::<f32>().unwrap()[0], -7.5);
     let t = layers.transfers().unwrap();
-    assert_eq!(t.host_copy_bytes, 2 * 3072 * 16, "big from host memory, both times");
+    assert_eq!(t.host_copy_bytes, 2 * (3072 * 16 + 7680 * 8), "big and bigb from host memory");
     // The Var is the fetched tensor itself: a gradient of the one is a gradient of the other.
     let var = candle_core::Var::from_tensor(w.get("w").unwrap()).unwrap();
     assert_eq!(var.as_tensor().id(), w.get("w").unwrap().id());

@@ -104,12 +104,14 @@ pub(crate) fn view_to_candle(
 /// device by `strata_dequant_f32` on `dev`'s stream (the view's stream, so it runs after the
 /// copy that brought the bytes and before the view's drop is recorded), with the host's
 /// arithmetic ([`quant::dequantize`](crate::base::quant::dequantize): the same values, bit for
-/// bit). Only the quantized bytes cross PCIe; the f32 values are made where they are used.
+/// bit). Only the quantized bytes cross PCIe; the f32 values are made where they are used. With
+/// `var`, the tensor is a candle variable.
 pub(crate) fn dequantize_view(
     view: &DeviceView,
     dev: &CudaDevice,
     dtype: crate::DType,
     shape: &[usize],
+    var: bool,
 ) -> candle_core::Result<Tensor> {
     let (elems, size) = dtype.block().ok_or_else(|| {
         candle_core::Error::Msg(format!("{dtype} is not block-quantized: nothing to dequantize"))
@@ -130,7 +132,7 @@ pub(crate) fn dequantize_view(
     let (out, written) = kernels.dequantize(dtype, &all.slice(0..bytes))?;
     debug_assert_eq!(written, n);
     let storage = CudaStorage::wrap_cuda_slice(out, dev.clone());
-    Ok(Tensor::from_storage(Storage::Cuda(storage), shape, BackpropOp::none(), false))
+    Ok(Tensor::from_storage(Storage::Cuda(storage), shape, BackpropOp::none(), var))
 }
 
 /// The view's first `n` elements of `T`, copied into a new candle storage.

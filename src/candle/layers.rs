@@ -489,13 +489,7 @@ impl Layers {
         let stream = dev.cuda_stream();
         let mut timer = CopyTimer::start(&stream).map_err(in_context)?;
         let t = if info.dtype.is_quantized() {
-            let t = dequantize_view(&view, dev, info.dtype, &info.shape).map_err(in_context)?;
-            // (a quantized base is frozen: a variable of it is made by a copy)
-            if var {
-                candle_core::Var::from_tensor(&t)?.into_inner()
-            } else {
-                t
-            }
+            dequantize_view(&view, dev, info.dtype, &info.shape, var).map_err(in_context)?
         } else {
             let cd = candle_dtype(info.dtype).unwrap_or(CDType::U8);
             view_to_candle(&view, dev, cd, &info.shape, var).map_err(in_context)?

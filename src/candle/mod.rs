@@ -367,7 +367,12 @@ pub(crate) fn read_tensor(
         DType::U16 => {
             let narrow = wait_for_writer(|| store.read_in_place_as::<u16>(id))
                 .map_err(|e| strata_err(name, e))?;
-            Tensor::from_vec(narrow.into_iter().map(u32::from).collect::<Vec<u32>>(), shape, device)
+            let wide: Vec<u32> = narrow.into_iter().map(u32::from).collect();
+            if var {
+                candle_core::Var::from_vec(wide, shape, device).map(candle_core::Var::into_inner)
+            } else {
+                Tensor::from_vec(wide, shape, device)
+            }
         }
         DType::U32 => typed!(u32),
         DType::I16 => typed!(i16),

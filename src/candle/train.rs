@@ -7,10 +7,11 @@
 //! pass a stage before the next stage's weights are fetched, so each block's weights cross to
 //! the device once per forward and once per backward per step):
 //!
-//! 1. *forward*: the embedding (the rows the step's tokens pick, gathered on the host:
-//!    [`Layers::gather_rows`](super::Layers::gather_rows)), then each block, its weights fetched through device views
-//!    ([`Layers::fetch`](super::Layers::fetch), the next stage prefetched), each block's input
-//!    written to the store as an activation checkpoint (group `Activation`, homed in host memory);
+//! 1. *forward*: the embedding (the distinct rows the step's inputs pick, gathered on the host
+//!    by [`Layers::gather_rows`](super::Layers::gather_rows), not the whole table), then each
+//!    block, its weights fetched through device views ([`Layers::fetch`](super::Layers::fetch),
+//!    the next stage prefetched), each block's input written to the store as an activation
+//!    checkpoint (group `Activation`, homed in host memory);
 //! 2. *head*: the final norm, the output projection and the cross-entropy over next tokens,
 //!    forward and backward at once (candle's autograd, the head's weights as `Var`s, fetched as
 //!    variables: [`Layers::fetch_vars`](super::Layers::fetch_vars));

@@ -157,6 +157,38 @@ fn out_of_core_training_equals_the_in_memory_twin_bit_for_bit() {
     }
 }
 
+/// The forward's embedding: the distinct rows the step's inputs pick, gathered on the host (a
+/// vocabulary of 97, 64 inputs a step), or the whole table when every row is picked (a
+/// vocabulary of 8): either way the twin's results, bit for bit.
+#[test]
+fn the_embedding_gathers_the_rows_the_step_picks_or_fetches_the_table_when_all_are() {
+    for (vocab, gathers) in [(97, true), (8, false)] {
+        let mut c = tiny(true);
+        c.vocab_size = vocab;
+        let t = train_config(None, Engine::Cpu, &[]);
+        let (mut tr, init) = trainer(&c, &t, 1);
+        let mut twin = LlamaTwin::new(c.clone(), t.clone(), init, &Device::Cpu).unwrap();
+        for step in 0..2 {
+            let b = batches(step, &c, &t);
+            let r = tr.step(&b).unwrap();
+            assert_eq!(r.loss.to_bits(), twin.step(&b).unwrap().to_bits(), "vocab {vocab}");
+        }
+        let row = 64 * 4;
+        let gathered = tr.layers().transfers().unwrap().gathered_bytes;
+        if gathers {
+            // Each step's distinct inputs, at most 64 rows.
+            assert!(gathered > 0 && gathered <= 2 * 64 * row, "{gathered}");
+        } else {
+            assert_eq!(gathered, 0, "every row picked: the table fetched whole");
+        }
+        tr.finish().unwrap();
+        for (name, _) in c.tensors() {
+            let (got, want) = (tr.read_param(&name).unwrap(), twin.param(&name).unwrap());
+            assert_eq!(bits(&got), bits(&want), "vocab {vocab}: {name}");
+        }
+    }
+}
+
 /// The trainer's gradients (the optimizer's f32 gradient tensors after one step) against
 /// candle's plain autograd over the whole model: every parameter a `Var`, every linear candle's
 /// `matmul` (its `dW` in the compute dtype, here f32), the micro-batches' gradients summed in

@@ -23,7 +23,7 @@ use super::{
 use crate::base::types::{DType, Group, TensorId, Tier};
 use crate::candle::block::{model_tensors, Block, LlamaBlock, Weights};
 use crate::candle::llama::{
-    head_logits, inputs_and_targets, next_token_loss_masked, EMBED, LM_HEAD, NORM,
+    embed, head_logits, inputs_and_targets, next_token_loss_masked, EMBED, LM_HEAD, NORM,
 };
 use crate::candle::lora::{adapter_specs, AdapterSpec};
 use crate::candle::Layers;
@@ -732,6 +732,55 @@ impl Trainer {
         }
     }
 
+    /// The forward's embedding of each micro-batch's inputs (`io`'s ids; `tokens` the same ids
+    /// on the host, as `check_batches` read them, the last of each row a target only). Only the
+    /// table's rows the step's inputs pick cross to the device (each once, gathered on the host:
+    /// [`Layers::gather_rows`]), and each micro-batch's embedding is candle's `index_select` of
+    /// that sub-table with its ids renumbered: the values `index_select` of the whole table
+    /// gives. The whole table is fetched instead where the rows would be no fewer bytes (more
+    /// distinct tokens than a table's worth), or where its only valid copy is on a CUDA device
+    /// (an engine that updates it there: gathering would first copy it to the host whole).
+    fn embed_inputs(
+        &self,
+        io: &[(Tensor, Tensor)],
+        tokens: &[Vec<u32>],
+    ) -> candle_core::Result<Vec<Tensor>> {
+        let seq = self.train.seq;
+        let inputs = |t: &'_ Vec<u32>| -> Vec<u32> {
+            t.chunks(seq + 1).flat_map(|row| row[..seq].iter().copied()).collect()
+        };
+        let mut rows: Vec<u32> = tokens.iter().flat_map(inputs).collect();
+        rows.sort_unstable();
+        rows.dedup();
+        let id = self
+            .layers
+            .id(EMBED)
+            .ok_or_else(|| candle_core::Error::CannotFindTensor { path: EMBED.to_string() }.bt())?;
+        let info = self.store.info(id).map_err(|e| strata_err(EMBED, e))?;
+        let vocab = self.config.vocab_size;
+        let on_host =
+            self.layers.device().is_cpu() || info.tiers.iter().any(|&t| t != Tier::Device);
+        if !on_host || rows.len() >= vocab {
+            let w = self.layers.fetch(&[EMBED], &[])?;
+            let table = w.get(EMBED).expect("fetched");
+            return io.iter().map(|(ids, _)| embed(table, ids)).collect();
+        }
+        let picked: Vec<usize> = rows.iter().map(|&r| r as usize).collect();
+        let table = self.layers.gather_rows(EMBED, &picked)?;
+        let (mb, dev) = (self.train.micro_batch, self.layers.device());
+        tokens
+            .iter()
+            .map(|t| {
+                // Each input's row in the sub-table: its place among the sorted distinct ids.
+                let at: Vec<u32> = inputs(t)
+                    .iter()
+                    .map(|id| rows.binary_search(id).expect("a row of the step") as u32)
+                    .collect();
+                embed(&table, &Tensor::from_vec(at, (mb, seq), dev)?)
+            })
+            .collect()
+    }
+
     /// Candle `Var`s of the trainable tensors among `w` but those in `plain` (frozen ones, and
     /// those whose gradient is summed without a `Var`, stay plain tensors). A tensor fetched as
     /// a variable ([`Layers::fetch_vars`]) is taken as it is; another is copied.
@@ -837,19 +886,7 @@ impl Trainer {
         // Forward, stage by stage, every micro-batch through a stage before the next.
         self.wait_for(&[0, 1])?;
         self.layers.prefetch(&refs(&names(self, 1)))?;
-        // The embedding: only the rows the step's inputs pick cross to the device, gathered on
-        // the host at once (the table is not fetched whole; its rows are the values candle's
-        // `index_select` would pick), a row-range view of them a micro-batch.
-        let (mb, seq, hidden) = (tc.micro_batch, tc.seq, cfg.hidden_size);
-        let rows: Vec<usize> = tokens
-            .iter()
-            .flat_map(|t| t.chunks(seq + 1).flat_map(|row| row[..seq].iter().map(|&i| i as usize)))
-            .collect();
-        let table = self.layers.gather_rows(EMBED, &rows)?;
-        let mut xs: Vec<Tensor> = (0..io.len())
-            .map(|m| table.narrow(0, m * mb * seq, mb * seq)?.reshape((mb, seq, hidden)))
-            .collect::<candle_core::Result<_>>()?;
-        drop(table);
+        let mut xs = self.embed_inputs(&io, &tokens)?;
         crate::base::failpoint::check(crate::base::failpoint::Site::Compute, Path::new("forward"))?;
         for l in 0..n_layers {
             let stage = block_stage(l);
