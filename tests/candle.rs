@@ -534,8 +534,8 @@ fn joined_groups_are_fetched_into_one_tensor_of_their_rows() {
 }
 
 /// `fetch_vars` hands the named tensors over as candle variables (through a view, from host
-/// memory when the Device tier cannot hold one, bf16 as stored, Q8_0 dequantized), the same
-/// values as `fetch`;
+/// memory when the Device tier cannot hold one, bf16 as stored, Q8_0 dequantized, u16 widened),
+/// the same values as `fetch`;
 /// `Var::from_tensor` takes them without a copy (a gradient reaches them).
 #[test]
 fn fetch_vars_hands_variables_over_without_a_second_copy() {
@@ -562,13 +562,15 @@ fn fetch_vars_hands_variables_over_without_a_second_copy() {
         // 60 KiB of bf16 beside 16 KiB pinned in a 64 KiB tier: read from host memory
         put("bigb", strata::DType::BF16, &[7680, 4], bytemuck::cast_slice(&bf(7680 * 4))),
         put("q", strata::DType::Q8_0, &[2, 32], &q8),
+        // 64 KiB of u16 (widened to u32): read from host memory
+        put("u", strata::DType::U16, &[8192, 4], bytemuck::cast_slice(&[7u16; 8192 * 4])),
         put("n", strata::DType::F32, &[2, 4], &f32_bytes(8)),
     ];
     let layers =
         Layers::new(s.clone(), ids.iter().map(|&(n, i)| (n.to_string(), i)), &Device::Cpu).unwrap();
-    let uses = ["w", "big", "b", "bigb", "q", "n"];
+    let uses = ["w", "big", "b", "bigb", "q", "u", "n"];
     let plain = layers.fetch(&uses, &[]).unwrap();
-    let w = layers.fetch_vars(&uses, &[], &["w", "big", "b", "bigb", "q"]).unwrap();
+    let w = layers.fetch_vars(&uses, &[], &["w", "big", "b", "bigb", "q", "u"]).unwrap();
     for n in uses {
         let (got, want) = (w.get(n).unwrap(), plain.get(n).unwrap());
         assert_eq!(got.is_variable(), n != "n", "{n}");
@@ -580,7 +582,7 @@ fn fetch_vars_hands_variables_over_without_a_second_copy() {
     assert_eq!(w.get("q").unwrap().dtype(), DType::F32, "dequantized");
     assert_eq!(w.get("q").unwrap().get(1).unwrap().to_vec1::<f32>().unwrap()[0], -7.5);
     let t = layers.transfers().unwrap();
-    assert_eq!(t.host_copy_bytes, 2 * (3072 * 16 + 7680 * 8), "big and bigb from host memory");
+    assert_eq!(t.host_copy_bytes, 2 * (3072 * 16 + 7680 * 8 + 8192 * 8), "big, bigb, u: host");
     // The Var is the fetched tensor itself: a gradient of the one is a gradient of the other.
     let var = candle_core::Var::from_tensor(w.get("w").unwrap()).unwrap();
     assert_eq!(var.as_tensor().id(), w.get("w").unwrap().id());

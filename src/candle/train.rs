@@ -8,7 +8,8 @@
 //! the device once per forward and once per backward per step):
 //!
 //! 1. *forward*: the embedding (the distinct rows the step's inputs pick, gathered on the host
-//!    by [`Layers::gather_rows`](super::Layers::gather_rows), not the whole table), then each
+//!    by [`Layers::gather_rows`](super::Layers::gather_rows); the whole table where those would
+//!    be no fewer bytes or the device holds it), then each
 //!    block, its weights fetched through device views ([`Layers::fetch`](super::Layers::fetch),
 //!    the next stage prefetched), each block's input written to the store as an activation
 //!    checkpoint (group `Activation`, homed in host memory);

@@ -462,22 +462,25 @@ impl TrainPlan {
         // table only the rows the step's inputs pick, at most the table (a tied table also
         // crosses whole as the head); checkpoints homed in host memory go out in the forward
         // and back in the backward; the gradients go out once (the Cpu engine reads them in
-        // host memory), a tied table's twice more (its head share parked and fetched back); the
-        // GpuResident engine brings its state in and out.
+        // host memory; a tied table's head share waits in candle's memory for the embedding's
+        // rows, the working set's f32 embedding gradient); the GpuResident engine brings its
+        // state in and out.
         let ck = &placed[Group::Activation.index()];
         let ck_host = ck[Tier::Pinned.index()] + ck[Tier::Disk.index()];
-        let tied = if config.tie_word_embeddings { v * h * 4 } else { 0 };
         let grads: u64 = placed[Group::Grad.index()].iter().sum();
         let embedding = tensors
             .iter()
             .zip(&bytes)
             .find(|((n, _), _)| n == crate::candle::llama_config::EMBED)
             .map_or(0, |(_, &b)| b);
-        let rows = (accum * tokens_mb).min(v) * (embedding / v.max(1));
+        // (a quantized table's rows cross dequantized, f32; at most the table as stored)
+        let row = if embedding < v * h * 2 { h * 4 } else { embedding / v.max(1) };
+        let rows = (accum * tokens_mb * row).min(embedding);
         let blocks: u64 = per_block.iter().sum();
-        let head = params - blocks - embedding + if tied > 0 { embedding } else { 0 };
+        let head =
+            params - blocks - embedding + if config.tie_word_embeddings { embedding } else { 0 };
         let weights = 2 * blocks + head + rows;
-        let (mut h2d, mut d2h) = (weights + ck_host + tied, grads + ck_host + tied);
+        let (mut h2d, mut d2h) = (weights + ck_host, grads + ck_host);
         if train.engine == Engine::GpuResident {
             h2d += state_bytes + grads;
             d2h += state_bytes;
@@ -957,8 +960,8 @@ mod tests {
 
     /// A quantized base (a GGUF file's weights, a quarter of their f32 bytes here) is planned
     /// by its stored bytes: a Device tier smaller than an f32 block but as large as a stored one
-    /// is taken, and a step's PCIe traffic is the stored bytes' (blocks twice, the head once,
-    /// the embedding's rows the step picks).
+    /// is taken, and a step's PCIe traffic is the stored bytes' (blocks twice, the head once;
+    /// the embedding's rows the step picks cross dequantized).
     #[test]
     fn a_quantized_base_is_planned_by_its_stored_bytes() {
         let c = tiny();
@@ -980,14 +983,14 @@ mod tests {
         let f = TrainPlan::new(&c, &t, DType::F32, &m, budgets(f32_block * 4)).unwrap();
         let weights = |p: &TrainPlan| p.placed[Group::Param.index()].iter().sum::<u64>();
         assert_eq!(weights(&f), 4 * weights(&q));
-        // Each block crosses twice, the head once, the embedding as the rows the step's 32
-        // inputs pick: each at a quarter of its f32 bytes.
+        // Each block crosses twice and the head once, at a quarter of its f32 bytes; the
+        // embedding as the rows the step's 32 inputs pick, dequantized (f32) either way.
         let (h, v) = (c.hidden_size as u64, c.vocab_size as u64);
         let blocks = c.block_parameters() * 4 * c.num_hidden_layers as u64;
         let table = v * h * 4;
         let head = weights(&f) - blocks - if c.tie_word_embeddings { 0 } else { table };
-        let traffic = 2 * blocks + head + 32.min(v) * h * 4;
-        assert_eq!(f.pcie.0 - q.pcie.0, traffic - traffic / 4);
+        let scaled = 2 * blocks + head;
+        assert_eq!(f.pcie.0 - q.pcie.0, scaled - scaled / 4);
     }
 
     /// The floor adds the optimizer's part the schedule cannot hide: none when the optimizer

@@ -150,10 +150,6 @@ pub struct Trainer {
     pub(super) opt: Option<Optimizer>,
     /// Activation checkpoints: `[block][micro-batch]` names.
     checkpoints: Vec<Vec<String>>,
-    /// Tied embeddings being trained: the name under which `layers` serves the table's
-    /// gradient (the optimizer's, f32), which holds the head's share (summed over the
-    /// micro-batches) from the head's backward until the embedding's backward adds its rows.
-    embed_grad: Option<String>,
     /// Steps done: the next step's number.
     pub(super) step: u64,
     /// Steps skipped for a non-finite loss or gradient ([`TrainConfig::skip_nonfinite`]).
@@ -453,15 +449,6 @@ impl Trainer {
             }
             checkpoints.push(per);
         }
-        let embed = params.iter().find(|p| p.name == EMBED && p.trainable);
-        let embed_grad = match (embed, &opt) {
-            (Some(p), Some(o)) if config.tie_word_embeddings => {
-                let name = format!("{EMBED}.grad");
-                layers.serve(name.clone(), o.grad(p.id).map_err(|e| strata_err(&name, e))?);
-                Some(name)
-            }
-            _ => None,
-        };
         let block_tensors = block.tensors();
         let speculative =
             reserve_backups(&store, opt.as_mut(), &params, layers_n + 2, train.speculation_bytes)?;
@@ -479,7 +466,6 @@ impl Trainer {
             params,
             opt,
             checkpoints,
-            embed_grad,
             step: 0,
             skipped: 0,
             run: new_run_id(),
@@ -737,9 +723,11 @@ impl Trainer {
     /// table's rows the step's inputs pick cross to the device (each once, gathered on the host:
     /// [`Layers::gather_rows`]), and each micro-batch's embedding is candle's `index_select` of
     /// that sub-table with its ids renumbered: the values `index_select` of the whole table
-    /// gives. The whole table is fetched instead where the rows would be no fewer bytes (more
-    /// distinct tokens than a table's worth), or where its only valid copy is on a CUDA device
-    /// (an engine that updates it there: gathering would first copy it to the host whole).
+    /// gives. The whole table is fetched instead where the rows would be no fewer bytes than
+    /// the table as stored (every row picked; a quantized table's rows are dequantized on the
+    /// host, f32, where the table crosses as its blocks), or where a CUDA device holds a valid
+    /// copy (copied device to device; one a GPU engine updated there would otherwise be copied
+    /// to the host whole first).
     fn embed_inputs(
         &self,
         io: &[(Tensor, Tensor)],
@@ -757,10 +745,16 @@ impl Trainer {
             .id(EMBED)
             .ok_or_else(|| candle_core::Error::CannotFindTensor { path: EMBED.to_string() }.bt())?;
         let info = self.store.info(id).map_err(|e| strata_err(EMBED, e))?;
-        let vocab = self.config.vocab_size;
-        let on_host =
-            self.layers.device().is_cpu() || info.tiers.iter().any(|&t| t != Tier::Device);
-        if !on_host || rows.len() >= vocab {
+        // The bytes the gathered rows make (a quantized table's dequantized to f32 on the host,
+        // where the whole table crosses as its blocks and is dequantized on the device).
+        let cols = self.config.hidden_size;
+        let row_bytes = if info.dtype.is_quantized() {
+            cols * 4
+        } else {
+            info.dtype.bytes_for(&[cols]).map_err(|e| strata_err(EMBED, e))? as usize
+        };
+        let on_device = !self.layers.device().is_cpu() && info.tiers.contains(&Tier::Device);
+        if on_device || (rows.len() * row_bytes) as u64 >= info.bytes {
             let w = self.layers.fetch(&[EMBED], &[])?;
             let table = w.get(EMBED).expect("fetched");
             return io.iter().map(|(ids, _)| embed(table, ids)).collect();
@@ -962,10 +956,10 @@ impl Trainer {
         if let Some(o) = self.opt.as_mut() {
             o.set_lr(lr);
         }
-        if let Some(share) = acc.remove(EMBED).flatten() {
-            // Tied: parked in the embedding's gradient until its own backward.
-            self.hand_over(EMBED, &share)?;
-        }
+        // Tied: the head's share of the table's gradient (f32, summed over the micro-batches)
+        // kept in candle's memory until the embedding's backward adds its rows, then handed over
+        // once (the plan's working set counts it; parked in the store, it crossed out and back).
+        let mut head_share = acc.remove(EMBED).flatten();
         let backward0 = Instant::now();
         self.hand_over_all(&mut acc, &mut ss)?;
         // A stage's gradients are final once handed over: its update starts now, speculatively
@@ -987,7 +981,7 @@ impl Trainer {
                 v.extend(self.checkpoints[l - 1].iter().cloned());
                 v
             } else {
-                self.embed_grad.iter().cloned().collect()
+                Vec::new()
             };
             let groups = self.joined_groups(l);
             let mut fetched = self.layers.fetch_joined(&refs(&this), &refs(&next), &groups)?;
@@ -1036,11 +1030,8 @@ impl Trainer {
         // The embedding's backward: the rows each token picked get its gradient (candle's
         // index_select backward), in f32, into one buffer: the head's share when tied.
         if self.params.iter().any(|p| p.name == EMBED && p.trainable) {
-            let table = match &self.embed_grad {
-                Some(name) => {
-                    let mut w = self.layers.fetch(&[name.as_str()], &[])?.into_tensors();
-                    w.remove(name).expect("fetched")
-                }
+            let table = match head_share.take() {
+                Some(share) => share,
                 None => Tensor::zeros(
                     (cfg.vocab_size, cfg.hidden_size),
                     CDType::F32,
