@@ -890,13 +890,13 @@ impl OutOfCoreLlama {
             }
             (Some(view), _) => view
                 .with_host_bytes(|bytes| {
-                    tensor_from_bytes(name, &bytes[..n], sdtype, &[len, b, h, d], dev)
+                    tensor_from_bytes(name, &bytes[..n], sdtype, &[len, b, h, d], dev, false)
                 })
                 .map_err(|e| strata_err(name, e))??,
             (None, _) => {
                 let bytes = wait_for_writer(|| self.layers.store().read_in_place(id))
                     .map_err(|e| strata_err(name, e))?;
-                tensor_from_bytes(name, &bytes[..n], sdtype, &[len, b, h, d], dev)?
+                tensor_from_bytes(name, &bytes[..n], sdtype, &[len, b, h, d], dev, false)?
             }
         };
         t.permute((1, 2, 0, 3))?.contiguous()

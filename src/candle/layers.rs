@@ -11,7 +11,6 @@ use parking_lot::Mutex;
 
 use super::{
     candle_dtype, read_tensor, strata_err, stream_for, tensor_from_bytes, unsupported_dtype,
-    var_from_bytes,
 };
 use crate::base::types::{TensorId, Tier};
 use crate::{Loaded, Store, Stream};
@@ -459,11 +458,7 @@ impl Layers {
             return self.through_cuda_view(name, id, info, dev, var);
         }
         self.with_view_bytes(name, id, info, |b| {
-            if var {
-                var_from_bytes(name, b, info.dtype, &info.shape, &self.device)
-            } else {
-                tensor_from_bytes(name, b, info.dtype, &info.shape, &self.device)
-            }
+            tensor_from_bytes(name, b, info.dtype, &info.shape, &self.device, var)
         })?
         .transpose()
     }
@@ -612,7 +607,7 @@ impl Layers {
             Err(e) => return Err(strata_err(name, e)),
         };
         self.transfers.lock().t.gathered_bytes += gathered.len() as u64;
-        tensor_from_bytes(name, &gathered, info.dtype, &[rows.len(), cols], &self.device)
+        tensor_from_bytes(name, &gathered, info.dtype, &[rows.len(), cols], &self.device, false)
     }
 }
 

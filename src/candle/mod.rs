@@ -355,11 +355,7 @@ pub(crate) fn read_tensor(
         ($t:ty) => {{
             let values = wait_for_writer(|| store.read_in_place_as::<$t>(id))
                 .map_err(|e| strata_err(name, e))?;
-            if var {
-                candle_core::Var::from_vec(values, shape, device).map(candle_core::Var::into_inner)
-            } else {
-                Tensor::from_vec(values, shape, device)
-            }
+            made(values, shape, device, var)
         }};
     }
     match info.dtype {
@@ -367,12 +363,7 @@ pub(crate) fn read_tensor(
         DType::U16 => {
             let narrow = wait_for_writer(|| store.read_in_place_as::<u16>(id))
                 .map_err(|e| strata_err(name, e))?;
-            let wide: Vec<u32> = narrow.into_iter().map(u32::from).collect();
-            if var {
-                candle_core::Var::from_vec(wide, shape, device).map(candle_core::Var::into_inner)
-            } else {
-                Tensor::from_vec(wide, shape, device)
-            }
+            made(narrow.into_iter().map(u32::from).collect(), shape, device, var)
         }
         DType::U32 => typed!(u32),
         DType::I16 => typed!(i16),
@@ -385,11 +376,7 @@ pub(crate) fn read_tensor(
         _ => {
             let bytes =
                 wait_for_writer(|| store.read_in_place(id)).map_err(|e| strata_err(name, e))?;
-            if var {
-                var_from_bytes(name, &bytes, info.dtype, shape, device)
-            } else {
-                tensor_from_bytes(name, &bytes, info.dtype, shape, device)
-            }
+            tensor_from_bytes(name, &bytes, info.dtype, shape, device, var)
         }
     }
 }
@@ -419,26 +406,57 @@ pub(crate) fn with_cpu_bytes<R>(
 }
 
 /// A candle tensor on `device` holding a copy of `bytes`, a tensor of `dtype` and `shape` as
-/// stored (native byte order), converted as candle's safetensors loader converts it.
+/// stored (native byte order), converted as candle's safetensors loader converts it. With `var`,
+/// a candle variable (a `Var` of it shares its storage; made as it is made for f32, bf16, f16,
+/// u16 and a dequantized block-quantized tensor, copied once more by `Var::from_tensor` for
+/// another dtype).
 pub(crate) fn tensor_from_bytes(
     name: &str,
     bytes: &[u8],
     dtype: DType,
     shape: &[usize],
     device: &Device,
+    var: bool,
 ) -> candle_core::Result<Tensor> {
     let Some(cd) = candle_dtype(dtype) else { return Err(unsupported_dtype(name, dtype)) };
+    fn values<T: bytemuck::Pod>(b: &[u8]) -> Vec<T> {
+        let mut v = Vec::with_capacity(b.len() / std::mem::size_of::<T>());
+        extend_from_bytes(&mut v, b);
+        v
+    }
     if dtype.is_quantized() {
         let values =
             crate::base::quant::dequantize(dtype, bytes).map_err(|e| strata_err(name, e))?;
-        return Tensor::from_vec(values, shape, device);
+        return made(values, shape, device, var);
     }
-    if dtype == DType::U16 {
-        let wide: Vec<u32> =
-            bytes.chunks_exact(2).map(|b| u32::from(u16::from_ne_bytes([b[0], b[1]]))).collect();
-        return Tensor::from_vec(wide, shape, device);
+    match dtype {
+        DType::U16 => {
+            let wide = bytes.chunks_exact(2).map(|b| u32::from(u16::from_ne_bytes([b[0], b[1]])));
+            made(wide.collect(), shape, device, var)
+        }
+        DType::F32 if var => made(values::<f32>(bytes), shape, device, var),
+        DType::BF16 if var => made(values::<half::bf16>(bytes), shape, device, var),
+        DType::F16 if var => made(values::<half::f16>(bytes), shape, device, var),
+        _ if var => {
+            candle_core::Var::from_tensor(&Tensor::from_raw_buffer(bytes, cd, shape, device)?)
+                .map(candle_core::Var::into_inner)
+        }
+        _ => Tensor::from_raw_buffer(bytes, cd, shape, device),
     }
-    Tensor::from_raw_buffer(bytes, cd, shape, device)
+}
+
+/// A candle tensor of `values`, a candle variable with `var` (no copy of its own either way).
+fn made<T: candle_core::WithDType>(
+    values: Vec<T>,
+    shape: &[usize],
+    device: &Device,
+    var: bool,
+) -> candle_core::Result<Tensor> {
+    if var {
+        candle_core::Var::from_vec(values, shape, device).map(candle_core::Var::into_inner)
+    } else {
+        Tensor::from_vec(values, shape, device)
+    }
 }
 
 /// Appends `bytes` (native byte order, whole elements) to `v`: cast where they are aligned for
@@ -450,36 +468,6 @@ pub(crate) fn extend_from_bytes<T: bytemuck::Pod>(v: &mut Vec<T>, bytes: &[u8]) 
             bytes.chunks_exact(std::mem::size_of::<T>()).map(bytemuck::pod_read_unaligned::<T>),
         ),
     }
-}
-
-/// [`tensor_from_bytes`], the tensor made a candle variable as it is made (f32, bf16, f16 and a
-/// dequantized block-quantized tensor: no copy beside the one from `bytes`; another dtype is
-/// copied once more by `Var::from_tensor`).
-pub(crate) fn var_from_bytes(
-    name: &str,
-    bytes: &[u8],
-    dtype: DType,
-    shape: &[usize],
-    device: &Device,
-) -> candle_core::Result<Tensor> {
-    use candle_core::Var;
-    fn values<T: bytemuck::Pod>(b: &[u8]) -> Vec<T> {
-        let mut v = Vec::with_capacity(b.len() / std::mem::size_of::<T>());
-        extend_from_bytes(&mut v, b);
-        v
-    }
-    let var = match dtype {
-        DType::F32 => Var::from_vec(values::<f32>(bytes), shape, device)?,
-        DType::BF16 => Var::from_vec(values::<half::bf16>(bytes), shape, device)?,
-        DType::F16 => Var::from_vec(values::<half::f16>(bytes), shape, device)?,
-        q if q.is_quantized() => Var::from_vec(
-            crate::base::quant::dequantize(q, bytes).map_err(|e| strata_err(name, e))?,
-            shape,
-            device,
-        )?,
-        _ => Var::from_tensor(&tensor_from_bytes(name, bytes, dtype, shape, device)?)?,
-    };
-    Ok(var.into_inner())
 }
 
 #[cfg(test)]
