@@ -207,7 +207,7 @@ fn a_schedule_change_costs_no_read_a_rebuild_of_the_index() {
 /// mix reads, writes, device views that write, moves, prefetch hints and layer scopes over any
 /// tensor, releases, removes and puts, with the tiers full so that hints and views must spill;
 /// every byte is checked against each thread's shadow at the end. Runs 10 s after the load
-/// (`STRATA_SCALE_SECONDS` to change it); prints the operations per second.
+/// (`STRATA_SCALE_SECONDS` to change it; `.ci/run` sets 3); prints the operations per second.
 #[test]
 fn a_100k_tensor_workload_with_hints_spills_and_threads() {
     common::watch_deadlocks();
@@ -238,7 +238,7 @@ fn a_100k_tensor_workload_with_hints_spills_and_threads() {
     let ids: Vec<strata::TensorId> =
         (0..N).map(|i| loaded.get(&format!("t{i}")).unwrap()).collect();
     let ids = std::sync::Arc::new(ids);
-    // 10 s in CI; STRATA_SCALE_SECONDS for a longer run.
+    // 10 s by default (CI sets 3 s); STRATA_SCALE_SECONDS for a longer run.
     let secs =
         std::env::var("STRATA_SCALE_SECONDS").ok().and_then(|s| s.parse().ok()).unwrap_or(10);
     let deadline = Instant::now() + Duration::from_secs(secs);
