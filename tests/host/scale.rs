@@ -345,9 +345,10 @@ fn a_100k_tensor_workload_with_hints_spills_and_threads() {
             })
         })
         .collect();
-    let t0 = Instant::now();
     let ops: u64 = threads.into_iter().map(|h| h.join().unwrap()).sum();
-    let took = t0.elapsed();
+    // The rate over the soak alone (the threads stop at the deadline; each then reads back its
+    // quarter of the tensors, which a loaded machine may take far longer than the soak).
+    let took = Duration::from_secs(secs);
     store.check_err().unwrap();
     let st = store.stats();
     println!(
