@@ -521,25 +521,38 @@ __device__ void rope(const T* x, T* out, const float* cos_t, const float* sin_t,
 
 // ---------------------------------------------------------------------------------------------
 // SwiGLU: out = silu(g) * u; the backward dg = dy * u * sig * (1 + g * (1 - sig)), du = dy *
-// silu(g).
+// silu(g). Over `rows` rows of `inner` elements: g and u rows `in_stride` apart, out and dy
+// contiguous, dg and du rows `out_stride` apart. Two tensors of one shape are one row
+// (strata_swiglu_*: a one-dimensional grid); the joint gate/up GEMM's output [rows, 2 inner]
+// is g in its first `inner` columns and u in the next (strata_swiglu_joined_*: in_stride =
+// out_stride = 2 inner, the backward writing the joint's gradient whole; a two-dimensional
+// grid, rows along y).
 #define GRID_LOOP(i, n)                                                                            \
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < (n);                 \
          i += (long long)gridDim.x * blockDim.x)
+#define ROW_LOOP(r, c, rows, inner)                                                                \
+    for (long long r = blockIdx.y; r < (rows); r += gridDim.y)                                     \
+        GRID_LOOP(c, inner)
 
-template <typename T> __device__ void swiglu_fwd(const T* g, const T* u, T* out, long long n) {
-    GRID_LOOP(i, n) {
-        const float gv = widen(g[i]);
-        out[i] = narrow<T>(gv / (1.0f + expf(-gv)) * widen(u[i]));
+template <typename T>
+__device__ void swiglu_fwd(const T* g, const T* u, long long in_stride, T* out, long long rows,
+                           long long inner) {
+    ROW_LOOP(r, c, rows, inner) {
+        const long long a = r * in_stride + c;
+        const float gv = widen(g[a]);
+        out[r * inner + c] = narrow<T>(gv / (1.0f + expf(-gv)) * widen(u[a]));
     }
 }
 
 template <typename T>
-__device__ void swiglu_bwd(const T* g, const T* u, const T* dy, T* dg, T* du, long long n) {
-    GRID_LOOP(i, n) {
-        const float gv = widen(g[i]), uv = widen(u[i]), d = widen(dy[i]);
+__device__ void swiglu_bwd(const T* g, const T* u, long long in_stride, const T* dy, T* dg, T* du,
+                           long long out_stride, long long rows, long long inner) {
+    ROW_LOOP(r, c, rows, inner) {
+        const long long a = r * in_stride + c, o = r * out_stride + c;
+        const float gv = widen(g[a]), uv = widen(u[a]), d = widen(dy[r * inner + c]);
         const float sig = 1.0f / (1.0f + expf(-gv));
-        dg[i] = narrow<T>(d * uv * sig * (1.0f + gv * (1.0f - sig)));
-        du[i] = narrow<T>(d * gv * sig);
+        dg[o] = narrow<T>(d * uv * sig * (1.0f + gv * (1.0f - sig)));
+        du[o] = narrow<T>(d * gv * sig);
     }
 }
 
@@ -714,11 +727,19 @@ __device__ void dequant(const unsigned char* src, T* out, long long n, int type,
     }                                                                                              \
     extern "C" __global__ void strata_swiglu_fwd_##name(const T* g, const T* u, T* out,           \
                                                         long long n) {                            \
-        swiglu_fwd<T>(g, u, out, n);                                                              \
+        swiglu_fwd<T>(g, u, n, out, 1, n);                                                        \
     }                                                                                              \
     extern "C" __global__ void strata_swiglu_bwd_##name(const T* g, const T* u, const T* dy,      \
                                                         T* dg, T* du, long long n) {              \
-        swiglu_bwd<T>(g, u, dy, dg, du, n);                                                       \
+        swiglu_bwd<T>(g, u, n, dy, dg, du, n, 1, n);                                              \
+    }                                                                                              \
+    extern "C" __global__ void strata_swiglu_joined_fwd_##name(const T* y, T* out, long long rows, \
+                                                               long long inner) {                 \
+        swiglu_fwd<T>(y, y + inner, 2 * inner, out, rows, inner);                                 \
+    }                                                                                              \
+    extern "C" __global__ void strata_swiglu_joined_bwd_##name(const T* y, const T* dy, T* dyj,   \
+                                                               long long rows, long long inner) { \
+        swiglu_bwd<T>(y, y + inner, 2 * inner, dy, dyj, dyj + inner, 2 * inner, rows, inner);     \
     }                                                                                              \
     extern "C" __global__ void strata_grad_acc_##name(float* acc, const T* g, long long n) {      \
         grad_acc<T>(acc, g, n);                                                                   \

@@ -413,18 +413,34 @@ impl BlockWeights {
         Ok([part(0)?, part(1)?, part(2)?])
     }
 
-    /// The gate and up projections of `n` (the second norm's output), with their adapters: one
-    /// GEMM over their joint weight, split by columns (strided views: the fused SwiGLU copies
-    /// each into a contiguous tensor, an adapter's add writes a new one), or two.
-    fn gate_up(&self, compute: Compute, n: &Tensor) -> candle_core::Result<[Tensor; 2]> {
+    /// SwiGLU's gate of `n` (the second norm's output), `silu(gate(n)) · up(n)`, the gate and
+    /// up projections with their adapters. Joined without adapters: one GEMM over their joint
+    /// weight and the fused SwiGLU reading its output in place ([`fused::swiglu_joined`]: no
+    /// copy of either half, and the backward hands the joint GEMM its gradient whole). Joined
+    /// with an adapter on either: the joint's output split by columns (strided views: the fused
+    /// SwiGLU copies each into a contiguous tensor, an adapter's add writes a new one). Else two
+    /// GEMMs.
+    fn gated(&self, compute: Compute, n: &Tensor) -> candle_core::Result<Tensor> {
         let [.., gn, un, _] = BLOCK_TENSORS;
-        let Some(j) = self.joint(compute, &[gn, un]) else {
-            return Ok([self.project(gn, &self.gate, n)?, self.project(un, &self.up, n)?]);
+        let [gate, up] = match self.joint(compute, &[gn, un]) {
+            Some(j) => {
+                let plain = !self.adapters.contains_key(gn) && !self.adapters.contains_key(un);
+                if let ([g, u], true) = (j.outs(), plain) {
+                    if g == u {
+                        return fused::swiglu_joined(&j.forward(n)?);
+                    }
+                }
+                let [g, u]: [Tensor; 2] = j.apply(n)?.try_into().map_err(|_| {
+                    candle_core::Error::Msg("a gate/up joint of other than two parts".into())
+                })?;
+                [self.adapted(gn, g, n)?, self.adapted(un, u, n)?]
+            }
+            None => [self.project(gn, &self.gate, n)?, self.project(un, &self.up, n)?],
         };
-        let [g, u]: [Tensor; 2] = j.apply(n)?.try_into().map_err(|_| {
-            candle_core::Error::Msg("a gate/up joint of other than two parts".into())
-        })?;
-        Ok([self.adapted(gn, g, n)?, self.adapted(un, u, n)?])
+        match compute {
+            Compute::Fused => fused::swiglu(&gate, &up),
+            Compute::Decomposed => gate.silu()?.mul(&up),
+        }
     }
 
     /// The bias of projection `i` (0: q, 1: k, 2: v) added to `y`, when there is one. In f32
@@ -628,11 +644,7 @@ pub fn block_forward_with(
             (h, n)
         }
     };
-    let [gate, up] = w.gate_up(compute, &n)?;
-    let act = match compute {
-        Compute::Fused => fused::swiglu(&gate, &up)?,
-        Compute::Decomposed => gate.silu()?.mul(&up)?,
-    };
+    let act = w.gated(compute, &n)?;
     h.add(&w.project(dn, &w.down, &act)?)
 }
 

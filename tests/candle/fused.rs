@@ -259,6 +259,41 @@ fn norm_rope_and_swiglu_equal_the_decomposed_ops_values_and_gradients() {
     );
 }
 
+/// The fused SwiGLU over a joint gate/up output read in place gives the two-tensor SwiGLU's
+/// values of its halves and, as one gradient, their gradients side by side: bit for bit, in
+/// f32, bf16 and f16, rank 2 and 3, over enough rows to split across threads.
+#[test]
+fn swiglu_over_the_joint_output_is_swiglu_of_its_halves_bit_for_bit() {
+    let mut rng = SeededRng::new(8);
+    for shape in [vec![1, 2], vec![70, 66], vec![2, 37, 128], vec![3, 1, 2 * 4099]] {
+        let inner = shape[shape.len() - 1] / 2;
+        let y = randn(&mut rng, &shape).affine(3.0, 0.0).unwrap();
+        for dtype in [DType::F32, DType::BF16, DType::F16] {
+            let what = format!("{shape:?} {dtype:?}");
+            let (jy, jg) = value_and_grads(std::slice::from_ref(&y), dtype, &|t| {
+                fused::swiglu_joined(&t[0]).unwrap()
+            });
+            let (sy, sg) = value_and_grads(std::slice::from_ref(&y), dtype, &|t| {
+                let (g, u) =
+                    (t[0].narrow(D::Minus1, 0, inner), t[0].narrow(D::Minus1, inner, inner));
+                fused::swiglu(&g.unwrap(), &u.unwrap()).unwrap()
+            });
+            assert_eq!(jy.dims(), sy.dims(), "{what}");
+            assert_eq!(jy.dtype(), dtype, "{what}");
+            assert_eq!(jg[0].dims(), y.dims(), "{what}");
+            let bits = |t: &Tensor| {
+                t.flatten_all().unwrap().to_dtype(DType::F64).unwrap().to_vec1::<f64>().unwrap()
+            };
+            assert_eq!(bits(&jy), bits(&sy), "{what}: values");
+            // (The halves' gradients, each padded to the joint's width and summed, are the
+            // joint's up to the sign of a zero.)
+            assert_eq!(bits(&jg[0]), bits(&sg[0]), "{what}: gradients");
+        }
+    }
+    let y = randn(&mut rng, &[4, 14]);
+    finite_differences("swiglu_joined", &[y], &|t| fused::swiglu_joined(&t[0]).unwrap());
+}
+
 #[test]
 fn gradients_match_finite_differences() {
     let mut rng = SeededRng::new(4);
@@ -411,6 +446,8 @@ fn what_the_fused_ops_cannot_take_is_an_error() {
         (fused::add_rms_norm(&z(&[2, 8]), &z(&[2, 8]), &z(&[7]), 1e-6).map(|p| p.1), "weight"),
         (fused::add_rms_norm(&z(&[2, 8]), &z(&[8]), &z(&[8]), 1e-6).map(|p| p.1), "one shape"),
         (fused::swiglu(&z(&[2, 8]), &z(&[2, 7])), "one shape"),
+        (fused::swiglu_joined(&z(&[2, 7])), "must be even"),
+        (fused::swiglu_joined(&Tensor::new(1f32, &Device::Cpu).unwrap()), "must be even"),
         (fused::rope(&q, &z(&[3, 8]), &z(&[3, 8]), 0), "past the rotary tables"),
         (fused::rope(&q, &z(&[8, 6]), &z(&[8, 6]), 0), "heads of 8"),
     ] {
@@ -528,6 +565,10 @@ fn ops_on_device_equal_the_cpu_ops(dev: &Device) {
         let (g, u) = (randn(&mut rng, &[rows, hidden]), randn(&mut rng, &[rows, hidden]));
         compare(&format!("swiglu {rows}x{hidden}"), vec![g, u], &|t| {
             fused::swiglu(&t[0], &t[1]).unwrap()
+        });
+        let y = randn(&mut rng, &[rows, 2 * hidden]);
+        compare(&format!("swiglu_joined {rows}x{}", 2 * hidden), vec![y], &|t| {
+            fused::swiglu_joined(&t[0]).unwrap()
         });
     }
     let c = rope_config();

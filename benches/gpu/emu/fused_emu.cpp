@@ -104,6 +104,8 @@ struct K;
         static constexpr auto rope = NS::strata_rope_##N;                                       \
         static constexpr auto swiglu_fwd = NS::strata_swiglu_fwd_##N;                           \
         static constexpr auto swiglu_bwd = NS::strata_swiglu_bwd_##N;                           \
+        static constexpr auto swiglu_joined_fwd = NS::strata_swiglu_joined_fwd_##N;             \
+        static constexpr auto swiglu_joined_bwd = NS::strata_swiglu_joined_bwd_##N;             \
         static constexpr auto grad_acc = NS::strata_grad_acc_##N;                               \
         static constexpr auto grad_index_add = NS::strata_grad_index_add_##N;                   \
         static constexpr auto dequant = NS::strata_dequant_##N;                                 \
@@ -754,6 +756,52 @@ static void swiglu_case(size_t n, size_t grid_override = 0) {
     report(std::string("swiglu_bwd ") + E<T>::name + " n=" + std::to_string(n) + extra, ok, {cg, cu});
 }
 
+// SwiGLU over the joint gate/up output y [rows, 2 inner] read in place (swiglu_joined_*): out
+// must be swiglu_fwd's of the halves bit for bit, and the joint's gradient [rows, 2 inner]
+// swiglu_bwd's dg and du side by side, bit for bit (one formula, one rounding).
+template <class T>
+static void swiglu_joined_case(size_t rows, size_t inner, size_t gx = 0, size_t gy = 0) {
+    const size_t n = rows * inner;
+    auto y = rand_vec<T>(2 * n, -8, 8), dy = rand_vec<T>(n, -1, 1);
+    std::vector<T> g(n), u(n);
+    for (size_t r = 0; r < rows; r++)
+        for (size_t c = 0; c < inner; c++) {
+            g[r * inner + c] = y[r * 2 * inner + c];
+            u[r * inner + c] = y[r * 2 * inner + inner + c];
+        }
+    std::vector<T> out(n, nan_of<T>()), want(n, nan_of<T>()), dyj(2 * n, nan_of<T>());
+    std::vector<T> dg(n, nan_of<T>()), du(n, nan_of<T>());
+    // fused.rs: joined_grid (columns along x, rows along y).
+    dim3 grid = grid3(n == 0 ? 0 : std::min<size_t>(div_ceil(inner, 256), 1 << 16),
+                      n == 0 ? 0 : std::min<size_t>(rows, 65535), 1);
+    if (gx) grid.x = (unsigned)gx;
+    if (gy) grid.y = (unsigned)gy;
+    const std::string extra = gx || gy ? " (grid-stride loops: fewer blocks than fused.rs)" : "";
+    const dim3 flat = grid3(n == 0 ? 0 : stride_blocks(n), 1, 1);
+    bool ok = empty_grid(grid) ||
+              (emu::launch(kname("swiglu_joined_fwd", E<T>::name).c_str(), K<T>::swiglu_joined_fwd,
+                           grid, 256u, (size_t)0, y.data(), out.data(), (i64)rows, (i64)inner) &&
+               emu::launch(kname("swiglu_fwd", E<T>::name).c_str(), K<T>::swiglu_fwd, flat, 256u,
+                           (size_t)0, g.data(), u.data(), want.data(), (i64)n));
+    Check c{"out"};
+    for (size_t i = 0; i < n; i++) c.add(i, W(out[i]), W(want[i]), 0);
+    const std::string shape = " rows=" + std::to_string(rows) + " inner=" + std::to_string(inner);
+    report(std::string("swiglu_joined_fwd ") + E<T>::name + shape + extra, ok, {c});
+    ok = empty_grid(grid) ||
+         (emu::launch(kname("swiglu_joined_bwd", E<T>::name).c_str(), K<T>::swiglu_joined_bwd, grid,
+                      256u, (size_t)0, y.data(), dy.data(), dyj.data(), (i64)rows, (i64)inner) &&
+          emu::launch(kname("swiglu_bwd", E<T>::name).c_str(), K<T>::swiglu_bwd, flat, 256u,
+                      (size_t)0, g.data(), u.data(), dy.data(), dg.data(), du.data(), (i64)n));
+    Check cg{"dgate"}, cu{"dup"};
+    for (size_t r = 0; r < rows; r++)
+        for (size_t c = 0; c < inner; c++) {
+            const size_t i = r * inner + c;
+            cg.add(i, W(dyj[r * 2 * inner + c]), W(dg[i]), 0);
+            cu.add(i, W(dyj[r * 2 * inner + inner + c]), W(du[i]), 0);
+        }
+    report(std::string("swiglu_joined_bwd ") + E<T>::name + shape + extra, ok, {cg, cu});
+}
+
 template <class T>
 static void grad_acc_case(size_t n, size_t grid_override = 0) {
     auto g = rand_vec<T>(n, -3, 3);
@@ -940,6 +988,10 @@ static void all_for_type() {
     }
     swiglu_case<T>(1000);
     swiglu_case<T>(1000, 2);
+    swiglu_joined_case<T>(7, 300);
+    swiglu_joined_case<T>(7, 300, 1, 2);  // both loops stride
+    swiglu_joined_case<T>(1, 5);
+    swiglu_joined_case<T>(0, 64);
     grad_acc_case<T>(1000);
     grad_acc_case<T>(777, 1);
     grad_index_add_case<T>(5, 200, {1, 0, 4, 1, 5, 3, 1, 9});  // 5 and 9: past the table

@@ -113,7 +113,7 @@ pub(crate) fn sources() -> [(&'static str, String); 3] {
 /// The attention kernels (each once per width of [`WIDTHS`]) and the others, in the order
 /// [`kernel_names`] lists them and [`Program`] holds them.
 const ATTENTION: [&str; 3] = ["attn_fwd", "attn_dq", "attn_dkdv"];
-const POINTWISE: [&str; 12] = [
+const POINTWISE: [&str; 14] = [
     "attn_delta",
     "rms_fwd",
     "rms_dx",
@@ -126,6 +126,8 @@ const POINTWISE: [&str; 12] = [
     "grad_index_add",
     "dequant",
     "add_rms_fwd",
+    "swiglu_joined_fwd",
+    "swiglu_joined_bwd",
 ];
 /// Indices into [`Program::kernels`].
 const FWD: usize = 0;
@@ -143,6 +145,8 @@ const GRAD_ACC: usize = 17;
 const GRAD_INDEX_ADD: usize = 18;
 const DEQUANT: usize = 19;
 const ADD_RMS_FWD: usize = 20;
+const SWIGLU_JOINED_FWD: usize = 21;
+const SWIGLU_JOINED_BWD: usize = 22;
 
 /// The `type` index `strata_dequant_<T>` takes for `dtype` (`cuda/fused.cu`'s `dequant_one`):
 /// its place among [`DType::ALL`]'s block-quantized dtypes (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K …
@@ -343,6 +347,19 @@ fn long(what: &str, name: &str, x: usize) -> Result<i64> {
 /// Blocks for a grid-stride loop over `n` elements, 256 threads each.
 fn stride_blocks(n: usize) -> usize {
     n.div_ceil(256).clamp(1, 1 << 16)
+}
+
+/// The joined SwiGLU's output elements (`rows · inner`, the joint twice that, both checked
+/// against overflow) and its grid: columns along x (256 a block, grid-stride), rows along y
+/// (at most 65535 blocks, grid-stride); no blocks for no elements.
+fn joined_grid(what: &str, rows: usize, inner: usize) -> Result<(usize, [usize; 3])> {
+    let n = rows.checked_mul(inner).filter(|n| n.checked_mul(2).is_some()).ok_or_else(|| {
+        Error::InvalidArgument(format!("{what}: {rows} rows of {inner} overflow"))
+    })?;
+    if n == 0 {
+        return Ok((0, [0, 1, 1]));
+    }
+    Ok((n, [inner.div_ceil(256).clamp(1, 1 << 16), rows.min(65535), 1]))
 }
 
 /// Threads per block for rows of `hidden`: a multiple of 32, at most 1024 (`block_sum`'s
@@ -951,6 +968,64 @@ impl<T: FusedElem> FusedKernels<T> {
         Ok((dg, du))
     }
 
+    /// SwiGLU's forward over the joint gate/up GEMM's output `y`, `rows` rows of `2 · inner`
+    /// contiguous elements (the gate in the first `inner` columns, up in the next): `silu(gate)
+    /// · up`, `rows · inner` elements in a new buffer.
+    pub(crate) fn swiglu_joined_fwd(
+        &self,
+        rows: usize,
+        inner: usize,
+        y: &CudaView<'_, T>,
+    ) -> Result<CudaSlice<T>> {
+        let what = "fused swiglu's forward over the joint gate/up on CUDA";
+        let (n, grid) = joined_grid(what, rows, inner)?;
+        holds(what, "the joint output", y.len(), Some(2 * n))?;
+        let (r, i) = (long(what, "rows", rows)?, long(what, "a width", inner)?);
+        // SAFETY: strata_swiglu_joined_fwd writes every element, launched below: each row
+        // (grid-stride along y) and each column of it (grid-stride along x); none, no launch.
+        let mut out = unsafe { self.uninit::<T>(n)? };
+        let kernel = self.kernel(SWIGLU_JOINED_FWD);
+        let _bound = bind(self.stream.context())?;
+        let Some(cfg) = kernel.config(what, grid, 256, 0)? else { return Ok(out) };
+        let mut b = self.stream.launch_builder(&kernel.f);
+        b.arg(y).arg(&mut out).arg(&r).arg(&i);
+        // SAFETY: strata_swiglu_joined_fwd_<T>(const T* y, T* out, long long rows, long long
+        // inner): y read over rows · 2·inner elements (checked), out written over rows · inner
+        // (allocated so).
+        unsafe { b.launch(cfg) }.map_err(launch_err)?;
+        Ok(out)
+    }
+
+    /// SwiGLU's backward over the joint gate/up output `y` (`rows` rows of `2 · inner`) and
+    /// the output's gradient `dy` (`rows · inner`): the joint's gradient, `rows · 2 · inner`
+    /// elements in a new buffer (the gate's in each row's first `inner` columns, up's in the
+    /// next), ready for the joint GEMM's backward.
+    pub(crate) fn swiglu_joined_bwd(
+        &self,
+        rows: usize,
+        inner: usize,
+        [y, dy]: [&CudaView<'_, T>; 2],
+    ) -> Result<CudaSlice<T>> {
+        let what = "fused swiglu's backward over the joint gate/up on CUDA";
+        let (n, grid) = joined_grid(what, rows, inner)?;
+        holds(what, "the joint output", y.len(), Some(2 * n))?;
+        holds(what, "the gradient", dy.len(), Some(n))?;
+        let (r, i) = (long(what, "rows", rows)?, long(what, "a width", inner)?);
+        // SAFETY: strata_swiglu_joined_bwd writes every element, launched below: both halves of
+        // each row (grid-stride along y) at each column (grid-stride along x); none, no launch.
+        let mut dyj = unsafe { self.uninit::<T>(2 * n)? };
+        let kernel = self.kernel(SWIGLU_JOINED_BWD);
+        let _bound = bind(self.stream.context())?;
+        let Some(cfg) = kernel.config(what, grid, 256, 0)? else { return Ok(dyj) };
+        let mut b = self.stream.launch_builder(&kernel.f);
+        b.arg(y).arg(dy).arg(&mut dyj).arg(&r).arg(&i);
+        // SAFETY: strata_swiglu_joined_bwd_<T>(const T* y, const T* dy, T* dyj, long long rows,
+        // long long inner): y read over rows · 2·inner elements and dy over rows · inner
+        // (checked), dyj written over rows · 2·inner (allocated so).
+        unsafe { b.launch(cfg) }.map_err(launch_err)?;
+        Ok(dyj)
+    }
+
     /// `acc += g` over `n` contiguous elements, `g` widened to f32: a gradient added in place
     /// into its f32 sum.
     pub(crate) fn grad_acc(
@@ -1116,7 +1191,7 @@ mod tests {
     #[test]
     fn kernel_indices_follow_the_names() {
         let names = kernel_names("bf16");
-        assert_eq!(names.len(), 21);
+        assert_eq!(names.len(), 23);
         for (i, name) in [
             (FWD * 3, "strata_attn_fwd_bf16_d64"),
             (DQ * 3 + 1, "strata_attn_dq_bf16_d128"),
@@ -1133,9 +1208,24 @@ mod tests {
             (GRAD_INDEX_ADD, "strata_grad_index_add_bf16"),
             (DEQUANT, "strata_dequant_bf16"),
             (ADD_RMS_FWD, "strata_add_rms_fwd_bf16"),
+            (SWIGLU_JOINED_FWD, "strata_swiglu_joined_fwd_bf16"),
+            (SWIGLU_JOINED_BWD, "strata_swiglu_joined_bwd_bf16"),
         ] {
             assert_eq!(names[i], name);
         }
+    }
+
+    /// The joined SwiGLU's grid: columns along x, rows along y within CUDA's limits, no
+    /// blocks for nothing, sizes that overflow refused before a launch.
+    #[test]
+    fn the_joined_swiglu_grid_covers_rows_along_y_within_the_limits() {
+        assert_eq!(joined_grid("t", 2048, 11008).unwrap(), (2048 * 11008, [43, 2048, 1]));
+        assert_eq!(joined_grid("t", 1, 1).unwrap(), (1, [1, 1, 1]));
+        assert_eq!(joined_grid("t", 100_000, 300).unwrap(), (30_000_000, [2, 65535, 1]));
+        assert_eq!(joined_grid("t", 0, 64).unwrap().0, 0);
+        assert!(joined_grid("t", 7, 0).unwrap().1.contains(&0));
+        let e = joined_grid("t", usize::MAX / 2, 2).unwrap_err().to_string();
+        assert!(e.contains("overflow"), "{e}");
     }
 
     /// The dequantization's arguments: each block-quantized dtype by its index, whole blocks

@@ -261,6 +261,38 @@ pub(super) fn swiglu_backward(
     })
 }
 
+/// SwiGLU's forward over the joint gate/up output (`rows` rows of `2 · inner`).
+pub(super) fn swiglu_joined_forward(
+    y: Arg,
+    rows: usize,
+    inner: usize,
+) -> candle_core::Result<CudaStorage> {
+    let dev = y.0.device().clone();
+    with_elem!(y.0, "fused swiglu", |T| {
+        let yv = dense::<T>(y.0, y.1, "the joint gate/up output")?;
+        let f = FusedKernels::<T>::get(&dev.cuda_stream())?;
+        let out = f.swiglu_joined_fwd(rows, inner, &yv)?;
+        Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
+    })
+}
+
+/// SwiGLU's backward over the joint gate/up output: the joint's gradient.
+pub(super) fn swiglu_joined_backward(
+    y: Arg,
+    dy: Arg,
+    rows: usize,
+    inner: usize,
+) -> candle_core::Result<CudaStorage> {
+    let dev = y.0.device().clone();
+    with_elem!(y.0, "fused swiglu", |T| {
+        let yv = dense::<T>(y.0, y.1, "the joint gate/up output")?;
+        let dyv = dense::<T>(dy.0, dy.1, "swiglu's gradient")?;
+        let f = FusedKernels::<T>::get(&dev.cuda_stream())?;
+        let dj = f.swiglu_joined_bwd(rows, inner, [&yv, &dyv])?;
+        Ok(CudaStorage::wrap_cuda_slice(dj, dev.clone()))
+    })
+}
+
 type ArgMut<'a> = (&'a mut CudaStorage, &'a Layout);
 
 /// The f32 elements of a contiguous sum, writable, from its layout's start.

@@ -1,7 +1,8 @@
 //! Fused operations of the Llama block, each one candle op with its own backward: attention
 //! ([`attention`], FlashAttention-2's algorithm: causal, grouped-query, an optional sliding
 //! window, never a `seq × seq` tensor), RMSNorm ([`rms_norm`], and with the residual add before
-//! it, [`add_rms_norm`]), the rotary embedding ([`rope`]) and SwiGLU's gate ([`swiglu`]);
+//! it, [`add_rms_norm`]), the rotary embedding ([`rope`]) and SwiGLU's gate ([`swiglu`], and
+//! over the joint gate/up output in place, [`swiglu_joined`]);
 //! gradients summed in place in f32 ([`accumulate`], [`index_add_rows`]); and a linear layer
 //! whose backward sums its weight's gradient straight into an f32 buffer
 //! ([`accumulating_linear`], [`add_weight_grad`]).
@@ -55,7 +56,7 @@ pub(crate) use linear::RowsMatmul;
 pub use linear::{accumulating_linear, add_weight_grad};
 pub use norm::rms_norm;
 pub use rope::rope;
-pub use swiglu::swiglu;
+pub use swiglu::{swiglu, swiglu_joined};
 
 use candle_core::op::BackpropOp;
 use candle_core::{CpuStorage, DType, Layout, Shape, Storage, Tensor};
