@@ -261,11 +261,14 @@ fn norm_rope_and_swiglu_equal_the_decomposed_ops_values_and_gradients() {
 
 /// The fused SwiGLU over a joint gate/up output read in place gives the two-tensor SwiGLU's
 /// values of its halves and, as one gradient, their gradients side by side: bit for bit, in
-/// f32, bf16 and f16, rank 2 and 3, over enough rows to split across threads.
+/// f32, bf16 and f16, rank 2 and 3; one work item of the CPU's, several (600 rows of 33: two),
+/// and rows wider than a work item (one row each).
 #[test]
 fn swiglu_over_the_joint_output_is_swiglu_of_its_halves_bit_for_bit() {
     let mut rng = SeededRng::new(8);
-    for shape in [vec![1, 2], vec![70, 66], vec![2, 37, 128], vec![3, 1, 2 * 4099]] {
+    let shapes =
+        [vec![1, 2], vec![70, 66], vec![2, 37, 128], vec![600, 66], vec![3, 1, 2 * 20_000]];
+    for shape in shapes {
         let inner = shape[shape.len() - 1] / 2;
         let y = randn(&mut rng, &shape).affine(3.0, 0.0).unwrap();
         for dtype in [DType::F32, DType::BF16, DType::F16] {
@@ -571,6 +574,9 @@ fn ops_on_device_equal_the_cpu_ops(dev: &Device) {
             fused::swiglu_joined(&t[0]).unwrap()
         });
     }
+    // More rows than a grid's y dimension holds (65,535): the kernel's row loop strides.
+    let y = randn(&mut rng, &[70_000, 2 * 3]);
+    compare("swiglu_joined 70000x6", vec![y], &|t| fused::swiglu_joined(&t[0]).unwrap());
     let c = rope_config();
     let (cpu_rope, dev_rope) =
         (Rope::new(&c, 80, &Device::Cpu).unwrap(), Rope::new(&c, 80, dev).unwrap());
