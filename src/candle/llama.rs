@@ -425,10 +425,8 @@ impl BlockWeights {
         let [gate, up] = match self.joint(compute, &[gn, un]) {
             Some(j) => {
                 let plain = !self.adapters.contains_key(gn) && !self.adapters.contains_key(un);
-                if let ([g, u], true) = (j.outs(), plain) {
-                    if g == u {
-                        return fused::swiglu_joined(&j.forward(n)?);
-                    }
+                if plain && matches!(j.outs(), [g, u] if g == u) {
+                    return fused::swiglu_joined(&j.forward(n)?);
                 }
                 let [g, u]: [Tensor; 2] = j.apply(n)?.try_into().map_err(|_| {
                     candle_core::Error::Msg("a gate/up joint of other than two parts".into())
