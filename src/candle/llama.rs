@@ -604,10 +604,12 @@ pub fn block_forward(
 /// ([`BlockWeights::join`]; the trainer and its twin join when they stage a block), the five
 /// projections of the normed inputs are two GEMMs, `[Wq; Wk; Wv]` and `[Wgate; Wup]`: 7 → 4
 /// forward GEMMs (launches) per block and micro-batch, and as many `dX` and `dW` GEMMs
-/// backward (each part's gradient a row range of the joint buffer). The outputs are split by
-/// views ([`BlockWeights`]' `qkv`); candle's autograd pads each part's output gradient back to
-/// the joint's width (a zeros, a concatenation and an add per part, element-wise work on the
-/// joint output's size) where three separate `dX`s were added instead.
+/// backward (each part's gradient a row range of the joint buffer). Q, k and v are split by
+/// views ([`BlockWeights`]' `qkv`), and candle's autograd pads each part's output gradient back
+/// to the joint's width (a zeros, a concatenation and an add per part, element-wise work on the
+/// joint output's size) where three separate `dX`s were added instead; gate and up are read in
+/// place by [`fused::swiglu_joined`], whose backward gives the joint's gradient whole (split by
+/// columns, as q, k and v are, where either has an adapter).
 pub fn block_forward_with(
     compute: Compute,
     config: &LlamaConfig,
