@@ -411,8 +411,14 @@ std::shared_ptr<fe::graph::Graph> backward_graph(const strata_attn_desc &d) {
     auto o = tensor(*g, d, STRATA_ATTN_O, O_UID);
     auto dout = tensor(*g, d, STRATA_ATTN_DOUT, DO_UID);
     auto stats = stats_tensor(*g, d);
-    auto a = fe::graph::SDPA_backward_attributes().set_name("strata_sdpa_backward").set_attn_scale(
-        d.scale);
+    // The deterministic algorithm: dQ summed in a fixed order (on Hopper, through the dP
+    // workspace, which cuDNN takes anyway up to 256 MiB: a 7B's 32 heads at seq 2048), so the
+    // same inputs give the same bits run after run, as strata's own kernel does; out of core
+    // and its in-memory twin, and a resumed run, stay equal bit for bit.
+    auto a = fe::graph::SDPA_backward_attributes()
+                 .set_name("strata_sdpa_backward")
+                 .set_attn_scale(d.scale)
+                 .set_deterministic_algorithm(true);
     masks(a, d);
     auto [dq, dk, dv] = g->sdpa_backward(q, k, v, o, dout, stats, a);
     const struct {

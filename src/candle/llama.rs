@@ -673,8 +673,9 @@ fn cached(
 }
 
 /// The attention of `[batch, seq, heads, head_dim]` projections with the fused ops: RoPE, then
-/// [`fused::attention`] reading the keys and values (the cache's included) in place. Gives
-/// `[batch, seq, heads, head_dim]`.
+/// [`fused::block_attention`] (strata's kernel, or cuDNN's on CUDA where it applies: the
+/// process's [`fused::attention_kernel`]) reading the keys and values (the cache's included) in
+/// place. Gives `[batch, seq, heads, head_dim]`.
 fn fused_attention(
     config: &LlamaConfig,
     rope: &Rope,
@@ -686,6 +687,7 @@ fn fused_attention(
 ) -> candle_core::Result<Tensor> {
     let q = rope.apply_fused(q, offset)?;
     let k = rope.apply_fused(k, offset)?;
+    let with_cache = cache.is_some();
     let (k, v) = match cache {
         None => (k, v.clone()),
         Some(c) => {
@@ -694,7 +696,7 @@ fn fused_attention(
         }
     };
     let scale = 1.0 / (config.head_dim as f64).sqrt();
-    fused::attention(&q, &k, &v, scale, config.sliding_window)
+    fused::block_attention(&q, &k, &v, scale, config.sliding_window, with_cache)
 }
 
 /// The same attention in plain candle ops: the heads transposed and made contiguous, RoPE

@@ -995,6 +995,16 @@ pub fn run(args: FinetuneArgs) -> Res<Ended> {
     }
     let store = strata::candle::store_for(&device, builder)?;
     out!("candle device: {device:?}; strata: {}", store.backend_description())?;
+    // (The blocks compute in the weights' dtype: f32 or bf16, or f16 from a checkpoint.)
+    let compute_dtype = match dtype {
+        DType::BF16 => candle_core::DType::BF16,
+        DType::F16 => candle_core::DType::F16,
+        _ => candle_core::DType::F32,
+    };
+    out!(
+        "attention: {}",
+        strata::candle::fused::attention_kernel_for(&device, compute_dtype, config.head_dim)?
+    )?;
     if out_of_core && (a.pcie.is_none() || a.host_bandwidth.is_none()) {
         // This machine's link and host, measured: the figures a preset gave for them are
         // another machine's.

@@ -624,3 +624,62 @@ fn fused_ops_on_cuda_equal_the_cpu_ops() {
         }
     }
 }
+
+/// On a GPU with cuDNN's attention library (feature `candle-cuda`): the built-in blocks'
+/// attention under `auto` is cuDNN's where it takes the call (the same bits as
+/// `fused::cudnn::attention`), its backward gives the same bits run after run (cuDNN's
+/// deterministic algorithm), it agrees with strata's kernel to bf16's rounding, and a KV cache's
+/// call stays strata's kernel.
+#[cfg(feature = "candle-cuda")]
+#[test]
+fn auto_attention_on_cuda_is_cudnns_deterministic_and_agrees_with_strata_s() {
+    let dev = match Device::new_cuda(0) {
+        Ok(d) => d,
+        Err(e) => {
+            assert!(std::env::var("STRATA_REQUIRE_GPU").is_err(), "no GPU: {e}");
+            println!("SKIP auto_attention_on_cuda_is_cudnns_deterministic: no GPU ({e})");
+            return;
+        }
+    };
+    if let Err(e) = fused::cudnn::available() {
+        assert!(std::env::var("STRATA_REQUIRE_ATTN_LIB").is_err(), "no library: {e}");
+        println!("SKIP auto_attention_on_cuda_is_cudnns_deterministic: {e}");
+        return;
+    }
+    use fused::AttentionKernel as K;
+    let mut rng = SeededRng::new(7);
+    let (b, s, nh, nkv, d) = (2, 200, 8, 2, 64);
+    let inputs: Vec<Tensor> = [[b, s, nh, d], [b, s, nkv, d], [b, s, nkv, d]]
+        .iter()
+        .map(|shape| randn(&mut rng, shape).to_device(&dev).unwrap())
+        .collect();
+    let bits = |t: &Tensor| -> Vec<u16> {
+        let t = t.to_dtype(DType::BF16).unwrap().flatten_all().unwrap();
+        t.to_vec1::<half::bf16>().unwrap().iter().map(|x| x.to_bits()).collect()
+    };
+    for window in [None, Some(64)] {
+        let run = |kernel: K, cached: bool| {
+            value_and_grads(&inputs, DType::BF16, &|t: &[Tensor]| {
+                fused::attention_with(kernel, &t[0], &t[1], &t[2], 0.125, window, cached).unwrap()
+            })
+        };
+        let (auto, auto_g) = run(K::Auto, false);
+        let (again, again_g) = run(K::Auto, false);
+        let (cudnn, cudnn_g) = run(K::Cudnn, false);
+        let (strata, strata_g) = run(K::Strata, false);
+        let (cached, _) = run(K::Auto, true);
+        assert_eq!(bits(&auto), bits(&cudnn), "auto is cuDNN's ({window:?})");
+        assert_eq!(bits(&cached), bits(&strata), "a cache's call is strata's ({window:?})");
+        assert_eq!(bits(&auto), bits(&again), "the same bits again ({window:?})");
+        for i in 0..3 {
+            assert_eq!(bits(&auto_g[i]), bits(&again_g[i]), "gradient {i} again ({window:?})");
+            assert_eq!(bits(&auto_g[i]), bits(&cudnn_g[i]), "gradient {i} cuDNN's ({window:?})");
+            assert!(
+                rel(&auto_g[i], &strata_g[i]) < 1e-2,
+                "gradient {i}: {}",
+                rel(&auto_g[i], &strata_g[i])
+            );
+        }
+        assert!(rel(&auto, &strata) < 1e-2, "value: {}", rel(&auto, &strata));
+    }
+}

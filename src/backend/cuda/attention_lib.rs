@@ -68,7 +68,7 @@ pub(crate) const DV: usize = 7;
 const NAMES: [&str; 8] = ["q", "k", "v", "o", "dout", "dq", "dk", "dv"];
 
 /// The element types cuDNN's fused SDPA takes (`strata_attn_dtype`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub(crate) enum SdpaDtype {
     Bf16 = 0,
     F16 = 1,
@@ -149,6 +149,29 @@ impl SdpaShape {
     pub(crate) fn lse_len(&self) -> usize {
         self.b * self.nh * self.sq
     }
+
+    /// Everything the shape holds, as a key (equal keys: calls cuDNN's one graph runs).
+    pub(crate) fn key(&self) -> ShapeKey {
+        ShapeKey {
+            sizes: [self.b, self.sq, self.skv, self.nh, self.nkv, self.d],
+            strides: self.strides,
+            scale: self.scale.to_bits(),
+            causal: self.causal,
+            window: self.window,
+            dtype: self.dtype,
+        }
+    }
+}
+
+/// [`SdpaShape::key`]: the shape with its scale's bits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct ShapeKey {
+    sizes: [usize; 6],
+    strides: [[usize; 4]; 8],
+    scale: u32,
+    causal: bool,
+    window: Option<usize>,
+    dtype: SdpaDtype,
 }
 
 /// The strides of a contiguous `[b, s, h, d]` tensor.
@@ -516,25 +539,46 @@ impl AttentionLib {
         }
     }
 
-    /// A workspace of the bytes a call of `desc` needs (and that count), on `stream`, uninitialised (the library
-    /// builds and caches cuDNN's graph on the current device: `stream`'s context is made
-    /// current for it).
+    /// The bytes of workspace a call of `desc` needs (the library builds and caches cuDNN's
+    /// graph on the current device: `stream`'s context is made current for it).
+    fn workspace_bytes(
+        &self,
+        stream: &Arc<CudaStream>,
+        desc: &Desc,
+        dir: Direction,
+    ) -> Result<usize> {
+        let _bound = bind(stream.context())?;
+        let mut bytes = 0usize;
+        // SAFETY: `desc` passed the checks; `bytes` is a valid place for the answer.
+        let st = unsafe { (self.workspace_size)(desc, dir.flag(), &mut bytes) };
+        if st != OK {
+            return Err(self.error("strata_attn_workspace_size", st));
+        }
+        Ok(bytes)
+    }
+
+    /// Whether the library takes calls of `shape`, forward and backward: strata's and the
+    /// library's checks, then cuDNN's graphs of both directions built on `stream`'s device
+    /// (cached by the library, so the calls that follow build nothing). The error says why not:
+    /// a shape cuDNN's SDPA does not take on this GPU is a refusal of its graph.
+    pub(crate) fn supports(&self, stream: &Arc<CudaStream>, shape: &SdpaShape) -> Result<()> {
+        for dir in [Direction::Forward, Direction::Backward] {
+            let desc = describe(shape, dir)?;
+            self.check(&desc, dir)?;
+            self.workspace_bytes(stream, &desc, dir)?;
+        }
+        Ok(())
+    }
+
+    /// A workspace of the bytes a call of `desc` needs (and that count), on `stream`,
+    /// uninitialised ([`Self::workspace_bytes`]).
     fn workspace(
         &self,
         stream: &Arc<CudaStream>,
         desc: &Desc,
         dir: Direction,
     ) -> Result<(CudaSlice<u8>, usize)> {
-        let bytes = {
-            let _bound = bind(stream.context())?;
-            let mut bytes = 0usize;
-            // SAFETY: `desc` passed the checks; `bytes` is a valid place for the answer.
-            let st = unsafe { (self.workspace_size)(desc, dir.flag(), &mut bytes) };
-            if st != OK {
-                return Err(self.error("strata_attn_workspace_size", st));
-            }
-            bytes
-        };
+        let bytes = self.workspace_bytes(stream, desc, dir)?;
         // SAFETY: the workspace is scratch cuDNN writes before it reads; nothing reads its
         // first contents, so no initialisation is needed.
         let ws = unsafe { stream.alloc::<u8>(bytes.max(1)) }
@@ -702,6 +746,29 @@ mod tests {
                 assert!(m.contains(needle), "{m:?} should say {needle:?}")
             }
             other => panic!("{needle}: expected a refusal, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_shapes_key_holds_all_of_it() {
+        let base = shape();
+        assert_eq!(base.key(), shape().key());
+        let mut strided = base;
+        strided.strides[K][1] += 64;
+        let mut scaled = base;
+        scaled.scale = 0.25;
+        let mut windowed = base;
+        windowed.window = Some(16);
+        let mut half = base;
+        half.dtype = SdpaDtype::F16;
+        for (what, s) in [
+            ("strides", strided),
+            ("scale", scaled),
+            ("window", windowed),
+            ("dtype", half),
+            ("keys", shape_of(64, 192)),
+        ] {
+            assert_ne!(s.key(), base.key(), "{what}");
         }
     }
 

@@ -1,8 +1,12 @@
 //! The fused attention of [`super::attention`] by cuDNN 9's fused SDPA on the tensor cores,
 //! forward and backward, through strata's shim `libstrata_attn.so` (`cuda/attention/`, built
 //! by `benches/gpu/build-attention` and loaded at run time: `crate::backend::cuda::attention_lib`).
-//! A candidate beside strata's own kernel, not the default: `examples/fused_attention.rs
-//! --kernel cudnn-sdpa` measures it against PyTorch's SDPA on the GPU lease.
+//! The built-in blocks run it where it takes the call and the library loads
+//! ([`AttentionKernel::Auto`](super::AttentionKernel), the default: training's shapes on
+//! candle's CUDA device in bf16 or f16), strata's own kernel elsewhere;
+//! `examples/fused_attention.rs --kernel cudnn-sdpa` measures it against PyTorch's SDPA on the
+//! GPU lease. The backward is cuDNN's deterministic algorithm: the same inputs give the same
+//! bits run after run.
 //!
 //! The same call as [`super::attention`] (causal, grouped-query, an optional sliding window,
 //! `[batch, seq, heads, head_dim]` with any strides whose head dimension is contiguous), on
@@ -62,6 +66,50 @@ pub fn attention(
             lse: OnceLock::new(),
         })),
     )
+}
+
+/// [`attention`] where cuDNN takes the call, forward and backward (`Ok(Ok(output))`), else why
+/// not, with nothing run (`Ok(Err(why))`): not on candle's CUDA device, neither bf16 nor f16,
+/// no library, or a shape whose graphs cuDNN refuses on this GPU. Each shape is asked once:
+/// both directions' graphs are built then (the library keeps them), and a refusal is
+/// remembered and logged once. What [`AttentionKernel::Auto`](super::AttentionKernel::Auto)
+/// runs.
+pub(crate) fn attention_if_taken(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scale: f64,
+    window: Option<usize>,
+) -> candle_core::Result<Result<Tensor, String>> {
+    #[cfg(not(feature = "candle-cuda"))]
+    {
+        let _ = (q, k, v, scale, window);
+        Ok(Err(NO_CUDA.into()))
+    }
+    #[cfg(feature = "candle-cuda")]
+    {
+        use candle_core::DType;
+        if !q.device().is_cuda() {
+            return Ok(Err("the tensors are not on candle's CUDA device".into()));
+        }
+        if !matches!(q.dtype(), DType::BF16 | DType::F16) {
+            return Ok(Err(format!("cuDNN's SDPA takes bf16 or f16, not {:?}", q.dtype())));
+        }
+        if let Err(e) = super::attention::check_qkv("cuDNN attention", q, k, v) {
+            return Ok(Err(e.to_string()));
+        }
+        let lib = match crate::backend::cuda::attention_lib::AttentionLib::get() {
+            Ok(lib) => lib,
+            Err(e) => return Ok(Err(e.to_string())),
+        };
+        use super::attention::head_rows as rows;
+        let (q, k, v) = (rows(q)?, rows(k)?, rows(v)?);
+        if let Some(why) = on_cuda::refusal(lib, scale as f32, window, [&q, &k, &v])? {
+            return Ok(Err(why));
+        }
+        let op = CudnnAttention { scale: scale as f32, window, lse: OnceLock::new() };
+        Ok(Ok(q.apply_op3_arc(&k, &v, std::sync::Arc::new(Box::new(op)))?))
+    }
 }
 
 /// The op: its parameters, and cuDNN's log-sum-exp once the forward ran.
@@ -169,10 +217,52 @@ mod on_cuda {
     use half::{bf16, f16};
 
     use crate::backend::cuda::attention_lib::{
-        dense_strides, AttentionLib, SdpaDtype, SdpaElem, SdpaShape, DK, DOUT, DQ, DV, K, O, Q, V,
+        dense_strides, AttentionLib, SdpaDtype, SdpaElem, SdpaShape, ShapeKey, DK, DOUT, DQ, DV, K,
+        O, Q, V,
     };
 
     type Arg<'a> = (&'a CudaStorage, &'a Layout);
+
+    /// Why cuDNN does not take attention calls on `q`, `k`, `v` (bf16 or f16, on candle's CUDA
+    /// device, their head dimensions contiguous), or `None` when it does, forward and backward;
+    /// asked of the library once per shape and device (it builds both graphs then), a refusal
+    /// logged once.
+    pub(super) fn refusal(
+        lib: &AttentionLib,
+        scale: f32,
+        window: Option<usize>,
+        [q, k, v]: [&candle_core::Tensor; 3],
+    ) -> candle_core::Result<Option<String>> {
+        use std::collections::HashMap;
+        use std::sync::OnceLock;
+        /// Each device's (ordinal) and shape's answer: `None`, taken; else why not.
+        type Answers = HashMap<(usize, ShapeKey), Option<String>>;
+        static ASKED: OnceLock<parking_lot::Mutex<Answers>> = OnceLock::new();
+        let (qs, lq) = q.storage_and_layout();
+        let (lk, lv) = (k.layout().clone(), v.layout().clone());
+        let candle_core::Storage::Cuda(qc) = &*qs else {
+            return Ok(Some("the tensors are not on candle's CUDA device".into()));
+        };
+        let stream = qc.device().cuda_stream();
+        let s = shape(scale, window, [lq, &lk, &lv], q.dtype())?;
+        drop(qs);
+        let key = (stream.context().ordinal(), s.key());
+        let asked = ASKED.get_or_init(Default::default);
+        if let Some(answer) = asked.lock().get(&key) {
+            return Ok(answer.clone());
+        }
+        // (Outside the map's lock: building cuDNN's graphs takes a while.)
+        let answer = lib.supports(&stream, &s).err().map(|e| e.to_string());
+        if let Some(why) = &answer {
+            tracing::warn!(
+                shape = ?s,
+                why = %why,
+                "cuDNN's attention does not take this shape: strata's kernel runs it"
+            );
+        }
+        asked.lock().insert(key, answer.clone());
+        Ok(answer)
+    }
 
     /// The shape of a call on `q`, `k`, `v` (any strides, `[b, s, h, d]`), its other tensors
     /// contiguous.

@@ -5,7 +5,9 @@
 //! over the joint gate/up output in place, [`swiglu_joined`]);
 //! gradients summed in place in f32 ([`accumulate`], [`index_add_rows`]); and a linear layer
 //! whose backward sums its weight's gradient straight into an f32 buffer
-//! ([`accumulating_linear`], [`add_weight_grad`]).
+//! ([`accumulating_linear`], [`add_weight_grad`]). The built-in blocks' attention
+//! ([`block_attention`]) runs strata's kernel or, on CUDA where it applies, cuDNN's fused SDPA on
+//! the tensor cores ([`cudnn`]), as [`AttentionKernel`] and `STRATA_ATTENTION` choose.
 //!
 //! Each is a candle `CustomOp` (`Tensor::apply_op*`), so candle's autograd runs its backward:
 //! the forward saves what the backward needs (attention: the log-sum-exp of each query row;
@@ -41,6 +43,7 @@
 mod accumulate;
 mod add_norm;
 mod attention;
+mod choice;
 #[cfg(feature = "candle-cuda")]
 mod cuda;
 pub mod cudnn;
@@ -52,6 +55,10 @@ mod swiglu;
 pub use accumulate::{accumulate, index_add_rows};
 pub use add_norm::add_rms_norm;
 pub use attention::attention;
+pub use choice::{
+    attention_kernel, attention_kernel_for, attention_with, block_attention, set_attention_kernel,
+    AttentionKernel, ATTENTION_ENV,
+};
 pub(crate) use linear::RowsMatmul;
 pub use linear::{accumulating_linear, add_weight_grad};
 pub use norm::rms_norm;
