@@ -802,16 +802,19 @@ impl fmt::Display for Floor {
         let part = |x: Option<f64>| {
             x.map_or("not known, left out".into(), |x| format!("{:.1} ms", x * 1e3))
         };
+        let when = if self.during_backward { "during the backward" } else { "after the backward" };
+        let exposed = match self.optimizer_exposed {
+            Some(x) => format!("of which {:.1} ms cannot hide behind the compute", x * 1e3),
+            None => "what of it cannot hide behind the compute not known".into(),
+        };
         write!(
             f,
-            "floor {:.1} ms, bound by {} (compute {}, CPU optimizer {} of which {} cannot hide \
-             behind the compute (updates {}), PCIe {}, disk {})",
+            "floor {:.1} ms, bound by {} (compute {}, CPU optimizer {} {exposed} (updates \
+             {when}), PCIe {}, disk {})",
             self.seconds() * 1e3,
             self.bound(),
             part(self.compute),
             part(self.optimizer),
-            part(self.optimizer_exposed),
-            if self.during_backward { "during the backward" } else { "after the backward" },
             part(self.pcie),
             part(self.disk)
         )
