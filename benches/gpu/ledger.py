@@ -25,7 +25,7 @@ of the code each covers, and its runs on a GPU (date, commit, verdict, report).
       report of a machine without a GPU (a host dry run) is read but never recorded
   python3 benches/gpu/ledger.py check
       validate the ledger (the dry run of `run --host lease` does), and that the time boxes of the
-      decisive checks fit in the lease's budget
+      decisive checks fit in the lease's budget less its headroom_s (a warning under 20 s)
 
 The lease's order: the checks owed (never ran on a GPU, code changed since the last GPU run, or
 that run did not pass) before those up to date; among them by priority (1: attention against
@@ -60,6 +60,9 @@ NEVER, OWED, CURRENT = 0, 1, 2
 # The ledger's `lease`: the one device call's time (seconds), and the priority up to which the
 # checks are decisive (their boxes must fit; no other check is raised above them).
 LEASE_KEYS = ("budget_s", "reserve_s", "setup_s", "start_s", "call_timeout_s", "decisive_priority")
+# headroom_s (optional, 0 when absent): seconds of the budget the decisive checks' boxes leave
+# free, for what no box counts (a killed step's --kill-after, the checks' own setup, a slow start).
+HEADROOM_WANTED_S = 20  # (ledger.py check warns below it)
 CLASS_TEXT = {NEVER: "never ran on a GPU", OWED: "owed", CURRENT: "up to date"}
 
 
@@ -118,6 +121,8 @@ def validate(ledger):
     lease = ledger.get("lease")
     if not isinstance(lease, dict) or not all(isinstance(lease.get(k), int) for k in LEASE_KEYS):
         e.append(f"lease needs the integers {', '.join(LEASE_KEYS)}")
+    elif not isinstance(lease.get("headroom_s", 0), int) or lease.get("headroom_s", 0) < 0:
+        e.append("lease: headroom_s is a whole number of seconds")
     for j, lease in enumerate(ledger.get("leases", [])):
         if not (isinstance(lease, dict) and re.match(r"^\d{4}-\d\d-\d\dT", str(lease.get("date")))):
             e.append(f"lease {j}: date missing")
@@ -202,19 +207,26 @@ def plan(ledger, only=None, everything=False):
 def over_budget(ledger):
     """Why the decisive checks' time boxes do not fit in the lease (None when they do): the
     checks of priority decisive_priority or less, each in its box, must end within the budget
-    less the reserve for the report and the setup (unpacking, the probe), so that the lease's
-    order is what runs."""
+    less the reserve for the report, the setup (unpacking, the probe) and the headroom, so that
+    the lease's order is what runs."""
     lease = ledger["lease"]
-    room = lease["budget_s"] - lease["reserve_s"] - lease["setup_s"]
+    room = decisive_room(lease)
     must = [c for c in ledger["checks"] if c["lease"] and c["priority"] <= lease["decisive_priority"]]
     total = sum(c["box_s"] for c in must)
     if total <= room:
         return None
+    head = lease.get("headroom_s", 0)
     return (f"the decisive checks' boxes (priority <= {lease['decisive_priority']}: "
             + ", ".join(f"{c['id']} {c['box_s']} s" for c in must)
             + f") add up to {total} s, more than the {room} s the lease leaves them (budget "
-            f"{lease['budget_s']} s less {lease['reserve_s']} s for the report and {lease['setup_s']} s "
-            "of setup): the last of them would never start")
+            f"{lease['budget_s']} s less {lease['reserve_s']} s for the report, {lease['setup_s']} s "
+            f"of setup" + (f" and {head} s of headroom" if head else "")
+            + "): the last of them would never start, or start cut short")
+
+
+def decisive_room(lease):
+    """The seconds the decisive checks' boxes may add up to."""
+    return lease["budget_s"] - lease["reserve_s"] - lease["setup_s"] - lease.get("headroom_s", 0)
 
 
 def alternatives(entry):
@@ -424,8 +436,13 @@ def main():
         lease = ledger["lease"]
         must = sum(c["box_s"] for c in ledger["checks"]
                    if c["lease"] and c["priority"] <= lease["decisive_priority"])
-        print(f"the decisive checks' boxes: {must} s of the "
-              f"{lease['budget_s'] - lease['reserve_s'] - lease['setup_s']} s the lease leaves them")
+        room = decisive_room(lease)
+        print(f"the decisive checks' boxes: {must} s of the {room} s the lease leaves them "
+              f"({lease.get('headroom_s', 0)} s of headroom beyond them)", flush=True)
+        if lease.get("headroom_s", 0) < HEADROOM_WANTED_S:
+            print(f"ledger.py: warning: the lease's headroom_s is {lease.get('headroom_s', 0)} s, under the "
+                  f"{HEADROOM_WANTED_S} s a killed step's --kill-after and the checks' own setup take: a "
+                  "decisive check may start cut short", file=sys.stderr)
     elif a.cmd == "plan":
         for c, cls, why in plan(ledger, a.only, a.all):
             old = c.get("old")

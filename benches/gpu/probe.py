@@ -1,19 +1,22 @@
 #!/usr/bin/env python3
 """The GPU machine as the lease finds it, in a few seconds, before any check runs: the GPU
 (nvidia-smi: name, driver, memory, clocks, PCIe link, compute capability), where each CUDA
-library strata and candle load is found (the CUDA install, the driver's folder, the system's
-loader cache, and the `nvidia/*/lib` folders of the Python packages, PyTorch's CUDA 13 wheels
-among them), cuDNN's and NCCL's, PyTorch's version, and the free disk. From that it makes the
-library path the lease runs with: the folder of each library chosen, and links under --links
-for the unversioned names cudarc opens (`libnvrtc.so`, `libcublas.so`, `libcublasLt.so`) where
-only versioned files exist. Then each staged program's libraries are looked up with that path
-(`ldd`): a program that would not start is named with what it lacks.
+library strata and candle load is found (the `nvidia/*/lib` folders of the Python packages,
+PyTorch's CUDA 13 wheels among them, first: PyTorch runs with the same library path; then the
+CUDA install, the driver's folder and the system's loader cache), cuDNN's and NCCL's, PyTorch's
+version, and the free disk. From that it makes the library path the lease runs with: the folder
+of each library chosen, and links under --links for the unversioned names cudarc opens
+(`libnvrtc.so`, `libcublas.so`, `libcublasLt.so`) where only versioned files exist. Then each
+staged program's libraries are looked up with that path (`ldd`): a program that would not start
+is named with what it lacks.
 
   python3 benches/gpu/probe.py [--links DIR] [--bins DIR] [--json FILE] [--env FILE]
 
 Prints what it found; --json writes it (the report's `probe`), --env writes
-`export LD_LIBRARY_PATH=...` for the lease to source. Never fails for what it does not find
-(that is the finding); exits 2 on bad arguments only. Python 3 standard library only.
+`export LD_LIBRARY_PATH=...` for the lease to source. Both, and the links, are written as soon
+as the libraries are found, before nvidia-smi and ldd run (a probe killed by the lease's time
+limit still leaves its library path), and again at the end. Never fails for what it does not
+find (that is the finding); exits 2 on bad arguments only. Python 3 standard library only.
 """
 import argparse
 import glob
@@ -87,15 +90,21 @@ def python_lib_dirs():
     return out
 
 
-def search_dirs(python_dirs):
-    """Where to look, in order: LD_LIBRARY_PATH, the CUDA 13 install, the driver's folder, the
-    system's, then the Python packages'."""
+# The CUDA install's folders, the driver's and the system's, in the order they are searched.
+SYSTEM_DIRS = ("/usr/local/cuda-13*/targets/x86_64-linux/lib", "/usr/local/cuda-13*/lib64",
+               "/usr/local/cuda/targets/x86_64-linux/lib", "/usr/local/cuda/lib64", "/usr/local/nvidia/lib64",
+               "/usr/local/nvidia/lib", "/usr/lib/x86_64-linux-gnu", "/lib/x86_64-linux-gnu", "/usr/lib64")
+
+
+def search_dirs(python_dirs, system=SYSTEM_DIRS):
+    """Where to look, in order: LD_LIBRARY_PATH, the Python packages' folders, then the CUDA 13
+    install, the driver's folder and the system's. The packages' come before the install's: the
+    library path made of this order is PyTorch's too, and PyTorch must load the CUDA libraries
+    of its own wheels, not another minor version of CUDA 13 that the install may hold."""
     dirs = [d for d in os.environ.get("LD_LIBRARY_PATH", "").split(":") if d]
-    for pat in ("/usr/local/cuda-13*/targets/x86_64-linux/lib", "/usr/local/cuda-13*/lib64",
-                "/usr/local/cuda/targets/x86_64-linux/lib", "/usr/local/cuda/lib64", "/usr/local/nvidia/lib64",
-                "/usr/local/nvidia/lib", "/usr/lib/x86_64-linux-gnu", "/lib/x86_64-linux-gnu", "/usr/lib64"):
-        dirs += sorted(glob.glob(pat), reverse=True)
     dirs += python_dirs
+    for pat in system:
+        dirs += sorted(glob.glob(pat), reverse=True)
     seen, out = set(), []
     for d in dirs:
         real = os.path.realpath(d)
@@ -167,10 +176,23 @@ def needed(binary, env):
     return found, missing
 
 
-def probe(links=None, bins=None):
+def write(r, json_path=None, env_path=None):
+    """The findings so far to --json, and the library path to --env (each written whole, then
+    renamed into place: a probe killed while writing leaves the earlier file)."""
+    for path, text in ((json_path, lambda: json.dumps(r, indent=1) + "\n"),
+                       (env_path, lambda: "export LD_LIBRARY_PATH=" + shlex.quote(r["ld_library_path"]) + "\n")):
+        if path:
+            with open(path + ".new", "w") as f:
+                f.write(text())
+            os.replace(path + ".new", path)
+
+
+def probe(links=None, bins=None, json_path=None, env_path=None):
+    """The findings. The library path and the links are written (json_path, env_path) as soon as
+    the libraries are found, before nvidia-smi and ldd run: a probe cut short by its time limit
+    still leaves the lease its library path."""
     t0 = time.monotonic()
-    r = {"gpu": gpu()}
-    r["gpu_short"] = short_name(r["gpu"].get("name"))
+    r = {"gpu": {"error": "not asked yet (the probe was cut short)"}, "gpu_short": None}
     pdirs = python_lib_dirs()
     dirs = search_dirs(pdirs)
     cache = ldconfig()
@@ -207,6 +229,10 @@ def probe(links=None, bins=None):
                 r["links"][f"lib{lib}.so"] = f"could not link: {e}"
     old = [d for d in os.environ.get("LD_LIBRARY_PATH", "").split(":") if d and d not in path]
     r["ld_library_path"] = ":".join(path + old)
+    r["seconds"] = round(time.monotonic() - t0, 2)
+    write(r, json_path, env_path)
+    r["gpu"] = gpu()
+    r["gpu_short"] = short_name(r["gpu"].get("name"))
     # PyTorch's version without importing it (seconds): its package metadata.
     try:
         from importlib import metadata
@@ -276,15 +302,9 @@ def main():
     ap.add_argument("--json", help="write the findings here")
     ap.add_argument("--env", help="write `export LD_LIBRARY_PATH=...` here")
     a = ap.parse_args()
-    r = probe(a.links, a.bins)
+    r = probe(a.links, a.bins, a.json, a.env)
     print("\n".join(summary(r)), flush=True)
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(r, f, indent=1)
-            f.write("\n")
-    if a.env:
-        with open(a.env, "w") as f:
-            f.write("export LD_LIBRARY_PATH=" + shlex.quote(r["ld_library_path"]) + "\n")
+    write(r, a.json, a.env)
     return 0
 
 

@@ -877,15 +877,17 @@ def parse_candle_train(text, step):
     loss = first(r"^(" + NUM + r")\s*$", text.rstrip().splitlines()[-1])
     note = f"median of steps 2-{len(rows)}: {ms:.1f} ms a step" + (
         f"; final loss {float(loss.group(1)):.6g}" if loss else "")
+    # The kernel the blocks' attention ran on (strata finetune prints it before its steps).
+    attn = first(r"^attention: (.*?)\s*$", text)
     figs = [fig(f"{label}: tokens/s", tps, "tokens/s", group=group, note=note),
             fig(f"{label}: model TFLOPS", tflops, "TFLOPS", group=group, key=meta.get("key"),
                 target=parse_target(meta.get("target"), meta.get("target_text"), of="value"),
                 note="6 · parameters · tokens plus attention over the step time (the recomputed "
-                     "forward not counted)")]
+                     "forward not counted)" + (f"; attention: {attn.group(1)}" if attn else ""))]
     six_n = [r[4] for r in rows if r[4] is not None]
     if len(six_n) == len(rows):
         figs.append(fig(f"{label}: TFLOPS as 6 × parameters × tokens", later_median(six_n), "TFLOPS",
-                        group=group, note="MegaTrain's count (its 272 TFLOPS on one H100): every "
+                        group=group, note="MegaTrain's count (its paper reports 272 TFLOPS): every "
                                           "parameter, no attention, over the step time"))
     if meta.get("peer_key"):
         figs.append(fig(f"{label}: TFLOPS against {meta.get('peer_what', 'the resident blocks')}", tflops,

@@ -1,11 +1,14 @@
 #!/usr/bin/env python3
 """The lease's own rules, checked without a GPU (`run --host lease` runs this; about a second):
 
-- the decisive checks (attention, the 7B step, the CUDA test binaries) fit in the lease's budget,
-  and no lease raises another check above them;
+- the decisive checks (attention, the 7B step, the CUDA test binaries) fit in the lease's budget
+  less its headroom, and no lease raises another check above them;
 - the lease never asks the trainer for another machine's plan (`--machine h100` on an H200);
-- reports name the GPU the run saw, and the import files them under it;
-- the probe picks the CUDA 13 libraries, and links the unversioned names cudarc opens;
+- reports name the GPU the run saw, and the import files them under it; no fixed label or note
+  of a GPU run (report.py's, run's) names a GPU, which on another GPU would mislabel the report;
+- the probe picks the CUDA 13 libraries, the Python packages' (PyTorch's wheels) before the CUDA
+  install's, links the unversioned names cudarc opens, and writes the library path before it
+  asks nvidia-smi;
 - the attention and training parsers read what the lease's programs print;
 - `run prepare`'s cost lines.
 
@@ -40,7 +43,7 @@ class Budget(unittest.TestCase):
     def test_a_box_too_many_fails_the_check(self):
         over = copy.deepcopy(self.ledger)
         lease = over["lease"]
-        room = lease["budget_s"] - lease["reserve_s"] - lease["setup_s"]
+        room = lg.decisive_room(lease)
         must = [c for c in over["checks"] if c["lease"] and c["priority"] <= lease["decisive_priority"]]
         self.assertTrue(must, "no decisive check")
         must[-1]["box_s"] += room - sum(c["box_s"] for c in must) + 1
@@ -55,6 +58,17 @@ class Budget(unittest.TestCase):
                                capture_output=True, text=True)
         self.assertNotEqual(p.returncode, 0, p.stdout + p.stderr)
         self.assertIn("would never start", p.stderr)
+
+    def test_the_headroom_is_kept_free_of_the_decisive_boxes(self):
+        l2 = copy.deepcopy(self.ledger)
+        lease = l2["lease"]
+        must = sum(c["box_s"] for c in l2["checks"] if c["lease"] and c["priority"] <= lease["decisive_priority"])
+        lease["headroom_s"] = lease["budget_s"] - lease["reserve_s"] - lease["setup_s"] - must
+        self.assertIsNone(lg.over_budget(l2))
+        lease["headroom_s"] += 1
+        self.assertIn("of headroom", lg.over_budget(l2))
+        lease["headroom_s"] = "20"
+        self.assertTrue(lg.validate(l2))
 
     def test_attention_then_7b_then_tests_lead_the_plan(self):
         order = [c["id"] for c, _, _ in lg.plan(self.ledger)]
@@ -79,6 +93,24 @@ class Budget(unittest.TestCase):
 
 
 class Machine(unittest.TestCase):
+    def test_the_decisive_runs_of_the_first_checks_are_never_starved(self):
+        # The 7B check runs its out-of-core step before the twins; the attention check keeps
+        # PyTorch's share of its box from the candidates, and keeps --kernel list's words.
+        with open(os.path.join(HERE, "run")) as f:
+            code = f.read()
+        b7 = code[code.index("check_candle_7b_block() {"):]
+        b7 = b7[:b7.index("\n}\n")]
+        self.assertLess(b7.index("step candle-7b-ooc "), b7.index("candle-7b-twin-recompute candle-train"))
+        self.assertLess(b7.index("step candle-7b-ooc "), b7.index("step candle-7b-twin "))
+        fa = code[code.index("check_fused_attention_sdpa() {"):]
+        fa = fa[:fa.index("\n}\n")]
+        cut, cands = fa.index("limit_at=$(( box_end - share ))"), fa.index('step "fused-attn-')
+        back, sdpa = fa.index("limit_at=$box_end"), fa.index("sdpa fused-attention")
+        self.assertLess(cut, cands)
+        self.assertLess(cands, back)
+        self.assertLess(back, sdpa)
+        self.assertNotIn("--kernel list 2>/dev/null", fa)
+
     def test_the_lease_asks_for_no_other_machines_plan(self):
         with open(os.path.join(HERE, "run")) as f:
             code = [line.split("#", 1)[0] for line in f]
@@ -116,6 +148,42 @@ class Machine(unittest.TestCase):
             with open(path) as f:
                 self.assertTrue(rp.mislabels(json.load(f)))
 
+    def test_a_training_step_parsed_on_an_h200_names_no_other_gpu(self):
+        # The trainer's step line with MegaTrain's count: its figures' names and notes are fixed
+        # texts of report.py, which must not name a GPU as the one the run was on.
+        line = ("step {i}/3: loss 5.5  lr 1e-3  grad norm 1.0  8000 tokens/s  300.0 TFLOPS  (280.0 as 6 × "
+                "parameters × tokens)  (900.0 ms)  optimizer 10.00 ms (hidden 9.00, exposed 1.00)  "
+                "floor 800.0 ms (compute): step / floor 1.{i}5")
+        text = ("attention: cuDNN's fused SDPA on the tensor cores (/x/libstrata_attn.so (cuDNN 9.19.0))\n"
+                + "\n".join(line.format(i=i) for i in (1, 2, 3)) + "\n5.5\n")
+        step = {"name": "candle-7b-ooc", "kind": "candle-train", "status": "ok", "command": "x", "log": "l",
+                "meta": {"label": "4 blocks (hidden 4096 intermediate 11008, vocab 256) out of core",
+                         "group": "training at the 7B block shape", "target": ">=400", "target_text": "≥ 400 TFLOPS",
+                         "peer_key": "candle:7b-twin-recompute", "peer_target": ">=0.95",
+                         "peer_what": "the recomputing twin", "beside_key": "candle:7b-twin",
+                         "beside_what": "the twin without recompute"}}
+        figs = rp.figures_from_text(text, step, ".")
+        self.assertTrue(any("6 × parameters × tokens" in f["name"] for f in figs), [f["name"] for f in figs])
+        r = self.report("NVIDIA H200, 143771 MiB, 580.159.04, 5, 16", figs)
+        self.assertEqual(rp.mislabels(r), [])
+        self.assertEqual(rp.validate(r), [])
+
+    def test_the_runs_texts_name_no_gpu_outside_the_simulated_rows(self):
+        # Labels and notes the run gives a GPU run's steps and report (comments and the host-only
+        # simulate stage aside): a GPU model named there would make an H200's report mislabelled.
+        with open(os.path.join(HERE, "run")) as f:
+            lines = f.read().splitlines()
+        bad, simulate = [], False
+        for n, line in enumerate(lines, 1):
+            code = line.split("#", 1)[0] if line.lstrip().startswith("#") else line
+            if code.startswith("stage_simulate() {"):
+                simulate = True
+            elif simulate and code.startswith("}"):
+                simulate = False
+            elif not simulate and "--simulate" not in code and rp.GPU_MODEL.search(code.upper()):
+                bad.append(f"run:{n}: {line.strip()}")
+        self.assertEqual(bad, [])
+
     def test_the_import_files_an_h200_run_under_h200(self):
         r = self.report("NVIDIA H200, 143771 MiB, 580.159.04, 5, 16", [])
         self.assertEqual(lg.gpu_short(r), "h200")
@@ -147,6 +215,41 @@ class Probe(unittest.TestCase):
             self.assertIsNone(pb.find("cublasLt", "13", [a, b], {})["chosen"])
             self.assertEqual(pb.find("cublas", "13", [], {"libcublas.so.13": f"{b}/libcublas.so.13"})["chosen"],
                              f"{b}/libcublas.so.13")
+
+    def test_the_python_packages_libraries_come_before_the_cuda_installs(self):
+        # PyTorch runs with the lease's library path: its wheels' CUDA 13 must win over the
+        # install's (another minor version of it).
+        with tempfile.TemporaryDirectory() as d:
+            wheel, install = os.path.join(d, "nvidia", "cu13", "lib"), os.path.join(d, "cuda-13.0", "lib64")
+            for x in (wheel, install):
+                os.makedirs(x)
+                open(os.path.join(x, "libcublas.so.13"), "w").close()
+            old = os.environ.pop("LD_LIBRARY_PATH", None)
+            try:
+                dirs = pb.search_dirs([wheel], system=(install,))
+            finally:
+                if old is not None:
+                    os.environ["LD_LIBRARY_PATH"] = old
+            self.assertEqual(dirs, [wheel, install])
+            self.assertEqual(pb.find("cublas", "13", dirs, {})["chosen"], os.path.join(wheel, "libcublas.so.13"))
+
+    def test_the_library_path_is_written_before_nvidia_smi_is_asked(self):
+        with tempfile.TemporaryDirectory() as d:
+            env, js, seen = os.path.join(d, "probe.env"), os.path.join(d, "probe.json"), {}
+
+            def gpu():  # what a slow nvidia-smi would find written already
+                seen["env"] = open(env).read() if os.path.exists(env) else None
+                seen["json"] = os.path.exists(js)
+                return {"error": "not asked in this test"}
+            real, pb.gpu = pb.gpu, gpu
+            try:
+                r = pb.probe(links=os.path.join(d, "libs"), json_path=js, env_path=env)
+            finally:
+                pb.gpu = real
+            self.assertTrue((seen["env"] or "").startswith("export LD_LIBRARY_PATH="), seen)
+            self.assertIn(os.path.join(d, "libs"), seen["env"])
+            self.assertTrue(seen["json"])
+            self.assertEqual(r["gpu"], {"error": "not asked in this test"})
 
     def test_the_probe_runs_in_seconds_and_says_what_it_found(self):
         with tempfile.TemporaryDirectory() as d:
@@ -184,7 +287,8 @@ class Parsers(unittest.TestCase):
         line = ("step {i}/3: loss 5.5  lr 1e-3  grad norm 1.0  8000 tokens/s  300.0 TFLOPS  (900.0 ms)  moved [d]  "
                 "stall 0.10 ms  optimizer 10.00 ms (hidden 9.00, exposed 1.00)  floor 800.0 ms (compute): "
                 "step / floor 1.{i}5")
-        text = "\n".join(line.format(i=i) for i in (1, 2, 3)) + "\n5.5\n"
+        text = ("attention: cuDNN's fused SDPA on the tensor cores (/x/libstrata_attn.so (cuDNN 9.19.0))\n"
+                + "\n".join(line.format(i=i) for i in (1, 2, 3)) + "\n5.5\n")
         step = {"name": "candle-7b-ooc", "meta": {"label": "ooc", "peer_key": "candle:7b-twin-recompute",
                                                    "peer_target": ">=0.95", "peer_what": "the recomputing twin",
                                                    "beside_key": "candle:7b-twin",
@@ -196,6 +300,8 @@ class Parsers(unittest.TestCase):
         floor = next(f for f in figs if f["name"] == "ooc: a step against its floor")
         self.assertEqual(floor["value"], 1.35)
         self.assertIn("floor 800.0 ms (compute)", floor["note"])
+        tflops = next(f for f in figs if f["name"] == "ooc: model TFLOPS")
+        self.assertIn("attention: cuDNN's fused SDPA", tflops["note"], "the kernel the blocks ran")
 
 
 class Cost(unittest.TestCase):
