@@ -877,13 +877,16 @@ def parse_candle_train(text, step):
     loss = first(r"^(" + NUM + r")\s*$", text.rstrip().splitlines()[-1])
     note = f"median of steps 2-{len(rows)}: {ms:.1f} ms a step" + (
         f"; final loss {float(loss.group(1)):.6g}" if loss else "")
-    # The kernel the blocks' attention ran on (strata finetune prints it before its steps).
+    # The kernel the blocks' attention was to run on (strata finetune prints it before its
+    # steps), and after the first step what it ran on where cuDNN was asked.
     attn = first(r"^attention: (.*?)\s*$", text)
+    ran = first(r"^attention ran: (.*?)\s*$", text)
     figs = [fig(f"{label}: tokens/s", tps, "tokens/s", group=group, note=note),
             fig(f"{label}: model TFLOPS", tflops, "TFLOPS", group=group, key=meta.get("key"),
                 target=parse_target(meta.get("target"), meta.get("target_text"), of="value"),
                 note="6 · parameters · tokens plus attention over the step time (the recomputed "
-                     "forward not counted)" + (f"; attention: {attn.group(1)}" if attn else ""))]
+                     "forward not counted)" + (f"; attention: {attn.group(1)}" if attn else "")
+                     + (f"; attention ran: {ran.group(1)}" if ran else ""))]
     six_n = [r[4] for r in rows if r[4] is not None]
     if len(six_n) == len(rows):
         figs.append(fig(f"{label}: TFLOPS as 6 × parameters × tokens", later_median(six_n), "TFLOPS",

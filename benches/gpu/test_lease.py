@@ -155,7 +155,8 @@ class Machine(unittest.TestCase):
                 "parameters × tokens)  (900.0 ms)  optimizer 10.00 ms (hidden 9.00, exposed 1.00)  "
                 "floor 800.0 ms (compute): step / floor 1.{i}5")
         text = ("attention: cuDNN's fused SDPA on the tensor cores (/x/libstrata_attn.so (cuDNN 9.19.0))\n"
-                + "\n".join(line.format(i=i) for i in (1, 2, 3)) + "\n5.5\n")
+                + "\n".join(line.format(i=i) for i in (1, 2, 3))
+                + "\nattention ran: cuDNN's fused SDPA for 1 × 32 heads (backward workspace 256.0 MiB)\n5.5\n")
         step = {"name": "candle-7b-ooc", "kind": "candle-train", "status": "ok", "command": "x", "log": "l",
                 "meta": {"label": "4 blocks (hidden 4096 intermediate 11008, vocab 256) out of core",
                          "group": "training at the 7B block shape", "target": ">=400", "target_text": "≥ 400 TFLOPS",
@@ -288,7 +289,8 @@ class Parsers(unittest.TestCase):
                 "stall 0.10 ms  optimizer 10.00 ms (hidden 9.00, exposed 1.00)  floor 800.0 ms (compute): "
                 "step / floor 1.{i}5")
         text = ("attention: cuDNN's fused SDPA on the tensor cores (/x/libstrata_attn.so (cuDNN 9.19.0))\n"
-                + "\n".join(line.format(i=i) for i in (1, 2, 3)) + "\n5.5\n")
+                + "\n".join(line.format(i=i) for i in (1, 2, 3))
+                + "\nattention ran: cuDNN's fused SDPA for 1 × 32 heads (backward workspace 256.0 MiB)\n5.5\n")
         step = {"name": "candle-7b-ooc", "meta": {"label": "ooc", "peer_key": "candle:7b-twin-recompute",
                                                    "peer_target": ">=0.95", "peer_what": "the recomputing twin",
                                                    "beside_key": "candle:7b-twin",
@@ -301,7 +303,8 @@ class Parsers(unittest.TestCase):
         self.assertEqual(floor["value"], 1.35)
         self.assertIn("floor 800.0 ms (compute)", floor["note"])
         tflops = next(f for f in figs if f["name"] == "ooc: model TFLOPS")
-        self.assertIn("attention: cuDNN's fused SDPA", tflops["note"], "the kernel the blocks ran")
+        self.assertIn("attention: cuDNN's fused SDPA", tflops["note"], "the kernel the blocks were to run")
+        self.assertIn("attention ran: cuDNN's fused SDPA for 1 × 32 heads", tflops["note"], "what they ran")
 
 
 class Cost(unittest.TestCase):

@@ -411,10 +411,13 @@ std::shared_ptr<fe::graph::Graph> backward_graph(const strata_attn_desc &d) {
     auto o = tensor(*g, d, STRATA_ATTN_O, O_UID);
     auto dout = tensor(*g, d, STRATA_ATTN_DOUT, DO_UID);
     auto stats = stats_tensor(*g, d);
-    // The deterministic algorithm: dQ summed in a fixed order (on Hopper, through the dP
-    // workspace, which cuDNN takes anyway up to 256 MiB: a 7B's 32 heads at seq 2048), so the
-    // same inputs give the same bits run after run, as strata's own kernel does; out of core
-    // and its in-memory twin, and a resumed run, stay equal bit for bit.
+    // The deterministic algorithm: dQ summed in a fixed order, so the same inputs give the
+    // same bits run after run, as strata's own kernel does (out of core and its in-memory twin,
+    // and a resumed run, stay equal bit for bit). On Hopper it takes the dP workspace, which
+    // cuDNN 9 does not otherwise: batch × heads × queries × keys (each rounded up to 64) of 2
+    // bytes, 256 MiB for a 7B's 32 heads at seq 2048, 1 GiB at 4096 (the workspace size this
+    // library reports, and strata's training plan counts). A GPU or cuDNN without a
+    // deterministic engine for a shape refuses its graph: strata's kernel then runs it.
     auto a = fe::graph::SDPA_backward_attributes()
                  .set_name("strata_sdpa_backward")
                  .set_attn_scale(d.scale)

@@ -818,6 +818,16 @@ pub fn run(args: FinetuneArgs) -> Res<Ended> {
     let mut train = train_config(&a, ck.as_ref().map(|c| &c.train));
     train.lora = lora_config(&a, ck.as_ref().map(|c| &c.train))?;
     let dtype = ck.as_ref().map_or(a.dtype.unwrap_or(DType::F32), |c| c.dtype);
+    // The blocks' attention kernel (STRATA_ATTENTION), refused here when it cannot run: before
+    // anything is planned or allocated. (The blocks compute in the weights' dtype: f32 or bf16,
+    // or f16 from a checkpoint.)
+    let compute_dtype = match dtype {
+        DType::BF16 => candle_core::DType::BF16,
+        DType::F16 => candle_core::DType::F16,
+        _ => candle_core::DType::F32,
+    };
+    let attention =
+        strata::candle::fused::attention_kernel_for(&device, compute_dtype, config.head_dim)?;
     // The memory plan for the machine (this one, or the figures given), made before anything is
     // allocated: a run that cannot fit is refused here.
     let mut machine = a.machine.map_or_else(|| Machine::detect(&device), MachineArg::machine);
@@ -995,16 +1005,7 @@ pub fn run(args: FinetuneArgs) -> Res<Ended> {
     }
     let store = strata::candle::store_for(&device, builder)?;
     out!("candle device: {device:?}; strata: {}", store.backend_description())?;
-    // (The blocks compute in the weights' dtype: f32 or bf16, or f16 from a checkpoint.)
-    let compute_dtype = match dtype {
-        DType::BF16 => candle_core::DType::BF16,
-        DType::F16 => candle_core::DType::F16,
-        _ => candle_core::DType::F32,
-    };
-    out!(
-        "attention: {}",
-        strata::candle::fused::attention_kernel_for(&device, compute_dtype, config.head_dim)?
-    )?;
+    out!("attention: {attention}")?;
     if out_of_core && (a.pcie.is_none() || a.host_bandwidth.is_none()) {
         // This machine's link and host, measured: the figures a preset gave for them are
         // another machine's.
@@ -1118,6 +1119,9 @@ pub fn run(args: FinetuneArgs) -> Res<Ended> {
                 s * 1e3
             ))?;
             bar.step(step + 1, loss, tokens / s, 0);
+            if step == 0 {
+                attention_ran(&bar)?;
+            }
             losses.push(loss);
             if stop.load(Ordering::SeqCst) {
                 bar.finish();
@@ -1166,6 +1170,7 @@ pub fn run(args: FinetuneArgs) -> Res<Ended> {
         }
         let mut bar = Progress::new(trainer.steps(), end);
         let mut interrupted = false;
+        let first = trainer.steps();
         for step in trainer.steps()..end {
             let b = data.batches(step, &train, &device)?;
             let m = data.masks(step, &train, &device)?;
@@ -1178,6 +1183,9 @@ pub fn run(args: FinetuneArgs) -> Res<Ended> {
             bar.println(&report(prefix, &r, total, &flops, &floor))?;
             let moved: u64 = r.moved.iter().flatten().sum();
             bar.step(step + 1, r.loss, r.tokens as f64 / r.seconds, moved);
+            if step == first {
+                attention_ran(&bar)?;
+            }
             ooc_times.push(r.seconds);
             if !a.resident_twin {
                 losses.push(r.loss);
@@ -1510,6 +1518,15 @@ fn copy_whole(src: &Path, dst: &Path) -> Res<()> {
 
 /// The run's progress bar on stderr (drawn only where stderr is a terminal): step, loss,
 /// tokens/s, bytes moved and the time left; step lines go to stdout above it.
+/// After a run's first step: what the blocks' attention ran on where cuDNN was asked (the
+/// shapes it took, those it refused and why), beside the `attention:` line's expectation.
+fn attention_ran(bar: &Progress) -> Res<()> {
+    if let Some(ran) = strata::candle::fused::cudnn::asked_so_far() {
+        bar.println(&format!("attention ran: {ran}"))?;
+    }
+    Ok(())
+}
+
 struct Progress {
     bar: indicatif::ProgressBar,
     moved: u64,

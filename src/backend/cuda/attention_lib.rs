@@ -559,15 +559,21 @@ impl AttentionLib {
 
     /// Whether the library takes calls of `shape`, forward and backward: strata's and the
     /// library's checks, then cuDNN's graphs of both directions built on `stream`'s device
-    /// (cached by the library, so the calls that follow build nothing). The error says why not:
-    /// a shape cuDNN's SDPA does not take on this GPU is a refusal of its graph.
-    pub(crate) fn supports(&self, stream: &Arc<CudaStream>, shape: &SdpaShape) -> Result<()> {
-        for dir in [Direction::Forward, Direction::Backward] {
+    /// (cached by the library, so the calls that follow build nothing). Gives the workspace
+    /// bytes of the forward and of the backward; the error says why not (a shape cuDNN's SDPA
+    /// does not take on this GPU is a refusal of its graph).
+    pub(crate) fn supports(
+        &self,
+        stream: &Arc<CudaStream>,
+        shape: &SdpaShape,
+    ) -> Result<[usize; 2]> {
+        let mut bytes = [0; 2];
+        for (i, dir) in [Direction::Forward, Direction::Backward].into_iter().enumerate() {
             let desc = describe(shape, dir)?;
             self.check(&desc, dir)?;
-            self.workspace_bytes(stream, &desc, dir)?;
+            bytes[i] = self.workspace_bytes(stream, &desc, dir)?;
         }
-        Ok(())
+        Ok(bytes)
     }
 
     /// A workspace of the bytes a call of `desc` needs (and that count), on `stream`,

@@ -244,11 +244,21 @@ mod tests {
 
     #[test]
     fn a_run_says_which_kernel_its_attention_runs_on_and_why() {
-        // (The process's choice is left alone: other tests run beside this one.)
-        let said = attention_kernel_for(&Device::Cpu, DType::BF16, 128).unwrap();
-        assert!(said.starts_with("strata's kernel (CPU)"), "{said}");
-        if attention_kernel().unwrap() == AttentionKernel::Auto {
-            assert!(said.contains("not cuDNN's: candle's CPU device"), "{said}");
+        // (The process's choice is left alone: other tests run beside this one. Under a
+        // STRATA_ATTENTION of cudnn or of no kernel the CPU's answer is an error.)
+        match attention_kernel() {
+            Ok(AttentionKernel::Cudnn) | Err(_) => {
+                assert!(attention_kernel_for(&Device::Cpu, DType::BF16, 128).is_err());
+            }
+            Ok(kernel) => {
+                let said = attention_kernel_for(&Device::Cpu, DType::BF16, 128).unwrap();
+                assert!(said.starts_with("strata's kernel (CPU)"), "{said}");
+                if kernel == AttentionKernel::Auto {
+                    assert!(said.contains("not cuDNN's: candle's CPU device"), "{said}");
+                }
+            }
         }
+        #[cfg(not(feature = "candle-cuda"))]
+        assert_eq!(super::super::cudnn::asked_so_far(), None, "no cuDNN without candle's CUDA");
     }
 }

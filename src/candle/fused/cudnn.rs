@@ -112,6 +112,20 @@ pub(crate) fn attention_if_taken(
     }
 }
 
+/// What the blocks' attention ran on under [`AttentionKernel::Auto`](super::AttentionKernel::Auto)
+/// where it asked cuDNN, in words for a run to print after its first step: the shapes cuDNN's
+/// fused SDPA took (with its backward's workspace) and those it refused (why: strata's kernel
+/// ran them). `None` where cuDNN was asked nothing: on the CPU, without the library, or calls of
+/// a KV cache only.
+pub fn asked_so_far() -> Option<String> {
+    #[cfg(feature = "candle-cuda")]
+    {
+        on_cuda::asked_so_far()
+    }
+    #[cfg(not(feature = "candle-cuda"))]
+    None
+}
+
 /// The op: its parameters, and cuDNN's log-sum-exp once the forward ran.
 // (Without candle's CUDA build the forward refuses before it reads the parameters.)
 #[cfg_attr(not(feature = "candle-cuda"), allow(dead_code))]
@@ -216,6 +230,9 @@ mod on_cuda {
     use candle_core::{DType, Layout};
     use half::{bf16, f16};
 
+    use std::collections::HashMap;
+    use std::sync::OnceLock;
+
     use crate::backend::cuda::attention_lib::{
         dense_strides, AttentionLib, SdpaDtype, SdpaElem, SdpaShape, ShapeKey, DK, DOUT, DQ, DV, K,
         O, Q, V,
@@ -223,21 +240,21 @@ mod on_cuda {
 
     type Arg<'a> = (&'a CudaStorage, &'a Layout);
 
+    /// Each device's (ordinal) and shape's answer: the shape in words, and the backward's
+    /// workspace bytes where cuDNN took it, else why not.
+    type Answers = HashMap<(usize, ShapeKey), (String, Result<usize, String>)>;
+    static ASKED: OnceLock<parking_lot::Mutex<Answers>> = OnceLock::new();
+
     /// Why cuDNN does not take attention calls on `q`, `k`, `v` (bf16 or f16, on candle's CUDA
     /// device, their head dimensions contiguous), or `None` when it does, forward and backward;
     /// asked of the library once per shape and device (it builds both graphs then), a refusal
-    /// logged once.
+    /// logged once (two threads asking at once about a new shape may both ask and log).
     pub(super) fn refusal(
         lib: &AttentionLib,
         scale: f32,
         window: Option<usize>,
         [q, k, v]: [&candle_core::Tensor; 3],
     ) -> candle_core::Result<Option<String>> {
-        use std::collections::HashMap;
-        use std::sync::OnceLock;
-        /// Each device's (ordinal) and shape's answer: `None`, taken; else why not.
-        type Answers = HashMap<(usize, ShapeKey), Option<String>>;
-        static ASKED: OnceLock<parking_lot::Mutex<Answers>> = OnceLock::new();
         let (qs, lq) = q.storage_and_layout();
         let (lk, lv) = (k.layout().clone(), v.layout().clone());
         let candle_core::Storage::Cuda(qc) = &*qs else {
@@ -248,20 +265,62 @@ mod on_cuda {
         drop(qs);
         let key = (stream.context().ordinal(), s.key());
         let asked = ASKED.get_or_init(Default::default);
-        if let Some(answer) = asked.lock().get(&key) {
-            return Ok(answer.clone());
+        if let Some((_, answer)) = asked.lock().get(&key) {
+            return Ok(answer.as_ref().err().cloned());
         }
         // (Outside the map's lock: building cuDNN's graphs takes a while.)
-        let answer = lib.supports(&stream, &s).err().map(|e| e.to_string());
-        if let Some(why) = &answer {
+        let answer = lib.supports(&stream, &s).map(|[_, bwd]| bwd).map_err(|e| e.to_string());
+        let what = format!(
+            "{} × {} heads over {} of {}, {} queries over {} keys{}, {:?}, GPU {}",
+            s.b,
+            s.nh,
+            s.nkv,
+            s.d,
+            s.sq,
+            s.skv,
+            s.window.map_or(String::new(), |w| format!(", a window of {w}")),
+            s.dtype,
+            key.0
+        );
+        if let Err(why) = &answer {
             tracing::warn!(
-                shape = ?s,
+                shape = %what,
                 why = %why,
                 "cuDNN's attention does not take this shape: strata's kernel runs it"
             );
         }
-        asked.lock().insert(key, answer.clone());
-        Ok(answer)
+        let refused = answer.as_ref().err().cloned();
+        asked.lock().insert(key, (what, answer));
+        Ok(refused)
+    }
+
+    /// [`super::asked_so_far`]'s words, `None` before any shape was asked.
+    pub(super) fn asked_so_far() -> Option<String> {
+        let asked = ASKED.get()?.lock();
+        if asked.is_empty() {
+            return None;
+        }
+        let mut took = Vec::new();
+        let mut refused = Vec::new();
+        for (what, answer) in asked.values() {
+            match answer {
+                Ok(bytes) => took.push(format!(
+                    "{what} (backward workspace {:.1} MiB)",
+                    *bytes as f64 / (1 << 20) as f64
+                )),
+                Err(why) => refused.push(format!("{what}: {why}")),
+            }
+        }
+        took.sort();
+        refused.sort();
+        let mut said = Vec::new();
+        if !took.is_empty() {
+            said.push(format!("cuDNN's fused SDPA for {}", took.join("; ")));
+        }
+        if !refused.is_empty() {
+            said.push(format!("strata's kernel where cuDNN refused {}", refused.join("; ")));
+        }
+        Some(said.join("; "))
     }
 
     /// The shape of a call on `q`, `k`, `v` (any strides, `[b, s, h, d]`), its other tensors

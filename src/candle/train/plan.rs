@@ -238,10 +238,19 @@ impl TrainPlan {
             .iter()
             .zip([h, inter, v])
             .try_fold(0u64, |a, (k, x)| x.checked_mul(*k).and_then(|x| a.checked_add(x)));
+        let heads = config.num_attention_heads as u64;
+        // cuDNN's deterministic attention backward (the blocks' attention on CUDA in bf16 or
+        // f16, `fused::block_attention`) takes a dP workspace of a micro-batch's heads × queries
+        // × keys, each rounded up to 64, in 2-byte elements: 256 MiB at a 7B's 32 heads and seq
+        // 2048 (1 GiB at 4096). Counted wherever it may run: CUDA, 16-bit weights.
+        let seq64 = seq.div_ceil(64) * 64;
+        let dp_workspace =
+            [mb, heads, seq64, seq64, 2].iter().try_fold(1u64, |a, &x| a.checked_mul(x));
         let fits = [mb, seq, accum, layers.max(1), h, 16]
             .iter()
             .try_fold(1u64, |a, &x| a.checked_mul(x))
             .zip(widths.and_then(|w| w.checked_mul(mb)?.checked_mul(seq)?.checked_mul(16)))
+            .zip(dp_workspace)
             .is_some();
         if !fits || elem == 0 {
             return Err(refuse(format!(
@@ -270,14 +279,18 @@ impl TrainPlan {
 
         // candle's working set on the device: a stage's weights twice (fetched, and as Vars),
         // its f32 gradients, every micro-batch's hidden state and its gradient, one block's
-        // forward and backward for a micro-batch (fused attention: no seq × seq), the head's
-        // logits and their softmax and gradients, the embedding's f32 gradient.
+        // forward and backward for a micro-batch (fused attention: no seq × seq tensor of
+        // candle's; on CUDA in 16 bits cuDNN's backward workspace above), the head's logits
+        // and their softmax and gradients, the embedding's f32 gradient.
+        let cudnn_workspace =
+            if !machine.device_is_host && elem == 2 { dp_workspace.unwrap_or(0) } else { 0 };
         let working_set = 2 * stage_compute
             + stage_compute / elem * 4
             + 2 * accum * tokens_mb * h * elem
             + tokens_mb * (12 * h + 6 * inter) * 4
             + tokens_mb * v * 16
-            + v * h * 4;
+            + v * h * 4
+            + cudnn_workspace;
         // The memories the plan is made from; one it needs and the machine lacks is refused.
         let memory = |figure: &'static str, value: Option<u64>, flag: &str| {
             value.ok_or_else(|| {
@@ -803,18 +816,25 @@ impl fmt::Display for Floor {
             x.map_or("not known, left out".into(), |x| format!("{:.1} ms", x * 1e3))
         };
         let when = if self.during_backward { "during the backward" } else { "after the backward" };
-        let exposed = match self.optimizer_exposed {
-            Some(x) => format!("of which {:.1} ms cannot hide behind the compute", x * 1e3),
-            None => "what of it cannot hide behind the compute not known".into(),
+        let optimizer = match (self.optimizer, self.optimizer_exposed) {
+            (None, _) => part(None),
+            (Some(o), Some(x)) => format!(
+                "{:.1} ms of which {:.1} ms cannot hide behind the compute (updates {when})",
+                o * 1e3,
+                x * 1e3
+            ),
+            (Some(o), None) => format!(
+                "{:.1} ms, the part that cannot hide behind the compute not known (updates \
+                 {when})",
+                o * 1e3
+            ),
         };
         write!(
             f,
-            "floor {:.1} ms, bound by {} (compute {}, CPU optimizer {} {exposed} (updates \
-             {when}), PCIe {}, disk {})",
+            "floor {:.1} ms, bound by {} (compute {}, CPU optimizer {optimizer}, PCIe {}, disk {})",
             self.seconds() * 1e3,
             self.bound(),
             part(self.compute),
-            part(self.optimizer),
             part(self.pcie),
             part(self.disk)
         )
