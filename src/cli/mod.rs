@@ -189,6 +189,9 @@ pub enum Cmd {
     /// JSONL; a memory plan refuses what cannot fit before anything is allocated; a progress
     /// bar shows step, loss, tokens/s, bytes moved and the time left. Ctrl-C or SIGTERM
     /// finishes the step in flight, saves a checkpoint --resume continues, and exits 130.
+    /// The blocks' attention runs on cuDNN's fused SDPA on a GPU where the library is built and
+    /// takes the shape, else on strata's kernel: STRATA_ATTENTION=auto (the default), strata
+    /// or cudnn chooses; the run prints which.
     #[cfg(feature = "text")]
     Finetune(Box<finetune::FinetuneArgs>),
     /// Serves a model over an OpenAI-compatible HTTP API, batching concurrent requests.
