@@ -132,7 +132,10 @@ pub fn attention_with(
     match kernel {
         AttentionKernel::Strata => super::attention(q, k, v, scale, window),
         AttentionKernel::Cudnn => super::cudnn::attention(q, k, v, scale, window),
-        AttentionKernel::Auto if cached => super::attention(q, k, v, scale, window),
+        // (The CPU's calls go straight to strata's kernel: nothing of cuDNN's is asked.)
+        AttentionKernel::Auto if cached || !q.device().is_cuda() => {
+            super::attention(q, k, v, scale, window)
+        }
         AttentionKernel::Auto => match super::cudnn::attention_if_taken(q, k, v, scale, window)? {
             Ok(o) => Ok(o),
             Err(_) => super::attention(q, k, v, scale, window),
