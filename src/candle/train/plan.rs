@@ -953,6 +953,26 @@ mod tests {
         assert!(e.contains("(its weights and gradient on the device: 128.00 KiB)"), "{e}");
     }
 
+    /// On CUDA in 16 bits candle's working set holds cuDNN's deterministic attention backward's
+    /// dP workspace (a micro-batch's heads × queries × keys, each rounded up to 64, 2 bytes);
+    /// in f32 or on the host it does not.
+    #[test]
+    fn the_working_set_holds_cudnns_attention_workspace_on_cuda_in_16_bits() {
+        let c = tiny();
+        let t = TrainConfig { micro_batch: 2, seq: 100, accum: 1, ..TrainConfig::default() };
+        let ws = |dtype, m: &Machine| {
+            TrainPlan::new(&c, &t, dtype, m, Budgets::default()).unwrap().working_set
+        };
+        let dp = 2 * c.num_attention_heads as u64 * 128 * 128 * 2;
+        let (gpu, host) = (Machine::h100(), host_machine());
+        let f32_on_gpu = ws(DType::F32, &gpu);
+        let bf16_on_gpu = ws(DType::BF16, &gpu);
+        let bf16_on_host = ws(DType::BF16, &host);
+        // The same run on a GPU and on the host: the workspace is all that differs.
+        assert_eq!(bf16_on_gpu - bf16_on_host, dp);
+        assert!(f32_on_gpu > 0 && ws(DType::F32, &host) == f32_on_gpu);
+    }
+
     /// `strata inspect --train`'s plan (`strata::plan`) keeps the optimizer state where this
     /// plan does: given the budgets this plan chooses, all of it in the Pinned tier in both.
     /// (That plan used to fill the Device tier's room with it first, then the Mapped tier's,
